@@ -1,0 +1,1 @@
+"""Per-stage module generation from a Plan."""

@@ -1,0 +1,1 @@
+"""Per-node cost measurement and estimation."""
