@@ -1,0 +1,142 @@
+"""Tracing: fx first, torch.export fallback, validation against eager, clear errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from nowdl.errors import TraceError
+from nowdl.trace import fingerprint, trace
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(torch.relu(self.bn(self.conv(x))))
+        return self.head(y.mean(dim=(2, 3)))
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.c(x)
+        return self.c(x) * 2
+
+
+class PyRandom(nn.Module):
+    """Calls Python's RNG: any tracer bakes a constant, so the graph differs from eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(x) * random.random()
+
+
+class ShapeBranch(nn.Module):
+    """fx cannot trace a branch on a shape; torch.export can (it specialises on the shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] > 8:
+            return self.c(x) + 1
+        return self.c(x)
+
+
+def test_fx_trace_matches_eager_and_keeps_mode() -> None:
+    m = Small().train()
+    t = trace(m, (torch.randn(2, 3, 16, 16),))
+    assert t.tracer == "fx"
+    assert m.training, "tracing must restore the model's train/eval mode"
+    x = torch.randn(2, 3, 16, 16)
+    m.eval()
+    t.gm.eval()
+    assert torch.allclose(m(x), t.gm(x))
+
+
+def test_fingerprint_stable_and_sensitive() -> None:
+    a = trace(Small(), (torch.randn(1, 3, 8, 8),))
+    b = trace(Small(), (torch.randn(1, 3, 8, 8),))
+    assert a.fingerprint == b.fingerprint  # weights differ, structure does not
+    other = Small()
+    other.head = nn.Linear(8, 5)
+    c = trace(other, (torch.randn(1, 3, 8, 8),))
+    assert c.fingerprint != a.fingerprint
+    assert fingerprint(a.gm) == a.fingerprint
+
+
+def test_leaf_modules_keep_submodule_opaque() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Conv2d(3, 3, 1)
+            self.b = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x)
+
+    t = trace(Net(), (torch.randn(1, 3, 8, 8),), leaf_modules=[Block])
+    targets = [n.target for n in t.gm.graph.nodes if n.op == "call_module"]
+    assert targets == ["block"]
+
+
+def test_fallback_to_export_when_fx_fails() -> None:
+    t = trace(ShapeBranch(), (torch.randn(1, 3, 16, 16),))
+    assert t.tracer == "export"
+
+
+def test_untraceable_model_names_line_and_fix() -> None:
+    with pytest.raises(TraceError) as e:
+        trace(Branchy(), (torch.randn(1, 3, 16, 16),))
+    msg = str(e.value)
+    assert "Branchy" in msg and "test_trace.py" in msg and "if x.sum() > 0" in msg
+    assert "leaf_modules" in msg
+
+
+def test_graph_that_computes_something_else_is_refused() -> None:
+    with pytest.raises(TraceError, match="computes something else"):
+        trace(PyRandom(), (torch.randn(1, 3, 16, 16),))
+
+
+@pytest.mark.parametrize(
+    ("x", "needle"),
+    [
+        (torch.randn(1, 3, 16), "rank 3"),
+        (torch.randn(1, 3, 16, 16, dtype=torch.float64), "float64"),
+        (torch.randint(0, 3, (1, 3, 16, 16)), "floating point"),
+        (torch.randn(1, 5, 16, 16), "5 channels"),
+    ],
+)
+def test_bad_example_inputs(x: torch.Tensor, needle: str) -> None:
+    with pytest.raises(TraceError, match=needle):
+        trace(Small(), (x,))
+
+
+def test_large_input_validated_on_shrunk_copy() -> None:
+    t = trace(Small(), (torch.empty(1, 3, 4096, 4096, device="meta"),))
+    assert t.validated_on[0][2] <= 256
