@@ -1,7 +1,20 @@
-"""nowdl: train CNNs on images larger than one GPU holds, planned automatically."""
+"""nowdl: train CNNs on images larger than one GPU holds, planned automatically.
 
-from nowdl.errors import InfeasibleError, NowdlError, PlanError, TraceError
+Example:
+    >>> import nowdl, torch
+    >>> cm = nowdl.compile(nowdl.models.unet(), gpus=8, balance="memory")
+    >>> print(cm.plan(torch.empty(1, 3, 2048, 2048, device="meta")))
+"""
+
+from nowdl import models
+from nowdl.api import CompiledModel, compile
+from nowdl.api import profile_model as profile
+from nowdl.errors import InfeasibleError, NowdlError, PlanError, ProfileError, TraceError
+from nowdl.partitioner.plan import Plan
 
 __version__ = "0.1.0"
 
-__all__ = ["NowdlError", "TraceError", "PlanError", "InfeasibleError", "__version__"]
+__all__ = [
+    "compile", "CompiledModel", "Plan", "profile", "models",
+    "NowdlError", "TraceError", "ProfileError", "PlanError", "InfeasibleError", "__version__",
+]

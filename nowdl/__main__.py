@@ -1,0 +1,7 @@
+"""python -m nowdl: the command line."""
+
+import sys
+
+from nowdl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,298 @@
+"""The user API: nowdl.compile(model, gpus=..., ...) -> CompiledModel, and nowdl.profile."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from nowdl.errors import NowdlError, PlanError
+from nowdl.partitioner.config import PlanRequest
+from nowdl.partitioner.costmodel import Costs
+from nowdl.partitioner.plan import Plan
+from nowdl.partitioner.search import build_plan, timed_search
+from nowdl.partitioner.spatial import spatial_rules
+from nowdl.profiler.cost import Profile
+from nowdl.trace import Traced, trace
+from nowdl.units import parse_bytes
+
+__all__ = ["compile", "CompiledModel", "profile_model", "MODES"]
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "estimate", "measure")
+
+
+def _params_per_node(gm: fx.GraphModule) -> dict[str, int]:
+    """Parameter count owned by each node (a shared parameter counted once, at first use)."""
+    seen: set[int] = set()
+    out: dict[str, int] = {}
+    mods = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        tensors: list[torch.Tensor] = []
+        if node.op == "call_module":
+            tensors = list(mods[node.target].parameters())
+        elif node.op == "get_attr":
+            obj: Any = gm
+            for part in str(node.target).split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, nn.Parameter):
+                tensors = [obj]
+        count = 0
+        for t in tensors:
+            if id(t) not in seen:
+                seen.add(id(t))
+                count += t.numel()
+        out[node.name] = count
+    return out
+
+
+class CompiledModel:
+    """A model prepared for nowdl: plans lazily on the first example input, like torch.compile.
+
+    Without a process group, calling it runs the plan's stages one after another in this
+    process (useful to check a plan); the distributed runtime arrives with ``train_step``.
+    """
+
+    def __init__(self, model: nn.Module, *, request: PlanRequest | None, plan_path: str | None,
+                 mode: str, device: str | torch.device | None, device_spec: Any, optimizer: str,
+                 leaf_modules: Sequence[type | str], tracer: str, cache: bool | str | os.PathLike[str],
+                 progress: bool) -> None:
+        self.model = model
+        self.request = request
+        self.plan_path = plan_path
+        self.mode = mode
+        self.device = device
+        self.device_spec = device_spec
+        self.optimizer = optimizer
+        self.leaf_modules = tuple(leaf_modules)
+        self.tracer = tracer
+        self.cache = cache
+        self.progress = progress
+        self._traced: dict[tuple[tuple[int, ...], ...], Traced] = {}
+        self._plans: dict[tuple[tuple[int, ...], ...], Plan] = {}
+        self._split: Any = None
+
+    # ---- steps of the compiler, each usable on its own ----------------------------------------
+    def trace(self, *example_inputs: torch.Tensor) -> Traced:
+        """The validated fx graph of the model (cached per input shapes)."""
+        key = tuple(tuple(x.shape) for x in example_inputs)
+        if key not in self._traced:
+            self._traced[key] = trace(self.model, example_inputs, leaf_modules=self.leaf_modules, tracer=self.tracer)
+        return self._traced[key]
+
+    def _resolved_mode(self) -> str:
+        if self.mode != "auto":
+            return self.mode
+        return "measure" if torch.cuda.is_available() else "estimate"
+
+    def profile(self, *example_inputs: torch.Tensor) -> Profile:
+        """Per-node costs of one micro-batch (see nowdl.profiler.profile)."""
+        from nowdl.profiler import profile as _profile
+
+        t = self.trace(*example_inputs)
+        mode = self._resolved_mode()
+        inputs = example_inputs
+        if mode == "measure" and any(x.device.type == "meta" for x in example_inputs):
+            inputs = tuple(torch.randn(x.shape, dtype=x.dtype) for x in example_inputs)
+        return _profile(t.gm, tuple(inputs), mode=mode, device=self.device, device_spec=self._spec_arg(),
+                        optimizer=self.optimizer, cache=self.cache, progress=self.progress,
+                        fingerprint=t.fingerprint)
+
+    def _spec_arg(self) -> Any:
+        if self.device_spec is not None:
+            return self.device_spec
+        if self._resolved_mode() == "estimate":
+            return "h100"
+        return None
+
+    def _spec(self) -> Any:
+        from nowdl.profiler import get_device_spec
+
+        spec = self._spec_arg()
+        if spec is None:
+            spec = _spec_for_local_gpu()
+        return spec if not isinstance(spec, (str, os.PathLike)) else get_device_spec(spec)
+
+    def plan(self, *example_inputs: torch.Tensor) -> Plan:
+        """Plan for one micro-batch shaped like ``example_inputs`` (no process group needed).
+
+        Raises:
+            InfeasibleError: nothing fits the memory cap (says what would).
+            PlanError: a given plan file is malformed or for another model.
+            TraceError: the model cannot be traced faithfully.
+        """
+        key = tuple(tuple(x.shape) for x in example_inputs)
+        if key in self._plans:
+            return self._plans[key]
+        t = self.trace(*example_inputs)
+        if self.plan_path is not None:
+            plan = Plan.load(self.plan_path)
+            plan.check_model(t.fingerprint, [list(s) for s in key])
+            self._plans[key] = plan
+            return plan
+        assert self.request is not None  # compile() guarantees a request or a plan path
+        prof = self.profile(*example_inputs)
+        spec = self._spec()
+        req = self.request
+        cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
+        costs = Costs(profile=prof, rules=spatial_rules(t.gm), link_bw=float(spec.link_bw), mem_cap=cap)
+        bar = _Progress("planning", enabled=self.progress)
+        try:
+            result, secs = timed_search(costs, req, progress=bar.update)
+        finally:
+            bar.close()
+        from nowdl import __version__
+
+        plan = build_plan(
+            costs, req, result,
+            model_info={"fingerprint": t.fingerprint, "name": type(self.model).__name__,
+                        "inputs": [list(s) for s in key], "tracer": t.tracer,
+                        "nodes": len(prof.nodes)},
+            profile_info={"source": prof.source, "device": prof.device, "dtype": prof.dtype,
+                          "optimizer": prof.optimizer, "device_spec": getattr(spec, "name", str(spec)),
+                          "link_bw": float(spec.link_bw), "wall_s": round(prof.wall_s, 3)},
+            solver_seconds=secs, created_by=f"nowdl {__version__}",
+            params_per_node=_params_per_node(t.gm),
+        )
+        self._plans[key] = plan
+        return plan
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        """Run the plan's stages one after another in this process (same result as the model)."""
+        from nowdl.codegen import split_stages
+
+        plan = self.plan(*inputs)
+        if self._split is None:
+            self._split = split_stages(self.trace(*inputs).gm, plan)
+        return self._split(*inputs)
+
+
+def _spec_for_local_gpu() -> Any:
+    from nowdl.profiler import get_device_spec
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for key in ("h200", "h100", "a100", "v100"):
+            if key in name:
+                return get_device_spec(key)
+    return get_device_spec("h100")
+
+
+class _Progress:
+    """A tqdm bar on stderr for long searches, silent when not a terminal or disabled."""
+
+    def __init__(self, desc: str, *, enabled: bool) -> None:
+        self.desc = desc
+        self.enabled = enabled and sys.stderr.isatty()
+        self._bar: Any = None
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled or total < 8:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=self.desc, unit="config", leave=False, file=sys.stderr)
+        self._bar.n = done
+        self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
+    model: nn.Module,
+    *,
+    gpus: int | None = None,
+    plan: str | os.PathLike[str] | None = None,
+    balance: str = "memory",
+    stages: int | None = None,
+    micro_batches: int | None = None,
+    schedule: str | None = None,
+    replicas: int | None = None,
+    dp: int | None = None,
+    spatial_parts: int | None = None,
+    spatial_stages: int | None = None,
+    slice: str | None = None,  # noqa: A002 - the seeds' option name
+    gpu_memory: int | float | str | None = None,
+    mode: str = "auto",
+    device: str | torch.device | None = None,
+    device_spec: Any = None,
+    optimizer: str = "adam",
+    time_limit: float = 30.0,
+    leaf_modules: Sequence[type | str] = (),
+    tracer: str = "auto",
+    cache: bool | str | os.PathLike[str] = True,
+    progress: bool = True,
+) -> CompiledModel:
+    """Prepare ``model`` for ``gpus`` GPUs; plans lazily on the first example input.
+
+    Args:
+        model: an ordinary nn.Module (no rewriting, no nn.Sequential needed).
+        gpus: total GPUs (ranks). Settings left as None are searched.
+        plan: a saved plan JSON to reuse instead of planning (checked against the model).
+        balance: "memory" (smallest peak per GPU) or "compute" (fastest slowest stage).
+        stages, micro_batches, schedule, replicas, dp, spatial_parts, spatial_stages, slice:
+            pin any part of the parallel configuration.
+        gpu_memory: per-GPU cap, bytes or a string like "80GiB" (default: the device's memory).
+        mode: "estimate" (no allocation, device_spec roofline), "measure" (real tensors), or
+            "auto" (measure on CUDA, else estimate).
+        device_spec: "v100", "a100", "h100", "h200", "cpu" or a JSON path.
+        optimizer: "sgd", "momentum", "adam" or "adamw" (optimizer state memory).
+
+    Returns:
+        A CompiledModel; ``cm.plan(x)`` gives the Plan.
+
+    Raises:
+        NowdlError: a bad argument (the message says which and what to use).
+
+    Example:
+        >>> cm = nowdl.compile(UNet(), gpus=8, balance="memory")
+        >>> print(cm.plan(torch.empty(1, 3, 2048, 2048, device="meta")))
+    """
+    if not isinstance(model, nn.Module):
+        raise NowdlError(f"nowdl.compile expects an nn.Module, got {type(model).__name__}")
+    if mode not in MODES:
+        raise NowdlError(f"unknown mode {mode!r}: use 'estimate', 'measure' or 'auto'")
+    request: PlanRequest | None = None
+    plan_path: str | None = None
+    if plan is not None:
+        plan_path = os.fspath(plan)
+        if not os.path.exists(plan_path):
+            raise PlanError(f"plan file {plan_path!r} does not exist: plan first with `nowdl plan ... --out {plan_path}`")
+    else:
+        if gpus is None:
+            raise NowdlError("give gpus=N (how many GPUs to plan for) or plan='file.json'")
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+            raise NowdlError(f"gpus must be a positive integer, got {gpus!r}")
+        cap = parse_bytes(gpu_memory) if gpu_memory is not None else None
+        request = PlanRequest(gpus=gpus, balance=balance, stages=stages, micro_batches=micro_batches,
+                              schedule=schedule, replicas=replicas, dp=dp, spatial_parts=spatial_parts,
+                              spatial_stages=spatial_stages, slice=slice, gpu_memory=cap, time_limit=time_limit)
+    return CompiledModel(model, request=request, plan_path=plan_path, mode=mode, device=device,
+                         device_spec=device_spec, optimizer=optimizer, leaf_modules=leaf_modules,
+                         tracer=tracer, cache=cache, progress=progress)
+
+
+def profile_model(model: nn.Module, *example_inputs: torch.Tensor, mode: str = "auto",
+                  device: str | torch.device | None = None, device_spec: Any = None,
+                  optimizer: str = "adam", cache: bool | str | os.PathLike[str] = True,
+                  progress: bool = True) -> Profile:
+    """Trace and profile ``model`` on one micro-batch: per-node costs.
+
+    Example:
+        >>> prof = nowdl.profile(model, torch.randn(1, 3, 256, 256), mode="measure")
+    """
+    if mode not in MODES:
+        raise NowdlError(f"unknown mode {mode!r}: use 'estimate', 'measure' or 'auto'")
+    cm = CompiledModel(model, request=None, plan_path=None, mode=mode, device=device, device_spec=device_spec,
+                       optimizer=optimizer, leaf_modules=(), tracer="auto", cache=cache, progress=progress)
+    return cm.profile(*example_inputs)

@@ -1,0 +1,224 @@
+"""The nowdl command line: profile | plan | show."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from nowdl.errors import NowdlError
+from nowdl.units import parse_bytes, parse_shape
+
+__all__ = ["main", "resolve_model"]
+
+_EPILOG_MODEL = (
+    "MODEL is a built-in name (see `nowdl plan --list-models`) or 'package.module:callable' "
+    "called with --model-args, e.g. monai.networks.nets:UNet --model-args "
+    "'{\"spatial_dims\": 2, \"in_channels\": 1, \"out_channels\": 2, \"channels\": [16, 32, 64], \"strides\": [2, 2]}'"
+)
+
+
+def resolve_model(spec: str, model_args: str | None) -> tuple[nn.Module, list[int] | None, str]:
+    """Build the model named by ``spec``; returns (model, default input shape or None, display name).
+
+    Raises:
+        NowdlError: unknown built-in, unimportable path, bad JSON, or the callable rejects the args.
+    """
+    from nowdl.models import DEFAULT_INPUTS, MODELS
+
+    try:
+        kwargs: dict[str, Any] = json.loads(model_args) if model_args else {}
+    except json.JSONDecodeError as e:
+        raise NowdlError(f"--model-args is not valid JSON ({e.msg} at column {e.colno}): write e.g. '{{\"depth\": 4}}'") from None
+    if not isinstance(kwargs, dict):
+        raise NowdlError(f"--model-args must be a JSON object of keyword arguments, got {type(kwargs).__name__}")
+    if ":" not in spec:
+        if spec not in MODELS:
+            raise NowdlError(
+                f"unknown model {spec!r}: built-in models are {', '.join(sorted(MODELS))}; "
+                "or give 'package.module:callable' (e.g. monai.networks.nets:UNet)"
+            )
+        try:
+            model = MODELS[spec](**kwargs)
+        except TypeError as e:
+            raise NowdlError(f"built-in model {spec!r} does not take these --model-args: {e}") from None
+        default = DEFAULT_INPUTS.get(spec)
+        return model, list(default) if default else None, spec
+    mod_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise NowdlError(f"cannot import {mod_name!r} for model {spec!r}: {e}. Is the package installed?") from None
+    fn: Any = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise NowdlError(f"{mod_name!r} has no attribute {attr!r} (model {spec!r})")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise NowdlError(f"{spec!r} is not callable")
+    try:
+        model = fn(**kwargs)
+    except Exception as e:
+        raise NowdlError(f"{spec}(**{kwargs}) failed: {type(e).__name__}: {e}. Check --model-args.") from None
+    if not isinstance(model, nn.Module):
+        raise NowdlError(f"{spec} returned a {type(model).__name__}, not an nn.Module")
+    return model, None, spec
+
+
+def _example(shape_text: str | None, default: list[int] | None, mode: str) -> torch.Tensor:
+    if shape_text is None:
+        if default is None:
+            raise NowdlError("give --input SHAPE (e.g. --input 1x3x2048x2048): this model has no default input")
+        shape = default
+    else:
+        shape = parse_shape(shape_text)
+    if mode == "measure":
+        return torch.randn(shape)
+    return torch.empty(shape, device="meta")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="built-in model name or package.module:callable")
+    p.add_argument("--model-args", metavar="JSON", help="keyword arguments for the model, as a JSON object")
+    p.add_argument("--input", metavar="SHAPE", help="one micro-batch's input shape, e.g. 1x3x2048x2048 "
+                   "(default: the built-in model's default)")
+    p.add_argument("--mode", choices=("auto", "estimate", "measure"), default="auto",
+                   help="estimate: shapes/FLOPs on meta tensors, times from --device-spec (nothing allocated); "
+                   "measure: real tensors node by node; auto: measure on CUDA, else estimate (default)")
+    p.add_argument("--device", help="device for --mode measure (default: cuda if available, else cpu)")
+    p.add_argument("--device-spec", help="v100, a100, h100, h200, cpu or a JSON file (default: h100 when estimating)")
+    p.add_argument("--optimizer", default="adam", choices=("sgd", "momentum", "adam", "adamw"),
+                   help="optimizer whose state memory is counted (default: adam)")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the profile cache")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what nowdl does")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="nowdl", description="Plan pipeline, spatial and data parallelism for CNNs on very large images.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    pp = sub.add_parser("plan", help="plan MODEL for N GPUs and print the plan", epilog=_EPILOG_MODEL,
+                        description="Trace, profile and partition MODEL; print the plan (and save it with --out).")
+    _add_model_args(pp)
+    pp.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
+    pp.add_argument("--balance", choices=("memory", "compute"), default="memory",
+                    help="minimise the largest per-GPU peak memory (default) or the slowest stage's time")
+    pp.add_argument("--gpu-memory", metavar="SIZE", help="per-GPU memory cap, e.g. 80GiB (default: the device spec's memory)")
+    pp.add_argument("--stages", type=int, help="pin the number of pipeline stages")
+    pp.add_argument("--micro-batches", type=int, help="pin micro-batches per step (the input is one micro-batch)")
+    pp.add_argument("--schedule", choices=("1f1b", "gpipe"), help="pin the pipeline schedule (default 1f1b)")
+    pp.add_argument("--spatial-parts", type=int, help="pin the spatial parts P of each spatial stage")
+    pp.add_argument("--spatial-stages", type=int, help="pin how many leading stages are spatial (UNets: mirrored at the end too)")
+    pp.add_argument("--slice", choices=("vertical", "horizontal", "square", "depth", "cube"), help="tile shape (default square)")
+    pp.add_argument("--replicas", type=int, choices=(1, 2), help="2: GEMS-MASTER mirrored second replica")
+    pp.add_argument("--dp", type=int, help="pin the data-parallel degree")
+    pp.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds (default 30)")
+    pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
+    pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
+
+    pr = sub.add_parser("profile", help="print per-node costs of MODEL", epilog=_EPILOG_MODEL,
+                        description="Trace and profile MODEL on one micro-batch; print the costliest nodes.")
+    _add_model_args(pr)
+    pr.add_argument("--top", type=int, default=20, help="how many nodes to print (0: all; default 20)")
+    pr.add_argument("--sort", default="time", choices=("time", "flops", "act", "saved", "params", "out", "order"),
+                    help="sort key (default time = fwd + bwd)")
+    pr.add_argument("--out", metavar="FILE", help="save the profile JSON here")
+
+    ps = sub.add_parser("show", help="print a saved plan", description="Validate and print a saved plan JSON file.")
+    ps.add_argument("plan", metavar="PLAN.json")
+    ps.add_argument("--nodes", action="store_true", help="list every stage's nodes")
+    return ap
+
+
+def _print_profile(prof: Any, top: int, sort: str) -> None:
+    from nowdl.partitioner.plan import format_bytes
+
+    keyf = {
+        "time": lambda n: n.fwd_s + n.bwd_s, "flops": lambda n: n.flops, "act": lambda n: n.act_bytes,
+        "saved": lambda n: n.saved_bytes, "params": lambda n: n.param_bytes, "out": lambda n: n.out_bytes,
+        "order": None,
+    }[sort]
+    nodes = list(prof.nodes)
+    if keyf is not None:
+        nodes.sort(key=keyf, reverse=True)
+    if top:
+        nodes = nodes[:top]
+    print(f"profile ({prof.source} on {prof.device}, {prof.dtype}, {prof.optimizer}): {len(prof.nodes)} nodes, "
+          f"input {prof.input_shapes}, made in {prof.wall_s:.2f} s")
+    hdr = f"{'node':<28} {'target':<22} {'fwd':>9} {'bwd':>9} {'GFLOP':>9} {'out':>10} {'saved':>10} {'act':>10} {'params':>10}"
+    print(hdr)
+    print("-" * len(hdr))
+    for n in nodes:
+        print(f"{n.name[:28]:<28} {n.target.split('.')[-1][:22]:<22} {n.fwd_s * 1e3:>7.2f}ms {n.bwd_s * 1e3:>7.2f}ms "
+              f"{n.flops / 1e9:>9.2f} {format_bytes(n.out_bytes):>10} {format_bytes(n.saved_bytes):>10} "
+              f"{format_bytes(n.act_bytes):>10} {format_bytes(n.param_bytes):>10}")
+    t = prof.totals()
+    print("-" * len(hdr))
+    print(f"{'total':<28} {'':<22} {t['fwd_s'] * 1e3:>7.2f}ms {t['bwd_s'] * 1e3:>7.2f}ms {t['flops'] / 1e9:>9.2f} "
+          f"{'':>10} {format_bytes(t['saved_bytes']):>10} {format_bytes(t['act_bytes']):>10} {format_bytes(t['param_bytes']):>10}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `nowdl` console script; returns the exit status."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="nowdl: %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except NowdlError as e:
+        print(f"nowdl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import nowdl
+
+    if args.command == "show":
+        plan = nowdl.Plan.load(args.plan)
+        print(plan)
+        if args.nodes:
+            for s in plan.stages:
+                print(f"stage {s.index}: {' '.join(s.nodes)}")
+        return 0
+    model, default, name = resolve_model(args.model, args.model_args)
+    cache = not args.no_cache
+    if args.command == "profile":
+        x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate")
+        prof = nowdl.profile(model, x, mode=args.mode, device=args.device, device_spec=args.device_spec,
+                             optimizer=args.optimizer, cache=cache)
+        _print_profile(prof, args.top, args.sort)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(prof.to_json())
+        return 0
+    x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate")
+    cap = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    cm = nowdl.compile(model, gpus=args.gpus, balance=args.balance, stages=args.stages,
+                       micro_batches=args.micro_batches, schedule=args.schedule, replicas=args.replicas,
+                       dp=args.dp, spatial_parts=args.spatial_parts, spatial_stages=args.spatial_stages,
+                       slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
+                       device_spec=args.device_spec, optimizer=args.optimizer, time_limit=args.time_limit,
+                       cache=cache)
+    plan = cm.plan(x)
+    plan.model["name"] = name
+    if args.out:
+        plan.save(args.out)
+    print(plan.to_json() if args.json else plan)
+    if args.out and not args.json:
+        print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Split a traced model into the plan's stages with torch.fx's split_module."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from nowdl.errors import PlanError
+from nowdl.partitioner.plan import Plan
+
+__all__ = ["split_stages"]
+
+
+def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """A GraphModule whose children ``submod_0`` .. ``submod_{K-1}`` are the plan's stages.
+
+    Calling the returned module runs the stages one after another and returns exactly what
+    ``gm`` returns (split_module routes every value used across stages, long skips included).
+
+    Raises:
+        PlanError: a node of the graph is missing from the plan (the plan is for another graph).
+    """
+    where = plan.node_stage()
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    missing = [n.name for n in compute if n.name not in where]
+    if missing:
+        raise PlanError(
+            f"the plan does not place node(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} of this "
+            "graph: it was made for another model or tracer; re-plan"
+        )
+
+    def stage_of(node: fx.Node) -> int:
+        return where[node.name]
+
+    split = split_module(gm, gm, stage_of, keep_original_order=True)
+    return split

@@ -1,0 +1,222 @@
+"""Device specs (peak FLOP/s, memory and link bandwidth) for estimate-mode roofline timing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DeviceSpec", "BUILTIN_SPECS", "get_device_spec", "measure_cpu_spec"]
+
+log = logging.getLogger(__name__)
+
+_GIB = 2**30
+_MIB = 2**20
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak throughputs of one accelerator: FLOP/s per dtype, bytes/s, bytes.
+
+    Numbers are dense (no structured sparsity) peaks. ``tf32_flops`` is the tensor-core
+    rate for float32 convolutions/matmuls when TF32 is allowed (None: no TF32).
+    ``link_bw`` is the one-direction GPU-to-GPU bandwidth (NVLink) the planner charges
+    for boundary tensors. ``memory_bytes`` is the device memory as reported by the driver.
+    """
+
+    name: str
+    fp32_flops: float
+    bf16_flops: float
+    fp16_flops: float
+    mem_bw: float
+    link_bw: float
+    memory_bytes: int
+    tf32_flops: float | None = None
+
+    def flops_for(self, dtype: torch.dtype | str, *, tf32: bool = False) -> float:
+        """Peak FLOP/s for ``dtype``; ``tf32`` selects the TF32 tensor-core rate for float32.
+
+        float64 is taken as half the float32 rate; integer and other dtypes as float32.
+        """
+        d = _dtype_name(dtype)
+        if d == "float16":
+            return self.fp16_flops
+        if d == "bfloat16":
+            return self.bf16_flops
+        if d == "float32" and tf32 and self.tf32_flops:
+            return self.tf32_flops
+        if d == "float64":
+            return self.fp32_flops / 2
+        return self.fp32_flops
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (JSON-ready)."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """JSON text of this spec (what :meth:`from_json` reads back)."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeviceSpec:
+        """Build a spec from a dict, validating every field (errors name the bad field)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"device spec must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(
+                f"device spec has unknown field(s) {unknown}; valid fields: {sorted(known)}"
+            )
+        required = ("name", "fp32_flops", "bf16_flops", "fp16_flops", "mem_bw", "link_bw",
+                    "memory_bytes")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"device spec is missing field(s) {missing}")
+        if not isinstance(d["name"], str) or not d["name"]:
+            raise ValueError(f"device spec field 'name' must be a non-empty string, got {d['name']!r}")
+        for k in ("fp32_flops", "bf16_flops", "fp16_flops", "mem_bw", "link_bw", "memory_bytes",
+                  "tf32_flops"):
+            v = d.get(k)
+            if k == "tf32_flops" and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"device spec field {k!r} must be a positive number, got {v!r}")
+        return cls(
+            name=d["name"],
+            fp32_flops=float(d["fp32_flops"]),
+            bf16_flops=float(d["bf16_flops"]),
+            fp16_flops=float(d["fp16_flops"]),
+            mem_bw=float(d["mem_bw"]),
+            link_bw=float(d["link_bw"]),
+            memory_bytes=int(d["memory_bytes"]),
+            tf32_flops=None if d.get("tf32_flops") is None else float(d["tf32_flops"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> DeviceSpec:
+        """Parse JSON text written by :meth:`to_json` (or by hand)."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"device spec is not valid JSON: {e}") from e
+        return cls.from_dict(d)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> DeviceSpec:
+        """Read a spec from a JSON file."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read device spec file {p}: {e}") from e
+        try:
+            return cls.from_json(text)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from e
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# Public datasheet numbers, dense. link_bw = NVLink bandwidth per GPU, one direction.
+BUILTIN_SPECS: dict[str, DeviceSpec] = {
+    # V100 SXM2: 15.7 TF fp32, 125 TF fp16 tensor; no bf16 (taken as fp32), 900 GB/s HBM2,
+    # NVLink2 300 GB/s total (150 GB/s per direction).
+    "v100": DeviceSpec("v100", 15.7e12, 15.7e12, 125e12, 900e9, 150e9, 32 * _GIB),
+    "v100-16gb": DeviceSpec("v100-16gb", 15.7e12, 15.7e12, 125e12, 900e9, 150e9, 16 * _GIB),
+    # A100 SXM 80GB: 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16, 2039 GB/s HBM2e,
+    # NVLink3 600 GB/s total.
+    "a100": DeviceSpec("a100", 19.5e12, 312e12, 312e12, 2039e9, 300e9, 80 * _GIB, 156e12),
+    # H100 SXM5 80GB: 67 TF fp32, 494.5 TF tf32, 989.4 TF bf16/fp16, 3.35 TB/s HBM3,
+    # NVLink4 900 GB/s total.
+    "h100": DeviceSpec("h100", 67e12, 989.4e12, 989.4e12, 3.35e12, 450e9, 80 * _GIB, 494.5e12),
+    # H200 SXM 141GB: H100 compute, 4.8 TB/s HBM3e, NVLink4 900 GB/s total.
+    "h200": DeviceSpec("h200", 67e12, 989.4e12, 989.4e12, 4.8e12, 450e9, 143771 * _MIB,
+                       494.5e12),
+}
+
+
+def _time_best(fn: Any, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_cpu_spec(cache_dir: str | os.PathLike[str] | None = None) -> DeviceSpec:
+    """Measure this machine's CPU once (a 512² fp32 matmul and a 64 MiB copy), cached on disk.
+
+    bf16/fp16 are taken as the fp32 rate; ``link_bw`` as the copy bandwidth.
+    """
+    path: Path | None = None
+    if cache_dir is not None:
+        path = Path(cache_dir) / f"cpu-spec-{os.uname().nodename}-{torch.get_num_threads()}t.json"
+        if path.exists():
+            try:
+                return DeviceSpec.load(path)
+            except ValueError as e:
+                log.warning("ignoring corrupt CPU spec cache %s: %s", path, e)
+    n = 512
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    flops = 2 * n**3 / _time_best(lambda: torch.mm(a, b))
+    src = torch.empty(16 * _MIB, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / _time_best(lambda: dst.copy_(src))  # read + write
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 16 * _GIB
+    spec = DeviceSpec("cpu", flops, flops, flops, bw, bw, int(mem))
+    if path is not None:
+        from nowdl.profiler.cache import atomic_write_text
+
+        try:
+            atomic_write_text(path, spec.to_json())
+        except OSError as e:
+            log.warning("could not cache CPU spec at %s: %s", path, e)
+    return spec
+
+
+def get_device_spec(
+    name_or_path: str | os.PathLike[str] | DeviceSpec | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> DeviceSpec:
+    """A built-in spec by name (``v100``, ``v100-16gb``, ``a100``, ``h100``, ``h200``,
+    ``cpu``), a spec from a JSON file path, or ``spec`` itself; None means ``h100``.
+
+    ``cpu`` is measured on this machine once and cached in ``cache_dir`` when given.
+    """
+    if name_or_path is None:
+        return BUILTIN_SPECS["h100"]
+    if isinstance(name_or_path, DeviceSpec):
+        return name_or_path
+    if isinstance(name_or_path, os.PathLike) or str(name_or_path).endswith(".json"):
+        return DeviceSpec.load(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise ValueError(f"device_spec must be a name, a JSON path or a DeviceSpec, "
+                         f"got {type(name_or_path).__name__}")
+    key = name_or_path.strip().lower()
+    if key in BUILTIN_SPECS:
+        return BUILTIN_SPECS[key]
+    if key == "cpu":
+        return measure_cpu_spec(cache_dir)
+    if os.path.isfile(name_or_path):
+        return DeviceSpec.load(name_or_path)
+    names = sorted([*BUILTIN_SPECS, "cpu"])
+    raise ValueError(
+        f"unknown device spec {name_or_path!r}; built-in names are {names}, "
+        f"or pass the path of a JSON file with the DeviceSpec fields"
+    )

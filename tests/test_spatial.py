@@ -1,0 +1,71 @@
+"""Spatial rules: which ops can run on tiles, their halos, and tile geometry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from nowdl.partitioner.spatial import halo_elements, slice_grid, spatial_rules, tile_shape
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c3 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c5d2 = nn.Conv2d(8, 8, 5, padding=4, dilation=2)
+        self.bn = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.gap = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.bn(self.c3(x)))
+        b = self.c5d2(a)
+        c = self.up(self.pool(b))
+        d = torch.cat([a, c], dim=1)
+        e = torch.cat([d, d], dim=2)
+        return self.fc(self.gap(e).flatten(1)) + F.relu(d).sum()
+
+
+def test_rules() -> None:
+    gm = fx.symbolic_trace(Net())
+    r = spatial_rules(gm)
+    assert r["c3"].tileable and r["c3"].halo == (1, 1)
+    assert r["c5d2"].tileable and r["c5d2"].halo == (4, 4)
+    assert r["bn"].tileable and r["bn"].kind == "norm"
+    assert r["pool"].tileable and r["pool"].halo == (0, 0)
+    assert r["up"].tileable and r["up"].halo == (1,)
+    assert r["cat"].tileable and r["cat"].kind == "concat"
+    assert not r["cat_1"].tileable and "dim 2" in r["cat_1"].reason
+    assert not r["gap"].tileable and "whole image" in r["gap"].reason
+    assert not r["fc"].tileable
+    assert not r["flatten"].tileable and "flatten" in r["flatten"].reason
+    assert not r["sum_1"].tileable
+
+
+def test_slice_grid() -> None:
+    assert slice_grid("vertical", 4, 2) == (1, 4)
+    assert slice_grid("horizontal", 4, 2) == (4, 1)
+    assert slice_grid("square", 4, 2) == (2, 2)
+    assert slice_grid("square", 8, 2) == (2, 4)
+    assert slice_grid("depth", 4, 3) == (4, 1, 1)
+    assert slice_grid("cube", 8, 3) == (2, 2, 2)
+    with pytest.raises(ValueError, match="cube number"):
+        slice_grid("cube", 4, 3)
+    with pytest.raises(ValueError, match="3D volumes"):
+        slice_grid("depth", 4, 2)
+    with pytest.raises(ValueError, match="unknown slice"):
+        slice_grid("diagonal", 4, 2)
+
+
+def test_tiles_and_halo() -> None:
+    assert tile_shape((1, 8, 101, 100), (2, 2)) == (1, 8, 51, 50)  # uneven tiles round up
+    # square 2x2 tile of 64x64, halo 1: (66*66 - 64*64) * 8 channels
+    assert halo_elements((1, 8, 128, 128), (2, 2), (1, 1)) == (66 * 66 - 64 * 64) * 8
+    # vertical split: only the cut dim (W) gets a halo
+    assert halo_elements((1, 8, 128, 128), (1, 4), (1, 1)) == 128 * 2 * 8
+    assert halo_elements((1, 8, 128, 128), (2, 2), ()) == 0
