@@ -16,7 +16,7 @@ env: $(STAMP)
 
 ## Plan the built-in UNet at 2048x2048 for 8 GPUs, balanced by memory, and print the plan.
 demo: $(STAMP)
-	$(VENV)/bin/nowdl plan unet --input 1x3x2048x2048 --gpus 8 --balance memory
+	$(VENV)/bin/nowdl plan unet --input 1x3x2048x2048 --gpus 8 --balance memory --stages 8
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check nowdl tests benchmarks

@@ -41,7 +41,9 @@ class StageSpec:
 class Problem:
     """Assign each node of a DAG to one of K stages, every edge going forward.
 
-    ``ranks[r]`` lists the stages whose loads add up on rank r (default: rank s holds stage s).
+    ``ranks[r]`` lists the stages whose loads add up on rank r (default: rank s holds stage s);
+    a stage listed twice counts twice (MASTER with odd K: the middle rank holds both copies).
+    ``tileable`` empty means every node may sit in a spatial stage.
     ``objective`` is "memory" (minimise the largest rank memory) or "compute" (the slowest
     rank's time); the other quantity breaks ties. ``mem_cap`` bounds every rank's memory.
     ``pinned`` fixes nodes to stages (placeholders at 0, the output at K-1, say).

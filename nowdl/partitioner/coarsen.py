@@ -1,0 +1,352 @@
+"""Shrink a partitioning Problem by merging nodes (exactly where provable, greedily on request).
+
+[Note: exact merges] Under the min-max cost model a cut inside a chain of costly nodes is
+often what balances the stages (two big convolutions on two GPUs), so "u has one consumer
+v and v one producer u" alone does NOT make merging u and v safe, whatever the tensor
+sizes. A merge is exact when moving the node M ("mover") to the stage of its anchor A
+never raises any stage's memory or time, for every assignment; then some optimum has M
+with A. With c(M) = 0 (no static, act, time or workspace bytes in every variant) and M
+allowed wherever A is (tileable if A is; unpinned, or pinned with A) these are exact:
+
+1. M has the single producer A, A's only consumer is M, out[M] <= out[A] in every
+   variant: A's stage sends M's tensor instead of A's, M's old stage no longer receives
+   A's tensor (and receives M's own at most), everyone else receives the same.
+2. M has no consumer and the single producer A: M's old stage may stop receiving A.
+3. M has no producer and the single consumer A: M's stage stops sending, A's receiving.
+4. M's only consumer is A, M has the single producer P whose only consumer is M, and
+   out[P] <= out[M] in every variant: P's tensor crosses where M's used to.
+
+Only the output of a group's "exit" node ever leaves the group (every rule keeps it so),
+so a group has the costs sum(static, act, time), max(workspace), out[exit], and the
+coarse problem's evaluate() equals the original's for the expanded assignment.
+
+With ``max_nodes`` the graph is then shrunk greedily (not exact) by merging a node into
+its single consumer group, lightest pairs first, which hides that cut point; plans built
+on such a graph are marked "coarse-optimal" by ``expand(..., exact=False)``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from collections.abc import Sequence
+
+from nowdl.partitioner.dp import check_problem, make_partition
+from nowdl.partitioner.problem import NodeVectors, Partition, Problem
+
+__all__ = ["coarsen", "expand", "compose_groups"]
+
+log = logging.getLogger(__name__)
+
+
+class _Groups:
+    """Mutable coarse graph: groups of original nodes with their summed costs."""
+
+    def __init__(self, problem: Problem) -> None:
+        n = problem.n
+        self.p = problem
+        self.alive = [True] * n
+        self.members: list[list[int]] = [[v] for v in range(n)]
+        self.exit = list(range(n))
+        self.static = [float(x) for x in problem.static]
+        keys = sorted(problem.variants)
+        self.keys = keys
+        self.act = {k: [float(x) for x in problem.variants[k].act] for k in keys}
+        self.time = {k: [float(x) for x in problem.variants[k].time] for k in keys}
+        self.ws = {k: [float(x) for x in problem.variants[k].workspace] for k in keys}
+        self.tile = [bool(t) for t in problem.tileable] if problem.tileable else [True] * n
+        self.pin: list[int | None] = [problem.pinned.get(v) for v in range(n)]
+        self.preds: list[set[int]] = [set() for _ in range(n)]
+        self.succs: list[set[int]] = [set() for _ in range(n)]
+        for u, v in problem.edges:
+            self.succs[u].add(v)
+            self.preds[v].add(u)
+        self.version = [0] * n
+
+    def out(self, g: int, key: str) -> float:
+        return float(self.p.variants[key].out[self.exit[g]])
+
+    def zero(self, g: int, tol: float) -> bool:
+        if self.static[g] > tol:
+            return False
+        return all(
+            self.act[k][g] <= tol and self.time[k][g] <= tol and self.ws[k][g] <= tol
+            for k in self.keys
+        )
+
+    def out_le(self, a: int, b: int) -> bool:
+        return all(self.out(a, k) <= self.out(b, k) for k in self.keys)
+
+    def may_move(self, mover: int, anchor: int) -> bool:
+        """The mover is allowed wherever the anchor is."""
+        if self.tile[anchor] and not self.tile[mover]:
+            return False
+        return self.pin[mover] is None or self.pin[mover] == self.pin[anchor]
+
+    def compatible(self, a: int, b: int) -> bool:
+        """Same tileability and no conflicting pins (for heuristic merges)."""
+        if self.tile[a] != self.tile[b]:
+            return False
+        return self.pin[a] is None or self.pin[b] is None or self.pin[a] == self.pin[b]
+
+    def merge(self, keep: int, gone: int, new_exit: int) -> None:
+        """Merge group ``gone`` into ``keep``; ``new_exit`` is the merged group's exit."""
+        self.members[keep] += self.members[gone]
+        self.members[gone] = []
+        self.exit[keep] = new_exit
+        self.static[keep] += self.static[gone]
+        for k in self.keys:
+            self.act[k][keep] += self.act[k][gone]
+            self.time[k][keep] += self.time[k][gone]
+            self.ws[k][keep] = max(self.ws[k][keep], self.ws[k][gone])
+        self.tile[keep] = self.tile[keep] and self.tile[gone]
+        if self.pin[keep] is None:
+            self.pin[keep] = self.pin[gone]
+        for q in self.preds[gone]:
+            self.succs[q].discard(gone)
+            if q != keep:
+                self.succs[q].add(keep)
+                self.preds[keep].add(q)
+        for q in self.succs[gone]:
+            self.preds[q].discard(gone)
+            if q != keep:
+                self.preds[q].add(keep)
+                self.succs[keep].add(q)
+        self.preds[keep].discard(keep)
+        self.succs[keep].discard(keep)
+        self.preds[gone] = set()
+        self.succs[gone] = set()
+        self.alive[gone] = False
+        self.version[keep] += 1
+        self.version[gone] += 1
+
+    def exact_pass(self, tol: float) -> int:
+        """Apply the exact rules of [Note: exact merges] until none applies."""
+        merged = 0
+        changed = True
+        while changed:
+            changed = False
+            for m in range(len(self.alive)):
+                if not self.alive[m] or not self.zero(m, tol):
+                    continue
+                preds, succs = self.preds[m], self.succs[m]
+                if len(preds) == 1:
+                    a = next(iter(preds))
+                    rule1 = self.succs[a] == {m} and self.out_le(m, a)
+                    if (rule1 or not succs) and self.may_move(m, a):
+                        self.merge(a, m, self.exit[m] if rule1 else self.exit[a])
+                        merged += 1
+                        changed = True
+                        continue
+                if len(succs) == 1:
+                    a = next(iter(succs))
+                    if not preds:
+                        ok = True
+                    elif len(preds) == 1:
+                        q = next(iter(preds))
+                        ok = self.succs[q] == {m} and self.out_le(q, m)
+                    else:
+                        ok = False
+                    if ok and self.may_move(m, a):
+                        self.merge(a, m, self.exit[a])
+                        merged += 1
+                        changed = True
+        return merged
+
+    def load(self, g: int) -> tuple[float, float]:
+        """(memory, time) of a group, averaged over variants (for the greedy order)."""
+        mem = self.static[g] + sum(self.act[k][g] for k in self.keys) / len(self.keys)
+        tim = sum(self.time[k][g] for k in self.keys) / len(self.keys)
+        return mem, tim
+
+    def greedy_pass(self, max_nodes: int) -> int:
+        """Merge a group into its single consumer group, lightest pairs first."""
+        n = len(self.alive)
+        count = sum(self.alive)
+        live = [g for g in range(n) if self.alive[g]]
+        tot_mem = max(sum(self.load(g)[0] for g in live), 1e-300)
+        tot_time = max(sum(self.load(g)[1] for g in live), 1e-300)
+        limit = 1.0 / (2 * self.p.k)  # never build a group heavier than half a stage
+        key0 = self.keys[0]
+        heap: list[tuple[float, float, int, int, int, int]] = []
+
+        def pair_weight(u: int, g: int) -> float:
+            (mu, tu), (mg, tg) = self.load(u), self.load(g)
+            return max((mu + mg) / tot_mem, (tu + tg) / tot_time)
+
+        def push(u: int) -> None:
+            if not self.alive[u] or len(self.succs[u]) != 1:
+                return
+            g = next(iter(self.succs[u]))
+            if not self.compatible(u, g):
+                return
+            w = pair_weight(u, g)
+            if w > limit:
+                return
+            heapq.heappush(heap, (w, -self.out(u, key0), u, g, self.version[u], self.version[g]))
+
+        for u in range(n):
+            push(u)
+        merged = 0
+        while count > max_nodes and heap:
+            _, _, u, g, vu, vg = heapq.heappop(heap)
+            if vu != self.version[u] or vg != self.version[g] or not self.alive[u]:
+                continue
+            self.merge(g, u, self.exit[g])
+            merged += 1
+            count -= 1
+            push(g)
+            for q in sorted(self.preds[g]):
+                push(q)
+        if count > max_nodes:
+            log.warning(
+                "coarsen: stopped at %d groups (asked for %d): no light single-consumer link left",
+                count, max_nodes,
+            )
+        return merged
+
+    def build(self) -> tuple[Problem, list[list[int]]]:
+        p = self.p
+        gids = sorted((g for g in range(len(self.alive)) if self.alive[g]),
+                      key=lambda g: min(self.members[g]))
+        index = {g: i for i, g in enumerate(gids)}
+        groups = [sorted(self.members[g]) for g in gids]
+        where = [0] * p.n
+        for i, grp in enumerate(groups):
+            for v in grp:
+                where[v] = i
+        edges: set[tuple[int, int]] = set()
+        for u, v in p.edges:
+            a, b = where[u], where[v]
+            if a != b:
+                if u != self.exit[gids[a]]:  # pragma: no cover - the rules keep one exit
+                    raise RuntimeError(f"coarsen: {p.names[u]} leaves its group but is not its exit")
+                edges.add((a, b))
+        names: list[str] = []
+        taken = set(p.names)
+        for g, grp in zip(gids, groups, strict=True):
+            if len(grp) == 1:
+                names.append(p.names[grp[0]])
+                continue
+            name = f"{p.names[grp[0]]}..{p.names[self.exit[g]]}"
+            while name in taken:
+                name += "#"
+            taken.add(name)
+            names.append(name)
+        variants = {
+            k: NodeVectors(
+                act=[self.act[k][g] for g in gids],
+                time=[self.time[k][g] for g in gids],
+                workspace=[self.ws[k][g] for g in gids],
+                out=[self.out(g, k) for g in gids],
+            )
+            for k in self.keys
+        }
+        pinned = {index[g]: s for g in gids if (s := self.pin[g]) is not None}
+        coarse = Problem(
+            names=names,
+            edges=sorted(edges),
+            static=[self.static[g] for g in gids],
+            variants=variants,
+            stages=p.stages,
+            tileable=[self.tile[g] for g in gids] if p.tileable else (),
+            ranks=p.ranks,
+            objective=p.objective,
+            mem_cap=p.mem_cap,
+            pinned=pinned,
+        )
+        return coarse, groups
+
+
+def coarsen(
+    problem: Problem, *, max_nodes: int | None = None, zero_tol: float = 0.0
+) -> tuple[Problem, list[list[int]]]:
+    """Merge nodes where no optimum needs them apart, then optionally down to ``max_nodes``.
+
+    Example:
+        >>> small, groups = coarsen(problem)
+        >>> part = expand(solve_ilp(small), groups, problem)
+
+    Args:
+        problem: the problem.
+        max_nodes: if given, keep merging greedily (not exact, see [Note: exact merges])
+            until at most this many groups remain or no light link is left.
+        zero_tol: costs at or below this count as zero for the exact rules (0: exact).
+
+    Returns:
+        (coarse problem, groups): ``groups[i]`` lists the original node indices of coarse
+        node i, sorted; groups are ordered by their smallest member.
+
+    Raises:
+        ValueError: if the problem is malformed or ``max_nodes`` < 1.
+    """
+    check_problem(problem)
+    if max_nodes is not None and max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1 (got {max_nodes})")
+    if zero_tol < 0:
+        raise ValueError(f"zero_tol must be >= 0 (got {zero_tol})")
+    g = _Groups(problem)
+    exact = g.exact_pass(zero_tol)
+    greedy = 0
+    if max_nodes is not None and sum(g.alive) > max_nodes:
+        greedy = g.greedy_pass(max_nodes)
+        exact += g.exact_pass(zero_tol)
+    coarse, groups = g.build()
+    log.info(
+        "coarsen: %d -> %d nodes (%d exact merges, %d greedy)",
+        problem.n, coarse.n, exact, greedy,
+    )
+    return coarse, groups
+
+
+def compose_groups(outer: Sequence[Sequence[int]], inner: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Groups of original nodes after coarsening twice.
+
+    Args:
+        outer: groups of the first coarsening (original indices).
+        inner: groups of the second one (indices into ``outer``).
+
+    Returns:
+        For each node of the twice-coarsened problem, its original nodes, sorted.
+    """
+    return [sorted(v for i in grp for v in outer[i]) for grp in inner]
+
+
+def expand(
+    partition: Partition, groups: Sequence[Sequence[int]], problem: Problem, *, exact: bool = True
+) -> Partition:
+    """Map a partition of the coarse problem back onto the original nodes.
+
+    Args:
+        partition: a partition of the coarse problem.
+        groups: the groups ``coarsen`` returned.
+        problem: the original problem.
+        exact: False if the coarsening used greedy merges: an "optimal" status then
+            becomes "coarse-optimal" and the gap NaN (optimal for the coarse graph only).
+
+    Returns:
+        The partition of ``problem``, re-evaluated with ``evaluate()``.
+
+    Raises:
+        ValueError: if the groups do not cover the original nodes exactly once.
+    """
+    stage_of = [-1] * problem.n
+    if len(groups) != len(partition.stage_of):
+        raise ValueError(
+            f"{len(groups)} groups but the partition has {len(partition.stage_of)} nodes"
+        )
+    for g, grp in enumerate(groups):
+        for v in grp:
+            if not 0 <= v < problem.n or stage_of[v] != -1:
+                raise ValueError(f"group {g} holds node {v} twice or out of range")
+            stage_of[v] = partition.stage_of[g]
+    if -1 in stage_of:
+        raise ValueError(f"node {problem.names[stage_of.index(-1)]} is in no group")
+    status, gap = partition.status, partition.gap
+    if not exact:
+        gap = math.nan
+        if status == "optimal":
+            status = "coarse-optimal"
+    return make_partition(problem, stage_of, solver=partition.solver, status=status, gap=gap,
+                          seconds=partition.seconds)

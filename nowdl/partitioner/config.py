@@ -1,0 +1,155 @@
+"""Parallel configurations: what the user pins, and the candidates the search enumerates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from nowdl.errors import NowdlError
+from nowdl.partitioner.spatial import SLICE_METHODS
+
+__all__ = ["PlanRequest", "Candidate", "enumerate_candidates", "BALANCES", "SCHEDULES"]
+
+BALANCES = ("memory", "compute")
+SCHEDULES = ("1f1b", "gpipe")
+_MICRO_BATCH_CHOICES = (1, 2, 4, 8)
+
+
+def _pos_int(name: str, v: object, *, allow_none: bool = True) -> None:
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise NowdlError(f"{name} must be a positive integer, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What the user asked for; ``None`` means "let the search choose".
+
+    ``micro_batches`` counts micro-batches per step: the example input is ONE micro-batch, so
+    the global batch is micro-batch x micro_batches x replicas x dp.
+    """
+
+    gpus: int
+    balance: str = "memory"
+    stages: int | None = None
+    micro_batches: int | None = None
+    schedule: str | None = None
+    replicas: int | None = None
+    dp: int | None = None
+    spatial_parts: int | None = None
+    spatial_stages: int | None = None  # spatial stages at the front (UNets: mirrored at the back too)
+    slice: str | None = None
+    gpu_memory: float | None = None  # bytes; None: the device's memory
+    time_limit: float = 30.0
+
+    def __post_init__(self) -> None:
+        _pos_int("gpus", self.gpus, allow_none=False)
+        if self.balance not in BALANCES:
+            raise NowdlError(f"unknown balance {self.balance!r}: use 'memory' (smallest peak memory per GPU) or 'compute' (fastest stage time)")
+        for name in ("stages", "micro_batches", "replicas", "dp", "spatial_parts"):
+            _pos_int(name, getattr(self, name))
+        if self.spatial_stages is not None and (isinstance(self.spatial_stages, bool) or not isinstance(self.spatial_stages, int) or self.spatial_stages < 0):
+            raise NowdlError(f"spatial_stages must be an integer >= 0, got {self.spatial_stages!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise NowdlError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if self.replicas is not None and self.replicas not in (1, 2):
+            raise NowdlError(f"replicas must be 1 or 2 (2 = GEMS-MASTER mirrored replica), got {self.replicas}")
+        if self.slice is not None and self.slice not in SLICE_METHODS:
+            raise NowdlError(f"unknown slice method {self.slice!r}: use one of {', '.join(SLICE_METHODS)}")
+        if self.gpu_memory is not None and (not isinstance(self.gpu_memory, (int, float)) or self.gpu_memory <= 0):
+            raise NowdlError(f"gpu_memory must be a positive number of bytes (e.g. 80 * 2**30), got {self.gpu_memory!r}")
+        if self.dp is not None and self.gpus % self.dp:
+            raise NowdlError(f"dp ({self.dp}) must divide gpus ({self.gpus}): dp * ranks per pipeline == gpus")
+        if self.time_limit <= 0:
+            raise NowdlError(f"time_limit must be positive seconds, got {self.time_limit}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One parallel configuration: stage count, spatial layout, replicas, dp, schedule."""
+
+    stages: int
+    micro_batches: int
+    schedule: str
+    replicas: int
+    dp: int
+    parts: int  # spatial parts of each spatial stage (1: none)
+    front: int  # spatial stages at the front
+    back: int  # spatial stages at the back (mirrored UNet decoder)
+    slice: str
+
+    def stage_parts(self) -> list[int]:
+        k = self.stages
+        return [self.parts if (s < self.front or s >= k - self.back) else 1 for s in range(k)]
+
+    def spatial_stages(self) -> list[int]:
+        return [s for s, p in enumerate(self.stage_parts()) if p > 1]
+
+    def group_sizes(self) -> list[int]:
+        """Ranks of each stage slot j (MASTER: slot j also hosts replica 2's stage K-1-j)."""
+        p = self.stage_parts()
+        if self.replicas == 2:
+            return [max(p[j], p[self.stages - 1 - j]) for j in range(self.stages)]
+        return p
+
+    def ranks_per_pipeline(self) -> int:
+        return sum(self.group_sizes())
+
+    def inflight(self) -> list[int]:
+        m, k = self.micro_batches, self.stages
+        if self.schedule == "gpipe":
+            return [m] * k
+        return [min(m, k - s) for s in range(k)]
+
+
+def enumerate_candidates(req: PlanRequest, *, tileable_front: bool, tileable_back: bool,
+                         max_stages: int | None = None) -> Iterator[Candidate]:
+    """Every configuration consistent with ``req`` whose ranks add up to ``req.gpus``.
+
+    ``max_stages`` bounds the pipeline depth (a stage needs at least one node).
+
+    Args:
+        tileable_front: the model starts with ops that can run on tiles.
+        tileable_back: the model also ends with tileable ops (a UNet decoder), so mirrored
+            spatial stages at the back are possible.
+    """
+    dps = [req.dp] if req.dp else [d for d in range(1, req.gpus + 1) if req.gpus % d == 0]
+    reps = [req.replicas] if req.replicas else [1, 2]
+    if req.spatial_parts:
+        parts_list = [req.spatial_parts]
+    elif req.spatial_stages:
+        parts_list = [p for p in (2, 4, 8, 16) if p <= req.gpus]
+    elif tileable_front and req.spatial_stages is None:
+        parts_list = [1] + [p for p in (2, 4, 8, 16) if p <= req.gpus]
+    else:
+        parts_list = [1]
+    mbs = [req.micro_batches] if req.micro_batches else list(_MICRO_BATCH_CHOICES)
+    scheds = [req.schedule] if req.schedule else ["1f1b"]
+    slice_ = req.slice or "square"
+    seen: set[Candidate] = set()
+    for dp in dps:
+        ranks = req.gpus // dp
+        for rep in reps:
+            for parts in parts_list:
+                if parts == 1:
+                    layouts = [(0, 0)]
+                else:
+                    fronts = [req.spatial_stages] if req.spatial_stages else [1, 2]
+                    layouts = [(f, 0) for f in fronts]
+                    if tileable_back:
+                        layouts += [(f, f) for f in fronts]
+                for front, back in layouts:
+                    for k in range(1, min(ranks, max_stages or ranks) + 1):
+                        if req.stages and k != req.stages:
+                            continue
+                        if rep == 2 and k < 2:
+                            continue
+                        if front + back > k or (front and front + back == k and not tileable_back):
+                            continue
+                        for m in mbs:
+                            for sched in scheds:
+                                c = Candidate(k, m, sched, rep, dp, parts, front, back, slice_)
+                                if c.ranks_per_pipeline() == ranks and c not in seen:
+                                    seen.add(c)
+                                    yield c

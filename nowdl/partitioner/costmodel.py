@@ -1,0 +1,161 @@
+"""Turn a Profile and a Candidate configuration into a partition Problem, and predict step time.
+
+[Note: spatial cost] In a stage of P parts each rank holds one tile: a node's activations,
+time, workspace and boundary tensors are divided by P, and a node with a spatial footprint
+(conv, pool, bilinear upsample) adds its halo: the padded input it saves (memory) and the
+halo it receives and, in backward, sends back (link time, plus a fixed latency per exchange).
+Parameters are not divided: every tile rank holds the full weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nowdl.partitioner.config import Candidate
+from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
+from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid
+from nowdl.profiler.cost import Profile
+
+__all__ = ["Costs", "build_problem", "predict_step", "HALO_LATENCY_S", "spatial_dims_of"]
+
+HALO_LATENCY_S = 10e-6  # per halo exchange (one message round to the neighbours)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Profile facts the cost model needs, flattened to lists in node order."""
+
+    profile: Profile
+    rules: dict[str, SpatialRule]
+    link_bw: float  # bytes/s between GPUs
+    mem_cap: float | None
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.profile.nodes]
+
+
+def spatial_dims_of(profile: Profile) -> int:
+    """Spatial dims of the model's input (2 for N,C,H,W)."""
+    shapes = profile.input_shapes or [[1, 1, 1, 1]]
+    return max(1, len(shapes[0]) - 2)
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"float16": 2, "bfloat16": 2, "float64": 8, "int64": 8}.get(dtype.replace("torch.", ""), 4)
+
+
+def _tiled_vectors(costs: Costs, parts: int, slice_: str) -> NodeVectors:
+    prof = costs.profile
+    grid = slice_grid(slice_, parts, spatial_dims_of(prof))
+    producers: dict[str, str] = {}
+    for u, v in prof.edges:
+        producers.setdefault(v, u)
+    act, time, ws, out = [], [], [], []
+    for n in prof.nodes:
+        rule = costs.rules.get(n.name)
+        a = n.act_bytes / parts
+        t = n.time_s / parts
+        if rule is not None and rule.tileable and rule.halo and any(rule.halo):
+            src = producers.get(n.name)
+            shape = prof[src].out_shape if src is not None and src in prof else None
+            if src is not None and shape is not None and len(shape) >= 3:
+                hb = halo_elements(shape, grid, rule.halo) * _dtype_bytes(prof[src].out_dtype)
+                if n.saved_bytes:
+                    a += hb  # the padded input tile is what the op saves
+                t += 2 * hb / costs.link_bw + 2 * HALO_LATENCY_S
+        act.append(a)
+        time.append(t)
+        ws.append(n.workspace_bytes / parts)
+        out.append(n.out_bytes / parts)
+    return NodeVectors(act=act, time=time, workspace=ws, out=out)
+
+
+def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
+    """The partition Problem for one candidate configuration."""
+    prof = costs.profile
+    names = costs.names
+    index = {n: i for i, n in enumerate(names)}
+    edges = [(index[u], index[v]) for u, v in prof.edges if u in index and v in index]
+    variants = {
+        "plain": NodeVectors(
+            act=[n.act_bytes for n in prof.nodes],
+            time=[n.time_s for n in prof.nodes],
+            workspace=[n.workspace_bytes for n in prof.nodes],
+            out=[n.out_bytes for n in prof.nodes],
+        )
+    }
+    parts = cand.stage_parts()
+    if cand.parts > 1:
+        variants["tiled"] = _tiled_vectors(costs, cand.parts, cand.slice)
+    link = 2.0 / costs.link_bw  # activation forward + gradient backward
+    inflight = cand.inflight()
+    stages = [
+        StageSpec(inflight=inflight[s], variant="tiled" if parts[s] > 1 else "plain",
+                  spatial=parts[s] > 1, link_s_per_byte=link)
+        for s in range(cand.stages)
+    ]
+    k = cand.stages
+    ranks: list[list[int]] = []
+    if cand.replicas == 2:
+        ranks = [[j, k - 1 - j] for j in range(k)]
+    pinned: dict[int, int] = {}
+    for i, n in enumerate(prof.nodes):
+        if n.op == "placeholder":
+            pinned[i] = 0
+        elif n.op == "output":
+            pinned[i] = k - 1
+    tileable = [costs.rules[n].tileable if n in costs.rules else False for n in names]
+    return Problem(
+        names=names, edges=edges, static=[n.static_bytes for n in prof.nodes], variants=variants,
+        stages=stages, tileable=tileable, ranks=ranks, objective=objective,
+        mem_cap=costs.mem_cap, pinned=pinned,
+    )
+
+
+def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> dict[str, float]:
+    """Step time and throughput of a solved candidate.
+
+    step = (m + K - 1) x slowest rank's time per micro-batch (GPipe and 1F1B alike), plus
+    the gradient all-reduce over data-parallel copies (ring: 2(D-1)/D x bytes / bandwidth)
+    and, for MASTER, the exchange that combines the two replicas' gradients.
+    """
+    m, k = cand.micro_batches, cand.stages
+    prof = costs.profile
+    stage_param = [0.0] * k
+    for i, n in enumerate(prof.nodes):
+        stage_param[part.stage_of[i]] += n.param_bytes
+    rank_param = [stage_param[j] + (stage_param[k - 1 - j] if cand.replicas == 2 else 0.0) for j in range(k)]
+    sync = 0.0
+    if cand.dp > 1:
+        sync += 2 * (cand.dp - 1) / cand.dp * max(rank_param) / costs.link_bw
+    if cand.replicas == 2:
+        sync += max(stage_param) / costs.link_bw
+    step = (m + k - 1) * part.bottleneck_time + sync
+    global_batch = batch * m * cand.replicas * cand.dp
+    return {
+        "step_s": step,
+        "throughput": global_batch / step if step > 0 else math.inf,
+        "global_batch": float(global_batch),
+        "peak_bytes": part.bottleneck_mem,
+        "bubble": (k - 1) / (m + k - 1),
+        "grad_sync_s": sync,
+    }
+
+
+def stage_sums(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[dict[str, float]]:
+    """Per-stage breakdown (per rank of the stage): fwd/bwd time, static and activation bytes."""
+    k = cand.stages
+    parts = cand.stage_parts()
+    out = [dict(fwd_s=0.0, bwd_s=0.0, static_bytes=0.0, act_bytes=0.0, params=0.0, param_bytes=0.0) for _ in range(k)]
+    for i, n in enumerate(costs.profile.nodes):
+        s = stage_of[i]
+        p = parts[s]
+        out[s]["fwd_s"] += n.fwd_s / p
+        out[s]["bwd_s"] += n.bwd_s / p
+        out[s]["static_bytes"] += n.static_bytes
+        out[s]["act_bytes"] += n.act_bytes / p
+        out[s]["param_bytes"] += n.param_bytes
+    return out

@@ -1,0 +1,225 @@
+"""Which graph nodes may run on image tiles, the halo each needs, and tile geometry.
+
+[Note: spatial rules] A node may sit in a spatial stage when it computes each output pixel
+from a bounded neighbourhood of input pixels (convolutions, pooling with a fixed window,
+upsampling, elementwise ops, channel concatenation), or from statistics that the tiles can
+reduce together exactly (BatchNorm, InstanceNorm, GroupNorm). Anything that needs the whole
+image at once (global/adaptive pooling, flatten, view, linear, attention, reductions over
+spatial dims, reading a tensor's size) ends the region. Unknown ops are refused: planning a
+spatial region through an op nowdl cannot tile would train a different model.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SpatialRule", "spatial_rules", "slice_grid", "SLICE_METHODS", "tile_shape", "halo_elements"]
+
+SLICE_METHODS = ("vertical", "horizontal", "square", "depth", "cube")
+
+
+@dataclass(frozen=True)
+class SpatialRule:
+    """Whether a node can run on tiles, why not, and the halo (per spatial dim) it reads."""
+
+    tileable: bool
+    reason: str = ""
+    halo: tuple[int, ...] = ()  # extra input pixels needed on each side, per spatial dim
+    kind: str = ""  # conv, pool, upsample, norm, elementwise, concat, io
+
+
+_ELEMENTWISE_MODULES: tuple[type, ...] = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+    nn.Mish, nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh,
+    nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+)
+_NORM_MODULES: tuple[type, ...] = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm,
+)
+_CONV_MODULES: tuple[type, ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONVT_MODULES: tuple[type, ...] = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_POOL_MODULES: tuple[type, ...] = (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+)
+_GLOBAL_MODULES: tuple[type, ...] = (
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+    nn.Flatten, nn.Linear, nn.MultiheadAttention, nn.LayerNorm, nn.Softmax, nn.LogSoftmax,
+)
+
+_ELEMENTWISE_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.iadd,
+    operator.imul, torch.add, torch.sub, torch.mul, torch.div, torch.relu, torch.sigmoid,
+    torch.tanh, torch.neg, torch.exp, torch.clamp, torch.abs, F.relu, F.relu6, F.leaky_relu,
+    F.elu, F.gelu, F.silu, F.mish, F.sigmoid, F.tanh, F.hardswish, F.softplus, F.dropout,
+    F.dropout2d, F.dropout3d, torch.nn.functional.batch_norm, F.instance_norm, F.group_norm,
+}
+_ELEMENTWISE_METHODS = {
+    "add", "sub", "mul", "div", "relu", "sigmoid", "tanh", "clamp", "contiguous", "float",
+    "half", "bfloat16", "neg", "exp", "abs", "add_", "mul_", "relu_",
+}
+
+
+def _tuple(v: object, n: int) -> tuple[int, ...]:
+    if isinstance(v, (tuple, list)):
+        return tuple(int(x) for x in v)
+    return (int(v),) * n  # type: ignore[call-overload]
+
+
+def _conv_halo(m: nn.Module) -> tuple[int, ...]:
+    n = len(m.kernel_size)  # type: ignore[arg-type]
+    k = _tuple(m.kernel_size, n)  # type: ignore[arg-type]
+    d = _tuple(m.dilation, n)  # type: ignore[arg-type]
+    return tuple((d[i] * (k[i] - 1) + 1) // 2 for i in range(n))
+
+
+def _module_rule(m: nn.Module) -> SpatialRule:
+    name = type(m).__name__
+    if isinstance(m, _CONV_MODULES):
+        return SpatialRule(True, "", _conv_halo(m), "conv")
+    if isinstance(m, _CONVT_MODULES):
+        n = len(m.kernel_size)  # type: ignore[arg-type]
+        k, s = _tuple(m.kernel_size, n), _tuple(m.stride, n)  # type: ignore[arg-type]
+        return SpatialRule(True, "", tuple(max(0, math.ceil((k[i] - s[i]) / max(s[i], 1))) for i in range(n)), "upsample")
+    if isinstance(m, _POOL_MODULES):
+        n = {"1d": 1, "2d": 2, "3d": 3}[name[-2:]]
+        k = _tuple(m.kernel_size, n)  # type: ignore[arg-type]
+        s = _tuple(m.stride or m.kernel_size, n)  # type: ignore[arg-type]
+        d = _tuple(getattr(m, "dilation", 1), n)  # type: ignore[arg-type]
+        return SpatialRule(True, "", tuple(max(0, (d[i] * (k[i] - 1) + 1 - s[i] + 1) // 2) for i in range(n)), "pool")
+    if isinstance(m, nn.Upsample):
+        mode = m.mode
+        if mode == "nearest":
+            return SpatialRule(True, "", (), "upsample")
+        if mode in ("bilinear", "linear", "trilinear"):
+            return SpatialRule(True, "", (1,), "upsample")
+        return SpatialRule(False, f"Upsample(mode={mode!r}) is not tiled (nearest, linear, bilinear and trilinear are)")
+    if isinstance(m, _NORM_MODULES):
+        return SpatialRule(True, "", (), "norm")
+    if isinstance(m, _ELEMENTWISE_MODULES):
+        return SpatialRule(True, "", (), "elementwise")
+    if isinstance(m, _GLOBAL_MODULES):
+        return SpatialRule(False, f"{name} needs the whole image (it ends a spatial region)")
+    return SpatialRule(False, f"{name} is not a module nowdl knows how to run on tiles")
+
+
+def _cat_dim(node: fx.Node) -> int:
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    return int(dim) if isinstance(dim, int) else 0
+
+
+def _function_rule(node: fx.Node) -> SpatialRule:
+    t = node.target
+    tname = getattr(t, "__name__", str(t))
+    if t in (torch.cat, torch.concat, torch.concatenate):
+        dim = _cat_dim(node)
+        if dim == 1:
+            return SpatialRule(True, "", (), "concat")
+        return SpatialRule(False, f"torch.cat along dim {dim} (only channel concatenation, dim 1, is tiled)")
+    if t in _ELEMENTWISE_FUNCTIONS:
+        return SpatialRule(True, "", (), "elementwise")
+    if t is F.interpolate:
+        mode = node.kwargs.get("mode", node.args[3] if len(node.args) > 3 else "nearest")
+        if mode == "nearest":
+            return SpatialRule(True, "", (), "upsample")
+        if mode in ("bilinear", "linear", "trilinear"):
+            return SpatialRule(True, "", (1,), "upsample")
+        return SpatialRule(False, f"F.interpolate(mode={mode!r}) is not tiled")
+    if t in (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d):
+        k = node.kwargs.get("kernel_size", node.args[1] if len(node.args) > 1 else 1)
+        kk = max(_tuple(k, 1)) if isinstance(k, (int, tuple, list)) else 1
+        return SpatialRule(True, "", ((kk - 1) // 2,), "pool")
+    if t in (F.conv1d, F.conv2d, F.conv3d):
+        return SpatialRule(True, "", (1,), "conv")
+    if t is operator.getitem:
+        return SpatialRule(False, "indexing (getitem) may slice spatial dims; it ends a spatial region")
+    return SpatialRule(False, f"{tname} is not an op nowdl knows how to run on tiles")
+
+
+def spatial_rules(gm: fx.GraphModule) -> dict[str, SpatialRule]:
+    """The SpatialRule of every node of ``gm`` (keyed by node name)."""
+    out: dict[str, SpatialRule] = {}
+    mods = dict(gm.named_modules())
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            out[node.name] = SpatialRule(True, "", (), "io")
+        elif node.op == "get_attr":
+            out[node.name] = SpatialRule(True, "", (), "io")
+        elif node.op == "call_module":
+            out[node.name] = _module_rule(mods[node.target])
+        elif node.op == "call_function":
+            out[node.name] = _function_rule(node)
+        elif node.op == "call_method":
+            if node.target in _ELEMENTWISE_METHODS:
+                out[node.name] = SpatialRule(True, "", (), "elementwise")
+            else:
+                out[node.name] = SpatialRule(False, f"tensor.{node.target}() needs the whole tensor (it ends a spatial region)")
+        else:  # pragma: no cover - fx has no other ops
+            out[node.name] = SpatialRule(False, f"fx op {node.op}")
+    return out
+
+
+def slice_grid(method: str, parts: int, spatial_dims: int) -> tuple[int, ...]:
+    """How many tiles along each spatial dim (H, W) or (D, H, W) for a slice method.
+
+    Raises:
+        ValueError: unknown method, a method that does not fit the dims, or parts < 1.
+    """
+    if parts < 1:
+        raise ValueError(f"spatial parts must be >= 1 (got {parts})")
+    if method not in SLICE_METHODS:
+        raise ValueError(f"unknown slice method {method!r}: use one of {', '.join(SLICE_METHODS)}")
+    if spatial_dims == 1:
+        return (parts,)
+    lead = (1,) * (spatial_dims - 2)
+    if method == "vertical":
+        return lead + (1, parts)
+    if method == "horizontal":
+        return lead + (parts, 1)
+    if method == "square":
+        a = int(math.isqrt(parts))
+        while parts % a:
+            a -= 1
+        return lead + (a, parts // a)
+    if spatial_dims != 3:
+        raise ValueError(f"slice method {method!r} is for 3D volumes; use vertical, horizontal or square for 2D")
+    if method == "depth":
+        return (parts, 1, 1)
+    c = round(parts ** (1 / 3))
+    if c**3 != parts:
+        raise ValueError(f"cube slicing needs a cube number of parts (8, 27, 64), got {parts}")
+    return (c, c, c)
+
+
+def tile_shape(shape: Sequence[int], grid: Sequence[int]) -> tuple[int, ...]:
+    """The largest tile of an (N, C, *spatial) shape cut by ``grid`` (uneven tiles round up)."""
+    sp = list(shape[2:])
+    g = list(grid)[-len(sp):] if sp else []
+    g = [1] * (len(sp) - len(g)) + g
+    return tuple(shape[:2]) + tuple(math.ceil(s / max(1, gi)) for s, gi in zip(sp, g, strict=True))
+
+
+def halo_elements(shape: Sequence[int], grid: Sequence[int], halo: Sequence[int]) -> int:
+    """Elements one interior tile receives for a halo of ``halo`` pixels per side (corners included)."""
+    if not halo or len(shape) < 3:
+        return 0
+    tile = tile_shape(shape, grid)
+    sp = list(tile[2:])
+    h = list(halo) + [halo[-1]] * (len(sp) - len(halo))
+    g = [1] * (len(sp) - len(grid)) + list(grid)[-len(sp):]
+    # padded tile minus tile; only along dims that are actually cut
+    padded = 1
+    plain = 1
+    for s, hi, gi in zip(sp, h[: len(sp)], g, strict=True):
+        plain *= s
+        padded *= s + (2 * hi if gi > 1 else 0)
+    return int(tile[0]) * int(tile[1]) * (padded - plain)

@@ -1,0 +1,75 @@
+"""The command line: plan, profile, show, and its errors (one paragraph, nothing written)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nowdl.cli import main
+
+MONAI_ARGS = '{"spatial_dims": 2, "in_channels": 1, "out_channels": 2, "channels": [8, 16, 32], "strides": [2, 2]}'
+
+
+def test_plan_show_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    rc = main(["plan", "unet", "--model-args", '{"depth": 2, "base_width": 8}', "--input", "1x3x64x64",
+               "--gpus", "4", "--stages", "4", "--dp", "1", "--replicas", "1", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and out.exists()
+    assert "stage" in text and "predicted" in text
+    assert main(["show", str(out), "--nodes"]) == 0
+    shown = capsys.readouterr().out
+    assert "stage 3:" in shown
+    assert main(["profile", "unet", "--model-args", '{"depth": 2, "base_width": 8}', "--input", "1x3x64x64",
+                 "--top", "5", "--sort", "flops"]) == 0
+    prof = capsys.readouterr().out
+    assert "GFLOP" in prof and "total" in prof
+
+
+def test_plan_monai_from_shell(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("monai")
+    rc = main(["plan", "monai.networks.nets:UNet", "--model-args", MONAI_ARGS, "--input", "1x1x64x64", "--gpus", "2"])
+    assert rc == 0
+    assert "UNet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["plan", "nosuchmodel", "--gpus", "2"], "unknown model"),
+        (["plan", "nosuchpkg.mod:Net", "--input", "1x3x8x8", "--gpus", "2"], "cannot import"),
+        (["plan", "torch.nn:NoSuchNet", "--input", "1x3x8x8", "--gpus", "2"], "no attribute"),
+        (["plan", "unet", "--model-args", "{depth: 2}", "--gpus", "2"], "not valid JSON"),
+        (["plan", "unet", "--model-args", '{"depht": 2}', "--gpus", "2"], "depht"),
+        (["plan", "unet", "--input", "1x3xbig", "--gpus", "2"], "as a shape"),
+        (["plan", "unet", "--input", "1x3x64", "--gpus", "2"], "rank 3"),
+        (["plan", "unet", "--input", "1x3x64x64", "--gpus", "0"], "positive integer"),
+        (["plan", "unet", "--input", "1x3x64x64", "--gpus", "2", "--gpu-memory", "huge"], "memory size"),
+        (["plan", "monai.networks.nets:UNet", "--gpus", "2", "--model-args", MONAI_ARGS], "give --input"),
+        (["show", "/nonexistent/plan.json"], "does not exist"),
+    ],
+)
+def test_cli_errors(argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "never.json"
+    rc = main([*argv, "--out", str(out)] if argv[0] == "plan" else argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert needle in err, err
+    assert err.count("\n") <= 2, "one paragraph"
+    assert not out.exists(), "nothing written on error"
+
+
+def test_infeasible_cap_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "never.json"
+    rc = main(["plan", "unet", "--model-args", '{"depth": 2, "base_width": 8}', "--input", "1x3x256x256",
+               "--gpus", "2", "--gpu-memory", "1KiB", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "nothing fits" in err and not out.exists()
+
+
+def test_help_is_clear(capsys: pytest.CaptureFixture[str]) -> None:
+    for sub in ("plan", "profile", "show"):
+        with pytest.raises(SystemExit):
+            main([sub, "--help"])
+        assert "usage: nowdl " + sub in capsys.readouterr().out

@@ -1,0 +1,198 @@
+"""End to end: nowdl.compile(...).plan(x) on small models, plan JSON, stage split exactness."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nowdl
+from nowdl.codegen import split_stages
+from nowdl.errors import InfeasibleError, NowdlError, PlanError
+from nowdl.models import resnet, unet
+
+
+def _small_unet() -> nn.Module:
+    return unet(in_channels=1, out_channels=2, depth=2, base_width=4)
+
+
+def _monai_unet() -> nn.Module:
+    monai = pytest.importorskip("monai")
+    return monai.networks.nets.UNet(spatial_dims=2, in_channels=1, out_channels=2,
+                                   channels=(8, 16, 32), strides=(2, 2), num_res_units=1)
+
+
+def _monai_resnet() -> nn.Module:
+    monai = pytest.importorskip("monai")
+    return monai.networks.nets.ResNet("basic", [1, 1, 1, 1], [1, 1, 1, 1], spatial_dims=2,
+                                      n_input_channels=3, num_classes=4)
+
+
+def _check_plan(plan: nowdl.Plan, gpus: int) -> None:
+    where = plan.node_stage()
+    assert len(plan.ranks) == gpus
+    # every node placed once; precedence: every cross-stage tensor goes forward
+    assert len(where) == plan.model["nodes"]
+    for t in plan.tensors:
+        assert all(j > t.from_stage for j in t.to_stages)
+    cap = plan.config.get("gpu_memory")
+    if cap:
+        assert max(r.predicted_peak_bytes for r in plan.ranks) <= cap * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4])
+def test_plan_small_unet_and_split_reproduces_output(gpus: int) -> None:
+    model = _small_unet()
+    x = torch.randn(1, 1, 32, 32)
+    cm = nowdl.compile(model, gpus=gpus, dp=1, replicas=1, spatial_parts=None, stages=gpus, micro_batches=2)
+    plan = cm.plan(x)
+    _check_plan(plan, gpus)
+    assert plan.config["stages"] == gpus
+    if gpus == 4:
+        assert any(any(j > t.from_stage + 1 for j in t.to_stages) for t in plan.tensors), "UNet skips span stages"
+    split = split_stages(cm.trace(x).gm, plan)
+    model.eval()
+    split.eval()
+    assert torch.equal(split(x), model(x))
+    assert torch.equal(cm(x), model(x))
+
+
+@pytest.mark.parametrize("make", [_monai_unet, _monai_resnet])
+def test_monai_models_plan_end_to_end(make: object) -> None:
+    model = make()  # type: ignore[operator]
+    shape = (1, 1, 32, 32) if "UNet" in type(model).__name__ else (1, 3, 32, 32)
+    x = torch.randn(*shape)
+    cm = nowdl.compile(model, gpus=4, balance="memory")
+    plan = cm.plan(x)
+    _check_plan(plan, 4)
+    split = split_stages(cm.trace(x).gm, plan)
+    model.eval()
+    split.eval()
+    torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)
+
+
+def test_plan_roundtrip_and_refusals(tmp_path: Path) -> None:
+    model = _small_unet()
+    x = torch.randn(1, 1, 32, 32)
+    plan = nowdl.compile(model, gpus=2, stages=2, dp=1, replicas=1, micro_batches=2).plan(x)
+    p = plan.save(tmp_path / "plan.json")
+    again = nowdl.Plan.load(p)
+    assert again.to_dict() == plan.to_dict()
+    assert str(again) == str(plan)
+    # reuse through compile(plan=...)
+    reuse = nowdl.compile(model, plan=p)
+    assert reuse.plan(x).to_dict() == plan.to_dict()
+    # another model / other input shape is refused
+    other = unet(in_channels=1, out_channels=3, depth=2, base_width=4)
+    with pytest.raises(PlanError, match="another model"):
+        nowdl.compile(other, plan=p).plan(x)
+    with pytest.raises(PlanError, match="inputs of shape"):
+        nowdl.compile(model, plan=p).plan(torch.randn(1, 1, 64, 64))
+    # malformed, truncated, future, wrong format, inconsistent
+    text = p.read_text()
+    (tmp_path / "trunc.json").write_text(text[: len(text) // 2])
+    with pytest.raises(PlanError, match="truncated"):
+        nowdl.Plan.load(tmp_path / "trunc.json")
+    d = json.loads(text)
+    d["version"] = 99
+    (tmp_path / "future.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="newer nowdl"):
+        nowdl.Plan.load(tmp_path / "future.json")
+    d = json.loads(text)
+    d["format"] = "something"
+    (tmp_path / "fmt.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="not a nowdl plan"):
+        nowdl.Plan.load(tmp_path / "fmt.json")
+    d = json.loads(text)
+    del d["stages"]
+    (tmp_path / "missing.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="missing field"):
+        nowdl.Plan.load(tmp_path / "missing.json")
+    d = json.loads(text)
+    d["stages"][1]["nodes"].append(d["stages"][0]["nodes"][0])
+    (tmp_path / "dup.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="is in stages 0 and 1"):
+        nowdl.Plan.load(tmp_path / "dup.json")
+    d = json.loads(text)
+    d["stages"][0]["bogus"] = 1
+    (tmp_path / "field.json").write_text(json.dumps(d))
+    with pytest.raises(PlanError, match="malformed"):
+        nowdl.Plan.load(tmp_path / "field.json")
+    with pytest.raises(PlanError, match="does not exist"):
+        nowdl.Plan.load(tmp_path / "nope.json")
+    with pytest.raises(PlanError, match="does not exist"):
+        nowdl.compile(model, plan=tmp_path / "nope.json")
+
+
+def test_plan_table_is_readable() -> None:
+    plan = nowdl.compile(_small_unet(), gpus=4, stages=4, dp=1, replicas=1, micro_batches=4).plan(torch.randn(1, 1, 32, 32))
+    text = str(plan)
+    for needle in ("stage", "peak mem", "params", "predicted", "images/s", "solver", "long skips"):
+        assert needle in text
+    assert len(text.splitlines()) >= 4 + 4
+
+
+def test_memory_cap_respected_and_infeasible_message() -> None:
+    model = _small_unet()
+    x = torch.randn(1, 1, 32, 32)
+    free = nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1).plan(x)
+    peak = free.predicted["peak_bytes"]
+    capped = nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1, gpu_memory=int(peak * 1.01)).plan(x)
+    assert capped.predicted["peak_bytes"] <= peak * 1.01
+    with pytest.raises(InfeasibleError) as e:
+        nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1, gpu_memory=int(peak * 0.3)).plan(x)
+    msg = str(e.value)
+    assert "nothing fits" in msg and "at least" in msg and "GPUs" in msg
+
+
+def test_search_and_pins() -> None:
+    x = torch.empty(1, 3, 256, 256, device="meta")
+    model = resnet(depth=20, version=1)
+    plan = nowdl.compile(model, gpus=8, balance="compute").plan(x)
+    c = plan.config
+    ranks_per_pipe = sum(max(s.parts, 1) for s in plan.stages)
+    assert c["dp"] * ranks_per_pipe >= 8 or c["replicas"] == 2
+    assert plan.solver["candidates"] > 1
+    pinned = nowdl.compile(model, gpus=8, dp=2, stages=4, replicas=1, micro_batches=4, spatial_parts=1).plan(x)
+    assert (pinned.config["dp"], pinned.config["stages"], pinned.config["micro_batches"]) == (2, 4, 4)
+    master = nowdl.compile(model, gpus=4, replicas=2, stages=4, dp=1, spatial_parts=1).plan(x)
+    assert master.config["replicas"] == 2
+    assert master.ranks[0].stages == [{"replica": 0, "stage": 0, "part": 0}, {"replica": 1, "stage": 3, "part": 0}]
+
+
+def test_spatial_plan_keeps_global_ops_out_of_spatial_stages() -> None:
+    x = torch.empty(1, 3, 512, 512, device="meta")
+    model = resnet(depth=20, version=1)
+    cm = nowdl.compile(model, gpus=5, spatial_parts=4, spatial_stages=1, dp=1, replicas=1, slice="square")
+    plan = cm.plan(x)
+    assert plan.stages[0].parts == 4 and plan.stages[0].grid == [2, 2] and len(plan.stages[0].ranks) == 4
+    rules = __import__("nowdl.partitioner.spatial", fromlist=["spatial_rules"]).spatial_rules(cm.trace(x).gm)
+    assert all(rules[n].tileable for n in plan.stages[0].nodes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"gpus": 0}, "positive integer"),
+        ({"gpus": 2.5}, "positive integer"),
+        ({"gpus": "8"}, "positive integer"),
+        ({"gpus": 4, "balance": "speed"}, "unknown balance"),
+        ({"gpus": 4, "mode": "guess"}, "unknown mode"),
+        ({"gpus": 4, "dp": 3}, "must divide"),
+        ({"gpus": 4, "replicas": 3}, "replicas must be 1 or 2"),
+        ({"gpus": 4, "slice": "diagonal"}, "unknown slice"),
+        ({"gpus": 4, "gpu_memory": "lots"}, "memory size"),
+        ({}, "give gpus"),
+    ],
+)
+def test_bad_compile_arguments(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(NowdlError, match=needle):
+        nowdl.compile(_small_unet(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_pins_that_cannot_add_up() -> None:
+    with pytest.raises(NowdlError, match="no configuration"):
+        nowdl.compile(_small_unet(), gpus=4, stages=3, dp=1, replicas=1, spatial_parts=1).plan(torch.randn(1, 1, 32, 32))
