@@ -11,11 +11,13 @@ run() {  # name, then nowdl plan arguments
   "$NOWDL" plan "$@" --mode estimate --device-spec h100 --out "experiments/$name.json"
 }
 ONLY=${1:-}
-# GEMS: ResNet-110-v2 on 1024x1024 pathology tiles, 4 GPUs
-run resnet110v2_1024_4gpu resnet110v2 --input 1x3x1024x1024 --gpus 4
+# GEMS: ResNet-110-v2 on 1024x1024 pathology tiles, model-parallel over 4 GPUs (the seeds' --split-size 4)
+run resnet110v2_1024_4gpu resnet110v2 --input 1x3x1024x1024 --gpus 4 --stages 4
 # now-dl: AmoebaNet-D at 2048x2048, 4 spatial parts in the first of 2 stages (the seeds' -np 5 run)
 run amoebanet_2048_sp4 amoebanet --input 1x3x2048x2048 --gpus 5 --stages 2 --spatial-parts 4 --spatial-stages 1 --slice square --dp 1 --replicas 1
-# the built-in UNet at 2048x2048 on 8 GPUs, balanced by memory (make demo)
-run unet_2048_8gpu_memory unet --input 1x3x2048x2048 --gpus 8 --balance memory
+# the built-in UNet at 2048x2048 in 8 pipeline stages, balanced by memory (make demo)
+run unet_2048_8gpu_memory unet --input 1x3x2048x2048 --gpus 8 --balance memory --stages 8
+# the same with nothing pinned: the search prefers dp 8 (the model fits one H100 at batch 1)
+run unet_2048_8gpu_searched unet --input 1x3x2048x2048 --gpus 8 --balance memory
 # a 16384x16384 UNet on 64 H100s (80 GiB each), estimate mode: spatial tiles are a must here
 run unet_16384_64gpu_h100 unet --input 1x3x16384x16384 --gpus 64 --balance memory --gpu-memory 80GiB
