@@ -77,7 +77,7 @@ class CompiledModel:
         self.progress = progress
         self._traced: dict[tuple[tuple[int, ...], ...], Traced] = {}
         self._plans: dict[tuple[tuple[int, ...], ...], Plan] = {}
-        self._split: Any = None
+        self._split: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
 
     # ---- steps of the compiler, each usable on its own ----------------------------------------
     def trace(self, *example_inputs: torch.Tensor) -> Traced:
@@ -168,10 +168,10 @@ class CompiledModel:
         """Run the plan's stages one after another in this process (same result as the model)."""
         from nowdl.codegen import split_stages
 
-        plan = self.plan(*inputs)
-        if self._split is None:
-            self._split = split_stages(self.trace(*inputs).gm, plan)
-        return self._split(*inputs)
+        key = tuple(tuple(x.shape) for x in inputs)
+        if key not in self._split:
+            self._split[key] = split_stages(self.trace(*inputs).gm, self.plan(*inputs))
+        return self._split[key](*inputs)
 
 
 def _spec_for_local_gpu() -> Any:

@@ -196,3 +196,35 @@ def test_bad_compile_arguments(kwargs: dict[str, object], needle: str) -> None:
 def test_pins_that_cannot_add_up() -> None:
     with pytest.raises(NowdlError, match="no configuration"):
         nowdl.compile(_small_unet(), gpus=4, stages=3, dp=1, replicas=1, spatial_parts=1).plan(torch.randn(1, 1, 32, 32))
+
+
+@pytest.mark.parametrize(
+    ("make", "shape", "kwargs"),
+    [
+        # UNet: spatial encoder and mirrored spatial decoder, with MASTER
+        (lambda: unet(in_channels=1, out_channels=2, depth=2, base_width=4), (1, 1, 64, 64),
+         {"gpus": 8, "spatial_parts": 2, "spatial_stages": 1, "replicas": 2, "dp": 1}),
+        # ResNet: spatial stem then pipeline stages, times data parallel
+        (lambda: resnet(depth=20, version=1), (1, 3, 64, 64),
+         {"gpus": 12, "spatial_parts": 4, "spatial_stages": 1, "stages": 3, "dp": 2, "replicas": 1}),
+        # 3D UNet cut into cubes
+        (lambda: unet(in_channels=1, out_channels=2, depth=2, base_width=4, spatial_dims=3), (1, 1, 32, 32, 32),
+         {"gpus": 8, "spatial_parts": 8, "slice": "cube", "dp": 1, "replicas": 1}),
+    ],
+)
+def test_combined_configurations(make: object, shape: tuple[int, ...], kwargs: dict[str, object]) -> None:
+    model = make()  # type: ignore[operator]
+    x = torch.randn(*shape)
+    cm = nowdl.compile(model, **kwargs)  # type: ignore[arg-type]
+    plan = cm.plan(x)
+    _check_plan(plan, int(kwargs["gpus"]))  # type: ignore[call-overload]
+    spatial = plan.config["spatial"]
+    assert spatial and spatial["parts"] == kwargs["spatial_parts"]
+    held = [(h["replica"], h["stage"], h["part"]) for r in plan.ranks for h in r.stages]
+    copies = plan.config["dp"] * plan.config["replicas"]
+    assert len(held) == copies * sum(s.parts for s in plan.stages), "every tile of every stage copy on one rank"
+    assert len(set((r.dp,) + h for r in plan.ranks for h in [tuple(x.values()) for x in r.stages])) == len(held)
+    split = split_stages(cm.trace(x).gm, plan)
+    model.eval()
+    split.eval()
+    assert torch.equal(split(x), model(x))
