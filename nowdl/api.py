@@ -247,6 +247,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
             "auto" (measure on CUDA, else estimate).
         device_spec: "v100", "a100", "h100", "h200", "cpu" or a JSON path.
         optimizer: "sgd", "momentum", "adam" or "adamw" (optimizer state memory).
+        time_limit: seconds the ILP may spend in total on the best few configurations; a
+            solve stopped by it reports status "feasible" and its gap.
 
     Returns:
         A CompiledModel; ``cm.plan(x)`` gives the Plan.

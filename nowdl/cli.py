@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--slice", choices=("vertical", "horizontal", "square", "depth", "cube"), help="tile shape (default square)")
     pp.add_argument("--replicas", type=int, choices=(1, 2), help="2: GEMS-MASTER mirrored second replica")
     pp.add_argument("--dp", type=int, help="pin the data-parallel degree")
-    pp.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds (default 30)")
+    pp.add_argument("--time-limit", type=float, default=30.0, help="total seconds the ILP may spend on the best configurations (default 30)")
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
     pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
 

@@ -112,10 +112,12 @@ def search(
     finalists = [c for _, _, c in sorted(fits)[:FINALISTS]] or [c for _, _, c in sorted(over)[:FINALISTS]]
     results: list[SearchResult] = []
     min_mem_seen = best_mem
-    for cand in finalists:
+    deadline = time.perf_counter() + req.time_limit  # one budget for all finalists' ILPs
+    for i, cand in enumerate(finalists):
         problem = build_problem(costs, cand, req.balance)
+        share = max(0.5, (deadline - time.perf_counter()) / (len(finalists) - i))
         try:
-            part = solve(problem, time_limit=req.time_limit)
+            part = solve(problem, time_limit=share)
         except InfeasibleError as e:
             log.info("candidate %s does not fit: %s", cand, e)
             continue
