@@ -78,6 +78,11 @@ class CompiledModel:
         self._traced: dict[tuple[tuple[int, ...], ...], Traced] = {}
         self._plans: dict[tuple[tuple[int, ...], ...], Plan] = {}
         self._split: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
+        self._trainer: Any = None
+        self.optimizer_factory: Any = None
+        self.loss_fn: Any = None
+        self.timeout_s = 300.0
+        self.backend: str | None = None
 
     # ---- steps of the compiler, each usable on its own ----------------------------------------
     def trace(self, *example_inputs: torch.Tensor) -> Traced:
@@ -164,6 +169,39 @@ class CompiledModel:
         self._plans[key] = plan
         return plan
 
+    # ---- training (the distributed runtime) -------------------------------------------------------
+    def _train(self) -> Any:
+        if self._trainer is None:
+            from nowdl.runtime.trainer import Trainer
+
+            self._trainer = Trainer(self, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
+                                    timeout_s=self.timeout_s, backend=self.backend)
+        return self._trainer
+
+    def train_step(self, x: Any, y: Any) -> float:
+        """One optimizer step on the global batch ``x``, ``y`` (every rank passes the same batch;
+        ranks that need no data may pass None once set up). Returns the mean loss on every rank."""
+        if self.loss_fn is None:
+            raise NowdlError("train_step needs a loss: nowdl.compile(model, ..., loss_fn=torch.nn.CrossEntropyLoss())")
+        return float(self._train().train_step(x, y))
+
+    def eval_step(self, x: Any) -> Any:
+        """Inference on the global batch: outputs on the ranks of the last stage, None elsewhere."""
+        return self._train().eval_step(x)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights under the original names, on rank 0."""
+        return dict(self._train().state_dict())
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self._train().load_state_dict(sd)
+
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        self._train().save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str], x: Any = None) -> None:
+        self._train().load_checkpoint(directory, x)
+
     def __call__(self, *inputs: torch.Tensor) -> Any:
         """Run the plan's stages one after another in this process (same result as the model)."""
         from nowdl.codegen import split_stages
@@ -172,6 +210,24 @@ class CompiledModel:
         if key not in self._split:
             self._split[key] = split_stages(self.trace(*inputs).gm, self.plan(*inputs))
         return self._split[key](*inputs)
+
+
+def _optimizer_kind(optimizer: Any) -> str:
+    """The optimizer-state family ("sgd", "momentum", "adam") of a name or a factory."""
+    if isinstance(optimizer, str):
+        return optimizer
+    if not callable(optimizer):
+        raise NowdlError(f"optimizer must be a name ('sgd', 'momentum', 'adam') or a callable "
+                         f"params -> torch.optim.Optimizer, got {type(optimizer).__name__}")
+    probe = optimizer([nn.Parameter(torch.zeros(1))])
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise NowdlError(f"the optimizer factory returned {type(probe).__name__}, not a torch.optim.Optimizer")
+    name = type(probe).__name__.lower()
+    if "adam" in name:
+        return "adam"
+    if any(g.get("momentum", 0) for g in probe.param_groups):
+        return "momentum"
+    return "sgd"
 
 
 def _spec_for_local_gpu() -> Any:
@@ -226,12 +282,15 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     mode: str = "auto",
     device: str | torch.device | None = None,
     device_spec: Any = None,
-    optimizer: str = "adam",
+    optimizer: Any = "adam",
+    loss_fn: Any = None,
     time_limit: float = 30.0,
     leaf_modules: Sequence[type | str] = (),
     tracer: str = "auto",
     cache: bool | str | os.PathLike[str] = True,
     progress: bool = True,
+    timeout_s: float = 300.0,
+    backend: str | None = None,
 ) -> CompiledModel:
     """Prepare ``model`` for ``gpus`` GPUs; plans lazily on the first example input.
 
@@ -246,7 +305,11 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         mode: "estimate" (no allocation, device_spec roofline), "measure" (real tensors), or
             "auto" (measure on CUDA, else estimate).
         device_spec: "v100", "a100", "h100", "h200", "cpu" or a JSON path.
-        optimizer: "sgd", "momentum", "adam" or "adamw" (optimizer state memory).
+        optimizer: "sgd", "momentum", "adam" or "adamw" (optimizer state memory), or a factory
+            ``params -> torch.optim.Optimizer`` used by ``train_step`` on each rank's parameters.
+        loss_fn: ``loss_fn(output, target)``, a mean over the micro-batch (for train_step).
+        timeout_s: how long any rank waits for a peer before failing (the peer is named).
+        backend: torch.distributed backend (default: nccl with CUDA, gloo on CPU).
         time_limit: seconds the ILP may spend in total on the best few configurations; a
             solve stopped by it reports status "feasible" and its gap.
 
@@ -279,9 +342,14 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         request = PlanRequest(gpus=gpus, balance=balance, stages=stages, micro_batches=micro_batches,
                               schedule=schedule, replicas=replicas, dp=dp, spatial_parts=spatial_parts,
                               spatial_stages=spatial_stages, slice=slice, gpu_memory=cap, time_limit=time_limit)
-    return CompiledModel(model, request=request, plan_path=plan_path, mode=mode, device=device,
-                         device_spec=device_spec, optimizer=optimizer, leaf_modules=leaf_modules,
-                         tracer=tracer, cache=cache, progress=progress)
+    cm = CompiledModel(model, request=request, plan_path=plan_path, mode=mode, device=device,
+                       device_spec=device_spec, optimizer=_optimizer_kind(optimizer), leaf_modules=leaf_modules,
+                       tracer=tracer, cache=cache, progress=progress)
+    cm.optimizer_factory = optimizer if callable(optimizer) else None
+    cm.loss_fn = loss_fn
+    cm.timeout_s = timeout_s
+    cm.backend = backend
+    return cm
 
 
 def profile_model(model: nn.Module, *example_inputs: torch.Tensor, mode: str = "auto",

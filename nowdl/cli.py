@@ -1,4 +1,4 @@
-"""The nowdl command line: profile | plan | show."""
+"""The nowdl command line: profile | plan | show | codegen."""
 
 from __future__ import annotations
 
@@ -123,6 +123,14 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
     pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
 
+    pc = sub.add_parser("codegen", help="write each stage of a saved plan as Python", epilog=_EPILOG_MODEL,
+                        description="Rebuild the plan's model, cut it into the plan's stages and write "
+                        "stage_<i>.py (and README.txt: which rank runs which file) into --out.")
+    pc.add_argument("plan", metavar="PLAN.json")
+    pc.add_argument("--out", metavar="DIR", required=True, help="folder for stage_<i>.py and README.txt")
+    pc.add_argument("--model", metavar="MODEL", help="the plan's model (default: the one `nowdl plan` recorded in it)")
+    pc.add_argument("--model-args", metavar="JSON", help="keyword arguments for --model, as a JSON object")
+
     pr = sub.add_parser("profile", help="print per-node costs of MODEL", epilog=_EPILOG_MODEL,
                         description="Trace and profile MODEL on one micro-batch; print the costliest nodes.")
     _add_model_args(pr)
@@ -134,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("show", help="print a saved plan", description="Validate and print a saved plan JSON file.")
     ps.add_argument("plan", metavar="PLAN.json")
     ps.add_argument("--nodes", action="store_true", help="list every stage's nodes")
+    ps.add_argument("--schedule", action="store_true",
+                    help="after the plan, draw its pipeline schedule (ranks x time steps)")
     return ap
 
 
@@ -165,6 +175,36 @@ def _print_profile(prof: Any, top: int, sort: str) -> None:
           f"{'':>10} {format_bytes(t['saved_bytes']):>10} {format_bytes(t['act_bytes']):>10} {format_bytes(t['param_bytes']):>10}")
 
 
+def _codegen(args: argparse.Namespace) -> int:
+    """`nowdl codegen`: rebuild the plan's model, check it is the planned one, write the stages."""
+    import nowdl
+    from nowdl.codegen import build_stages, write_sources
+    from nowdl.trace import trace
+
+    plan = nowdl.Plan.load(args.plan)
+    spec, margs = args.model, args.model_args
+    if spec is None:
+        src = plan.model.get("source")
+        if not isinstance(src, dict) or not isinstance(src.get("spec"), str):
+            raise NowdlError(
+                f"{args.plan} does not record how to build its model ({plan.model.get('name', '?')}): pass "
+                "--model MODEL [--model-args JSON], the same as given to `nowdl plan`"
+            )
+        spec, margs = src["spec"], json.dumps(src.get("args") or {})
+    elif margs is None:
+        src = plan.model.get("source")
+        if isinstance(src, dict) and src.get("spec") == spec:
+            margs = json.dumps(src.get("args") or {})
+    model, _, _ = resolve_model(spec, margs)
+    xs = tuple(torch.empty(shape, device="meta") for shape in plan.model["inputs"])
+    traced = trace(model, xs, tracer=str(plan.model.get("tracer", "auto")))
+    plan.check_model(traced.fingerprint)
+    paths = write_sources(build_stages(traced.gm, plan), plan, args.out)
+    for p in paths:
+        print(p)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `nowdl` console script; returns the exit status."""
     ap = _parser()
@@ -190,7 +230,14 @@ def _run(args: argparse.Namespace) -> int:
         if args.nodes:
             for s in plan.stages:
                 print(f"stage {s.index}: {' '.join(s.nodes)}")
+        if args.schedule:
+            from nowdl.runtime.schedule import format_plan_schedule
+
+            print()
+            print(format_plan_schedule(plan))
         return 0
+    if args.command == "codegen":
+        return _codegen(args)
     model, default, name = resolve_model(args.model, args.model_args)
     cache = not args.no_cache
     if args.command == "profile":
@@ -212,6 +259,7 @@ def _run(args: argparse.Namespace) -> int:
                        cache=cache)
     plan = cm.plan(x)
     plan.model["name"] = name
+    plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}
     if args.out:
         plan.save(args.out)
     print(plan.to_json() if args.json else plan)

@@ -42,12 +42,13 @@ class PlanRequest:
     slice: str | None = None
     gpu_memory: float | None = None  # bytes; None: the device's memory
     time_limit: float = 30.0
+    global_batch: int | None = None  # samples per optimizer step: micro-batch x m x replicas x dp must equal it
 
     def __post_init__(self) -> None:
         _pos_int("gpus", self.gpus, allow_none=False)
         if self.balance not in BALANCES:
             raise NowdlError(f"unknown balance {self.balance!r}: use 'memory' (smallest peak memory per GPU) or 'compute' (fastest stage time)")
-        for name in ("stages", "micro_batches", "replicas", "dp", "spatial_parts"):
+        for name in ("stages", "micro_batches", "replicas", "dp", "spatial_parts", "global_batch"):
             _pos_int(name, getattr(self, name))
         if self.spatial_stages is not None and (isinstance(self.spatial_stages, bool) or not isinstance(self.spatial_stages, int) or self.spatial_stages < 0):
             raise NowdlError(f"spatial_stages must be an integer >= 0, got {self.spatial_stages!r}")
@@ -104,10 +105,11 @@ class Candidate:
 
 
 def enumerate_candidates(req: PlanRequest, *, tileable_front: bool, tileable_back: bool,
-                         max_stages: int | None = None) -> Iterator[Candidate]:
+                         max_stages: int | None = None, micro_batch: int = 1) -> Iterator[Candidate]:
     """Every configuration consistent with ``req`` whose ranks add up to ``req.gpus``.
 
-    ``max_stages`` bounds the pipeline depth (a stage needs at least one node).
+    ``max_stages`` bounds the pipeline depth (a stage needs at least one node). With
+    ``req.global_batch``, only configurations with micro_batch x m x replicas x dp equal to it.
 
     Args:
         tileable_front: the model starts with ops that can run on tiles.
@@ -147,7 +149,12 @@ def enumerate_candidates(req: PlanRequest, *, tileable_front: bool, tileable_bac
                             continue
                         if front + back > k or (front and front + back == k and not tileable_back):
                             continue
-                        for m in mbs:
+                        ms = mbs
+                        if req.global_batch is not None:
+                            per = micro_batch * rep * dp
+                            m_fit = req.global_batch // per if req.global_batch % per == 0 else 0
+                            ms = [m_fit] if m_fit >= 1 and (not req.micro_batches or req.micro_batches == m_fit) else []
+                        for m in ms:
                             for sched in scheds:
                                 c = Candidate(k, m, sched, rep, dp, parts, front, back, slice_)
                                 if c.ranks_per_pipeline() == ranks and c not in seen:

@@ -91,7 +91,8 @@ def search(
     from nowdl.partitioner.solve import solve
 
     front, back = _tileable_ends(costs)
-    cands = list(enumerate_candidates(req, tileable_front=front, tileable_back=back, max_stages=_max_stages(costs)))
+    cands = list(enumerate_candidates(req, tileable_front=front, tileable_back=back, max_stages=_max_stages(costs),
+                                      micro_batch=_batch(costs)))
     if not cands:
         raise NowdlError(_no_candidate_message(req, front))
     fits: list[tuple[float, int, Candidate]] = []
@@ -134,7 +135,7 @@ def _max_stages(costs: Costs) -> int:
 
 
 def _no_candidate_message(req: PlanRequest, front: bool) -> str:
-    pins = {k: getattr(req, k) for k in ("stages", "dp", "replicas", "spatial_parts", "spatial_stages") if getattr(req, k)}
+    pins = {k: getattr(req, k) for k in ("stages", "dp", "replicas", "spatial_parts", "spatial_stages", "global_batch") if getattr(req, k)}
     why = ""
     if (req.spatial_parts or req.spatial_stages) and not front:
         why = " The model's first operation cannot run on image tiles, so no spatial stage is possible."

@@ -1,0 +1,287 @@
+"""The pipeline engine: runs one rank's schedule of forward/backward actions over torch.distributed.
+
+[Note: exactness] One optimizer step equals one step of single-device training that runs the
+same micro-batches with gradient accumulation: the global batch is cut into dp x replicas x m
+micro-batches in the order (dp copy, replica, micro-batch); each micro-batch's loss is scaled by
+1 / (dp x replicas x m) before backward, so the gradients summed over micro-batches, over the
+two MASTER replicas and over data-parallel copies (all-reduce SUM, never an average of
+averages) are exactly the gradient of the global mean loss. The reported loss is the mean of the
+unscaled micro-batch losses. BatchNorm sees each micro-batch alone, as the single-device
+reference does; running statistics update in micro-batch order.
+
+[Note: communication] Every rank knows from the plan which values it receives, from whom, with
+which shape: receives are posted for the whole step up front (irecv into buffers reused every
+step, no handshakes), sends are isend and waited at the end of the step. Every float value sent
+forward gets exactly one gradient back (zeros when the consumer did not need it), so both sides
+agree on the messages without asking. Tags are unique per (value, direction, replica, micro-batch).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nowdl.codegen.stage import StageModule
+from nowdl.errors import NowdlError
+from nowdl.partitioner.plan import Plan
+from nowdl.runtime.launch import wait
+from nowdl.runtime.schedule import Action, rank_actions
+
+__all__ = ["PipelineEngine", "Placement"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every (dp copy, replica, stage) lives: part-0 global rank of each."""
+
+    k: int
+    replicas: int
+    dp: int
+    where: dict[tuple[int, int, int], int]  # (dp, replica, stage) -> global rank
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> Placement:
+        where: dict[tuple[int, int, int], int] = {}
+        for r in plan.ranks:
+            for h in r.stages:
+                if h["part"] == 0:
+                    where[(r.dp, h["replica"], h["stage"])] = r.rank
+        return cls(k=len(plan.stages), replicas=int(plan.config["replicas"]), dp=int(plan.config["dp"]), where=where)
+
+    def rank_of(self, d: int, rep: int, stage: int) -> int:
+        return self.where[(d, rep, stage)]
+
+    def group_ranks(self, stage: int) -> list[int]:
+        """Every rank holding a copy of ``stage`` (all replicas and dp copies), sorted, unique."""
+        return sorted({self.where[(d, r, stage)] for d in range(self.dp) for r in range(self.replicas)})
+
+
+class PipelineEngine:
+    """Runs this rank's part of a plan: forward/backward actions, p2p, gradient sync, step.
+
+    Args:
+        plan: the Plan every rank uses.
+        stages: ``build_stages(gm, plan)`` on this rank (only the stages this rank holds are run).
+        rank: this process's global rank.
+        optimizer: builds the optimizer from this rank's parameters.
+        loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the micro-batch).
+        device: where this rank's stages run.
+        timeout_s: how long any receive may wait before the peer is declared dead.
+    """
+
+    def __init__(self, plan: Plan, stages: Sequence[StageModule], rank: int, *,
+                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                 device: torch.device, timeout_s: float = 300.0) -> None:
+        if any(s.parts > 1 for s in plan.stages):
+            raise NowdlError(
+                "this plan has spatial stages; running them needs the spatial runtime, which is not "
+                "built yet: re-plan with spatial_parts=1 (--spatial-parts 1)"
+            )
+        self.plan = plan
+        self.rank = rank
+        self.device = device
+        self.timeout_s = timeout_s
+        self.loss_fn = loss_fn
+        self.place = Placement.from_plan(plan)
+        self.m = int(plan.config["micro_batches"])
+        self.k = self.place.k
+        me = next((r for r in plan.ranks if r.rank == rank), None)
+        if me is None:
+            raise NowdlError(f"rank {rank} is not in the plan (ranks 0..{len(plan.ranks) - 1})")
+        self.dp_index = me.dp
+        self.held = sorted({(h["replica"], h["stage"]) for h in me.stages})
+        self.stages = {s.index: s for s in stages}
+        for _, s in self.held:
+            self.stages[s].module.to(device)
+        self.actions: list[Action] = rank_actions(plan, rank)
+        # one module per held stage; MASTER's two copies of the same stage on one rank share it
+        params: dict[int, nn.Parameter] = {}
+        for _, s in self.held:
+            for p in self.stages[s].module.parameters():
+                params[id(p)] = p
+        self.params = list(params.values())
+        self.optimizer = optimizer(self.params) if optimizer is not None and self.params else None
+        self._groups: dict[int, Any] = {}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            for s in range(self.k):  # every rank creates every group, in the same order
+                ranks = self.place.group_ranks(s)
+                g = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    self._groups[s] = g
+            self._sync_initial_weights()
+        self._value_ids = {name: i for i, name in enumerate(sorted(
+            {n for s in stages for n in list(s.inputs) + list(s.outputs)}))}
+        self._meta = {t.producer: (tuple(t.shape), getattr(torch, t.dtype.replace("torch.", ""))) for t in plan.tensors}
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def _sync_initial_weights(self) -> None:
+        """Every copy of a stage starts from the lowest rank's weights (they must be equal)."""
+        for s, g in self._groups.items():
+            if g is None:
+                continue
+            src = self.place.group_ranks(s)[0]
+            for t in list(self.stages[s].module.parameters()) + list(self.stages[s].module.buffers()):
+                with torch.no_grad():
+                    dist.broadcast(t.data, src=src, group=g)
+
+    def _tag(self, value: str, backward: bool, rep: int, mb: int) -> int:
+        return ((self._value_ids[value] * 2 + int(backward)) * self.place.replicas + rep) * self.m + mb
+
+    def _peer(self, rep: int, stage: int) -> int:
+        return self.place.rank_of(self.dp_index, rep, stage)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _chunks(self, batch: Any, total: int) -> list[Any]:
+        if batch is None:
+            return [None] * total
+        if isinstance(batch, torch.Tensor):
+            if batch.shape[0] % total:
+                raise NowdlError(
+                    f"the global batch of {batch.shape[0]} samples does not split into {total} micro-batches "
+                    f"(dp {self.place.dp} x replicas {self.place.replicas} x micro_batches {self.m}): "
+                    f"give a multiple of {total}"
+                )
+            return list(batch.chunk(total))
+        if isinstance(batch, (list, tuple)):
+            parts = [self._chunks(b, total) for b in batch]
+            return [type(batch)(p[i] for p in parts) for i in range(total)]
+        raise NowdlError(f"cannot split a batch of type {type(batch).__name__} into micro-batches: pass tensors")
+
+    def _local_chunks(self, batch: Any) -> dict[tuple[int, int], Any]:
+        total = self.place.dp * self.place.replicas * self.m
+        chunks = self._chunks(batch, total)
+        out = {}
+        for rep in range(self.place.replicas):
+            for i in range(self.m):
+                out[(rep, i)] = chunks[(self.dp_index * self.place.replicas + rep) * self.m + i]
+        return out
+
+    def run(self, x: Any, y: Any, *, train: bool = True) -> tuple[float, list[Any]]:
+        """Run one step (train: forward+backward+sync+step; else forward only).
+
+        Returns the mean loss over the global batch (every rank gets the same float; NaN when no
+        loss_fn) and the outputs of the micro-batches whose last stage runs here (eval).
+        """
+        xs = self._local_chunks(x)
+        ys = self._local_chunks(y)
+        scale = 1.0 / (self.place.dp * self.place.replicas * self.m)
+        if train and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        for _, s in self.held:
+            self.stages[s].module.train(train)
+        inputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        outputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        losses: dict[tuple[int, int], torch.Tensor] = {}
+        sends: list[tuple[Any, str]] = []
+        final: list[Any] = []
+        loss_sum = 0.0
+        for act in self.actions:
+            if act.kind == "B" and not train:
+                continue
+            key = (act.replica, act.stage, act.microbatch)
+            st = self.stages[act.stage]
+            if act.kind == "F":
+                ins = [self._get_input(st, name, act, xs[(act.replica, act.microbatch)], train) for name in st.inputs]
+                with torch.set_grad_enabled(train):
+                    outs = list(st.module(*ins))
+                inputs[key] = ins
+                outputs[key] = outs
+                for name, t in zip(st.outputs, outs, strict=True):
+                    for c in st.consumers.get(name, []):
+                        if c == self.k:  # the model output: the loss
+                            if self.loss_fn is not None and ys[(act.replica, act.microbatch)] is not None:
+                                loss = self.loss_fn(t, ys[(act.replica, act.microbatch)])
+                                losses[(act.replica, act.microbatch)] = loss
+                                loss_sum += float(loss.detach())
+                            if not train:
+                                final.append(t.detach())
+                        else:
+                            w = dist.isend(t.detach().contiguous(), dst=self._peer(act.replica, c),
+                                           tag=self._tag(name, False, act.replica, act.microbatch))
+                            sends.append((w, f"{name} to stage {c}"))
+                if not train:
+                    inputs.pop(key)
+                    outputs.pop(key)
+            else:
+                outs = outputs.pop(key)
+                ins = inputs.pop(key)
+                roots: list[torch.Tensor] = []
+                grads: list[torch.Tensor | None] = []
+                for name, t in zip(st.outputs, outs, strict=True):
+                    g: torch.Tensor | None = None
+                    for c in st.consumers.get(name, []):
+                        if c == self.k:
+                            continue
+                        if not t.is_floating_point():
+                            continue
+                        buf = torch.empty_like(t)
+                        work = dist.irecv(buf, src=self._peer(act.replica, c),
+                                          tag=self._tag(name, True, act.replica, act.microbatch))
+                        wait(work, timeout_s=self.timeout_s, what=f"gradient of {name} (stage {c})",
+                             peer=self._peer(act.replica, c))
+                        g = buf if g is None else g + buf
+                    if t.requires_grad and g is not None:
+                        roots.append(t)
+                        grads.append(g)
+                loss_t = losses.pop((act.replica, act.microbatch)) if (act.replica, act.microbatch) in losses else None
+                if loss_t is not None:
+                    roots.append(loss_t * scale)
+                    grads.append(None)
+                if roots:
+                    torch.autograd.backward(roots, grads)
+                for name, t in zip(st.inputs, ins, strict=True):
+                    p = st.producers[name]
+                    if p < 0 or not t.is_floating_point():
+                        continue
+                    g = t.grad if t.grad is not None else torch.zeros_like(t)
+                    w = dist.isend(g.contiguous(), dst=self._peer(act.replica, p),
+                                   tag=self._tag(name, True, act.replica, act.microbatch))
+                    sends.append((w, f"gradient of {name} to stage {p}"))
+        for w, what in sends:
+            wait(w, timeout_s=self.timeout_s, what=what, peer=None)
+        if train:
+            self._sync_grads()
+            if self.optimizer is not None:
+                self.optimizer.step()
+        return self._mean_loss(loss_sum), final
+
+    def _get_input(self, st: StageModule, name: str, act: Action, x: Any, train: bool) -> torch.Tensor:
+        p = st.producers[name]
+        if p < 0:
+            data = x if isinstance(x, torch.Tensor) else x[0]
+            return data.to(self.device)
+        shape, dtype = self._meta[name]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buf, src=self._peer(act.replica, p), tag=self._tag(name, False, act.replica, act.microbatch))
+        wait(work, timeout_s=self.timeout_s, what=f"{name} from stage {p}", peer=self._peer(act.replica, p))
+        if train and buf.is_floating_point():
+            buf.requires_grad_(True)
+        return buf
+
+    def _sync_grads(self) -> None:
+        for s, g in self._groups.items():
+            if g is None:
+                continue
+            for p in self.stages[s].module.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=g)
+
+    def _mean_loss(self, local_sum: float) -> float:
+        if self.loss_fn is None:
+            return float("nan")
+        total = self.place.dp * self.place.replicas * self.m
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return local_sum / total
+        t = torch.tensor([local_sum], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item()) / total

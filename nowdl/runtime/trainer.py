@@ -1,0 +1,226 @@
+"""The training API behind CompiledModel.train_step / eval_step / state_dict / checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nowdl.errors import NowdlError, PlanError
+from nowdl.partitioner.plan import Plan
+from nowdl.runtime.engine import PipelineEngine
+
+if TYPE_CHECKING:
+    from nowdl.api import CompiledModel
+
+__all__ = ["Trainer"]
+
+log = logging.getLogger(__name__)
+
+_CKPT_FORMAT = "nowdl.checkpoint"
+
+
+def _first_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
+        return x[0]
+    raise NowdlError(f"train_step/eval_step take a tensor (or a tuple of tensors) as x, got {type(x).__name__}")
+
+
+class Trainer:
+    """Owns this rank's engine; set up lazily on the first step (plans if needed)."""
+
+    def __init__(self, cm: CompiledModel, *, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, timeout_s: float = 300.0,
+                 backend: str | None = None) -> None:
+        self.cm = cm
+        self.optimizer_factory = optimizer
+        self.loss_fn = loss_fn
+        self.timeout_s = timeout_s
+        self.backend = backend
+        self.engine: PipelineEngine | None = None
+        self.plan: Plan | None = None
+        self.rank = 0
+        self.world = 1
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def _setup(self, x: Any) -> PipelineEngine:
+        if self.engine is not None:
+            return self.engine
+        from nowdl.codegen import build_stages
+        from nowdl.runtime.launch import init_distributed, launch_env
+
+        env = launch_env()
+        if env.world_size > 1 or dist.is_initialized():
+            init_distributed(backend=self.backend, timeout_s=self.timeout_s)
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        first = _first_tensor(x)
+        plan = self._plan_everywhere(first)
+        if plan.config["gpus"] != self.world:
+            raise NowdlError(
+                f"this plan needs {plan.config['gpus']} ranks (gpus) but the job has {self.world}: launch with "
+                f"torchrun --nproc-per-node {plan.config['gpus']} (or re-plan with gpus={self.world})"
+            )
+        per = plan.config["dp"] * plan.config["replicas"] * plan.config["micro_batches"]
+        mb = plan.model["inputs"][0][0]
+        if first.shape[0] != mb * per:
+            raise NowdlError(
+                f"the global batch has {first.shape[0]} samples but this plan takes {mb * per} per step "
+                f"(micro-batch {mb} x micro_batches {plan.config['micro_batches']} x replicas "
+                f"{plan.config['replicas']} x dp {plan.config['dp']}): pass {mb * per} samples or re-plan"
+            )
+        example = tuple(t[:mb] for t in (x if isinstance(x, (list, tuple)) else (x,)))
+        traced = self.cm.trace(*example)
+        plan.check_model(traced.fingerprint, [list(t.shape) for t in example])
+        stages = build_stages(traced.gm, plan)
+        device = self._device()
+        self.plan = plan
+        self.engine = PipelineEngine(plan, stages, self.rank, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
+                                     device=device, timeout_s=self.timeout_s)
+        return self.engine
+
+    def _device(self) -> torch.device:
+        if self.cm.device is not None:
+            return torch.device(self.cm.device)
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _plan_everywhere(self, first: torch.Tensor) -> Plan:
+        """Rank 0 plans (or loads) and broadcasts the plan, so every rank runs the same one."""
+        if self.cm.plan_path is not None:
+            return Plan.load(self.cm.plan_path)
+        text: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                req = self.cm.request
+                if req is not None and req.global_batch is None:
+                    import dataclasses
+
+                    self.cm.request = dataclasses.replace(req, global_batch=int(first.shape[0]))
+                example = torch.empty((1,) + tuple(first.shape[1:]), dtype=first.dtype, device="meta")
+                text[0] = self.cm.plan(example).to_json()
+            except Exception as e:  # tell the other ranks, then fail here too
+                text[0] = {"error": f"{type(e).__name__}: {e}"}
+                if self.world > 1:
+                    dist.broadcast_object_list(text, src=0)
+                raise
+        if self.world > 1:
+            dist.broadcast_object_list(text, src=0)
+        if isinstance(text[0], dict):
+            raise NowdlError(f"rank 0 could not plan: {text[0]['error']}")
+        return Plan.from_json(str(text[0]), source="plan from rank 0")
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def train_step(self, x: Any, y: Any) -> float:
+        eng = self._setup(x)
+        loss, _ = eng.run(x, y, train=True)
+        return loss
+
+    def eval_step(self, x: Any) -> torch.Tensor | None:
+        """Outputs for the whole global batch on the ranks that run the last stage; None elsewhere."""
+        eng = self._setup(x)
+        _, outs = eng.run(x, None, train=False)
+        return torch.cat(outs) if outs else None
+
+    # ---- state -----------------------------------------------------------------------------------
+    def _owned(self) -> dict[str, torch.Tensor]:
+        """This rank's share of the model under original names (replica 0, dp copy 0 owners)."""
+        eng = self._require()
+        out: dict[str, torch.Tensor] = {}
+        if eng.dp_index != 0:
+            return out
+        for rep, s in eng.held:
+            if rep != 0:
+                continue
+            st = eng.stages[s]
+            local: dict[str, torch.Tensor] = dict(st.module.named_parameters())
+            local.update(dict(st.module.named_buffers()))
+            for name, orig in st.param_names.items():
+                out[orig] = local[name].detach().cpu().clone()
+        return out
+
+    def _require(self) -> PipelineEngine:
+        if self.engine is None:
+            raise NowdlError("the model has not run a step yet: call train_step or eval_step first "
+                             "(the plan and the stages are built on the first step)")
+        return self.engine
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state under its original names, on rank 0 ({} on other ranks)."""
+        mine = self._owned()
+        if self.world == 1:
+            return mine
+        parts: list[Any] = [None] * self.world if self.rank == 0 else []
+        dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
+        if self.rank != 0:
+            return {}
+        merged: dict[str, torch.Tensor] = {}
+        for p in parts:
+            merged.update(p)
+        return merged
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load original-name weights (every rank passes the same dict, or rank 0 and others {})."""
+        eng = self._require()
+        if self.world > 1:
+            box: list[Any] = [sd if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            sd = box[0]
+        for _, s in eng.held:
+            st = eng.stages[s]
+            local: dict[str, torch.Tensor] = dict(st.module.named_parameters())
+            local.update(dict(st.module.named_buffers()))
+            for name, orig in st.param_names.items():
+                if orig not in sd:
+                    raise NowdlError(f"state dict has no entry {orig!r} (stage {s}); it was saved from another model")
+                with torch.no_grad():
+                    local[name].copy_(sd[orig])
+
+    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
+        """Every rank writes its stages' weights, optimizer state and RNG state (atomically)."""
+        eng = self._require()
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        state = {
+            "format": _CKPT_FORMAT, "version": 1, "rank": self.rank, "world": self.world,
+            "fingerprint": eng.plan.fingerprint, "plan": eng.plan.to_dict(),
+            "modules": {s: eng.stages[s].module.state_dict() for _, s in eng.held},
+            "optimizer": eng.optimizer.state_dict() if eng.optimizer is not None else None,
+            "rng": torch.get_rng_state(),
+        }
+        tmp = d / f".rank{self.rank}.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, d / f"rank{self.rank}.pt")
+        if self.rank == 0:
+            (d / "nowdl-checkpoint.json").write_text(json.dumps({"format": _CKPT_FORMAT, "world": self.world,
+                                                                 "fingerprint": eng.plan.fingerprint}))
+        if self.world > 1:
+            dist.barrier()
+
+    def load_checkpoint(self, directory: str | os.PathLike[str], x: Any = None) -> None:
+        """Resume from ``save_checkpoint``; ``x`` (a batch) sets the engine up if no step ran yet."""
+        if self.engine is None:
+            if x is None:
+                raise NowdlError("load_checkpoint needs the engine: run a step first or pass a batch as x")
+            self._setup(x)
+        eng = self._require()
+        f = Path(directory) / f"rank{self.rank}.pt"
+        if not f.exists():
+            raise PlanError(f"checkpoint {str(f)!r} does not exist (saved with another world size?)")
+        state = torch.load(f, weights_only=False)
+        if state.get("format") != _CKPT_FORMAT or state.get("fingerprint") != eng.plan.fingerprint:
+            raise PlanError(f"{str(f)!r} is not a checkpoint of this model and plan")
+        for s, sd in state["modules"].items():
+            eng.stages[int(s)].module.load_state_dict(sd)
+        if eng.optimizer is not None and state["optimizer"] is not None:
+            eng.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])

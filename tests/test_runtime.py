@@ -1,0 +1,166 @@
+"""Exactness: distributed training equals single-process training on the same micro-batches.
+
+Each case trains 3 Adam steps with 2-4 gloo processes started by the test, and compares the loss
+of every step and every parameter with one process that runs the same micro-batches in the order
+(dp copy, replica, micro-batch) with gradient accumulation. BatchNorm running statistics are
+compared too when there is one copy of each stage (dp = replicas = 1); with several copies each
+copy's running statistics see only its own micro-batches, as with DistributedDataParallel.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_workers
+from torch import nn
+
+import nowdl
+
+STEPS = 3
+LR = 1e-2
+
+
+def _make(name: str) -> nn.Module:
+    """Test models without a bias directly before a norm layer: such a bias has a true gradient of
+    zero, so it only sees float round-off (~1e-9), which Adam's g / (sqrt(v) + eps) turns into
+    steps of about the learning rate: any two correct summation orders then disagree."""
+    torch.manual_seed(0)
+    if name == "monai_unet":
+        from monai.networks.nets import UNet
+
+        return UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2), num_res_units=1,
+                    bias=False)
+    if name == "resnet_bn":
+        return nowdl.models.resnet(depth=8, version=1, num_classes=3, width=4, conv_bias=False)
+    raise ValueError(name)
+
+
+def _data(name: str, total: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    if name == "monai_unet":
+        return torch.randn(total, 1, 16, 16, generator=g), torch.randn(total, 2, 16, 16, generator=g)
+    return torch.randn(total, 3, 16, 16, generator=g), torch.randint(0, 3, (total,), generator=g)
+
+
+def _loss(name: str) -> nn.Module:
+    return nn.MSELoss() if name == "monai_unet" else nn.CrossEntropyLoss()
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=LR)
+
+
+def _worker(rank: int, world: int, name: str, gpus: int, cfg: dict[str, Any], ckpt: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _make(name)
+    cm = nowdl.compile(model, gpus=gpus, spatial_parts=1, mode="estimate", optimizer=_adam, loss_fn=_loss(name),
+                       cache=False, progress=False, timeout_s=60, **cfg)
+    total = cfg["micro_batches"] * cfg.get("dp", 1) * cfg.get("replicas", 1)
+    losses = []
+    for step in range(STEPS):
+        x, y = _data(name, total, step)
+        losses.append(cm.train_step(x, y))
+        if ckpt is not None and step == 0:
+            cm.save_checkpoint(ckpt)
+    if ckpt is not None:  # resume from step 1 and redo steps 1..: must give the same run
+        cm2 = nowdl.compile(_make(name), gpus=gpus, spatial_parts=1, mode="estimate", optimizer=_adam,
+                            loss_fn=_loss(name), cache=False, progress=False, timeout_s=60, **cfg)
+        cm2.load_checkpoint(ckpt, _data(name, total, 0)[0])
+        again = [cm2.train_step(*_data(name, total, step)) for step in range(1, STEPS)]
+        assert again == losses[1:], (again, losses[1:])
+        sd2 = cm2.state_dict()
+        sd1 = cm.state_dict()
+        for k in sd1:
+            assert torch.equal(sd1[k], sd2[k]), k
+    return losses, cm.state_dict()
+
+
+def _reference(name: str, total: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _make(name).train()
+    opt = _adam(model.parameters())
+    loss_fn = _loss(name)
+    losses = []
+    for step in range(STEPS):
+        x, y = _data(name, total, step)
+        opt.zero_grad(set_to_none=True)
+        acc = 0.0
+        for xc, yc in zip(x.chunk(total), y.chunk(total), strict=True):
+            loss = loss_fn(model(xc), yc)
+            (loss / total).backward()
+            acc += float(loss.detach())
+        opt.step()
+        losses.append(acc / total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _compare(name: str, gpus: int, cfg: dict[str, Any], *, ckpt: str | None = None) -> None:
+    total = cfg["micro_batches"] * cfg.get("dp", 1) * cfg.get("replicas", 1)
+    results = run_workers(_worker, gpus, name, gpus, cfg, ckpt, timeout_s=240)
+    ref_losses, ref_sd = _reference(name, total)
+    losses, sd = results[0]
+    for r, (other_losses, _) in enumerate(results):
+        assert other_losses == losses, f"rank {r} reports another loss"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
+    one_copy = cfg.get("dp", 1) == 1 and cfg.get("replicas", 1) == 1
+    assert set(sd) == set(ref_sd)
+    for k, ref in ref_sd.items():
+        if not ref.is_floating_point() or (not one_copy and ("running" in k)):
+            continue
+        torch.testing.assert_close(sd[k], ref, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_pipeline_resnet_bn(schedule: str, m: int) -> None:
+    _compare("resnet_bn", 2, {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": m, "schedule": schedule})
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_monai_unet_long_skips(schedule: str) -> None:
+    _compare("monai_unet", 4, {"stages": 4, "dp": 1, "replicas": 1, "micro_batches": 4, "schedule": schedule})
+
+
+@pytest.mark.parametrize("name", ["resnet_bn", "monai_unet"])
+def test_master(name: str) -> None:
+    _compare(name, 2, {"stages": 2, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "1f1b"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet_bn", "monai_unet"])
+def test_pipeline_times_dp(name: str) -> None:
+    _compare(name, 4, {"stages": 2, "dp": 2, "replicas": 1, "micro_batches": 2, "schedule": "1f1b"})
+
+
+@pytest.mark.slow
+def test_master_times_dp() -> None:
+    _compare("resnet_bn", 4, {"stages": 2, "dp": 2, "replicas": 2, "micro_batches": 2, "schedule": "1f1b"})
+
+
+@pytest.mark.slow
+def test_master_odd_stages() -> None:
+    _compare("resnet_bn", 3, {"stages": 3, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "gpipe"})
+
+
+def test_checkpoint_resume_is_exact(tmp_path: Path) -> None:
+    _compare("resnet_bn", 2, {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": 2, "schedule": "1f1b"},
+             ckpt=str(tmp_path / "ckpt"))
+
+
+def _dies(rank: int, world: int, name: str) -> None:
+    model = _make(name)
+    cm = nowdl.compile(model, gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2, mode="estimate",
+                       optimizer=_adam, loss_fn=_loss(name), cache=False, progress=False, timeout_s=5)
+    x, y = _data(name, 2, 0)
+    cm.train_step(x, y)
+    if rank == 1:
+        os._exit(3)  # a rank dies between steps
+    cm.train_step(x, y)  # rank 0 must fail fast, naming rank 1
+
+
+def test_killed_rank_fails_fast() -> None:
+    with pytest.raises(AssertionError) as e:
+        run_workers(_dies, 2, "resnet_bn", timeout_s=90)
+    assert "rank 1" in str(e.value) or "peer 1" in str(e.value)
