@@ -70,7 +70,7 @@ class CompiledModel:
         self.mode = mode
         self.device = device
         self.device_spec = device_spec
-        self.optimizer = optimizer
+        self.optimizer_kind = optimizer
         self.leaf_modules = tuple(leaf_modules)
         self.tracer = tracer
         self.cache = cache
@@ -83,6 +83,8 @@ class CompiledModel:
         self.loss_fn: Any = None
         self.timeout_s = 300.0
         self.backend: str | None = None
+        self.precision = "fp32"
+        self.activation_checkpointing = False
 
     # ---- steps of the compiler, each usable on its own ----------------------------------------
     def trace(self, *example_inputs: torch.Tensor) -> Traced:
@@ -107,7 +109,7 @@ class CompiledModel:
         if mode == "measure" and any(x.device.type == "meta" for x in example_inputs):
             inputs = tuple(torch.randn(x.shape, dtype=x.dtype) for x in example_inputs)
         return _profile(t.gm, tuple(inputs), mode=mode, device=self.device, device_spec=self._spec_arg(),
-                        optimizer=self.optimizer, cache=self.cache, progress=self.progress,
+                        optimizer=self.optimizer_kind, cache=self.cache, progress=self.progress,
                         fingerprint=t.fingerprint)
 
     def _spec_arg(self) -> Any:
@@ -184,6 +186,13 @@ class CompiledModel:
         if self.loss_fn is None:
             raise NowdlError("train_step needs a loss: nowdl.compile(model, ..., loss_fn=torch.nn.CrossEntropyLoss())")
         return float(self._train().train_step(x, y))
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """This rank's optimizer (over the parameters of the stages it holds), for LR schedulers;
+        None before the first step."""
+        tr = self._trainer
+        return None if tr is None or tr.engine is None else tr.engine.optimizer
 
     def eval_step(self, x: Any) -> Any:
         """Inference on the global batch: outputs on the ranks of the last stage, None elsewhere."""
@@ -291,6 +300,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     progress: bool = True,
     timeout_s: float = 300.0,
     backend: str | None = None,
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
 ) -> CompiledModel:
     """Prepare ``model`` for ``gpus`` GPUs; plans lazily on the first example input.
 
@@ -310,6 +321,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         loss_fn: ``loss_fn(output, target)``, a mean over the micro-batch (for train_step).
         timeout_s: how long any rank waits for a peer before failing (the peer is named).
         backend: torch.distributed backend (default: nccl with CUDA, gloo on CPU).
+        precision: "fp32", "bf16" or "fp16" (autocast; fp16 with a loss scaler agreed by all ranks).
+        activation_checkpointing: recompute each stage's forward during its backward.
         time_limit: seconds the ILP may spend in total on the best few configurations; a
             solve stopped by it reports status "feasible" and its gap.
 
@@ -349,6 +362,12 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     cm.loss_fn = loss_fn
     cm.timeout_s = timeout_s
     cm.backend = backend
+    from nowdl.runtime.engine import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise NowdlError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    cm.precision = precision
+    cm.activation_checkpointing = bool(activation_checkpointing)
     return cm
 
 

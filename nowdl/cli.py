@@ -1,4 +1,4 @@
-"""The nowdl command line: profile | plan | show | codegen."""
+"""The nowdl command line: profile | plan | show | codegen | run."""
 
 from __future__ import annotations
 
@@ -139,6 +139,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="sort key (default time = fwd + bwd)")
     pr.add_argument("--out", metavar="FILE", help="save the profile JSON here")
 
+    from nowdl.runtime.run import add_run_arguments
+
+    prun = sub.add_parser("run", help="train (or evaluate) MODEL on synthetic or image-folder data",
+                          epilog=_EPILOG_MODEL + ". Launch with torchrun --nproc-per-node N -m nowdl run ...",
+                          description="Plan (or load a plan), then train or run inference for --steps steps on "
+                          "every rank of the job; rank 0 prints the loss and images/s of each step.")
+    add_run_arguments(prun)
+
     ps = sub.add_parser("show", help="print a saved plan", description="Validate and print a saved plan JSON file.")
     ps.add_argument("plan", metavar="PLAN.json")
     ps.add_argument("--nodes", action="store_true", help="list every stage's nodes")
@@ -238,6 +246,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "codegen":
         return _codegen(args)
+    if args.command == "run":
+        from nowdl.runtime.run import run_main
+
+        return run_main(args)
     model, default, name = resolve_model(args.model, args.model_args)
     cache = not args.no_cache
     if args.command == "profile":

@@ -164,3 +164,55 @@ def test_killed_rank_fails_fast() -> None:
     with pytest.raises(AssertionError) as e:
         run_workers(_dies, 2, "resnet_bn", timeout_s=90)
     assert "rank 1" in str(e.value) or "peer 1" in str(e.value)
+
+
+def _options_worker(rank: int, world: int, precision: str, ckpt: bool) -> list[float]:
+    model = _make("resnet_bn")
+    cm = nowdl.compile(model, gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2, mode="estimate",
+                       optimizer=_adam, loss_fn=_loss("resnet_bn"), cache=False, progress=False, timeout_s=60,
+                       precision=precision, activation_checkpointing=ckpt)
+    losses = []
+    for step in range(STEPS):
+        losses.append(cm.train_step(*_data("resnet_bn", 2, step)))
+        if step == 0:
+            assert cm.optimizer is not None
+            sched = torch.optim.lr_scheduler.StepLR(cm.optimizer, step_size=1, gamma=0.5)
+        sched.step()
+    assert cm.optimizer.param_groups[0]["lr"] == LR * 0.5**STEPS
+    return losses
+
+
+def _reference_with_halving_lr() -> list[float]:
+    model = _make("resnet_bn").train()
+    opt = _adam(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    out = []
+    for step in range(STEPS):
+        x, y = _data("resnet_bn", 2, step)
+        opt.zero_grad()
+        acc = 0.0
+        for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):
+            loss = _loss("resnet_bn")(model(xc), yc)
+            (loss / 2).backward()
+            acc += float(loss.detach())
+        opt.step()
+        sched.step()
+        out.append(acc / 2)
+    return out
+
+
+def test_activation_checkpointing_and_lr_scheduler_are_exact() -> None:
+    losses = run_workers(_options_worker, 2, "fp32", True, timeout_s=240)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference_with_halving_lr()), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_trains_close_to_fp32(precision: str) -> None:
+    losses = run_workers(_options_worker, 2, precision, False, timeout_s=240)[0]
+    ref = _reference_with_halving_lr()
+    assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(losses, ref, strict=True)), (losses, ref)
+
+
+def test_bad_precision() -> None:
+    with pytest.raises(nowdl.NowdlError, match="unknown precision"):
+        nowdl.compile(_make("resnet_bn"), gpus=1, precision="fp8")

@@ -18,6 +18,7 @@ agree on the messages without asking. Tags are unique per (value, direction, rep
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from nowdl.partitioner.plan import Plan
 from nowdl.runtime.launch import wait
 from nowdl.runtime.schedule import Action, rank_actions
 
-__all__ = ["PipelineEngine", "Placement"]
+__all__ = ["PipelineEngine", "Placement", "PRECISIONS"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +78,17 @@ class PipelineEngine:
         loss_fn: ``loss_fn(output, target) -> scalar`` (mean over the micro-batch).
         device: where this rank's stages run.
         timeout_s: how long any receive may wait before the peer is declared dead.
+        precision: "fp32", or "bf16"/"fp16" autocast (activations travel in that dtype; fp16
+            scales the loss and skips a step on every rank when any rank overflows).
+        checkpointing: recompute each stage's forward in its backward (less memory; BatchNorm
+            running statistics then update twice per micro-batch).
     """
 
     def __init__(self, plan: Plan, stages: Sequence[StageModule], rank: int, *,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 device: torch.device, timeout_s: float = 300.0) -> None:
+                 device: torch.device, timeout_s: float = 300.0, precision: str = "fp32",
+                 checkpointing: bool = False) -> None:
         if any(s.parts > 1 for s in plan.stages):
             raise NowdlError(
                 "this plan has spatial stages; running them needs the spatial runtime, which is not "
@@ -91,6 +99,15 @@ class PipelineEngine:
         self.device = device
         self.timeout_s = timeout_s
         self.loss_fn = loss_fn
+        if precision not in PRECISIONS:
+            raise NowdlError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+        self.precision = precision
+        self.comm_dtype: torch.dtype | None = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self._scaling = precision == "fp16"
+        self.loss_scale = 2.0**16 if self._scaling else 1.0
+        self._good_steps = 0
+        self.checkpointing = checkpointing
+        self._bufs: dict[tuple[Any, ...], torch.Tensor] = {}
         self.place = Placement.from_plan(plan)
         self.m = int(plan.config["micro_batches"])
         self.k = self.place.k
@@ -121,6 +138,8 @@ class PipelineEngine:
         self._value_ids = {name: i for i, name in enumerate(sorted(
             {n for s in stages for n in list(s.inputs) + list(s.outputs)}))}
         self._meta = {t.producer: (tuple(t.shape), getattr(torch, t.dtype.replace("torch.", ""))) for t in plan.tensors}
+        data = {n for st in stages for n, p in st.producers.items() if p < 0}
+        self._data_names = [n for n in plan.stages[0].nodes if n in data]
 
     # ---- set-up --------------------------------------------------------------------------------
     def _sync_initial_weights(self) -> None:
@@ -165,6 +184,55 @@ class PipelineEngine:
                 out[(rep, i)] = chunks[(self.dp_index * self.place.replicas + rep) * self.m + i]
         return out
 
+    # ---- receives: posted for the whole step up front into reused buffers ---------------------
+    def _expected_recvs(self, train: bool) -> list[tuple[tuple[Any, ...], int, int]]:
+        """(key, peer, tag) of every message this rank receives in one step, in program order."""
+        out: list[tuple[tuple[Any, ...], int, int]] = []
+        for act in self.actions:
+            st = self.stages[act.stage]
+            if act.kind == "F":
+                for name in st.inputs:
+                    p = st.producers[name]
+                    if p >= 0:
+                        out.append((("F", name, act.replica, act.microbatch), self._peer(act.replica, p),
+                                    self._tag(name, False, act.replica, act.microbatch)))
+            elif train:
+                for name in st.outputs:
+                    if not self._is_float(name):
+                        continue
+                    for c in st.consumers.get(name, []):
+                        if c < self.k:
+                            out.append((("B", name, c, act.replica, act.microbatch), self._peer(act.replica, c),
+                                        self._tag(name, True, act.replica, act.microbatch)))
+        return out
+
+    def _is_float(self, name: str) -> bool:
+        meta = self._meta.get(name)
+        return meta is None or meta[1].is_floating_point
+
+    def _buffer(self, key: tuple[Any, ...], name: str) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None:
+            shape, dtype = self._meta[name]
+            if dtype.is_floating_point:
+                dtype = self.comm_dtype or dtype
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            self._bufs[key] = buf
+        return buf
+
+    def _post_recvs(self, train: bool) -> dict[tuple[Any, ...], tuple[Any, int]]:
+        posted: dict[tuple[Any, ...], tuple[Any, int]] = {}
+        for key, peer, tag in self._expected_recvs(train):
+            work = dist.irecv(self._buffer(key, key[1]), src=peer, tag=tag)
+            posted[key] = (work, peer)
+        return posted
+
+    def _take(self, posted: dict[tuple[Any, ...], tuple[Any, int]], key: tuple[Any, ...], what: str) -> torch.Tensor:
+        work, peer = posted.pop(key)
+        wait(work, timeout_s=self.timeout_s, what=what, peer=peer)
+        return self._bufs[key]
+
+    # ---- one step ------------------------------------------------------------------------------
     def run(self, x: Any, y: Any, *, train: bool = True) -> tuple[float, list[Any]]:
         """Run one step (train: forward+backward+sync+step; else forward only).
 
@@ -174,14 +242,16 @@ class PipelineEngine:
         xs = self._local_chunks(x)
         ys = self._local_chunks(y)
         scale = 1.0 / (self.place.dp * self.place.replicas * self.m)
+        loss_scale = self.loss_scale if train else 1.0
         if train and self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         for _, s in self.held:
             self.stages[s].module.train(train)
+        posted = self._post_recvs(train)
         inputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         losses: dict[tuple[int, int], torch.Tensor] = {}
-        sends: list[tuple[Any, str]] = []
+        sends: list[tuple[Any, str, torch.Tensor]] = []
         final: list[Any] = []
         loss_sum = 0.0
         for act in self.actions:
@@ -190,24 +260,28 @@ class PipelineEngine:
             key = (act.replica, act.stage, act.microbatch)
             st = self.stages[act.stage]
             if act.kind == "F":
-                ins = [self._get_input(st, name, act, xs[(act.replica, act.microbatch)], train) for name in st.inputs]
-                with torch.set_grad_enabled(train):
-                    outs = list(st.module(*ins))
+                ins = [self._input(st, name, act, xs[(act.replica, act.microbatch)], train, posted) for name in st.inputs]
+                outs = self._forward(st, ins, train)
                 inputs[key] = ins
                 outputs[key] = outs
                 for name, t in zip(st.outputs, outs, strict=True):
                     for c in st.consumers.get(name, []):
                         if c == self.k:  # the model output: the loss
-                            if self.loss_fn is not None and ys[(act.replica, act.microbatch)] is not None:
-                                loss = self.loss_fn(t, ys[(act.replica, act.microbatch)])
+                            yi = ys[(act.replica, act.microbatch)]
+                            if self.loss_fn is not None and yi is not None:
+                                loss = self.loss_fn(t.float() if self.comm_dtype else t, yi.to(self.device))
                                 losses[(act.replica, act.microbatch)] = loss
                                 loss_sum += float(loss.detach())
                             if not train:
                                 final.append(t.detach())
                         else:
-                            w = dist.isend(t.detach().contiguous(), dst=self._peer(act.replica, c),
+                            msg = t.detach()
+                            if self.comm_dtype is not None and msg.is_floating_point():
+                                msg = msg.to(self.comm_dtype)
+                            msg = msg.contiguous()
+                            w = dist.isend(msg, dst=self._peer(act.replica, c),
                                            tag=self._tag(name, False, act.replica, act.microbatch))
-                            sends.append((w, f"{name} to stage {c}"))
+                            sends.append((w, f"{name} to stage {c}", msg))
                 if not train:
                     inputs.pop(key)
                     outputs.pop(key)
@@ -218,23 +292,19 @@ class PipelineEngine:
                 grads: list[torch.Tensor | None] = []
                 for name, t in zip(st.outputs, outs, strict=True):
                     g: torch.Tensor | None = None
-                    for c in st.consumers.get(name, []):
-                        if c == self.k:
-                            continue
-                        if not t.is_floating_point():
-                            continue
-                        buf = torch.empty_like(t)
-                        work = dist.irecv(buf, src=self._peer(act.replica, c),
-                                          tag=self._tag(name, True, act.replica, act.microbatch))
-                        wait(work, timeout_s=self.timeout_s, what=f"gradient of {name} (stage {c})",
-                             peer=self._peer(act.replica, c))
-                        g = buf if g is None else g + buf
+                    if self._is_float(name):
+                        for c in st.consumers.get(name, []):
+                            if c == self.k:
+                                continue
+                            buf = self._take(posted, ("B", name, c, act.replica, act.microbatch),
+                                             f"gradient of {name} from stage {c}")
+                            g = buf.to(t.dtype) if g is None else g + buf.to(t.dtype)
                     if t.requires_grad and g is not None:
                         roots.append(t)
                         grads.append(g)
                 loss_t = losses.pop((act.replica, act.microbatch)) if (act.replica, act.microbatch) in losses else None
                 if loss_t is not None:
-                    roots.append(loss_t * scale)
+                    roots.append(loss_t * (scale * loss_scale))
                     grads.append(None)
                 if roots:
                     torch.autograd.backward(roots, grads)
@@ -243,29 +313,41 @@ class PipelineEngine:
                     if p < 0 or not t.is_floating_point():
                         continue
                     g = t.grad if t.grad is not None else torch.zeros_like(t)
-                    w = dist.isend(g.contiguous(), dst=self._peer(act.replica, p),
+                    g = g.contiguous()
+                    w = dist.isend(g, dst=self._peer(act.replica, p),
                                    tag=self._tag(name, True, act.replica, act.microbatch))
-                    sends.append((w, f"gradient of {name} to stage {p}"))
-        for w, what in sends:
+                    sends.append((w, f"gradient of {name} to stage {p}", g))
+        for w, what, _ in sends:
             wait(w, timeout_s=self.timeout_s, what=what, peer=None)
         if train:
             self._sync_grads()
-            if self.optimizer is not None:
-                self.optimizer.step()
+            self._step()
         return self._mean_loss(loss_sum), final
 
-    def _get_input(self, st: StageModule, name: str, act: Action, x: Any, train: bool) -> torch.Tensor:
+    def _forward(self, st: StageModule, ins: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
+        with torch.set_grad_enabled(train), self._autocast():
+            if train and self.checkpointing and any(t.requires_grad for t in ins):
+                from torch.utils.checkpoint import checkpoint
+
+                return list(checkpoint(st.module, *ins, use_reentrant=False))
+            return list(st.module(*ins))
+
+    def _autocast(self) -> Any:
+        if self.comm_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.comm_dtype)
+
+    def _input(self, st: StageModule, name: str, act: Action, x: Any, train: bool,
+               posted: dict[tuple[Any, ...], tuple[Any, int]]) -> torch.Tensor:
         p = st.producers[name]
         if p < 0:
-            data = x if isinstance(x, torch.Tensor) else x[0]
+            data = x if isinstance(x, torch.Tensor) else x[self._data_names.index(name)]
             return data.to(self.device)
-        shape, dtype = self._meta[name]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, src=self._peer(act.replica, p), tag=self._tag(name, False, act.replica, act.microbatch))
-        wait(work, timeout_s=self.timeout_s, what=f"{name} from stage {p}", peer=self._peer(act.replica, p))
-        if train and buf.is_floating_point():
-            buf.requires_grad_(True)
-        return buf
+        buf = self._take(posted, ("F", name, act.replica, act.microbatch), f"{name} from stage {p}")
+        t = buf.detach()  # shares the reused buffer; the next step's receive overwrites it
+        if train and t.is_floating_point():
+            t.requires_grad_(True)
+        return t
 
     def _sync_grads(self) -> None:
         for s, g in self._groups.items():
@@ -275,6 +357,32 @@ class PipelineEngine:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=g)
+
+    def _step(self) -> None:
+        """Optimizer step; with fp16 loss scaling, every rank agrees to skip on an overflow."""
+        if self.optimizer is None and not self._scaling:
+            return
+        if self._scaling:
+            bad = torch.tensor([0.0], device=self.device)
+            for p in self.params:
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    bad.fill_(1.0)
+                    break
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if bad.item() > 0:
+                self.loss_scale /= 2.0
+                self._good_steps = 0
+                log.warning("fp16 overflow: step skipped on every rank, loss scale now %g", self.loss_scale)
+                return
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self.loss_scale)
+            self._good_steps += 1
+            if self._good_steps % 2000 == 0:
+                self.loss_scale *= 2.0
+        if self.optimizer is not None:
+            self.optimizer.step()
 
     def _mean_loss(self, local_sum: float) -> float:
         if self.loss_fn is None:

@@ -84,7 +84,8 @@ class Trainer:
         device = self._device()
         self.plan = plan
         self.engine = PipelineEngine(plan, stages, self.rank, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
-                                     device=device, timeout_s=self.timeout_s)
+                                     device=device, timeout_s=self.timeout_s, precision=self.cm.precision,
+                                     checkpointing=self.cm.activation_checkpointing)
         return self.engine
 
     def _device(self) -> torch.device:
