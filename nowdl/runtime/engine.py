@@ -9,6 +9,11 @@ averages) are exactly the gradient of the global mean loss. The reported loss is
 unscaled micro-batch losses. BatchNorm sees each micro-batch alone, as the single-device
 reference does; running statistics update in micro-batch order.
 
+[Note: gradient sync] After this rank's last backward of a stage, that stage's gradients are
+flattened into one bucket and all-reduced (SUM) asynchronously over every rank holding a copy of
+the stage (MASTER mirror and data-parallel copies), overlapping the rest of the backward; the
+optimizer steps once every bucket has arrived.
+
 [Note: communication] Every rank knows from the plan which values it receives, from whom, with
 which shape: receives are posted for the whole step up front (irecv into buffers reused every
 step, no handshakes), sends are isend and waited at the end of the step. Every float value sent
@@ -248,6 +253,11 @@ class PipelineEngine:
         for _, s in self.held:
             self.stages[s].module.train(train)
         posted = self._post_recvs(train)
+        b_left: dict[int, int] = {}
+        for a in self.actions:
+            if a.kind == "B":
+                b_left[a.stage] = b_left.get(a.stage, 0) + 1
+        pending: list[tuple[int, Any, torch.Tensor]] = []
         inputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         losses: dict[tuple[int, int], torch.Tensor] = {}
@@ -317,10 +327,15 @@ class PipelineEngine:
                     w = dist.isend(g, dst=self._peer(act.replica, p),
                                    tag=self._tag(name, True, act.replica, act.microbatch))
                     sends.append((w, f"gradient of {name} to stage {p}", g))
+                b_left[act.stage] -= 1
+                if b_left[act.stage] == 0:  # this stage's gradients are final here: reduce them now
+                    bucket = self._launch_sync(act.stage)
+                    if bucket is not None:
+                        pending.append(bucket)
         for w, what, _ in sends:
             wait(w, timeout_s=self.timeout_s, what=what, peer=None)
         if train:
-            self._sync_grads()
+            self._finish_sync(pending)
             self._step()
         return self._mean_loss(loss_sum), final
 
@@ -349,14 +364,33 @@ class PipelineEngine:
             t.requires_grad_(True)
         return t
 
-    def _sync_grads(self) -> None:
-        for s, g in self._groups.items():
-            if g is None:
-                continue
-            for p in self.stages[s].module.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=g)
+    def _launch_sync(self, stage: int) -> tuple[int, Any, torch.Tensor] | None:
+        """Start the all-reduce (SUM) of one stage's gradients as one flat bucket, asynchronously.
+
+        Called right after this rank's last backward of the stage, so it overlaps the backward
+        of any other stage this rank holds (MASTER) and the remaining sends.
+        """
+        g = self._groups.get(stage)
+        if g is None:
+            return None
+        grads: list[torch.Tensor] = []
+        for p in self.stages[stage].module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.reshape(-1))
+        flat = torch.cat(grads) if grads else torch.zeros(0, device=self.device)
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g, async_op=True)
+        return stage, work, flat
+
+    def _finish_sync(self, pending: list[tuple[int, Any, torch.Tensor]]) -> None:
+        for stage, work, flat in pending:
+            wait(work, timeout_s=self.timeout_s, what=f"gradient all-reduce of stage {stage}", peer=None)
+            offset = 0
+            for p in self.stages[stage].module.parameters():
+                n = p.numel()
+                if p.grad is not None:  # set by _launch_sync
+                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
 
     def _step(self) -> None:
         """Optimizer step; with fp16 loss scaling, every rank agrees to skip on an overflow."""
