@@ -216,3 +216,28 @@ def test_reduced_precision_trains_close_to_fp32(precision: str) -> None:
 def test_bad_precision() -> None:
     with pytest.raises(nowdl.NowdlError, match="unknown precision"):
         nowdl.compile(_make("resnet_bn"), gpus=1, precision="fp8")
+
+
+def test_pinned_micro_batches_of_several_samples() -> None:
+    """A batch of 8 with m=2, dp=1, replicas=1 pinned plans micro-batches of 4 samples."""
+    cfg = {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": 2, "schedule": "1f1b"}
+    results = run_workers(_worker_batch, 2, cfg, timeout_s=240)
+    assert results[0][1] == [4, 3, 16, 16]
+    ref_model = _make("resnet_bn").train()
+    opt = _adam(ref_model.parameters())
+    x, y = _data("resnet_bn", 8, 0)
+    opt.zero_grad()
+    acc = 0.0
+    for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):
+        loss = _loss("resnet_bn")(ref_model(xc), yc)
+        (loss / 2).backward()
+        acc += float(loss.detach())
+    assert abs(results[0][0] - acc / 2) <= 1e-5 * abs(acc / 2)
+
+
+def _worker_batch(rank: int, world: int, cfg: dict[str, Any]) -> tuple[float, list[int]]:
+    cm = nowdl.compile(_make("resnet_bn"), gpus=2, spatial_parts=1, mode="estimate", optimizer=_adam,
+                       loss_fn=_loss("resnet_bn"), cache=False, progress=False, timeout_s=60, **cfg)
+    loss = cm.train_step(*_data("resnet_bn", 8, 0))
+    assert cm._trainer.plan is not None
+    return loss, cm._trainer.plan.model["inputs"][0]

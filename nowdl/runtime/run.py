@@ -4,10 +4,17 @@ Launched like any torch.distributed job, every rank runs the same command::
 
     torchrun --nproc-per-node 4 -m nowdl run resnet --input 3x1024x1024 --batch-size 8 --steps 10
 
-Every rank seeds torch with ``--seed`` before building the model (so the weights agree), calls
-``nowdl.compile(model, gpus=WORLD_SIZE, <the pinned options>, mode="estimate")`` and trains on the
-same global batch; the trainer plans on rank 0 and broadcasts the plan (or, given a plan JSON
-as MODEL, every rank loads it and the model is rebuilt from the plan's recorded source).
+Every rank seeds torch with ``--seed`` before building the model (so the weights agree) and trains
+on the same global batch. Rank 0 plans (``nowdl.compile(model, gpus=WORLD_SIZE, <the pinned
+options>, spatial_parts=1, mode="estimate")``) and broadcasts the plan JSON, which every rank then
+runs (``nowdl.compile(model, plan=...)``); a planning error is reported by every rank. Given a plan
+JSON as MODEL, every rank loads it and rebuilds the model from the plan's recorded source.
+
+``--batch-size`` is the GLOBAL batch of a step. When ``--micro-batches``, ``--replicas`` and
+``--dp`` are all pinned, a micro-batch is ``batch / (micro-batches x replicas x dp)`` samples;
+otherwise it is one sample and the planner picks a configuration whose micro-batches x replicas
+x dp equals the batch. ``--precision`` is passed to ``nowdl.compile`` when it takes one
+(fp32 only otherwise).
 
 The loss is cross-entropy: against one integer label per sample when the model's output is
 ``(N, C)`` logits, against an integer label map of the output's spatial shape when the output
@@ -521,6 +528,7 @@ def _plan_on_rank0(model: nn.Module, args: argparse.Namespace, rank: int, world:
     import nowdl
 
     box: dict[str, str] | None = None
+    failure: Exception | None = None
     if rank == 0:
         try:
             planner = nowdl.compile(model, gpus=world, balance=args.balance, stages=args.stages,
@@ -533,11 +541,14 @@ def _plan_on_rank0(model: nn.Module, args: argparse.Namespace, rank: int, world:
             plan = planner.plan(torch.empty((micro_batch, *src.sample_shape), device="meta"))
             plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
             box = {"plan": plan.to_json()}
-        except NowdlError as e:
-            box = {"error": str(e), "kind": type(e).__name__}
+        except Exception as e:  # tell the other ranks (they would wait for the plan), then fail here too
+            failure = e
+            box = {"error": str(e) if isinstance(e, NowdlError) else f"{type(e).__name__}: {e}"}
     box = _broadcast(box, world)
     assert box is not None
     if "error" in box:
+        if failure is not None and not isinstance(failure, NowdlError):
+            raise failure
         raise NowdlError(box["error"] if rank == 0 else f"rank 0 could not plan: {box['error']}")
     return box["plan"]
 

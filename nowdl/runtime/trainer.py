@@ -103,11 +103,19 @@ class Trainer:
         if self.rank == 0:
             try:
                 req = self.cm.request
+                n = int(first.shape[0])
+                b = 1  # micro-batch size: one sample, unless m, replicas and dp are all pinned
+                if req is not None and req.micro_batches and req.replicas and req.dp:
+                    per = req.micro_batches * req.replicas * req.dp
+                    if n % per:
+                        raise NowdlError(f"the global batch of {n} samples does not split into micro_batches "
+                                         f"{req.micro_batches} x replicas {req.replicas} x dp {req.dp} = {per}")
+                    b = n // per
                 if req is not None and req.global_batch is None:
                     import dataclasses
 
-                    self.cm.request = dataclasses.replace(req, global_batch=int(first.shape[0]))
-                example = torch.empty((1,) + tuple(first.shape[1:]), dtype=first.dtype, device="meta")
+                    self.cm.request = dataclasses.replace(req, global_batch=n)
+                example = torch.empty((b,) + tuple(first.shape[1:]), dtype=first.dtype, device="meta")
                 text[0] = self.cm.plan(example).to_json()
             except Exception as e:  # tell the other ranks, then fail here too
                 text[0] = {"error": f"{type(e).__name__}: {e}"}
