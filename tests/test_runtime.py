@@ -241,3 +241,22 @@ def _worker_batch(rank: int, world: int, cfg: dict[str, Any]) -> tuple[float, li
     loss = cm.train_step(*_data("resnet_bn", 8, 0))
     assert cm._trainer.plan is not None
     return loss, cm._trainer.plan.model["inputs"][0]
+
+
+def _load_worker(rank: int, world: int) -> dict[str, torch.Tensor]:
+    cm = nowdl.compile(_make("resnet_bn"), gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2,
+                       mode="estimate", optimizer=_adam, loss_fn=_loss("resnet_bn"), cache=False, progress=False)
+    cm.train_step(*_data("resnet_bn", 2, 0))
+    torch.manual_seed(123)
+    other = nowdl.models.resnet(depth=8, version=1, num_classes=3, width=4, conv_bias=False).state_dict()
+    cm.load_state_dict(other if rank == 0 else {})  # rank 0's dict is broadcast
+    return cm.state_dict()
+
+
+def test_load_state_dict_under_original_names() -> None:
+    got = run_workers(_load_worker, 2, timeout_s=240)[0]
+    torch.manual_seed(123)
+    want = nowdl.models.resnet(depth=8, version=1, num_classes=3, width=4, conv_bias=False).state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

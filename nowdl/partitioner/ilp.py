@@ -751,7 +751,10 @@ def solve_ilp(
     warm = warm_start and dp_part is not None
     if warm and dp_part is not None:
         model.set_values(problem, dp_part.stage_of)
-    run = _run(name, model, time_limit - (time.perf_counter() - t0), threads, mip_gap, warm)
+    # leave a margin for reading the solution back and the tie-break check, so the whole
+    # call returns within time_limit
+    margin = min(1.0, 0.03 * time_limit)
+    run = _run(name, model, max(0.05, time_limit - margin - (time.perf_counter() - t0)), threads, mip_gap, warm)
     log.info("ilp: %s primary solve: %s (%s) in %.2f s, gap %.3g", name, run.state,
              run.detail, run.seconds, run.gap)
     if run.state == "infeasible":
