@@ -267,6 +267,7 @@ class PipelineEngine:
         for act in self.actions:
             if act.kind == "B" and not train:
                 continue
+            sends = self._release_done(sends)
             key = (act.replica, act.stage, act.microbatch)
             st = self.stages[act.stage]
             if act.kind == "F":
@@ -338,6 +339,18 @@ class PipelineEngine:
             self._finish_sync(pending)
             self._step()
         return self._mean_loss(loss_sum), final
+
+    def _release_done(self, sends: list[tuple[Any, str, torch.Tensor]]) -> list[tuple[Any, str, torch.Tensor]]:
+        """Drop completed sends: a gloo send keeps its tensor alive until its Work object goes,
+        so holding them to the end of the step would keep every micro-batch's messages (1F1B
+        memory would grow with m)."""
+        left = []
+        for item in sends:
+            if item[0] is not None and item[0].is_completed():
+                wait(item[0], timeout_s=self.timeout_s, what=item[1], peer=None)  # raises if it failed
+            else:
+                left.append(item)
+        return left
 
     def _forward(self, st: StageModule, ins: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
         with torch.set_grad_enabled(train), self._autocast():
