@@ -15,8 +15,9 @@ the stage (MASTER mirror and data-parallel copies), overlapping the rest of the 
 optimizer steps once every bucket has arrived.
 
 [Note: communication] Every rank knows from the plan which values it receives, from whom, with
-which shape: receives are posted for the whole step up front (irecv into buffers reused every
-step, no handshakes), sends are isend and waited at the end of the step. Every float value sent
+which shape: each receive is posted LOOKAHEAD actions before the action that needs it, into a
+buffer from a pool reused across micro-batches and steps (no handshakes; live buffers stay
+bounded by the micro-batches in flight, as 1F1B intends), sends are isend and waited at the end of the step. Every float value sent
 forward gets exactly one gradient back (zeros when the consumer did not need it), so both sides
 agree on the messages without asking. Tags are unique per (value, direction, replica, micro-batch).
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +43,16 @@ from nowdl.runtime.schedule import Action, rank_actions
 __all__ = ["PipelineEngine", "Placement", "PRECISIONS"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+LOOKAHEAD = 2  # receives are posted this many actions ahead of the action that needs them
+
+
+@dataclass
+class _StepReceives:
+    """The receives of one step: per action, what it needs; what is posted so far."""
+
+    per_action: list[list[tuple[tuple[Any, ...], int, int, str]]]
+    next_action: int = 0
+    posted: dict[tuple[Any, ...], tuple[Any, int, torch.Tensor]] = field(default_factory=dict)
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +123,7 @@ class PipelineEngine:
         self.loss_scale = 2.0**16 if self._scaling else 1.0
         self._good_steps = 0
         self.checkpointing = checkpointing
-        self._bufs: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self.place = Placement.from_plan(plan)
         self.m = int(plan.config["micro_batches"])
         self.k = self.place.k
@@ -189,53 +200,58 @@ class PipelineEngine:
                 out[(rep, i)] = chunks[(self.dp_index * self.place.replicas + rep) * self.m + i]
         return out
 
-    # ---- receives: posted for the whole step up front into reused buffers ---------------------
-    def _expected_recvs(self, train: bool) -> list[tuple[tuple[Any, ...], int, int]]:
-        """(key, peer, tag) of every message this rank receives in one step, in program order."""
-        out: list[tuple[tuple[Any, ...], int, int]] = []
+    # ---- receives: posted a few actions ahead into pooled buffers -------------------------------
+    def _expected_recvs(self, train: bool) -> list[list[tuple[tuple[Any, ...], int, int, str]]]:
+        """For each action of this rank: (key, peer, tag, value) of every message it receives."""
+        out: list[list[tuple[tuple[Any, ...], int, int, str]]] = []
         for act in self.actions:
             st = self.stages[act.stage]
+            mine: list[tuple[tuple[Any, ...], int, int, str]] = []
             if act.kind == "F":
                 for name in st.inputs:
                     p = st.producers[name]
                     if p >= 0:
-                        out.append((("F", name, act.replica, act.microbatch), self._peer(act.replica, p),
-                                    self._tag(name, False, act.replica, act.microbatch)))
+                        mine.append((("F", name, act.replica, act.microbatch), self._peer(act.replica, p),
+                                     self._tag(name, False, act.replica, act.microbatch), name))
             elif train:
                 for name in st.outputs:
                     if not self._is_float(name):
                         continue
                     for c in st.consumers.get(name, []):
                         if c < self.k:
-                            out.append((("B", name, c, act.replica, act.microbatch), self._peer(act.replica, c),
-                                        self._tag(name, True, act.replica, act.microbatch)))
+                            mine.append((("B", name, c, act.replica, act.microbatch), self._peer(act.replica, c),
+                                         self._tag(name, True, act.replica, act.microbatch), name))
+            out.append(mine)
         return out
 
     def _is_float(self, name: str) -> bool:
         meta = self._meta.get(name)
         return meta is None or meta[1].is_floating_point
 
-    def _buffer(self, key: tuple[Any, ...], name: str) -> torch.Tensor:
-        buf = self._bufs.get(key)
-        if buf is None:
-            shape, dtype = self._meta[name]
-            if dtype.is_floating_point:
-                dtype = self.comm_dtype or dtype
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
-            self._bufs[key] = buf
-        return buf
+    def _alloc(self, name: str) -> torch.Tensor:
+        shape, dtype = self._meta[name]
+        if dtype.is_floating_point:
+            dtype = self.comm_dtype or dtype
+        free = self._pool.get((shape, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
-    def _post_recvs(self, train: bool) -> dict[tuple[Any, ...], tuple[Any, int]]:
-        posted: dict[tuple[Any, ...], tuple[Any, int]] = {}
-        for key, peer, tag in self._expected_recvs(train):
-            work = dist.irecv(self._buffer(key, key[1]), src=peer, tag=tag)
-            posted[key] = (work, peer)
-        return posted
+    def _release(self, buf: torch.Tensor) -> None:
+        self._pool.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
 
-    def _take(self, posted: dict[tuple[Any, ...], tuple[Any, int]], key: tuple[Any, ...], what: str) -> torch.Tensor:
-        work, peer = posted.pop(key)
+    def _post_upto(self, rx: _StepReceives, idx: int) -> None:
+        """Post the receives of actions up to ``idx + LOOKAHEAD`` (in program order)."""
+        while rx.next_action < len(rx.per_action) and rx.next_action <= idx + LOOKAHEAD:
+            for key, peer, tag, name in rx.per_action[rx.next_action]:
+                buf = self._alloc(name)
+                rx.posted[key] = (dist.irecv(buf, src=peer, tag=tag), peer, buf)
+            rx.next_action += 1
+
+    def _take(self, rx: _StepReceives, key: tuple[Any, ...], what: str) -> torch.Tensor:
+        work, peer, buf = rx.posted.pop(key)
         wait(work, timeout_s=self.timeout_s, what=what, peer=peer)
-        return self._bufs[key]
+        return buf
 
     # ---- one step ------------------------------------------------------------------------------
     def run(self, x: Any, y: Any, *, train: bool = True) -> tuple[float, list[Any]]:
@@ -252,7 +268,8 @@ class PipelineEngine:
             self.optimizer.zero_grad(set_to_none=True)
         for _, s in self.held:
             self.stages[s].module.train(train)
-        posted = self._post_recvs(train)
+        rx = _StepReceives(self._expected_recvs(train))
+        held_bufs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         b_left: dict[int, int] = {}
         for a in self.actions:
             if a.kind == "B":
@@ -264,14 +281,18 @@ class PipelineEngine:
         sends: list[tuple[Any, str, torch.Tensor]] = []
         final: list[Any] = []
         loss_sum = 0.0
-        for act in self.actions:
+        for idx, act in enumerate(self.actions):
             if act.kind == "B" and not train:
                 continue
+            self._post_upto(rx, idx)
             sends = self._release_done(sends)
             key = (act.replica, act.stage, act.microbatch)
             st = self.stages[act.stage]
             if act.kind == "F":
-                ins = [self._input(st, name, act, xs[(act.replica, act.microbatch)], train, posted) for name in st.inputs]
+                bufs: list[torch.Tensor] = []
+                ins = [self._input(st, name, act, xs[(act.replica, act.microbatch)], train, rx, bufs)
+                       for name in st.inputs]
+                held_bufs[key] = bufs
                 outs = self._forward(st, ins, train)
                 inputs[key] = ins
                 outputs[key] = outs
@@ -296,19 +317,23 @@ class PipelineEngine:
                 if not train:
                     inputs.pop(key)
                     outputs.pop(key)
+                    for b in held_bufs.pop(key):
+                        self._release(b)
             else:
                 outs = outputs.pop(key)
                 ins = inputs.pop(key)
                 roots: list[torch.Tensor] = []
                 grads: list[torch.Tensor | None] = []
+                grad_bufs: list[torch.Tensor] = []
                 for name, t in zip(st.outputs, outs, strict=True):
                     g: torch.Tensor | None = None
                     if self._is_float(name):
                         for c in st.consumers.get(name, []):
                             if c == self.k:
                                 continue
-                            buf = self._take(posted, ("B", name, c, act.replica, act.microbatch),
+                            buf = self._take(rx, ("B", name, c, act.replica, act.microbatch),
                                              f"gradient of {name} from stage {c}")
+                            grad_bufs.append(buf)
                             g = buf.to(t.dtype) if g is None else g + buf.to(t.dtype)
                     if t.requires_grad and g is not None:
                         roots.append(t)
@@ -319,6 +344,9 @@ class PipelineEngine:
                     grads.append(None)
                 if roots:
                     torch.autograd.backward(roots, grads)
+                del grads
+                for b in grad_bufs + held_bufs.pop(key, []):  # consumed: back to the pool
+                    self._release(b)
                 for name, t in zip(st.inputs, ins, strict=True):
                     p = st.producers[name]
                     if p < 0 or not t.is_floating_point():
@@ -366,13 +394,14 @@ class PipelineEngine:
         return torch.autocast(device_type=self.device.type, dtype=self.comm_dtype)
 
     def _input(self, st: StageModule, name: str, act: Action, x: Any, train: bool,
-               posted: dict[tuple[Any, ...], tuple[Any, int]]) -> torch.Tensor:
+               rx: _StepReceives, bufs: list[torch.Tensor]) -> torch.Tensor:
         p = st.producers[name]
         if p < 0:
             data = x if isinstance(x, torch.Tensor) else x[self._data_names.index(name)]
             return data.to(self.device)
-        buf = self._take(posted, ("F", name, act.replica, act.microbatch), f"{name} from stage {p}")
-        t = buf.detach()  # shares the reused buffer; the next step's receive overwrites it
+        buf = self._take(rx, ("F", name, act.replica, act.microbatch), f"{name} from stage {p}")
+        bufs.append(buf)  # back to the pool after this micro-batch's backward
+        t = buf.detach()  # shares the pooled buffer
         if train and t.is_floating_point():
             t.requires_grad_(True)
         return t
