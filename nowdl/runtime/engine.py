@@ -124,6 +124,8 @@ class PipelineEngine:
         self._good_steps = 0
         self.checkpointing = checkpointing
         self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._sent_at: dict[tuple[Any, ...], int] = {}  # receive key -> sender's action index
+        self._peer_done: dict[int, int] = {}  # peer -> last action index known to have run (this step)
         self.place = Placement.from_plan(plan)
         self.m = int(plan.config["micro_batches"])
         self.k = self.place.k
@@ -136,6 +138,7 @@ class PipelineEngine:
         for _, s in self.held:
             self.stages[s].module.to(device)
         self.actions: list[Action] = rank_actions(plan, rank)
+        self._programs: dict[int, dict[tuple[str, int, int, int], int]] = {}
         # one module per held stage; MASTER's two copies of the same stage on one rank share it
         params: dict[int, nn.Parameter] = {}
         for _, s in self.held:
@@ -174,6 +177,14 @@ class PipelineEngine:
     def _peer(self, rep: int, stage: int) -> int:
         return self.place.rank_of(self.dp_index, rep, stage)
 
+    def _index(self, peer: int, kind: str, stage: int, mb: int, rep: int) -> int:
+        """Where (kind, stage, micro-batch, replica) sits in ``peer``'s program for one step."""
+        prog = self._programs.get(peer)
+        if prog is None:
+            prog = {(a.kind, a.stage, a.microbatch, a.replica): i for i, a in enumerate(rank_actions(self.plan, peer))}
+            self._programs[peer] = prog
+        return prog[(kind, stage, mb, rep)]
+
     # ---- one step ------------------------------------------------------------------------------
     def _chunks(self, batch: Any, total: int) -> list[Any]:
         if batch is None:
@@ -211,16 +222,22 @@ class PipelineEngine:
                 for name in st.inputs:
                     p = st.producers[name]
                     if p >= 0:
-                        mine.append((("F", name, act.replica, act.microbatch), self._peer(act.replica, p),
+                        q = self._peer(act.replica, p)
+                        mine.append((("F", name, act.replica, act.microbatch), q,
                                      self._tag(name, False, act.replica, act.microbatch), name))
+                        self._sent_at[("F", name, act.replica, act.microbatch)] = self._index(
+                            q, "F", p, act.microbatch, act.replica)
             elif train:
                 for name in st.outputs:
                     if not self._is_float(name):
                         continue
                     for c in st.consumers.get(name, []):
                         if c < self.k:
-                            mine.append((("B", name, c, act.replica, act.microbatch), self._peer(act.replica, c),
+                            q = self._peer(act.replica, c)
+                            mine.append((("B", name, c, act.replica, act.microbatch), q,
                                          self._tag(name, True, act.replica, act.microbatch), name))
+                            self._sent_at[("B", name, c, act.replica, act.microbatch)] = self._index(
+                                q, "B", c, act.microbatch, act.replica)
             out.append(mine)
         return out
 
@@ -251,6 +268,8 @@ class PipelineEngine:
     def _take(self, rx: _StepReceives, key: tuple[Any, ...], what: str) -> torch.Tensor:
         work, peer, buf = rx.posted.pop(key)
         wait(work, timeout_s=self.timeout_s, what=what, peer=peer)
+        # the peer has run its program up to the action that sent this message
+        self._peer_done[peer] = max(self._peer_done.get(peer, -1), self._sent_at[key])
         return buf
 
     # ---- one step ------------------------------------------------------------------------------
@@ -278,7 +297,8 @@ class PipelineEngine:
         inputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         losses: dict[tuple[int, int], torch.Tensor] = {}
-        sends: list[tuple[Any, str, torch.Tensor]] = []
+        sends: list[tuple[Any, str, torch.Tensor, int, int]] = []  # work, what, tensor, peer, its action
+        self._peer_done = {}
         final: list[Any] = []
         loss_sum = 0.0
         for idx, act in enumerate(self.actions):
@@ -311,9 +331,10 @@ class PipelineEngine:
                             if self.comm_dtype is not None and msg.is_floating_point():
                                 msg = msg.to(self.comm_dtype)
                             msg = msg.contiguous()
-                            w = dist.isend(msg, dst=self._peer(act.replica, c),
-                                           tag=self._tag(name, False, act.replica, act.microbatch))
-                            sends.append((w, f"{name} to stage {c}", msg))
+                            q = self._peer(act.replica, c)
+                            w = dist.isend(msg, dst=q, tag=self._tag(name, False, act.replica, act.microbatch))
+                            sends.append((w, f"{name} to stage {c}", msg, q,
+                                          self._index(q, "F", c, act.microbatch, act.replica)))
                 if not train:
                     inputs.pop(key)
                     outputs.pop(key)
@@ -353,29 +374,37 @@ class PipelineEngine:
                         continue
                     g = t.grad if t.grad is not None else torch.zeros_like(t)
                     g = g.contiguous()
-                    w = dist.isend(g, dst=self._peer(act.replica, p),
-                                   tag=self._tag(name, True, act.replica, act.microbatch))
-                    sends.append((w, f"gradient of {name} to stage {p}", g))
+                    q = self._peer(act.replica, p)
+                    w = dist.isend(g, dst=q, tag=self._tag(name, True, act.replica, act.microbatch))
+                    sends.append((w, f"gradient of {name} to stage {p}", g, q,
+                                  self._index(q, "B", p, act.microbatch, act.replica)))
                 b_left[act.stage] -= 1
                 if b_left[act.stage] == 0:  # this stage's gradients are final here: reduce them now
                     bucket = self._launch_sync(act.stage)
                     if bucket is not None:
                         pending.append(bucket)
-        for w, what, _ in sends:
-            wait(w, timeout_s=self.timeout_s, what=what, peer=None)
+        for w, what, _, q, _ in sends:
+            wait(w, timeout_s=self.timeout_s, what=what, peer=q)
         if train:
             self._finish_sync(pending)
             self._step()
         return self._mean_loss(loss_sum), final
 
-    def _release_done(self, sends: list[tuple[Any, str, torch.Tensor]]) -> list[tuple[Any, str, torch.Tensor]]:
-        """Drop completed sends: a gloo send keeps its tensor alive until its Work object goes,
-        so holding them to the end of the step would keep every micro-batch's messages (1F1B
-        memory would grow with m)."""
+    def _release_done(self, sends: list[tuple[Any, str, torch.Tensor, int, int]]
+                      ) -> list[tuple[Any, str, torch.Tensor, int, int]]:
+        """Drop sends known to be complete, so their tensors can be freed.
+
+        A gloo send keeps its tensor alive until its Work object goes, and gloo does not mark a
+        send complete until someone waits on it. A send is known complete once a message has
+        arrived that its receiver sent at a later action of its program: the receiver had
+        already passed the action that consumed this send. Waiting on it then returns at once
+        (it cannot deadlock), and live messages stay bounded by the micro-batches in flight.
+        """
         left = []
         for item in sends:
-            if item[0] is not None and item[0].is_completed():
-                wait(item[0], timeout_s=self.timeout_s, what=item[1], peer=None)  # raises if it failed
+            w, what, _, q, consumed_at = item
+            if consumed_at < self._peer_done.get(q, -1) or (w is not None and w.is_completed()):
+                wait(w, timeout_s=self.timeout_s, what=what, peer=q)
             else:
                 left.append(item)
         return left
