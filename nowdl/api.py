@@ -84,7 +84,7 @@ class CompiledModel:
         self.timeout_s = 300.0
         self.backend: str | None = None
         self.precision = "fp32"
-        self.activation_checkpointing = False
+        self.activation_checkpointing: bool | list[int] = False
 
     # ---- steps of the compiler, each usable on its own ----------------------------------------
     def trace(self, *example_inputs: torch.Tensor) -> Traced:
@@ -301,7 +301,7 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     timeout_s: float = 300.0,
     backend: str | None = None,
     precision: str = "fp32",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | Sequence[int] = False,
 ) -> CompiledModel:
     """Prepare ``model`` for ``gpus`` GPUs; plans lazily on the first example input.
 
@@ -322,7 +322,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         timeout_s: how long any rank waits for a peer before failing (the peer is named).
         backend: torch.distributed backend (default: nccl with CUDA, gloo on CPU).
         precision: "fp32", "bf16" or "fp16" (autocast; fp16 with a loss scaler agreed by all ranks).
-        activation_checkpointing: recompute each stage's forward during its backward.
+        activation_checkpointing: True (every stage) or a list of stage indices whose forward is
+            recomputed during their backward.
         time_limit: seconds the ILP may spend in total on the best few configurations; a
             solve stopped by it reports status "feasible" and its gap.
 
@@ -367,7 +368,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     if precision not in PRECISIONS:
         raise NowdlError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     cm.precision = precision
-    cm.activation_checkpointing = bool(activation_checkpointing)
+    cm.activation_checkpointing = (activation_checkpointing if isinstance(activation_checkpointing, bool)
+                                   else [int(i) for i in activation_checkpointing])
     return cm
 
 

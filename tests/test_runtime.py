@@ -166,7 +166,7 @@ def test_killed_rank_fails_fast() -> None:
     assert "rank 1" in str(e.value) or "peer 1" in str(e.value)
 
 
-def _options_worker(rank: int, world: int, precision: str, ckpt: bool) -> list[float]:
+def _options_worker(rank: int, world: int, precision: str, ckpt: bool | list[int]) -> list[float]:
     model = _make("resnet_bn")
     cm = nowdl.compile(model, gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2, mode="estimate",
                        optimizer=_adam, loss_fn=_loss("resnet_bn"), cache=False, progress=False, timeout_s=60,
@@ -201,8 +201,9 @@ def _reference_with_halving_lr() -> list[float]:
     return out
 
 
-def test_activation_checkpointing_and_lr_scheduler_are_exact() -> None:
-    losses = run_workers(_options_worker, 2, "fp32", True, timeout_s=240)[0]
+@pytest.mark.parametrize("which", [True, [1]])
+def test_activation_checkpointing_and_lr_scheduler_are_exact(which: bool | list[int]) -> None:
+    losses = run_workers(_options_worker, 2, "fp32", which, timeout_s=240)[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(_reference_with_halving_lr()), rtol=1e-5, atol=1e-7)
 
 

@@ -96,15 +96,15 @@ class PipelineEngine:
         timeout_s: how long any receive may wait before the peer is declared dead.
         precision: "fp32", or "bf16"/"fp16" autocast (activations travel in that dtype; fp16
             scales the loss and skips a step on every rank when any rank overflows).
-        checkpointing: recompute each stage's forward in its backward (less memory; BatchNorm
-            running statistics then update twice per micro-batch).
+        checkpointing: True (every stage) or the stage indices whose forward is recomputed in
+            their backward (less memory; BatchNorm running statistics then update twice).
     """
 
     def __init__(self, plan: Plan, stages: Sequence[StageModule], rank: int, *,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  device: torch.device, timeout_s: float = 300.0, precision: str = "fp32",
-                 checkpointing: bool = False) -> None:
+                 checkpointing: bool | Sequence[int] = False) -> None:
         if any(s.parts > 1 for s in plan.stages):
             raise NowdlError(
                 "this plan has spatial stages; running them needs the spatial runtime, which is not "
@@ -122,7 +122,14 @@ class PipelineEngine:
         self._scaling = precision == "fp16"
         self.loss_scale = 2.0**16 if self._scaling else 1.0
         self._good_steps = 0
-        self.checkpointing = checkpointing
+        k = len(plan.stages)
+        if isinstance(checkpointing, bool):
+            self.checkpointed: set[int] = set(range(k)) if checkpointing else set()
+        else:
+            bad = [i for i in checkpointing if not isinstance(i, int) or not 0 <= i < k]
+            if bad:
+                raise NowdlError(f"activation_checkpointing names stages {bad}, but the plan has stages 0..{k - 1}")
+            self.checkpointed = set(checkpointing)
         self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._sent_at: dict[tuple[Any, ...], int] = {}  # receive key -> sender's action index
         self._peer_done: dict[int, int] = {}  # peer -> last action index known to have run (this step)
@@ -411,7 +418,7 @@ class PipelineEngine:
 
     def _forward(self, st: StageModule, ins: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
         with torch.set_grad_enabled(train), self._autocast():
-            if train and self.checkpointing and any(t.requires_grad for t in ins):
+            if train and st.index in self.checkpointed and any(t.requires_grad for t in ins):
                 from torch.utils.checkpoint import checkpoint
 
                 return list(checkpoint(st.module, *ins, use_reentrant=False))
