@@ -405,6 +405,7 @@ class _SegmentCosts:
         st = self.static
         mem = np.subtract.outer(act, act).T
         mem += recv
+        mem += sent  # a buffer for the gradient of every tensor sent, per micro-batch in flight
         mem *= spec.inflight
         mem += st[None, :]
         mem -= st[:, None]

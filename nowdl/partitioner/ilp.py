@@ -6,7 +6,8 @@ y[v,s-1] is "v sits in stage s". Pins, tileability and precedence first give eve
 range lo..hi of stages (``dp.stage_ranges``); y is fixed outside it and, inside it, a stage
 the node may not use (a spatial stage for a non-tileable node) aliases y[v,s] to y[v,s-1].
 A received tensor is r[u,s] >= x[v,s] + y[u,s-1] - 1 for every consumer v; a sent one
-q[u,s] >= x[u,s] - y[v,s] (charged once to the sender); the workspace w[s] >= ws[v] x[v,s].
+q[u,s] >= x[u,s] - y[v,s] (charged once to the sender, in link time and in memory: the buffer
+for its gradient per micro-batch in flight); the workspace w[s] >= ws[v] x[v,s].
 Stage memory and time are then exactly ``evaluate()``'s formulas at the minimal r, q, w,
 which any optimum takes on its bottleneck ranks. Bytes and seconds are divided by an upper
 bound of one stage's load so every coefficient lies in [0, 1]. The primary bottleneck is
@@ -432,25 +433,26 @@ def build_ilp(
             mem_lin[s][r] = mem_lin[s].get(r, 0.0) + cm
             if ct > 0:
                 time_lin[s][r] = time_lin[s].get(r, 0.0) + ct
-        # sent tensors
-        if link > 0:
-            for u in range(n):
-                out = vec.out[u]
-                if out <= 0 or not can_be(u, s):
-                    continue
-                cons = [v for v in consumers[u] if hi[v] > s]
-                if not cons:
-                    continue
-                q = _var(prob, f"q_{nm[u]}_s{s}", 0, 1)
-                q_vars[(u, s)] = q
-                for v in cons:  # q >= x[u,s] - y[v,s]
-                    _constraint(
-                        prob,
-                        [(q, 1.0)] + [(e, -c) for e, c in in_stage(u, s)] + [(y[v][s + 1], 1.0)],
-                        pulp.LpConstraintGE, 0.0,
-                        f"send_{nm[u]}_{nm[v]}_s{s}",
-                    )
+        # sent tensors: link time, and a buffer for their gradient per micro-batch in flight
+        for u in range(n):
+            out = vec.out[u]
+            if out <= 0 or not can_be(u, s):
+                continue
+            cons = [v for v in consumers[u] if hi[v] > s]
+            if not cons:
+                continue
+            q = _var(prob, f"q_{nm[u]}_s{s}", 0, 1)
+            q_vars[(u, s)] = q
+            for v in cons:  # q >= x[u,s] - y[v,s]
+                _constraint(
+                    prob,
+                    [(q, 1.0)] + [(e, -c) for e, c in in_stage(u, s)] + [(y[v][s + 1], 1.0)],
+                    pulp.LpConstraintGE, 0.0,
+                    f"send_{nm[u]}_{nm[v]}_s{s}",
+                )
+            if link > 0:
                 time_lin[s][q] = time_lin[s].get(q, 0.0) + link * out / time_scale
+            mem_lin[s][q] = mem_lin[s].get(q, 0.0) + spec.inflight * out / mem_scale
         # workspace
         ws_nodes = [v for v in range(n) if vec.workspace[v] > 0 and can_be(v, s)]
         if ws_nodes:

@@ -1,7 +1,9 @@
 """The partitioning problem as plain numbers, and its solution (no torch needed).
 
 [Note: cost model] A stage's memory for one rank is
-    sum(static) + inflight * (sum(act) + sum(received out_bytes) * recv_scale) + max(workspace)
+    sum(static) + inflight * (sum(act) + received bytes + sent bytes) + max(workspace)
+(received: the activations that arrive; sent: the buffers that receive the gradients of the
+tensors it sends, once per tensor however many stages use it)
 and its time for one micro-batch is
     sum(time) + link_s_per_byte * (received bytes + sent bytes).
 A stage with ``parts`` > 1 is a spatial stage: the caller hands it per-node vectors that are
@@ -130,6 +132,6 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> tuple[list[float], li
     mem = []
     tim = []
     for s, spec in enumerate(problem.stages):
-        mem.append(mem_static[s] + spec.inflight * (act[s] + recv_bytes[s]) + ws[s])
+        mem.append(mem_static[s] + spec.inflight * (act[s] + recv_bytes[s] + send_bytes[s]) + ws[s])
         tim.append(time[s] + spec.link_s_per_byte * (recv_bytes[s] + send_bytes[s]))
     return mem, tim

@@ -43,7 +43,7 @@ from nowdl.runtime.schedule import Action, rank_actions
 __all__ = ["PipelineEngine", "Placement", "PRECISIONS"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-LOOKAHEAD = 2  # receives are posted this many actions ahead of the action that needs them
+LOOKAHEAD = 1  # receives are posted this many actions ahead of the action that needs them
 
 
 @dataclass
