@@ -31,26 +31,9 @@ MODES = ("auto", "estimate", "measure")
 
 def _params_per_node(gm: fx.GraphModule) -> dict[str, int]:
     """Parameter count owned by each node (a shared parameter counted once, at first use)."""
-    seen: set[int] = set()
-    out: dict[str, int] = {}
-    mods = dict(gm.named_modules())
-    for node in gm.graph.nodes:
-        tensors: list[torch.Tensor] = []
-        if node.op == "call_module":
-            tensors = list(mods[node.target].parameters())
-        elif node.op == "get_attr":
-            obj: Any = gm
-            for part in str(node.target).split("."):
-                obj = getattr(obj, part, None)
-            if isinstance(obj, nn.Parameter):
-                tensors = [obj]
-        count = 0
-        for t in tensors:
-            if id(t) not in seen:
-                seen.add(id(t))
-                count += t.numel()
-        out[node.name] = count
-    return out
+    from nowdl.profiler.memory import static_costs
+
+    return {name: sc.params for name, sc in static_costs(gm, "sgd").items()}
 
 
 class CompiledModel:

@@ -167,6 +167,7 @@ def _infeasible_message(costs: Costs, req: PlanRequest, min_mem: float) -> str:
 
 
 def _smallest_gpus(costs: Costs, req: PlanRequest) -> int | None:
+    front, back = _tileable_ends(costs)
     g = req.gpus * 2
     while g <= 4096:
         try:
@@ -174,7 +175,6 @@ def _smallest_gpus(costs: Costs, req: PlanRequest) -> int | None:
                             replicas=req.replicas, slice=req.slice, time_limit=req.time_limit)
         except NowdlError:
             return None
-        front, back = _tileable_ends(costs)
         cands = [c for c in enumerate_candidates(r, tileable_front=front, tileable_back=back, max_stages=_max_stages(costs))
                  if c.dp == 1 and c.replicas == 1]
         if not cands:

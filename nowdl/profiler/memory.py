@@ -214,6 +214,7 @@ class StaticCost:
     buffer_bytes: int = 0
     grad_bytes: int = 0
     optim_bytes: int = 0
+    params: int = 0  # parameter elements (for plan tables)
 
 
 def static_costs(gm: torch.fx.GraphModule, optimizer: str) -> dict[str, StaticCost]:
@@ -239,18 +240,19 @@ def static_costs(gm: torch.fx.GraphModule, optimizer: str) -> dict[str, StaticCo
                 params = [obj]
             elif isinstance(obj, torch.Tensor):
                 buffers = [obj]
-        p = b = g = 0
+        p = b = g = count = 0
         for t in params:
             if id(t) not in seen:
                 seen.add(id(t))
                 p += tensor_bytes(t)
                 g += tensor_bytes(t) if t.requires_grad else 0
+                count += t.numel()
         for t in buffers:
             if id(t) not in seen:
                 seen.add(id(t))
                 b += tensor_bytes(t)
         if p or b:
-            result[node.name] = StaticCost(p, b, g, states * g)
+            result[node.name] = StaticCost(p, b, g, states * g, count)
     return result
 
 

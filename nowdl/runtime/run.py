@@ -522,35 +522,25 @@ def run_main(args: argparse.Namespace) -> int:
 def _plan_on_rank0(model: nn.Module, args: argparse.Namespace, rank: int, world: int, batch: int,
                    micro_batch: int, src: _Source, optimizer: Any, progress: bool) -> str:
     """Rank 0 plans one ``micro_batch``-sample micro-batch for a ``batch``-sample step; every rank
-    gets the plan JSON (or rank 0's error)."""
+    gets the plan JSON (or rank 0's error), through the trainer's ``plan_on_rank0``."""
     import dataclasses
 
     import nowdl
+    from nowdl.runtime.trainer import plan_on_rank0
 
-    box: dict[str, str] | None = None
-    failure: Exception | None = None
-    if rank == 0:
-        try:
-            planner = nowdl.compile(model, gpus=world, balance=args.balance, stages=args.stages,
-                                    micro_batches=args.micro_batches, schedule=args.schedule,
-                                    replicas=args.replicas, dp=args.dp, spatial_parts=1,
-                                    gpu_memory=args.gpu_memory, mode="estimate", device_spec=args.device_spec,
-                                    optimizer=optimizer, progress=progress)
-            assert planner.request is not None
+    def make() -> nowdl.Plan:
+        planner = nowdl.compile(model, gpus=world, balance=args.balance, stages=args.stages,
+                                micro_batches=args.micro_batches, schedule=args.schedule,
+                                replicas=args.replicas, dp=args.dp, spatial_parts=1,
+                                gpu_memory=args.gpu_memory, mode="estimate", device_spec=args.device_spec,
+                                optimizer=optimizer, progress=progress)
+        if planner.request is not None:
             planner.request = dataclasses.replace(planner.request, global_batch=batch)
-            plan = planner.plan(torch.empty((micro_batch, *src.sample_shape), device="meta"))
-            plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
-            box = {"plan": plan.to_json()}
-        except Exception as e:  # tell the other ranks (they would wait for the plan), then fail here too
-            failure = e
-            box = {"error": str(e) if isinstance(e, NowdlError) else f"{type(e).__name__}: {e}"}
-    box = _broadcast(box, world)
-    assert box is not None
-    if "error" in box:
-        if failure is not None and not isinstance(failure, NowdlError):
-            raise failure
-        raise NowdlError(box["error"] if rank == 0 else f"rank 0 could not plan: {box['error']}")
-    return box["plan"]
+        plan = planner.plan(torch.empty((micro_batch, *src.sample_shape), device="meta"))
+        plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
+        return plan
+
+    return plan_on_rank0(make, rank=rank, world=world).to_json()
 
 
 def _run(args: argparse.Namespace, rank: int, world: int,

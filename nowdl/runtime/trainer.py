@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ from nowdl.runtime.engine import PipelineEngine
 if TYPE_CHECKING:
     from nowdl.api import CompiledModel
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "plan_on_rank0"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,29 @@ def _first_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
         return x[0]
     raise NowdlError(f"train_step/eval_step take a tensor (or a tuple of tensors) as x, got {type(x).__name__}")
+
+
+def plan_on_rank0(make: Callable[[], Plan], *, rank: int, world: int) -> Plan:
+    """Rank 0 runs ``make()`` and broadcasts the plan; every rank returns the same Plan.
+
+    If rank 0 fails, the other ranks (which would otherwise wait for the plan) raise a NowdlError
+    carrying rank 0's message, and rank 0 re-raises its own error.
+    """
+    box: list[Any] = [None]
+    failure: Exception | None = None
+    if rank == 0:
+        try:
+            box[0] = make().to_json()
+        except Exception as e:
+            failure = e
+            box[0] = {"error": str(e) if isinstance(e, NowdlError) else f"{type(e).__name__}: {e}"}
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], dict):
+        raise NowdlError(f"rank 0 could not plan: {box[0]['error']}")
+    return Plan.from_json(str(box[0]), source="plan from rank 0")
 
 
 class Trainer:
@@ -99,34 +123,22 @@ class Trainer:
         """Rank 0 plans (or loads) and broadcasts the plan, so every rank runs the same one."""
         if self.cm.plan_path is not None:
             return Plan.load(self.cm.plan_path)
-        text: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                req = self.cm.request
-                n = int(first.shape[0])
-                b = 1  # micro-batch size: one sample, unless m, replicas and dp are all pinned
-                if req is not None and req.micro_batches and req.replicas and req.dp:
-                    per = req.micro_batches * req.replicas * req.dp
-                    if n % per:
-                        raise NowdlError(f"the global batch of {n} samples does not split into micro_batches "
-                                         f"{req.micro_batches} x replicas {req.replicas} x dp {req.dp} = {per}")
-                    b = n // per
-                if req is not None and req.global_batch is None:
-                    import dataclasses
+        return plan_on_rank0(lambda: self._plan_here(first), rank=self.rank, world=self.world)
 
-                    self.cm.request = dataclasses.replace(req, global_batch=n)
-                example = torch.empty((b,) + tuple(first.shape[1:]), dtype=first.dtype, device="meta")
-                text[0] = self.cm.plan(example).to_json()
-            except Exception as e:  # tell the other ranks, then fail here too
-                text[0] = {"error": f"{type(e).__name__}: {e}"}
-                if self.world > 1:
-                    dist.broadcast_object_list(text, src=0)
-                raise
-        if self.world > 1:
-            dist.broadcast_object_list(text, src=0)
-        if isinstance(text[0], dict):
-            raise NowdlError(f"rank 0 could not plan: {text[0]['error']}")
-        return Plan.from_json(str(text[0]), source="plan from rank 0")
+    def _plan_here(self, first: torch.Tensor) -> Plan:
+        req = self.cm.request
+        n = int(first.shape[0])
+        b = 1  # micro-batch size: one sample, unless m, replicas and dp are all pinned
+        if req is not None and req.micro_batches and req.replicas and req.dp:
+            per = req.micro_batches * req.replicas * req.dp
+            if n % per:
+                raise NowdlError(f"the global batch of {n} samples does not split into micro_batches "
+                                 f"{req.micro_batches} x replicas {req.replicas} x dp {req.dp} = {per}")
+            b = n // per
+        if req is not None and req.global_batch is None:
+            self.cm.request = dataclasses.replace(req, global_batch=n)
+        example = torch.empty((b,) + tuple(first.shape[1:]), dtype=first.dtype, device="meta")
+        return self.cm.plan(example)
 
     # ---- steps -----------------------------------------------------------------------------------
     def train_step(self, x: Any, y: Any) -> float:
