@@ -11,10 +11,11 @@ from nowdl.api import CompiledModel, compile
 from nowdl.api import profile_model as profile
 from nowdl.errors import InfeasibleError, NowdlError, PlanError, ProfileError, TraceError
 from nowdl.partitioner.plan import Plan
+from nowdl.runtime.tiles import TiledInput
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "CompiledModel", "Plan", "profile", "models",
+    "compile", "CompiledModel", "Plan", "TiledInput", "profile", "models",
     "NowdlError", "TraceError", "ProfileError", "PlanError", "InfeasibleError", "__version__",
 ]

@@ -15,6 +15,7 @@ from torch import nn
 from nowdl.errors import NowdlError, PlanError
 from nowdl.partitioner.config import PlanRequest
 from nowdl.partitioner.costmodel import Costs
+from nowdl.partitioner.fusion import check_policy, choose_fusion
 from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.search import build_plan, timed_search
 from nowdl.partitioner.spatial import spatial_rules
@@ -67,6 +68,7 @@ class CompiledModel:
         self.timeout_s = 300.0
         self.backend: str | None = None
         self.precision = "fp32"
+        self.halo_fusion: str | int = "auto"
         self.activation_checkpointing: bool | list[int] = False
 
     # ---- steps of the compiler, each usable on its own ----------------------------------------
@@ -151,6 +153,8 @@ class CompiledModel:
             solver_seconds=secs, created_by=f"nowdl {__version__}",
             params_per_node=_params_per_node(t.gm),
         )
+        choose_fusion(t.gm, plan, prof, float(spec.link_bw), self.halo_fusion)
+        plan.config["halo_fusion"] = self.halo_fusion
         self._plans[key] = plan
         return plan
 
@@ -267,9 +271,10 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     schedule: str | None = None,
     replicas: int | None = None,
     dp: int | None = None,
-    spatial_parts: int | None = None,
+    spatial_parts: int | Sequence[int] | None = None,
     spatial_stages: int | None = None,
     slice: str | None = None,  # noqa: A002 - the seeds' option name
+    halo_fusion: str | int = "auto",
     gpu_memory: int | float | str | None = None,
     mode: str = "auto",
     device: str | torch.device | None = None,
@@ -294,7 +299,10 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         plan: a saved plan JSON to reuse instead of planning (checked against the model).
         balance: "memory" (smallest peak per GPU) or "compute" (fastest slowest stage).
         stages, micro_batches, schedule, replicas, dp, spatial_parts, spatial_stages, slice:
-            pin any part of the parallel configuration.
+            pin any part of the parallel configuration. ``spatial_parts`` may be a list: the
+            parts of each spatial stage in order (e.g. ``[4, 2]``).
+        halo_fusion: "auto" (fuse runs of convs/pools into one deeper halo exchange where the
+            cost model says it is faster), "off", or N (fuse up to N convs/pools per exchange).
         gpu_memory: per-GPU cap, bytes or a string like "80GiB" (default: the device's memory).
         mode: "estimate" (no allocation, device_spec roofline), "measure" (real tensors), or
             "auto" (measure on CUDA, else estimate).
@@ -337,12 +345,14 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
             raise NowdlError(f"gpus must be a positive integer, got {gpus!r}")
         cap = parse_bytes(gpu_memory) if gpu_memory is not None else None
         request = PlanRequest(gpus=gpus, balance=balance, stages=stages, micro_batches=micro_batches,
-                              schedule=schedule, replicas=replicas, dp=dp, spatial_parts=spatial_parts,
+                              schedule=schedule, replicas=replicas, dp=dp,
+                              spatial_parts=_parts_arg(spatial_parts),
                               spatial_stages=spatial_stages, slice=slice, gpu_memory=cap, time_limit=time_limit)
     cm = CompiledModel(model, request=request, plan_path=plan_path, mode=mode, device=device,
                        device_spec=device_spec, optimizer=_optimizer_kind(optimizer), leaf_modules=leaf_modules,
                        tracer=tracer, cache=cache, progress=progress)
     cm.optimizer_factory = optimizer if callable(optimizer) else None
+    cm.halo_fusion = check_policy(halo_fusion)
     cm.loss_fn = loss_fn
     cm.timeout_s = timeout_s
     cm.backend = backend
@@ -354,6 +364,14 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     cm.activation_checkpointing = (activation_checkpointing if isinstance(activation_checkpointing, bool)
                                    else [int(i) for i in activation_checkpointing])
     return cm
+
+
+def _parts_arg(v: int | Sequence[int] | None) -> int | tuple[int, ...] | None:
+    if v is None or isinstance(v, int):
+        return v
+    if isinstance(v, (list, tuple)):
+        return tuple(v)
+    raise NowdlError(f"spatial_parts must be an int or a list of ints (one per spatial stage), got {v!r}")
 
 
 def profile_model(model: nn.Module, *example_inputs: torch.Tensor, mode: str = "auto",

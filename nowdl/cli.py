@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from nowdl.errors import NowdlError
-from nowdl.units import parse_bytes, parse_shape
+from nowdl.units import parse_bytes, parse_parts, parse_shape
 
 __all__ = ["main", "resolve_model"]
 
@@ -114,7 +114,11 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--stages", type=int, help="pin the number of pipeline stages")
     pp.add_argument("--micro-batches", type=int, help="pin micro-batches per step (the input is one micro-batch)")
     pp.add_argument("--schedule", choices=("1f1b", "gpipe"), help="pin the pipeline schedule (default 1f1b)")
-    pp.add_argument("--spatial-parts", type=int, help="pin the spatial parts P of each spatial stage")
+    pp.add_argument("--spatial-parts", type=parse_parts, metavar="P[,P2..]",
+                    help="pin the spatial parts P of each spatial stage (4), or of each in order (4,2)")
+    pp.add_argument("--halo-fusion", default="auto", metavar="auto|off|N",
+                    help="fuse runs of convs/pools into one deeper halo exchange: where the cost model says it "
+                         "is faster (auto, default), never (off), or up to N per exchange")
     pp.add_argument("--spatial-stages", type=int, help="pin how many leading stages are spatial (UNets: mirrored at the end too)")
     pp.add_argument("--slice", choices=("vertical", "horizontal", "square", "depth", "cube"), help="tile shape (default square)")
     pp.add_argument("--replicas", type=int, choices=(1, 2), help="2: GEMS-MASTER mirrored second replica")
@@ -268,7 +272,7 @@ def _run(args: argparse.Namespace) -> int:
                        dp=args.dp, spatial_parts=args.spatial_parts, spatial_stages=args.spatial_stages,
                        slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
                        device_spec=args.device_spec, optimizer=args.optimizer, time_limit=args.time_limit,
-                       cache=cache)
+                       cache=cache, halo_fusion=args.halo_fusion)
     plan = cm.plan(x)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}

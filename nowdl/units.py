@@ -6,7 +6,7 @@ import re
 
 from nowdl.errors import NowdlError
 
-__all__ = ["parse_bytes", "parse_shape"]
+__all__ = ["parse_bytes", "parse_shape", "parse_parts"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -48,3 +48,18 @@ def parse_shape(text: str) -> list[int]:
             "channels first, e.g. 1x3x2048x2048 (2D) or 1x1x128x128x128 (3D)"
         )
     return shape
+
+
+def parse_parts(text: str) -> int | tuple[int, ...]:
+    """'4' -> 4, '4,2' -> (4, 2): spatial parts, one value or one per spatial stage.
+
+    Raises:
+        NowdlError: not positive integers.
+    """
+    try:
+        vals = [int(v) for v in str(text).replace(" ", "").split(",")]
+    except ValueError:
+        raise NowdlError(f"spatial parts {text!r} must be an integer or a comma-separated list (e.g. 4 or 4,2)") from None
+    if any(v < 1 for v in vals):
+        raise NowdlError(f"spatial parts {text!r} must be positive")
+    return vals[0] if len(vals) == 1 else tuple(vals)

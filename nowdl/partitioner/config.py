@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from nowdl.errors import NowdlError
@@ -37,7 +37,7 @@ class PlanRequest:
     schedule: str | None = None
     replicas: int | None = None
     dp: int | None = None
-    spatial_parts: int | None = None
+    spatial_parts: int | tuple[int, ...] | None = None  # a tuple: parts of each front spatial stage
     spatial_stages: int | None = None  # spatial stages at the front (UNets: mirrored at the back too)
     slice: str | None = None
     gpu_memory: float | None = None  # bytes; None: the device's memory
@@ -48,8 +48,22 @@ class PlanRequest:
         _pos_int("gpus", self.gpus, allow_none=False)
         if self.balance not in BALANCES:
             raise NowdlError(f"unknown balance {self.balance!r}: use 'memory' (smallest peak memory per GPU) or 'compute' (fastest stage time)")
-        for name in ("stages", "micro_batches", "replicas", "dp", "spatial_parts", "global_batch"):
+        for name in ("stages", "micro_batches", "replicas", "dp", "global_batch"):
             _pos_int(name, getattr(self, name))
+        if isinstance(self.spatial_parts, (list, tuple)):
+            sp = tuple(self.spatial_parts)
+            for v in sp:
+                _pos_int("spatial_parts", v, allow_none=False)
+            if not sp or min(sp) < 2:
+                raise NowdlError(f"spatial_parts as a list gives the parts (>= 2) of each spatial stage in order, "
+                                 f"got {list(sp)}; use an int for one value (1: no spatial stage)")
+            if self.spatial_stages not in (None, len(sp)):
+                raise NowdlError(f"spatial_parts {list(sp)} names {len(sp)} spatial stages but spatial_stages is "
+                                 f"{self.spatial_stages}: give one entry per spatial stage")
+            object.__setattr__(self, "spatial_parts", sp)
+            object.__setattr__(self, "spatial_stages", len(sp))
+        else:
+            _pos_int("spatial_parts", self.spatial_parts)
         if self.spatial_stages is not None and (isinstance(self.spatial_stages, bool) or not isinstance(self.spatial_stages, int) or self.spatial_stages < 0):
             raise NowdlError(f"spatial_stages must be an integer >= 0, got {self.spatial_stages!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
@@ -79,10 +93,19 @@ class Candidate:
     front: int  # spatial stages at the front
     back: int  # spatial stages at the back (mirrored UNet decoder)
     slice: str
+    taper: tuple[int, ...] = ()  # parts of each front spatial stage when they differ (back stages mirror)
 
     def stage_parts(self) -> list[int]:
         k = self.stages
-        return [self.parts if (s < self.front or s >= k - self.back) else 1 for s in range(k)]
+        out = []
+        for s in range(k):
+            if s < self.front:
+                out.append(self.taper[s] if self.taper else self.parts)
+            elif s >= k - self.back:
+                out.append(self.taper[k - 1 - s] if self.taper else self.parts)
+            else:
+                out.append(1)
+        return out
 
     def spatial_stages(self) -> list[int]:
         return [s for s, p in enumerate(self.stage_parts()) if p > 1]
@@ -118,7 +141,11 @@ def enumerate_candidates(req: PlanRequest, *, tileable_front: bool, tileable_bac
     """
     dps = [req.dp] if req.dp else [d for d in range(1, req.gpus + 1) if req.gpus % d == 0]
     reps = [req.replicas] if req.replicas else [1, 2]
-    if req.spatial_parts:
+    tapers: list[tuple[int, ...]] = [()]
+    if isinstance(req.spatial_parts, tuple):
+        parts_list = [max(req.spatial_parts)]
+        tapers = [req.spatial_parts]
+    elif req.spatial_parts:
         parts_list = [req.spatial_parts]
     elif req.spatial_stages:
         parts_list = [p for p in (2, 4, 8, 16) if p <= req.gpus]
@@ -142,21 +169,39 @@ def enumerate_candidates(req: PlanRequest, *, tileable_front: bool, tileable_bac
                     if tileable_back:
                         layouts += [(f, f) for f in fronts]
                 for front, back in layouts:
-                    for k in range(1, min(ranks, max_stages or ranks) + 1):
-                        if req.stages and k != req.stages:
-                            continue
-                        if rep == 2 and k < 2:
-                            continue
-                        if front + back > k or (front and front + back == k and not tileable_back):
-                            continue
-                        ms = mbs
-                        if req.global_batch is not None:
-                            per = micro_batch * rep * dp
-                            m_fit = req.global_batch // per if req.global_batch % per == 0 else 0
-                            ms = [m_fit] if m_fit >= 1 and (not req.micro_batches or req.micro_batches == m_fit) else []
-                        for m in ms:
-                            for sched in scheds:
-                                c = Candidate(k, m, sched, rep, dp, parts, front, back, slice_)
-                                if c.ranks_per_pipeline() == ranks and c not in seen:
-                                    seen.add(c)
-                                    yield c
+                    for taper in _tapers(tapers, parts, front, pinned=isinstance(req.spatial_parts, tuple)):
+                        yield from _stage_counts(req, ranks, rep, dp, parts, front, back, taper, tileable_back,
+                                                 mbs, scheds, slice_, micro_batch, max_stages, seen)
+
+
+def _tapers(pinned_tapers: list[tuple[int, ...]], parts: int, front: int, *, pinned: bool) -> list[tuple[int, ...]]:
+    """Per-stage parts to try: the pinned list, or equal parts, and halving P for a second stage."""
+    if pinned:
+        return [t for t in pinned_tapers if len(t) == front]
+    out: list[tuple[int, ...]] = [()]
+    if front == 2 and parts >= 4:
+        out.append((parts, parts // 2))  # a deeper stage has smaller activations: fewer tiles
+    return out
+
+
+def _stage_counts(req: PlanRequest, ranks: int, rep: int, dp: int, parts: int, front: int, back: int,
+                  taper: tuple[int, ...], tileable_back: bool, mbs: Sequence[int], scheds: Sequence[str], slice_: str,
+                  micro_batch: int, max_stages: int | None, seen: set[Candidate]) -> Iterator[Candidate]:
+    for k in range(1, min(ranks, max_stages or ranks) + 1):
+        if req.stages and k != req.stages:
+            continue
+        if rep == 2 and k < 2:
+            continue
+        if front + back > k or (front and front + back == k and not tileable_back):
+            continue
+        ms = mbs
+        if req.global_batch is not None:
+            per = micro_batch * rep * dp
+            m_fit = req.global_batch // per if req.global_batch % per == 0 else 0
+            ms = [m_fit] if m_fit >= 1 and (not req.micro_batches or req.micro_batches == m_fit) else []
+        for m in ms:
+            for sched in scheds:
+                c = Candidate(k, m, sched, rep, dp, parts, front, back, slice_, taper)
+                if c.ranks_per_pipeline() == ranks and c not in seen:
+                    seen.add(c)
+                    yield c

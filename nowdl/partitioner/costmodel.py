@@ -88,12 +88,12 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
         )
     }
     parts = cand.stage_parts()
-    if cand.parts > 1:
-        variants["tiled"] = _tiled_vectors(costs, cand.parts, cand.slice)
+    for p in sorted(set(parts) - {1}):
+        variants[f"tiled{p}"] = _tiled_vectors(costs, p, cand.slice)
     link = 2.0 / costs.link_bw  # activation forward + gradient backward
     inflight = cand.inflight()
     stages = [
-        StageSpec(inflight=inflight[s], variant="tiled" if parts[s] > 1 else "plain",
+        StageSpec(inflight=inflight[s], variant=f"tiled{parts[s]}" if parts[s] > 1 else "plain",
                   spatial=parts[s] > 1, link_s_per_byte=link)
         for s in range(cand.stages)
     ]

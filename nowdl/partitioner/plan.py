@@ -50,6 +50,7 @@ class StagePlan:
     parts: int = 1  # spatial parts (1: not spatial)
     slice: str | None = None  # vertical | horizontal | square | depth | cube
     grid: list[int] = field(default_factory=list)  # tiles per spatial dim
+    fused: list[list[str]] = field(default_factory=list)  # node chains run with one deeper halo exchange
     params: int = 0  # parameter count
     param_bytes: int = 0
     predicted: dict[str, float] = field(default_factory=dict)

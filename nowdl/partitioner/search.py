@@ -254,7 +254,8 @@ def build_plan(
         n = prof.nodes[ui]
         tensors.append(TensorPlan(producer=n.name, from_stage=part.stage_of[ui], to_stages=sorted(consumers[ui]),
                                   shape=list(n.out_shape or []), dtype=n.out_dtype, bytes=int(n.out_bytes)))
-    spatial = {"stages": cand.spatial_stages(), "parts": cand.parts, "slice": cand.slice} if cand.parts > 1 else {}
+    spatial = ({"stages": cand.spatial_stages(), "parts": cand.parts, "slice": cand.slice,
+                "stage_parts": [parts[s] for s in cand.spatial_stages()]} if cand.parts > 1 else {})
     config = {
         "gpus": req.gpus, "balance": req.balance, "stages": k, "micro_batches": cand.micro_batches,
         "schedule": cand.schedule, "replicas": cand.replicas, "dp": cand.dp, "spatial": spatial,

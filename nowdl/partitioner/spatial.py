@@ -61,7 +61,7 @@ _ELEMENTWISE_FUNCTIONS = {
     operator.imul, torch.add, torch.sub, torch.mul, torch.div, torch.relu, torch.sigmoid,
     torch.tanh, torch.neg, torch.exp, torch.clamp, torch.abs, F.relu, F.relu6, F.leaky_relu,
     F.elu, F.gelu, F.silu, F.mish, F.sigmoid, F.tanh, F.hardswish, F.softplus, F.dropout,
-    F.dropout2d, F.dropout3d, torch.nn.functional.batch_norm, F.instance_norm, F.group_norm,
+    F.dropout2d, F.dropout3d,
 }
 _ELEMENTWISE_METHODS = {
     "add", "sub", "mul", "div", "relu", "sigmoid", "tanh", "clamp", "contiguous", "float",
@@ -84,12 +84,16 @@ def _conv_halo(m: nn.Module) -> tuple[int, ...]:
 
 def _module_rule(m: nn.Module) -> SpatialRule:
     name = type(m).__name__
+    if isinstance(m, (*_CONV_MODULES, *_CONVT_MODULES)) and getattr(m, "padding_mode", "zeros") != "zeros":
+        return SpatialRule(False, f"{name}(padding_mode={m.padding_mode!r}) is not tiled (only zero padding is)")
     if isinstance(m, _CONV_MODULES):
         return SpatialRule(True, "", _conv_halo(m), "conv")
     if isinstance(m, _CONVT_MODULES):
         n = len(m.kernel_size)  # type: ignore[arg-type]
         k, s = _tuple(m.kernel_size, n), _tuple(m.stride, n)  # type: ignore[arg-type]
         return SpatialRule(True, "", tuple(max(0, math.ceil((k[i] - s[i]) / max(s[i], 1))) for i in range(n)), "upsample")
+    if isinstance(m, _POOL_MODULES) and getattr(m, "return_indices", False):
+        return SpatialRule(False, f"{name}(return_indices=True) is not tiled (the indices would be tile-local)")
     if isinstance(m, _POOL_MODULES):
         n = {"1d": 1, "2d": 2, "3d": 3}[name[-2:]]
         k = _tuple(m.kernel_size, n)  # type: ignore[arg-type]
@@ -98,11 +102,12 @@ def _module_rule(m: nn.Module) -> SpatialRule:
         return SpatialRule(True, "", tuple(max(0, (d[i] * (k[i] - 1) + 1 - s[i] + 1) // 2) for i in range(n)), "pool")
     if isinstance(m, nn.Upsample):
         mode = m.mode
-        if mode == "nearest":
+        if mode in ("nearest", "nearest-exact"):
             return SpatialRule(True, "", (), "upsample")
         if mode in ("bilinear", "linear", "trilinear"):
             return SpatialRule(True, "", (1,), "upsample")
-        return SpatialRule(False, f"Upsample(mode={mode!r}) is not tiled (nearest, linear, bilinear and trilinear are)")
+        return SpatialRule(False, f"Upsample(mode={mode!r}) is not tiled (nearest, nearest-exact, linear, bilinear and "
+                                  "trilinear are)")
     if isinstance(m, _NORM_MODULES):
         return SpatialRule(True, "", (), "norm")
     if isinstance(m, _ELEMENTWISE_MODULES):
@@ -129,17 +134,24 @@ def _function_rule(node: fx.Node) -> SpatialRule:
         return SpatialRule(True, "", (), "elementwise")
     if t is F.interpolate:
         mode = node.kwargs.get("mode", node.args[3] if len(node.args) > 3 else "nearest")
-        if mode == "nearest":
+        if node.kwargs.get("antialias"):
+            return SpatialRule(False, "F.interpolate(antialias=True) is not tiled")
+        if mode in ("nearest", "nearest-exact"):
             return SpatialRule(True, "", (), "upsample")
         if mode in ("bilinear", "linear", "trilinear"):
             return SpatialRule(True, "", (1,), "upsample")
         return SpatialRule(False, f"F.interpolate(mode={mode!r}) is not tiled")
+    if t in (F.max_pool1d, F.max_pool2d, F.max_pool3d) and (node.kwargs.get("return_indices") or len(node.args) > 6):
+        return SpatialRule(False, f"{tname}(return_indices=True) is not tiled (the indices would be tile-local)")
     if t in (F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d):
         k = node.kwargs.get("kernel_size", node.args[1] if len(node.args) > 1 else 1)
         kk = max(_tuple(k, 1)) if isinstance(k, (int, tuple, list)) else 1
         return SpatialRule(True, "", ((kk - 1) // 2,), "pool")
     if t in (F.conv1d, F.conv2d, F.conv3d):
-        return SpatialRule(True, "", (1,), "conv")
+        return SpatialRule(False, f"{tname} (functional convolution) is not tiled; use nn.Conv{tname[-2:]} modules")
+    if t in (F.batch_norm, F.instance_norm, F.group_norm, F.layer_norm):
+        return SpatialRule(False, f"{tname} (functional normalisation) is not tiled: its statistics would be per tile; "
+                                  "use the nn module (BatchNorm, InstanceNorm, GroupNorm)")
     if t is operator.getitem:
         return SpatialRule(False, "indexing (getitem) may slice spatial dims; it ends a spatial region")
     return SpatialRule(False, f"{tname} is not an op nowdl knows how to run on tiles")

@@ -37,8 +37,11 @@ from torch import nn
 from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
 from nowdl.partitioner.plan import Plan
+from nowdl.runtime.halo import Window, _intersect
 from nowdl.runtime.launch import wait
 from nowdl.runtime.schedule import Action, rank_actions
+from nowdl.runtime.spatial_stage import TiledStage, full_grid
+from nowdl.runtime.tiles import TiledInput, TileGrid
 
 __all__ = ["PipelineEngine", "Placement", "PRECISIONS"]
 
@@ -46,11 +49,14 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LOOKAHEAD = 1  # receives are posted this many actions ahead of the action that needs them
 
 
+_Recv = tuple[tuple[Any, ...], int, int, str, tuple[int, ...]]  # key, peer, tag, value, shape
+
+
 @dataclass
 class _StepReceives:
     """The receives of one step: per action, what it needs; what is posted so far."""
 
-    per_action: list[list[tuple[tuple[Any, ...], int, int, str]]]
+    per_action: list[list[_Recv]]
     next_action: int = 0
     posted: dict[tuple[Any, ...], tuple[Any, int, torch.Tensor]] = field(default_factory=dict)
 
@@ -59,28 +65,39 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Placement:
-    """Where every (dp copy, replica, stage) lives: part-0 global rank of each."""
+    """Where every (dp copy, replica, stage) lives: the global rank of each of its parts (tiles)."""
 
     k: int
     replicas: int
     dp: int
-    where: dict[tuple[int, int, int], int]  # (dp, replica, stage) -> global rank
+    where: dict[tuple[int, int, int], list[int]]  # (dp, replica, stage) -> global rank of each part
 
     @classmethod
     def from_plan(cls, plan: Plan) -> Placement:
-        where: dict[tuple[int, int, int], int] = {}
+        parts = {s.index: max(1, int(s.parts)) for s in plan.stages}
+        found: dict[tuple[int, int, int], dict[int, int]] = {}
         for r in plan.ranks:
             for h in r.stages:
-                if h["part"] == 0:
-                    where[(r.dp, h["replica"], h["stage"])] = r.rank
+                found.setdefault((r.dp, h["replica"], h["stage"]), {})[int(h.get("part", 0))] = r.rank
+        where: dict[tuple[int, int, int], list[int]] = {}
+        for key, by_part in found.items():
+            want = parts.get(key[2], 1)
+            if sorted(by_part) != list(range(want)):
+                raise NowdlError(f"the plan gives stage {key[2]} (replica {key[1]}, dp copy {key[0]}) parts "
+                                 f"{sorted(by_part)} but the stage has {want}: the plan is inconsistent; re-plan")
+            where[key] = [by_part[q] for q in range(want)]
         return cls(k=len(plan.stages), replicas=int(plan.config["replicas"]), dp=int(plan.config["dp"]), where=where)
 
-    def rank_of(self, d: int, rep: int, stage: int) -> int:
+    def rank_of(self, d: int, rep: int, stage: int, part: int = 0) -> int:
+        return self.where[(d, rep, stage)][part]
+
+    def part_ranks(self, d: int, rep: int, stage: int) -> list[int]:
+        """The ranks holding the tiles of one copy of ``stage``, in part order."""
         return self.where[(d, rep, stage)]
 
     def group_ranks(self, stage: int) -> list[int]:
-        """Every rank holding a copy of ``stage`` (all replicas and dp copies), sorted, unique."""
-        return sorted({self.where[(d, r, stage)] for d in range(self.dp) for r in range(self.replicas)})
+        """Every rank holding any part of any copy of ``stage`` (replicas, dp copies), sorted."""
+        return sorted({r for d in range(self.dp) for rep in range(self.replicas) for r in self.where[(d, rep, stage)]})
 
 
 class PipelineEngine:
@@ -105,11 +122,6 @@ class PipelineEngine:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  device: torch.device, timeout_s: float = 300.0, precision: str = "fp32",
                  checkpointing: bool | Sequence[int] = False) -> None:
-        if any(s.parts > 1 for s in plan.stages):
-            raise NowdlError(
-                "this plan has spatial stages; running them needs the spatial runtime, which is not "
-                "built yet: re-plan with spatial_parts=1 (--spatial-parts 1)"
-            )
         self.plan = plan
         self.rank = rank
         self.device = device
@@ -141,6 +153,8 @@ class PipelineEngine:
             raise NowdlError(f"rank {rank} is not in the plan (ranks 0..{len(plan.ranks) - 1})")
         self.dp_index = me.dp
         self.held = sorted({(h["replica"], h["stage"]) for h in me.stages})
+        self.part = {(h["replica"], h["stage"]): int(h.get("part", 0)) for h in me.stages}
+        self.parts = [max(1, int(st.parts)) for st in plan.stages]
         self.stages = {s.index: s for s in stages}
         for _, s in self.held:
             self.stages[s].module.to(device)
@@ -160,12 +174,38 @@ class PipelineEngine:
                 g = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
                     self._groups[s] = g
+            tile_groups: dict[tuple[int, int], Any] = {}
+            for (d, rep, s), prs in sorted(self.place.where.items()):  # same order on every rank
+                if len(prs) > 1:
+                    g = dist.new_group(prs)
+                    if d == self.dp_index and rank in prs:
+                        tile_groups[(rep, s)] = g
             self._sync_initial_weights()
+        elif any(p > 1 for p in self.parts):
+            raise NowdlError("this plan has spatial stages, which need several ranks: launch it with torchrun "
+                             f"--nproc-per-node {len(plan.ranks)}")
+        self.tiled: dict[tuple[int, int], TiledStage] = {}
+        for rep, s in self.held:
+            if self.parts[s] > 1:
+                st = plan.stages[s]
+                self.tiled[(rep, s)] = TiledStage(self.stages[s], st.grid, self.place.part_ranks(self.dp_index, rep, s),
+                                                  rank, tile_groups[(rep, s)], fused=st.fused)
         self._value_ids = {name: i for i, name in enumerate(sorted(
             {n for s in stages for n in list(s.inputs) + list(s.outputs)}))}
         self._meta = {t.producer: (tuple(t.shape), getattr(torch, t.dtype.replace("torch.", ""))) for t in plan.tensors}
         data = {n for st in stages for n, p in st.producers.items() if p < 0}
         self._data_names = [n for n in plan.stages[0].nodes if n in data]
+        self._check_spatial_values()
+
+    def _check_spatial_values(self) -> None:
+        for t in self.plan.tensors:
+            ends = [t.from_stage] + [c for c in t.to_stages if c < self.k]
+            if any(self.parts[s] > 1 for s in ends) and len(t.shape) < 3:
+                raise NowdlError(
+                    f"value {t.producer!r} of shape {t.shape} crosses between stages {ends}, one of them spatial, but it "
+                    "is not an (N, C, *spatial) image tensor that can be cut into tiles: re-plan so the spatial "
+                    "region ends elsewhere"
+                )
 
     # ---- set-up --------------------------------------------------------------------------------
     def _sync_initial_weights(self) -> None:
@@ -181,8 +221,8 @@ class PipelineEngine:
     def _tag(self, value: str, backward: bool, rep: int, mb: int) -> int:
         return ((self._value_ids[value] * 2 + int(backward)) * self.place.replicas + rep) * self.m + mb
 
-    def _peer(self, rep: int, stage: int) -> int:
-        return self.place.rank_of(self.dp_index, rep, stage)
+    def _peer(self, rep: int, stage: int, part: int = 0) -> int:
+        return self.place.rank_of(self.dp_index, rep, stage, part)
 
     def _index(self, peer: int, kind: str, stage: int, mb: int, rep: int) -> int:
         """Where (kind, stage, micro-batch, replica) sits in ``peer``'s program for one step."""
@@ -196,6 +236,12 @@ class PipelineEngine:
     def _chunks(self, batch: Any, total: int) -> list[Any]:
         if batch is None:
             return [None] * total
+        if isinstance(batch, TiledInput):
+            n = batch.shape[0]
+            if n % total:
+                raise NowdlError(f"the global batch of {n} samples does not split into {total} micro-batches: "
+                                 f"give a multiple of {total}")
+            return [batch.rows(i * (n // total), (i + 1) * (n // total)) for i in range(total)]
         if isinstance(batch, torch.Tensor):
             if batch.shape[0] % total:
                 raise NowdlError(
@@ -219,41 +265,79 @@ class PipelineEngine:
         return out
 
     # ---- receives: posted a few actions ahead into pooled buffers -------------------------------
-    def _expected_recvs(self, train: bool) -> list[list[tuple[tuple[Any, ...], int, int, str]]]:
-        """For each action of this rank: (key, peer, tag, value) of every message it receives."""
-        out: list[list[tuple[tuple[Any, ...], int, int, str]]] = []
+    def _expected_recvs(self, train: bool) -> list[list[_Recv]]:
+        """For each action of this rank: every message it receives (one per sending part)."""
+        out: list[list[_Recv]] = []
         for act in self.actions:
             st = self.stages[act.stage]
-            mine: list[tuple[tuple[Any, ...], int, int, str]] = []
+            me = (act.stage, self.part[(act.replica, act.stage)])
+            mine: list[_Recv] = []
             if act.kind == "F":
                 for name in st.inputs:
                     p = st.producers[name]
-                    if p >= 0:
-                        q = self._peer(act.replica, p)
-                        mine.append((("F", name, act.replica, act.microbatch), q,
-                                     self._tag(name, False, act.replica, act.microbatch), name))
-                        self._sent_at[("F", name, act.replica, act.microbatch)] = self._index(
-                            q, "F", p, act.microbatch, act.replica)
+                    if p < 0:
+                        continue
+                    for i in range(self.parts[p]):
+                        box = self._piece(name, (p, i), me)
+                        if box is None:
+                            continue
+                        q = self._peer(act.replica, p, i)
+                        key: tuple[Any, ...] = ("F", name, act.replica, act.microbatch, i)
+                        mine.append((key, q, self._tag(name, False, act.replica, act.microbatch), name,
+                                     self._piece_shape(name, box)))
+                        self._sent_at[key] = self._index(q, "F", p, act.microbatch, act.replica)
             elif train:
                 for name in st.outputs:
                     if not self._is_float(name):
                         continue
                     for c in st.consumers.get(name, []):
-                        if c < self.k:
-                            q = self._peer(act.replica, c)
-                            mine.append((("B", name, c, act.replica, act.microbatch), q,
-                                         self._tag(name, True, act.replica, act.microbatch), name))
-                            self._sent_at[("B", name, c, act.replica, act.microbatch)] = self._index(
-                                q, "B", c, act.microbatch, act.replica)
+                        if c >= self.k:
+                            continue
+                        for j in range(self.parts[c]):
+                            box = self._piece(name, me, (c, j))
+                            if box is None:
+                                continue
+                            q = self._peer(act.replica, c, j)
+                            key = ("B", name, c, act.replica, act.microbatch, j)
+                            mine.append((key, q, self._tag(name, True, act.replica, act.microbatch), name,
+                                         self._piece_shape(name, box)))
+                            self._sent_at[key] = self._index(q, "B", c, act.microbatch, act.replica)
             out.append(mine)
         return out
+
+    # ---- tiles: which part of a value each part of a stage holds -----------------------------------
+    def _box(self, name: str, stage: int, part: int) -> Window:
+        """The region (full-image coords per spatial dim) of ``name`` that ``part`` of ``stage`` holds."""
+        sp = self._meta[name][0][2:]
+        if self.parts[stage] == 1:
+            return tuple((0, n) for n in sp)
+        grid = full_grid(self.plan.stages[stage].grid, len(sp))
+        return TileGrid.for_rank(sp, grid, part, range(self.parts[stage])).tile_bounds()
+
+    def _piece(self, name: str, src: tuple[int, int], dst: tuple[int, int]) -> Window | None:
+        """What (stage, part) ``src`` sends of ``name`` to (stage, part) ``dst``: a box, or None."""
+        if self.parts[src[0]] == 1 and self.parts[dst[0]] == 1:
+            return ()  # the whole tensor
+        return _intersect(self._box(name, *src), self._box(name, *dst))
+
+    def _piece_shape(self, name: str, box: Window) -> tuple[int, ...]:
+        shape = self._meta[name][0]
+        if not box:
+            return shape
+        return tuple(shape[:2]) + tuple(hi - lo for lo, hi in box)
+
+    @staticmethod
+    def _rel(box: Window, origin: Window) -> tuple[slice, ...]:
+        if not box:
+            return ()
+        return (slice(None), slice(None)) + tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
 
     def _is_float(self, name: str) -> bool:
         meta = self._meta.get(name)
         return meta is None or meta[1].is_floating_point
 
-    def _alloc(self, name: str) -> torch.Tensor:
-        shape, dtype = self._meta[name]
+    def _alloc(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        dtype = self._meta[name][1]
         if dtype.is_floating_point:
             dtype = self.comm_dtype or dtype
         free = self._pool.get((shape, dtype))
@@ -267,8 +351,8 @@ class PipelineEngine:
     def _post_upto(self, rx: _StepReceives, idx: int) -> None:
         """Post the receives of actions up to ``idx + LOOKAHEAD`` (in program order)."""
         while rx.next_action < len(rx.per_action) and rx.next_action <= idx + LOOKAHEAD:
-            for key, peer, tag, name in rx.per_action[rx.next_action]:
-                buf = self._alloc(name)
+            for key, peer, tag, name, shape in rx.per_action[rx.next_action]:
+                buf = self._alloc(name, shape)
                 rx.posted[key] = (dist.irecv(buf, src=peer, tag=tag), peer, buf)
             rx.next_action += 1
 
@@ -317,30 +401,42 @@ class PipelineEngine:
             st = self.stages[act.stage]
             if act.kind == "F":
                 bufs: list[torch.Tensor] = []
-                ins = [self._input(st, name, act, xs[(act.replica, act.microbatch)], train, rx, bufs)
-                       for name in st.inputs]
+                part = self.part[(act.replica, act.stage)]
+                tiled = self.tiled.get((act.replica, act.stage))
+                ins: list[torch.Tensor] = []
+                shapes: list[tuple[int, ...]] = []
+                for name in st.inputs:
+                    t_in, full = self._input(st, name, act, xs[(act.replica, act.microbatch)], train, rx, bufs, tiled)
+                    ins.append(t_in)
+                    shapes.append(full)
                 held_bufs[key] = bufs
-                outs = self._forward(st, ins, train)
+                outs, grids = self._forward(st, ins, shapes, train, tiled)
                 inputs[key] = ins
                 outputs[key] = outs
-                for name, t in zip(st.outputs, outs, strict=True):
+                for name, t, g_out in zip(st.outputs, outs, grids, strict=True):
                     for c in st.consumers.get(name, []):
                         if c == self.k:  # the model output: the loss
+                            whole = t if tiled is None or g_out is None else g_out.gather(t, tiled.group)
                             yi = ys[(act.replica, act.microbatch)]
                             if self.loss_fn is not None and yi is not None:
-                                loss = self.loss_fn(t.float() if self.comm_dtype else t, yi.to(self.device))
+                                loss = self.loss_fn(whole.float() if self.comm_dtype else whole, yi.to(self.device))
                                 losses[(act.replica, act.microbatch)] = loss
-                                loss_sum += float(loss.detach())
-                            if not train:
-                                final.append(t.detach())
-                        else:
-                            msg = t.detach()
-                            if self.comm_dtype is not None and msg.is_floating_point():
-                                msg = msg.to(self.comm_dtype)
-                            msg = msg.contiguous()
-                            q = self._peer(act.replica, c)
-                            w = dist.isend(msg, dst=q, tag=self._tag(name, False, act.replica, act.microbatch))
-                            sends.append((w, f"{name} to stage {c}", msg, q,
+                                if part == 0:  # every tile computes the same loss: count it once
+                                    loss_sum += float(loss.detach())
+                            if not train and part == 0:
+                                final.append(whole.detach())
+                            continue
+                        msg = t.detach()
+                        if self.comm_dtype is not None and msg.is_floating_point():
+                            msg = msg.to(self.comm_dtype)
+                        for j in range(self.parts[c]):
+                            box = self._piece(name, (act.stage, part), (c, j))
+                            if box is None:
+                                continue
+                            piece = msg[self._rel(box, self._box(name, act.stage, part))].contiguous()
+                            q = self._peer(act.replica, c, j)
+                            w = dist.isend(piece, dst=q, tag=self._tag(name, False, act.replica, act.microbatch))
+                            sends.append((w, f"{name} to stage {c}", piece, q,
                                           self._index(q, "F", c, act.microbatch, act.replica)))
                 if not train:
                     inputs.pop(key)
@@ -348,6 +444,8 @@ class PipelineEngine:
                     for b in held_bufs.pop(key):
                         self._release(b)
             else:
+                part = self.part[(act.replica, act.stage)]
+                me = (act.stage, part)
                 outs = outputs.pop(key)
                 ins = inputs.pop(key)
                 roots: list[torch.Tensor] = []
@@ -359,10 +457,20 @@ class PipelineEngine:
                         for c in st.consumers.get(name, []):
                             if c == self.k:
                                 continue
-                            buf = self._take(rx, ("B", name, c, act.replica, act.microbatch),
-                                             f"gradient of {name} from stage {c}")
-                            grad_bufs.append(buf)
-                            g = buf.to(t.dtype) if g is None else g + buf.to(t.dtype)
+                            for j in range(self.parts[c]):
+                                box = self._piece(name, me, (c, j))
+                                if box is None:
+                                    continue
+                                buf = self._take(rx, ("B", name, c, act.replica, act.microbatch, j),
+                                                 f"gradient of {name} from stage {c}")
+                                grad_bufs.append(buf)
+                                mine = self._box(name, *me) if box else ()
+                                if box == mine:
+                                    g = buf.to(t.dtype) if g is None else g + buf.to(t.dtype)
+                                else:
+                                    if g is None:
+                                        g = torch.zeros_like(t)
+                                    g[self._rel(box, mine)] += buf.to(t.dtype)
                     if t.requires_grad and g is not None:
                         roots.append(t)
                         grads.append(g)
@@ -380,11 +488,15 @@ class PipelineEngine:
                     if p < 0 or not t.is_floating_point():
                         continue
                     g = t.grad if t.grad is not None else torch.zeros_like(t)
-                    g = g.contiguous()
-                    q = self._peer(act.replica, p)
-                    w = dist.isend(g, dst=q, tag=self._tag(name, True, act.replica, act.microbatch))
-                    sends.append((w, f"gradient of {name} to stage {p}", g, q,
-                                  self._index(q, "B", p, act.microbatch, act.replica)))
+                    for i in range(self.parts[p]):
+                        box = self._piece(name, (p, i), me)
+                        if box is None:
+                            continue
+                        piece = g[self._rel(box, self._box(name, *me))].contiguous() if box else g.contiguous()
+                        q = self._peer(act.replica, p, i)
+                        w = dist.isend(piece, dst=q, tag=self._tag(name, True, act.replica, act.microbatch))
+                        sends.append((w, f"gradient of {name} to stage {p}", piece, q,
+                                      self._index(q, "B", p, act.microbatch, act.replica)))
                 b_left[act.stage] -= 1
                 if b_left[act.stage] == 0:  # this stage's gradients are final here: reduce them now
                     bucket = self._launch_sync(act.stage)
@@ -416,31 +528,64 @@ class PipelineEngine:
                 left.append(item)
         return left
 
-    def _forward(self, st: StageModule, ins: list[torch.Tensor], train: bool) -> list[torch.Tensor]:
+    def _forward(self, st: StageModule, ins: list[torch.Tensor], shapes: list[tuple[int, ...]], train: bool,
+                 tiled: TiledStage | None) -> tuple[list[torch.Tensor], list[TileGrid | None]]:
+        grids: list[TileGrid | None] = [None] * len(st.outputs)
+
+        def run(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            if tiled is None:
+                return tuple(st.module(*xs))
+            outs, gs = tiled(xs, shapes)
+            grids[:] = gs
+            return tuple(outs)
+
         with torch.set_grad_enabled(train), self._autocast():
             if train and st.index in self.checkpointed and any(t.requires_grad for t in ins):
                 from torch.utils.checkpoint import checkpoint
 
-                return list(checkpoint(st.module, *ins, use_reentrant=False))
-            return list(st.module(*ins))
+                return list(checkpoint(run, *ins, use_reentrant=False)), grids
+            return list(run(*ins)), grids
 
     def _autocast(self) -> Any:
         if self.comm_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.comm_dtype)
 
-    def _input(self, st: StageModule, name: str, act: Action, x: Any, train: bool,
-               rx: _StepReceives, bufs: list[torch.Tensor]) -> torch.Tensor:
+    def _input(self, st: StageModule, name: str, act: Action, x: Any, train: bool, rx: _StepReceives,
+               bufs: list[torch.Tensor], tiled: TiledStage | None) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """This stage's input ``name`` (its tile, for a spatial stage) and the value's full spatial shape."""
         p = st.producers[name]
         if p < 0:
-            data = x if isinstance(x, torch.Tensor) else x[self._data_names.index(name)]
-            return data.to(self.device)
-        buf = self._take(rx, ("F", name, act.replica, act.microbatch), f"{name} from stage {p}")
-        bufs.append(buf)  # back to the pool after this micro-batch's backward
-        t = buf.detach()  # shares the pooled buffer
+            data = x if isinstance(x, (torch.Tensor, TiledInput)) else x[self._data_names.index(name)]
+            full = tuple(int(n) for n in data.shape[2:])
+            if isinstance(data, TiledInput):  # read only what this rank holds
+                data = data.read(tiled.grid_of(full).tile_bounds() if tiled is not None else None)
+            elif tiled is not None:
+                if data.dim() < 3:
+                    raise NowdlError(f"model input {name!r} of shape {tuple(data.shape)} feeds spatial stage {st.index} "
+                                     "but is not an (N, C, *spatial) image: re-plan without that spatial stage")
+                data = tiled.grid_of(full).split(data)
+            return data.to(self.device), full
+        part = self.part[(act.replica, act.stage)]
+        mine = self._box(name, st.index, part) if self.parts[st.index] > 1 or self.parts[p] > 1 else ()
+        pieces: list[tuple[Window, torch.Tensor]] = []
+        for i in range(self.parts[p]):
+            box = self._piece(name, (p, i), (st.index, part))
+            if box is None:
+                continue
+            buf = self._take(rx, ("F", name, act.replica, act.microbatch, i), f"{name} from stage {p}")
+            bufs.append(buf)  # back to the pool after this micro-batch's backward
+            pieces.append((box, buf))
+        if len(pieces) == 1 and pieces[0][0] == mine:
+            t = pieces[0][1].detach()  # shares the pooled buffer
+        else:  # tiles of another grid (or the whole image): assemble this part's region
+            shape = self._piece_shape(name, mine)
+            t = pieces[0][1].new_empty(shape)
+            for box, buf in pieces:
+                t[self._rel(box, mine)] = buf
         if train and t.is_floating_point():
             t.requires_grad_(True)
-        return t
+        return t, tuple(self._meta[name][0][2:])
 
     def _launch_sync(self, stage: int) -> tuple[int, Any, torch.Tensor] | None:
         """Start the all-reduce (SUM) of one stage's gradients as one flat bucket, asynchronously.

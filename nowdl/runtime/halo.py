@@ -76,8 +76,17 @@ __all__ = [
 Window = tuple[tuple[int, int], ...]
 """Per spatial dim ``[start, stop)`` in full-image coordinates (may leave the image)."""
 
-_CALLS = itertools.count()
+_CALLS: dict[tuple[int, ...], itertools.count[int]] = {}  # per tile group: tags line up on its ranks
 _TAG_SPACE = 1 << 20
+
+
+def _next_tag(grid: TileGrid) -> int:
+    """A fresh odd tag for one exchange of ``grid``'s tile group (its backward uses tag + 1).
+
+    Counted per tile group, not per process: a rank that also works in another group (a MASTER
+    rank holding two stages) must not shift the tags its partners in this group expect.
+    """
+    return 2 * (next(_CALLS.setdefault(grid.ranks, itertools.count())) % _TAG_SPACE) + 1
 
 
 class TileTooSmallError(ValueError):
@@ -221,7 +230,7 @@ def fetch_window(
     _check_tile(x_tile, grid, "fetch_window")
     if len(windows) != len(grid.ranks):
         raise ValueError(f"fetch_window: got {len(windows)} windows for {len(grid.ranks)} tiles")
-    tag = 2 * (next(_CALLS) % _TAG_SPACE) + 1
+    tag = _next_tag(grid)
     out: Tensor = _FetchWindow.apply(x_tile, grid, tuple(tuple(w) for w in windows), group, float(fill), tag)
     return out
 
@@ -675,6 +684,7 @@ def instancenorm_tile(x_tile: Tensor, inorm: nn.Module, group: dist.ProcessGroup
 _POINTWISE: tuple[type, ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
     nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Identity,
+    nn.PReLU, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
 )
 
 

@@ -6,7 +6,7 @@ Launched like any torch.distributed job, every rank runs the same command::
 
 Every rank seeds torch with ``--seed`` before building the model (so the weights agree) and trains
 on the same global batch. Rank 0 plans (``nowdl.compile(model, gpus=WORLD_SIZE, <the pinned
-options>, spatial_parts=1, mode="estimate")``) and broadcasts the plan JSON, which every rank then
+options>, mode="estimate")``) and broadcasts the plan JSON, which every rank then
 runs (``nowdl.compile(model, plan=...)``); a planning error is reported by every rank. Given a plan
 JSON as MODEL, every rank loads it and rebuilds the model from the plan's recorded source.
 
@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.errors import NowdlError
+from nowdl.units import parse_parts
 
 __all__ = [
     "add_run_arguments",
@@ -106,6 +107,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, help="pin the data-parallel degree")
     p.add_argument("--replicas", type=int, choices=(1, 2), help="pin replicas (2: GEMS-MASTER mirrored replica)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), help="pin the pipeline schedule")
+    p.add_argument("--spatial-parts", type=parse_parts, metavar="P[,P2..]",
+                   help="pin spatial parts (image tiles) per spatial stage: 4, or one per stage: 4,2 (1: none)")
+    p.add_argument("--spatial-stages", type=int, help="pin how many leading stages are spatial")
+    p.add_argument("--slice", choices=("vertical", "horizontal", "square", "depth", "cube"), help="tile shape")
+    p.add_argument("--halo-fusion", default="auto", metavar="auto|off|N",
+                   help="fuse conv/pool runs into one deeper halo exchange (auto, off, or up to N per exchange)")
     p.add_argument("--balance", choices=("memory", "compute"), default="memory",
                    help="what the planner balances (default memory)")
     p.add_argument("--num-classes", type=int, metavar="C",
@@ -531,7 +538,8 @@ def _plan_on_rank0(model: nn.Module, args: argparse.Namespace, rank: int, world:
     def make() -> nowdl.Plan:
         planner = nowdl.compile(model, gpus=world, balance=args.balance, stages=args.stages,
                                 micro_batches=args.micro_batches, schedule=args.schedule,
-                                replicas=args.replicas, dp=args.dp, spatial_parts=1,
+                                replicas=args.replicas, dp=args.dp, spatial_parts=args.spatial_parts,
+                                spatial_stages=args.spatial_stages, slice=args.slice, halo_fusion=args.halo_fusion,
                                 gpu_memory=args.gpu_memory, mode="estimate", device_spec=args.device_spec,
                                 optimizer=optimizer, progress=progress)
         if planner.request is not None:

@@ -22,14 +22,15 @@ message.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["TileGrid", "split_bounds", "group_ranks"]
+__all__ = ["TileGrid", "TiledInput", "split_bounds", "group_ranks"]
 
 
 def split_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -253,3 +254,65 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None]:
         grid: TileGrid = ctx.grid  # type: ignore[attr-defined]
         return grid.split(grad).contiguous(), None, None
+
+
+class TiledInput:
+    """A global batch that each rank reads only its own tile of (images too large to load whole).
+
+    Pass it to ``train_step``/``eval_step`` instead of a tensor. ``read(index)`` gets a tuple of
+    slices over ``(N, C, *spatial)`` and returns that region as a tensor; the engine asks for the
+    micro-batch rows and the tile its spatial stage owns (the whole image only on ranks of a
+    non-spatial stage that takes the input). Anything sliceable works: a numpy memmap, a zarr or
+    h5py array, or a function that reads a region of a whole-slide image::
+
+        x = TiledInput.from_array(np.load("slides.npy", mmap_mode="r"))   # (N, C, H, W) on disk
+        cm.train_step(x, y)
+
+    Args:
+        shape: the full batch shape ``(N, C, *spatial)``.
+        read: ``read(index) -> Tensor`` for a tuple of ``slice`` objects, one per dim.
+        dtype: the dtype of what ``read`` returns (for planning; default float32).
+    """
+
+    def __init__(self, shape: Sequence[int], read: Callable[[tuple[slice, ...]], Tensor],
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.shape = torch.Size(int(s) for s in shape)
+        if len(self.shape) < 3:
+            raise ValueError(f"TiledInput: shape {tuple(self.shape)} must be (N, C, *spatial)")
+        self._read = read
+        self.dtype = dtype
+        self._rows = (0, self.shape[0])
+
+    @classmethod
+    def from_array(cls, array: Any, dtype: torch.dtype = torch.float32) -> TiledInput:
+        """Wrap anything indexable by a tuple of slices (numpy, memmap, zarr, h5py, a tensor)."""
+        def read(idx: tuple[slice, ...]) -> Tensor:
+            v = array[idx]
+            return v.to(dtype) if isinstance(v, Tensor) else torch.tensor(v, dtype=dtype)  # a copy: read-only is fine
+
+        return cls(tuple(array.shape), read, dtype)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def rows(self, start: int, stop: int) -> TiledInput:
+        """Samples ``[start, stop)`` of this batch (nothing is read)."""
+        out = TiledInput(self.shape, self._read, self.dtype)
+        lo = self._rows[0] + start
+        out._rows = (lo, self._rows[0] + stop)
+        out.shape = torch.Size((stop - start,) + tuple(self.shape[1:]))
+        return out
+
+    def read(self, bounds: Sequence[tuple[int, int]] | None = None) -> Tensor:
+        """The region ``bounds`` (per spatial dim ``[start, stop)``; None: the whole image)."""
+        sp = [(0, s) for s in self.shape[2:]] if bounds is None else list(bounds)
+        idx = (slice(*self._rows), slice(None)) + tuple(slice(a, b) for a, b in sp)
+        t = self._read(idx)
+        want = (self.shape[0], self.shape[1]) + tuple(b - a for a, b in sp)
+        if tuple(t.shape) != want:
+            raise ValueError(f"TiledInput.read returned shape {tuple(t.shape)} for index {idx}, expected {want}")
+        return t
+
+    def meta(self) -> Tensor:
+        """A meta tensor of this shape and dtype (for tracing and planning; holds no data)."""
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")

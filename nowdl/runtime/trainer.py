@@ -17,6 +17,7 @@ from torch import nn
 from nowdl.errors import NowdlError, PlanError
 from nowdl.partitioner.plan import Plan
 from nowdl.runtime.engine import PipelineEngine
+from nowdl.runtime.tiles import TiledInput
 
 if TYPE_CHECKING:
     from nowdl.api import CompiledModel
@@ -28,11 +29,15 @@ log = logging.getLogger(__name__)
 _CKPT_FORMAT = "nowdl.checkpoint"
 
 
+def _example(t: Any) -> Any:
+    return t.meta() if isinstance(t, TiledInput) else t
+
+
 def _first_tensor(x: Any) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
-        return x[0]
+    if isinstance(x, (torch.Tensor, TiledInput)):
+        return _example(x)
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], (torch.Tensor, TiledInput)):
+        return _example(x[0])
     raise NowdlError(f"train_step/eval_step take a tensor (or a tuple of tensors) as x, got {type(x).__name__}")
 
 
@@ -101,7 +106,7 @@ class Trainer:
                 f"(micro-batch {mb} x micro_batches {plan.config['micro_batches']} x replicas "
                 f"{plan.config['replicas']} x dp {plan.config['dp']}): pass {mb * per} samples or re-plan"
             )
-        example = tuple(t[:mb] for t in (x if isinstance(x, (list, tuple)) else (x,)))
+        example = tuple(_example(t)[:mb] for t in (x if isinstance(x, (list, tuple)) else (x,)))
         traced = self.cm.trace(*example)
         plan.check_model(traced.fingerprint, [list(t.shape) for t in example])
         stages = build_stages(traced.gm, plan)
@@ -160,7 +165,7 @@ class Trainer:
         if eng.dp_index != 0:
             return out
         for rep, s in eng.held:
-            if rep != 0:
+            if rep != 0 or eng.part[(rep, s)] != 0:  # tiles of a spatial stage hold equal copies
                 continue
             st = eng.stages[s]
             local: dict[str, torch.Tensor] = dict(st.module.named_parameters())

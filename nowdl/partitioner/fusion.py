@@ -1,0 +1,158 @@
+"""Halo fusion in the plan: which runs of a spatial stage exchange one deeper halo.
+
+[Note: fusion cost] Unfused, each conv/pool of a run exchanges its own halo (forward, and its
+gradient in backward): ``2 x (latency + halo bytes / link)`` per op. Fused
+(:func:`nowdl.runtime.fusion.fused_forward`), the run exchanges once, a deeper halo, and
+recomputes the overlap: ``2 x (latency + fused halo bytes / link) + extra x run compute``,
+where ``extra`` is the fraction of output recomputed beyond the tiles. The planner fuses a
+run when the second is smaller ("auto"); ``"off"`` never fuses; an integer N fuses every run
+into chains of up to N convs/pools whatever the cost (the seeds' ``--fused-layers N``).
+A run is a chain of call_module nodes of one spatial stage, each feeding only the next, all
+fusable (conv, pool, pointwise activations; a norm, an add or a concat ends it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch.fx as fx
+from torch import nn
+
+from nowdl.errors import NowdlError
+from nowdl.partitioner.plan import Plan
+from nowdl.partitioner.spatial import halo_elements
+from nowdl.profiler.cost import Profile
+
+__all__ = ["fusion_runs", "choose_fusion", "check_policy", "FUSION_POLICIES", "HALO_LATENCY_S"]
+
+FUSION_POLICIES = ("auto", "off")
+HALO_LATENCY_S = 10e-6  # one halo exchange round, as in the partition cost model
+
+
+def _windowed(m: nn.Module) -> bool:
+    return isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d,
+                          nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d))
+
+
+def fusion_runs(gm: fx.GraphModule, nodes: Sequence[str]) -> list[list[str]]:
+    """Maximal fusable runs among ``nodes`` (one stage), each with at least two convs/pools."""
+    from nowdl.runtime.fusion import fusable
+
+    mods = dict(gm.named_modules())
+    members = set(nodes)
+    by_name = {n.name: n for n in gm.graph.nodes}
+
+    def ok(n: fx.Node) -> bool:
+        return n.name in members and n.op == "call_module" and fusable(mods[str(n.target)])
+
+    runs: list[list[str]] = []
+    seen: set[str] = set()
+    for name in nodes:
+        n = by_name.get(name)
+        if n is None or name in seen or not ok(n):
+            continue
+        prev = n.all_input_nodes[0] if len(n.all_input_nodes) == 1 else None
+        if prev is not None and ok(prev) and list(prev.users) == [n]:
+            continue  # not the start of a run
+        run = [n]
+        while len(run[-1].users) == 1:
+            nxt = next(iter(run[-1].users))
+            if not ok(nxt) or nxt.all_input_nodes != [run[-1]]:
+                break
+            run.append(nxt)
+        seen.update(r.name for r in run)
+        if sum(_windowed(mods[str(r.target)]) for r in run) >= 2:
+            runs.append([r.name for r in run])
+    return runs
+
+
+def _split(run: list[str], mods: dict[str, nn.Module], gm: fx.GraphModule, most: int) -> list[list[str]]:
+    """Cut a run into chains of at most ``most`` convs/pools (pointwise ops ride along)."""
+    targets = {n.name: str(n.target) for n in gm.graph.nodes}
+    out: list[list[str]] = []
+    cur: list[str] = []
+    count = 0
+    for name in run:
+        w = _windowed(mods[targets[name]])
+        if w and count == most:
+            out.append(cur)
+            cur, count = [], 0
+        cur.append(name)
+        count += int(w)
+    out.append(cur)
+    return [c for c in out if sum(_windowed(mods[targets[n]]) for n in c) >= 2]
+
+
+def _gain(gm: fx.GraphModule, chain: list[str], prof: Profile, grid: Sequence[int], link_bw: float) -> float:
+    """Seconds saved per micro-batch by fusing ``chain`` (negative: fusion is slower)."""
+    from nowdl.runtime.fusion import chain_geometry
+
+    mods = dict(gm.named_modules())
+    targets = {n.name: n for n in gm.graph.nodes}
+    first = targets[chain[0]].all_input_nodes[0]
+    if first.name not in prof or not prof[first.name].out_shape:
+        return -math.inf
+    shape = list(prof[first.name].out_shape or [])
+    item = 2 if "16" in prof[first.name].out_dtype else (8 if "64" in prof[first.name].out_dtype else 4)
+    modules = [mods[str(targets[c].target)] for c in chain]
+    try:
+        geo = chain_geometry(modules, shape[2:], grid)
+    except (ValueError, NotImplementedError):
+        return -math.inf
+    parts = math.prod(grid)
+    unfused = 0.0
+    for c in chain:
+        m = mods[str(targets[c].target)]
+        if not _windowed(m):
+            continue
+        src = targets[c].all_input_nodes[0].name
+        sshape = prof[src].out_shape if src in prof else None
+        k = getattr(m, "kernel_size", 1)
+        d = getattr(m, "dilation", 1)
+        ks = k if isinstance(k, tuple) else (k,) * (len(shape) - 2)
+        ds = d if isinstance(d, tuple) else (d,) * (len(shape) - 2)
+        halo = tuple((di * (ki - 1) + 1) // 2 for ki, di in zip(ks, ds, strict=False))
+        nbytes = halo_elements(sshape, grid, halo) * item if sshape else 0
+        unfused += 2 * (HALO_LATENCY_S + nbytes / link_bw)
+    deep = tuple(max(lo, hi) for lo, hi in geo["halo"])
+    fused_bytes = halo_elements(shape, grid, deep) * item
+    compute = sum(prof[c].time_s for c in chain if c in prof) / parts
+    fused = 2 * (HALO_LATENCY_S + fused_bytes / link_bw) + float(geo["extra_fraction"]) * compute
+    return unfused - fused
+
+
+def check_policy(policy: object) -> str | int:
+    """``policy`` if it is a valid halo_fusion setting ("auto", "off", N >= 2; "N" from a CLI)."""
+    if isinstance(policy, str) and policy.isdigit():
+        policy = int(policy)
+    if isinstance(policy, bool) or not (policy in FUSION_POLICIES or (isinstance(policy, int) and policy >= 2)):
+        raise NowdlError(f"halo_fusion must be 'auto', 'off' or an integer N >= 2 (fuse up to N convs/pools per "
+                         f"exchange), got {policy!r}")
+    return policy  # type: ignore[return-value]
+
+
+def choose_fusion(gm: fx.GraphModule, plan: Plan, prof: Profile, link_bw: float, policy: str | int) -> None:
+    """Fill ``plan.stages[i].fused`` for every spatial stage, following ``policy``.
+
+    Raises:
+        NowdlError: an unknown policy.
+    """
+    policy = check_policy(policy)
+    mods = dict(gm.named_modules())
+    for st in plan.stages:
+        st.fused = []
+        if st.parts <= 1 or policy == "off":
+            continue
+        for run in fusion_runs(gm, st.nodes):
+            if isinstance(policy, int):
+                st.fused.extend(_split(run, mods, gm, policy))
+                continue
+            best: list[list[str]] = []
+            best_gain = 0.0
+            for most in range(2, len(run) + 1):
+                chains = _split(run, mods, gm, most)
+                gain = sum(_gain(gm, c, prof, st.grid, link_bw) for c in chains)
+                if gain > best_gain:
+                    best, best_gain = chains, gain
+            st.fused.extend(best)
