@@ -73,3 +73,16 @@ def test_help_is_clear(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):
             main([sub, "--help"])
         assert "usage: nowdl " + sub in capsys.readouterr().out
+
+
+def test_plan_with_per_stage_spatial_parts_and_fusion(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "unet", "--input", "1x3x128x128", "--gpus", "6", "--stages", "2", "--spatial-parts", "4,2",
+               "--dp", "1", "--replicas", "1", "--halo-fusion", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "spatial stages [0, 1] x 4/2 parts (square)" in out
+    assert "spatial stage 0: 4 tiles (square, grid 2x2)" in out and "halo fusion:" in out
+    with pytest.raises(SystemExit) as e:  # argparse: usage error
+        main(["plan", "unet", "--input", "1x3x128x128", "--gpus", "6", "--spatial-parts", "4,x"])
+    assert e.value.code == 2
+    assert "invalid parse_parts value: '4,x'" in capsys.readouterr().err

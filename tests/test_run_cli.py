@@ -190,3 +190,14 @@ def test_plan_file_runs(single: None, capsys: pytest.CaptureFixture[str], tmp_pa
     assert "global batch 2 of 3x16x16" in out and sorted(_steps(out)) == [1]
     assert "takes 2 samples per step" in _err(["run", str(plan), "--steps", "1", "--batch-size", "4"], capsys)
     assert "--stages 2 but the plan" in _err(["run", str(plan), "--steps", "1", "--stages", "2"], capsys)
+
+
+def test_torchrun_spatial_stem_matches_the_plain_pipeline() -> None:
+    """`nowdl run` with a 2-tile spatial first stage (3 ranks) trains the same losses as 2 plain stages."""
+    plain = _torchrun(*PIPE, "--steps", "2")
+    spatial = _torchrun(*PIPE, "--spatial-parts", "2", "--spatial-stages", "1", "--slice", "vertical", "--steps", "2",
+                        n=3)
+    assert plain.returncode == 0, plain.stderr
+    assert spatial.returncode == 0, spatial.stderr
+    assert "spatial stage 0: 2 tiles (vertical, grid 1x2)" in spatial.stdout, spatial.stdout
+    assert _steps(spatial.stdout) == _steps(plain.stdout), (spatial.stdout, plain.stdout)

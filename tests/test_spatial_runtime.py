@@ -194,3 +194,79 @@ def test_different_parts_for_successive_spatial_stages() -> None:
     layout = _compare("resnet_bn", 6, {"stages": 3, "spatial_parts": [3, 2], "slice": "vertical", "micro_batches": 2,
                                        "dp": 1, "replicas": 1, "schedule": "1f1b"})
     assert [p for p, _, _ in layout] == [3, 2, 1]
+
+
+# ---- planning and set-up errors (no processes) -------------------------------------------------
+
+
+def test_planner_names_the_op_that_ends_a_spatial_region() -> None:
+    model = nowdl.models.resnet(depth=8, version=1, num_classes=3, width=4, conv_bias=False)
+    cm = nowdl.compile(model, gpus=2, stages=1, spatial_parts=2, dp=1, replicas=1, mode="estimate", cache=False,
+                       progress=False)
+    with pytest.raises(nowdl.NowdlError, match=r"Node 'pool' ends the spatial region: AdaptiveAvgPool2d needs the whole"):
+        cm.plan(torch.empty(1, 3, 32, 32, device="meta"))
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"spatial_parts": [1, 2]}, "parts \\(>= 2\\) of each spatial stage"),
+    ({"spatial_parts": [2, 2, 2], "spatial_stages": 2}, "names 3 spatial stages but spatial_stages is 2"),
+    ({"spatial_parts": "4"}, "spatial_parts must be an int or a list"),
+    ({"halo_fusion": "always"}, "halo_fusion must be 'auto', 'off' or an integer"),
+    ({"halo_fusion": 1}, "halo_fusion must be"),
+])
+def test_bad_spatial_arguments(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(nowdl.NowdlError, match=needle):
+        nowdl.compile(_make("convnet"), gpus=8, **kwargs)
+
+
+def _convnet_plan(**kw: Any) -> tuple[Any, Any]:
+    x = torch.empty(1, *_SHAPES["convnet"], dtype=torch.float64, device="meta")
+    cm = nowdl.compile(_make("convnet"), gpus=3, stages=2, spatial_parts=2, spatial_stages=1, slice="square",
+                       micro_batches=2, dp=1, replicas=1, mode="estimate", cache=False, progress=False, **kw)
+    return cm.plan(x), cm.trace(x).gm
+
+
+def test_halo_fusion_policies_in_the_plan() -> None:
+    forced, _ = _convnet_plan(halo_fusion=2)
+    assert forced.stages[0].fused == [["c1", "a1", "c2", "a2"], ["p", "c3"]]
+    assert forced.config["halo_fusion"] == 2
+    whole, _ = _convnet_plan(halo_fusion=4)
+    assert whole.stages[0].fused == [["c1", "a1", "c2", "a2", "p", "c3"]]
+    off, _ = _convnet_plan(halo_fusion="off")
+    assert all(not s.fused for s in off.stages)
+    # auto: fused only where the cost model says so; on these tiny tiles the exchange latency dominates
+    auto, _ = _convnet_plan()
+    assert auto.stages[0].fused, "tiny tiles: one exchange instead of four should pay off"
+    assert nowdl.Plan.from_json(forced.to_json()).stages[0].fused == forced.stages[0].fused
+
+
+def test_tiled_stage_refuses_untileable_nodes_and_bad_chains() -> None:
+    from nowdl.codegen import build_stages
+    from nowdl.runtime.spatial_stage import TiledStage
+
+    plan, gm = _convnet_plan(halo_fusion="off")
+    stages = build_stages(gm, plan)
+    with pytest.raises(nowdl.NowdlError, match=r"stage 1 is spatial but node\(s\) 'head_0' \(AdaptiveAvgPool2d needs"):
+        TiledStage(stages[1], [1, 2], [0, 1], 0, None)
+    with pytest.raises(nowdl.NowdlError, match="must feed only"):
+        TiledStage(stages[0], [1, 2], [0, 1], 0, None, fused=[["c1", "c2"]])
+    with pytest.raises(nowdl.NowdlError, match="names nodes that are not in the stage"):
+        TiledStage(stages[0], [1, 2], [0, 1], 0, None, fused=[["c1", "nope"]])
+
+
+def test_tiled_input_reads_only_the_asked_region() -> None:
+    full = torch.arange(2 * 3 * 5 * 4, dtype=torch.float32).reshape(2, 3, 5, 4)
+    seen: list[tuple[slice, ...]] = []
+
+    def read(idx: tuple[slice, ...]) -> torch.Tensor:
+        seen.append(idx)
+        return full[idx]
+
+    ti = nowdl.TiledInput(full.shape, read)
+    assert ti.meta().shape == full.shape and ti.meta().device.type == "meta"
+    second = ti.rows(1, 2)
+    assert torch.equal(second.read([(1, 4), (2, 4)]), full[1:2, :, 1:4, 2:4])
+    assert seen[-1] == (slice(1, 2), slice(None), slice(1, 4), slice(2, 4))
+    assert torch.equal(nowdl.TiledInput.from_array(full.numpy()).read(), full)
+    with pytest.raises(ValueError, match="returned shape"):
+        nowdl.TiledInput(full.shape, lambda idx: full).read([(0, 2), (0, 2)])

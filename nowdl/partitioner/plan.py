@@ -276,7 +276,8 @@ class Plan:
             f"config: {c['gpus']} GPUs = dp {c['dp']} x {len(self.ranks) // max(1, c['dp'])} ranks/pipeline; "
             f"{c['stages']} stages, {c.get('schedule', '?')} with {c['micro_batches']} micro-batches, "
             f"replicas {c['replicas']}{' (MASTER)' if c['replicas'] == 2 else ''}, balance {c.get('balance', '?')}"
-            + (f"; spatial stages {sp.get('stages')} x {sp.get('parts')} parts ({sp.get('slice')})" if sp.get("stages") else "")
+            + (f"; spatial stages {sp.get('stages')} x {'/'.join(map(str, sp.get('stage_parts') or [sp.get('parts')]))} "
+               f"parts ({sp.get('slice')})" if sp.get("stages") else "")
             + (f"; cap {format_bytes(c['gpu_memory'])}/GPU" if c.get("gpu_memory") else ""),
         ]
         hdr = f"{'stage':>5} {'ranks':<12} {'nodes':>5}  {'first .. last':<34} {'params':>9} {'peak mem':>10} {'time/mb':>9} {'in':>9} {'out':>9}"
@@ -308,6 +309,11 @@ class Plan:
             f"total: {sum(len(s.nodes) for s in self.stages)} nodes, {total_params / 1e6:.2f}M params, "
             f"{len(self.tensors)} cross-stage tensors ({skips} long skips sent directly)"
         )
+        for s in self.stages:
+            if s.parts > 1:
+                fused = f"; halo fusion: {len(s.fused)} run(s) of {', '.join(str(len(f)) for f in s.fused)} ops" if s.fused else ""
+                lines.append(f"spatial stage {s.index}: {s.parts} tiles ({s.slice}, grid {'x'.join(map(str, s.grid))}), "
+                             f"halo exchange before each conv/pool{fused}")
         lines.append(
             f"predicted: peak {format_bytes(pr.get('peak_bytes', 0))}/GPU (max over ranks), step "
             f"{_format_time(pr.get('step_s', 0))}, {pr.get('throughput', 0):.3g} images/s"

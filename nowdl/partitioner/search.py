@@ -94,7 +94,7 @@ def search(
     cands = list(enumerate_candidates(req, tileable_front=front, tileable_back=back, max_stages=_max_stages(costs),
                                       micro_batch=_batch(costs)))
     if not cands:
-        raise NowdlError(_no_candidate_message(req, front))
+        raise NowdlError(_no_candidate_message(req, front, _first_untileable(costs, front)))
     fits: list[tuple[float, int, Candidate]] = []
     over: list[tuple[float, int, Candidate]] = []  # over the cap by the DP; the ILP may still fit
     best_mem = math.inf
@@ -134,11 +134,24 @@ def _max_stages(costs: Costs) -> int:
     return max(1, sum(1 for n in costs.profile.nodes if n.op not in ("placeholder", "output", "get_attr")))
 
 
-def _no_candidate_message(req: PlanRequest, front: bool) -> str:
+def _first_untileable(costs: Costs, front: bool) -> str:
+    """Why the model cannot be spatial to its end: the first node that cannot run on tiles."""
+    for n in costs.profile.nodes:
+        rule = costs.rules.get(n.name)
+        if n.op not in ("placeholder", "output", "get_attr") and rule is not None and not rule.tileable:
+            where = "is the model's first operation" if not front else "ends the spatial region"
+            return f" Node {n.name!r} {where}: {rule.reason}."
+    return ""
+
+
+def _no_candidate_message(req: PlanRequest, front: bool, untileable: str = "") -> str:
     pins = {k: getattr(req, k) for k in ("stages", "dp", "replicas", "spatial_parts", "spatial_stages", "global_batch") if getattr(req, k)}
     why = ""
     if (req.spatial_parts or req.spatial_stages) and not front:
-        why = " The model's first operation cannot run on image tiles, so no spatial stage is possible."
+        why = " The model's first operation cannot run on image tiles, so no spatial stage is possible." + untileable
+    elif req.spatial_parts not in (None, 1) or req.spatial_stages:
+        why = (" Spatial stages need a non-spatial stage after them unless the whole model runs on tiles."
+               + untileable)
     return (
         f"no configuration of {req.gpus} GPUs matches the pinned settings {pins}: ranks per pipeline "
         "(stages, plus (parts - 1) for each spatial stage) times dp must equal gpus." + why +
