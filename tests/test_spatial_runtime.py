@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from distributed import run_workers
 from torch import nn
 
@@ -41,6 +42,22 @@ class ConvNet(nn.Module):
         return self.head(self.c3(self.p(self.a2(self.c2(self.a1(self.c1(x)))))))
 
 
+class FuncNet(nn.Module):
+    """Functional ops inside a spatial stage: F.max_pool2d, F.interpolate (bilinear), cat, sigmoid."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.c3 = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.c1(x))
+        b = self.c2(F.max_pool2d(a, 2))
+        up = F.interpolate(b, scale_factor=2, mode="bilinear", align_corners=False)
+        return torch.sigmoid(self.c3(torch.cat([a, up], dim=1)))
+
+
 def _make(name: str) -> nn.Module:
     """Models without a bias right before a norm (see tests/test_runtime.py: Adam amplifies the
     round-off of such zero-gradient biases)."""
@@ -57,24 +74,26 @@ def _make(name: str) -> nn.Module:
                     bias=False)
     if name == "resnet_bn":
         return nowdl.models.resnet(depth=8, version=1, num_classes=3, width=4, conv_bias=False)
+    if name == "funcnet":
+        return FuncNet()
     if name == "convnet":  # float64: fused runs recompute overlaps in another summation order, and Adam
         return ConvNet().double()  # turns float32 round-off on near-zero gradients into visible steps
     raise ValueError(name)
 
 
-_SHAPES = {"monai_unet": (1, 16, 16), "monai_unet3d": (1, 8, 8, 8), "resnet_bn": (3, 17, 15), "convnet": (3, 15, 13)}
+_SHAPES = {"funcnet": (1, 14, 18), "monai_unet": (1, 16, 16), "monai_unet3d": (1, 8, 8, 8), "resnet_bn": (3, 17, 15), "convnet": (3, 15, 13)}
 
 
 def _data(name: str, total: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(total, *_SHAPES[name], generator=g, dtype=torch.float64 if name == "convnet" else torch.float32)
-    if name.startswith("monai"):
+    if name.startswith("monai") or name == "funcnet":
         return x, torch.randn(total, 2, *_SHAPES[name][1:], generator=g)
     return x, torch.randint(0, 3, (total,), generator=g)
 
 
 def _loss(name: str) -> nn.Module:
-    return nn.MSELoss() if name.startswith("monai") else nn.CrossEntropyLoss()
+    return nn.MSELoss() if name.startswith("monai") or name == "funcnet" else nn.CrossEntropyLoss()
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -175,6 +194,11 @@ def test_halo_fusion_forced_through_the_engine_and_tiled_input(tmp_path: Any) ->
                                      "micro_batches": 2, "dp": 1, "replicas": 1, "schedule": "1f1b",
                                      "halo_fusion": 4, "_dir": str(tmp_path)}, tiled_input=True)
     assert layout[0][2] >= 1, f"no fused chain in the spatial stage: {layout}"
+
+
+def test_functional_pool_interpolate_and_cat_on_square_tiles() -> None:
+    _compare("funcnet", 4, {"stages": 1, "spatial_parts": 4, "slice": "square", "micro_batches": 2, "dp": 1,
+                            "replicas": 1, "schedule": "gpipe"})
 
 
 def test_3d_volume_depth_slices() -> None:
