@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_workers
+from reference import train_reference
 from torch import nn
 
 import nowdl
@@ -79,21 +80,9 @@ def _worker(rank: int, world: int, name: str, gpus: int, cfg: dict[str, Any], ck
 
 
 def _reference(name: str, total: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _make(name).train()
-    opt = _adam(model.parameters())
-    loss_fn = _loss(name)
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(name, total, step)
-        opt.zero_grad(set_to_none=True)
-        acc = 0.0
-        for xc, yc in zip(x.chunk(total), y.chunk(total), strict=True):
-            loss = loss_fn(model(xc), yc)
-            (loss / total).backward()
-            acc += float(loss.detach())
-        opt.step()
-        losses.append(acc / total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = _make(name)
+    return train_reference(model, _adam(model.parameters()), _loss(name), lambda step: _data(name, total, step), total,
+                           STEPS)
 
 
 def _compare(name: str, gpus: int, cfg: dict[str, Any], *, ckpt: str | None = None) -> None:

@@ -126,6 +126,71 @@ def _plan(grid: TileGrid, windows: Sequence[Window]) -> tuple[list[tuple[int, Wi
     return recv, send, _intersect(windows[me], owned[me])
 
 
+def _exchange(x: Tensor, grid: TileGrid, plan: Any, group: dist.ProcessGroup | None, tag: int) -> list[Tensor]:
+    """Send my slabs of the others' windows; receive the slabs of mine they own (in ``recv`` order)."""
+    recv, send, _ = plan
+    mine = [lo for lo, _ in grid.tile_bounds()]
+    lead = tuple(x.shape[:2])
+    reqs = []
+    bufs: list[Tensor] = []
+    for q, box in recv:
+        buf = x.new_empty(lead + tuple(hi - lo for lo, hi in box))
+        reqs.append(dist.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
+        bufs.append(buf)
+    keep = []
+    for q, box in send:
+        t = x[_rel(box, mine)].contiguous()
+        keep.append(t)
+        reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
+    for r in reqs:
+        if r is not None:
+            r.wait()
+    return bufs
+
+
+def _assemble(x: Tensor, bufs: Sequence[Tensor], grid: TileGrid, window: Window, plan: Any, fill: float) -> Tensor:
+    """The window from my tile and the received slabs; ``fill`` outside the image."""
+    recv, _, local = plan
+    origin = [lo for lo, _ in window]
+    mine = [lo for lo, _ in grid.tile_bounds()]
+    out = x.new_full(tuple(x.shape[:2]) + tuple(hi - lo for lo, hi in window), fill)
+    if local is not None:
+        out[_rel(local, origin)] = x[_rel(local, mine)]
+    for (_, box), buf in zip(recv, bufs, strict=True):
+        out[_rel(box, origin)] = buf
+    return out
+
+
+def _return_grads(grad: Tensor, x_shape: Sequence[int], grid: TileGrid, window: Window, plan: Any,
+                  group: dist.ProcessGroup | None, tag: int) -> Tensor:
+    """Adjoint of :func:`_exchange` + :func:`_assemble`: send each received slab's gradient to its
+    owner, and add what comes back (gradients of the slabs I sent) into my tile's gradient."""
+    recv, send, local = plan
+    origin = [lo for lo, _ in window]
+    mine = [lo for lo, _ in grid.tile_bounds()]
+    lead = tuple(grad.shape[:2])
+    gx = grad.new_zeros(tuple(x_shape))
+    reqs = []
+    bufs: list[tuple[Window, Tensor]] = []
+    for q, box in send:  # I sent them this slab: its gradient comes back to me
+        buf = grad.new_empty(lead + tuple(hi - lo for lo, hi in box))
+        reqs.append(dist.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
+        bufs.append((box, buf))
+    keep = []
+    for q, box in recv:  # they own this slab of my window: send its gradient home
+        t = grad[_rel(box, origin)].contiguous()
+        keep.append(t)
+        reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
+    if local is not None:
+        gx[_rel(local, mine)] += grad[_rel(local, origin)]
+    for r in reqs:
+        if r is not None:
+            r.wait()
+    for box, buf in bufs:
+        gx[_rel(box, mine)] += buf
+    return gx
+
+
 class _FetchWindow(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -137,63 +202,76 @@ class _FetchWindow(torch.autograd.Function):
         fill: float,
         tag: int,
     ) -> Tensor:
-        recv, send, local = _plan(grid, windows)
-        ctx.grid, ctx.windows, ctx.group, ctx.tag = grid, windows, group, tag
-        ctx.plan = (recv, send, local)
+        plan = _plan(grid, windows)
+        ctx.grid, ctx.window, ctx.group, ctx.tag, ctx.plan = grid, windows[grid.index], group, tag, plan
         ctx.x_shape = tuple(x.shape)
-        win = windows[grid.index]
-        origin = [lo for lo, _ in win]
-        mine = [lo for lo, _ in grid.tile_bounds()]
-        lead = tuple(x.shape[:2])
-        out = x.new_full(lead + tuple(hi - lo for lo, hi in win), fill)
-        reqs = []
-        bufs: list[tuple[Window, Tensor]] = []
-        for q, box in recv:
-            buf = x.new_empty(lead + tuple(hi - lo for lo, hi in box))
-            reqs.append(dist.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
-            bufs.append((box, buf))
-        keep = []
-        for q, box in send:
-            t = x[_rel(box, mine)].contiguous()
-            keep.append(t)
-            reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
-        if local is not None:
-            out[_rel(local, origin)] = x[_rel(local, mine)]
-        for r in reqs:
-            if r is not None:
-                r.wait()
-        for box, buf in bufs:
-            out[_rel(box, origin)] = buf
-        return out
+        return _assemble(x, _exchange(x, grid, plan, group, tag), grid, windows[grid.index], plan, fill)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:  # type: ignore[override]
-        grid: TileGrid = ctx.grid
-        recv, send, local = ctx.plan
-        tag = ctx.tag + 1
-        origin = [lo for lo, _ in ctx.windows[grid.index]]
-        mine = [lo for lo, _ in grid.tile_bounds()]
-        lead = tuple(grad.shape[:2])
-        gx = grad.new_zeros(ctx.x_shape)
-        reqs = []
-        bufs: list[tuple[Window, Tensor]] = []
-        for q, box in send:  # I sent them this slab: its gradient comes back to me
-            buf = grad.new_empty(lead + tuple(hi - lo for lo, hi in box))
-            reqs.append(dist.irecv(buf, src=grid.ranks[q], group=ctx.group, tag=tag))
-            bufs.append((box, buf))
-        keep = []
-        for q, box in recv:  # they own this slab of my window: send its gradient home
-            t = grad[_rel(box, origin)].contiguous()
-            keep.append(t)
-            reqs.append(dist.isend(t, dst=grid.ranks[q], group=ctx.group, tag=tag))
-        if local is not None:
-            gx[_rel(local, mine)] += grad[_rel(local, origin)]
-        for r in reqs:
-            if r is not None:
-                r.wait()
-        for box, buf in bufs:
-            gx[_rel(box, mine)] += buf
+        gx = _return_grads(grad, ctx.x_shape, ctx.grid, ctx.window, ctx.plan, ctx.group, ctx.tag + 1)
         return gx, None, None, None, None, None
+
+
+class _WindowOp(torch.autograd.Function):
+    """``op(window)`` that saves only the tile and the received halo slabs, not the window.
+
+    A conv or pool on the fetched window would save the window: a second copy of the tile (the
+    op before usually saved the tile already) plus the halo. This function rebuilds the window
+    in backward from what it saved (a copy, no communication). Convolutions then run ATen's
+    ``convolution_backward`` on it (no recomputation); other ops are recomputed on the window
+    (pooling: cheap).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, grid: TileGrid,
+        windows: tuple[Window, ...], group: dist.ProcessGroup | None, fill: float, tag: int,
+        op: Callable[..., Tensor], conv: tuple[Any, ...] | None,
+    ) -> Tensor:
+        plan = _plan(grid, windows)
+        bufs = _exchange(x, grid, plan, group, tag)
+        win = windows[grid.index]
+        xw = _assemble(x, bufs, grid, win, plan, fill)
+        y = op(xw, weight, bias)
+        ctx.grid, ctx.window, ctx.group, ctx.tag, ctx.plan, ctx.fill = grid, win, group, tag, plan, fill
+        ctx.op, ctx.conv, ctx.nbufs, ctx.has_bias = op, conv, len(bufs), bias is not None
+        ctx.bias_shape = tuple(bias.shape) if bias is not None else None
+        ctx.save_for_backward(x, weight, *bufs)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, weight, *bufs = ctx.saved_tensors
+        xw = _assemble(x, bufs, ctx.grid, ctx.window, ctx.plan, ctx.fill)
+        gw = gb = None
+        if ctx.conv is not None:
+            stride, dilation, groups = ctx.conv
+            n = xw.dim() - 2
+            mask = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]), bool(ctx.needs_input_grad[2])]
+            gxw, gw, gb = torch.ops.aten.convolution_backward(
+                gy.contiguous(), xw, weight, list(ctx.bias_shape) if ctx.has_bias else None, list(stride), [0] * n,
+                list(dilation), False, [0] * n, groups, mask)
+        elif not ctx.needs_input_grad[0]:
+            gxw = None
+        else:
+            with torch.enable_grad():
+                xr = xw.detach().requires_grad_(True)
+                (gxw,) = torch.autograd.grad(ctx.op(xr, weight, None), xr, gy)
+        # no input gradient (the input is data): every rank of the group skips the exchange alike
+        gx = None if gxw is None else _return_grads(gxw, x.shape, ctx.grid, ctx.window, ctx.plan, ctx.group,
+                                                    ctx.tag + 1)
+        return gx, gw, gb, None, None, None, None, None, None, None
+
+
+def _window_op(x_tile: Tensor, grid: TileGrid, windows: Sequence[Window], group: dist.ProcessGroup | None,
+               op: Callable[..., Tensor], *, weight: Tensor | None = None, bias: Tensor | None = None,
+               fill: float = 0.0, conv: tuple[Any, ...] | None = None) -> Tensor:
+    """``op(window, weight, bias)`` over this rank's fetched window, saving no window copy."""
+    _check_tile(x_tile, grid, "window op")
+    out: Tensor = _WindowOp.apply(x_tile, weight, bias, grid, tuple(tuple(w) for w in windows), group, float(fill),
+                                  _next_tag(grid), op, conv)
+    return out
 
 
 def _check_tile(x: Tensor, grid: TileGrid, op: str) -> None:
@@ -345,8 +423,10 @@ def _conv(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGr
     out_shape = [(grid.shape[i] + pads[i][0] + pads[i][1] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(n)]
     og = _out_grid(grid, out_shape, f"conv_tile({op})")
     wins = _strided_windows(grid, og, k, s, d, [p[0] for p in pads])
-    xw = fetch_window(x_tile, grid, wins, group)
-    y = _CONV_FN[n](xw, conv.weight, conv.bias, s, 0, d, conv.groups)
+    fn = _CONV_FN[n]
+    groups = conv.groups
+    y = _window_op(x_tile, grid, wins, group, lambda xw, w, b: fn(xw, w, b, s, 0, d, groups),
+                   weight=conv.weight, bias=conv.bias, conv=(s, d, groups))
     return y, og
 
 
@@ -440,20 +520,19 @@ def _pool(x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGr
     og = _out_grid(grid, out_shape, f"pool_tile({op})")
     wins = _strided_windows(grid, og, k, s, d, p)
     if is_max:
-        xw = fetch_window(x_tile, grid, wins, group, fill=-math.inf)
-        return _MAXPOOL_FN[n](xw, k, s, 0, d), og
-    xw = fetch_window(x_tile, grid, wins, group)
-    total = _sum_pool(xw, k, s)
+        mp = _MAXPOOL_FN[n]
+        return _window_op(x_tile, grid, wins, group, lambda xw, w, b: mp(xw, k, s, 0, d), fill=-math.inf), og
+    total = _window_op(x_tile, grid, wins, group, lambda xw, w, b: _sum_pool(xw, k, s))
     div_override = getattr(pool, "divisor_override", None)
     if div_override:
         return total / div_override, og
     win = wins[grid.index]
     lo_b = [-p[i] if pool.count_include_pad else 0 for i in range(n)]
     hi_b = [grid.shape[i] + (p[i] if pool.count_include_pad else 0) for i in range(n)]
-    mask = xw.new_ones((1, 1) + tuple(xw.shape[2:]))
+    mask = x_tile.new_ones((1, 1) + tuple(hi - lo for lo, hi in win))
     for i in range(n):
-        idx = torch.arange(win[i][0], win[i][1], device=xw.device)
-        m = ((idx >= lo_b[i]) & (idx < hi_b[i])).to(xw.dtype)
+        idx = torch.arange(win[i][0], win[i][1], device=x_tile.device)
+        m = ((idx >= lo_b[i]) & (idx < hi_b[i])).to(x_tile.dtype)
         mask = mask * m.view((1, 1) + tuple(-1 if j == i else 1 for j in range(n)))
     return total / _sum_pool(mask, k, s), og
 
@@ -568,49 +647,72 @@ def upsample_tile(x_tile: Tensor, up: nn.Module, grid: TileGrid, group: dist.Pro
 # norms: statistics reduced over the tiles
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """SUM all-reduce whose adjoint is again a SUM all-reduce of the gradient."""
+class _TileNorm(torch.autograd.Function):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` with statistics over ``dims`` of EVERY tile.
+
+    Sums and centred sums of squares are all-reduced over the tile group (counts from the real,
+    uneven tiles). Like ATen's norms it saves only the input and the per-channel statistics, not
+    the normalised tensor; its backward all-reduces the two per-channel sums it needs.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup | None) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
+    def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, dims: list[int],  # type: ignore[override]
+                group: dist.ProcessGroup | None, eps: float, stats: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
+        local_n = math.prod(x.shape[i] for i in dims)
+        s = x.sum(dim=dims, keepdim=True)
+        packed = torch.cat([s.reshape(-1), s.new_full((1,), float(local_n))])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        count = packed[-1]
+        mean = packed[:-1].reshape(s.shape) / count
+        y = x - mean
+        sq = (y * y).sum(dim=dims, keepdim=True).reshape(-1)
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        var = sq.reshape(s.shape) / count
+        rstd = torch.rsqrt(var + eps)
+        y.mul_(rstd)
+        if weight is not None:
+            y.mul_(weight)
+        if bias is not None:
+            y.add_(bias)
+        stats.append((mean, var, count))
+        ctx.dims, ctx.group, ctx.count = dims, group, float(count)
+        ctx.has_weight = weight is not None
+        ctx.bias_shape = tuple(bias.shape) if bias is not None else None
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        g = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group)
-        return g, None
+    def backward(ctx: Any, gy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, weight, mean, rstd = ctx.saved_tensors
+        dims = ctx.dims
+        xhat = (x - mean) * rstd
+        gw = (gy * xhat).sum_to_size(weight.shape) if ctx.has_weight and ctx.needs_input_grad[1] else None
+        gb = gy.sum_to_size(ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gxhat = gy * weight if ctx.has_weight else gy
+            a = gxhat.sum(dim=dims, keepdim=True)
+            b = (gxhat * xhat).sum(dim=dims, keepdim=True)
+            packed = torch.cat([a.reshape(-1), b.reshape(-1)])
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=ctx.group)
+            a_all = packed[: a.numel()].reshape(a.shape) / ctx.count
+            b_all = packed[a.numel():].reshape(b.shape) / ctx.count
+            gx = (gxhat - a_all - xhat * b_all) * rstd
+        return gx, gw, gb, None, None, None, None
 
 
-def _diff_all_reduce(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    out: Tensor = _AllReduceSum.apply(x, group)
-    return out
+def _tile_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, dims: list[int],
+               group: dist.ProcessGroup | None, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(normalised x, mean, biased var, count); weight and bias broadcast against ``x``."""
+    stats: list[tuple[Tensor, Tensor, Tensor]] = []
+    y: Tensor = _TileNorm.apply(x, weight, bias, dims, group, float(eps), stats)
+    mean, var, count = stats[0]
+    return y, mean, var, count
 
 
-def _moments(x: Tensor, dims: list[int], group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(x - mean, mean, biased var, count) with sums over ``dims`` of every tile."""
-    local_n = math.prod(x.shape[i] for i in dims)
-    s = x.sum(dim=dims, keepdim=True)
-    packed = torch.cat([s.reshape(-1), s.new_full((1,), float(local_n))])
-    tot = _diff_all_reduce(packed, group=group)
-    count = tot[-1].detach()
-    mean = tot[:-1].reshape(s.shape) / count
-    cent = x - mean
-    sq = (cent * cent).sum(dim=dims, keepdim=True)
-    var = _diff_all_reduce(sq.reshape(-1), group=group).reshape(s.shape) / count
-    return cent, mean, var, count
-
-
-def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-    shape = (1, -1) + (1,) * (y.dim() - 2)
-    if weight is not None:
-        y = y * weight.view(shape)
-    if bias is not None:
-        y = y + bias.view(shape)
-    return y
+def _bcast(p: Tensor | None, nd: int) -> Tensor | None:
+    """A per-channel parameter viewed as (1, C, 1, ...) for an ``nd``-dim tensor."""
+    return None if p is None else p.view((1, -1) + (1,) * (nd - 2))
 
 
 def _update_running(rm: Tensor, rv: Tensor, mean: Tensor, var: Tensor, count: Tensor, factor: float) -> None:
@@ -635,14 +737,14 @@ def batchnorm_tile(x_tile: Tensor, bn: nn.Module, group: dist.ProcessGroup | Non
     if not use_batch:  # eval with running stats: a pointwise op
         return F.batch_norm(x_tile, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
     dims = [0] + list(range(2, x_tile.dim()))
-    cent, mean, var, count = _moments(x_tile, dims, group)
-    y = cent * torch.rsqrt(var + bn.eps)
+    nd = x_tile.dim()
+    y, mean, var, count = _tile_norm(x_tile, _bcast(bn.weight, nd), _bcast(bn.bias, nd), dims, group, bn.eps)
     if bn.training and bn.track_running_stats and bn.running_mean is not None:
         assert bn.running_var is not None and bn.num_batches_tracked is not None
         bn.num_batches_tracked.add_(1)
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else float(bn.momentum)
         _update_running(bn.running_mean, bn.running_var, mean.reshape(-1), var.reshape(-1), count, factor)
-    return _affine(y, bn.weight, bn.bias)
+    return y
 
 
 def groupnorm_tile(x_tile: Tensor, gn: nn.Module, group: dist.ProcessGroup | None = None) -> Tensor:
@@ -650,10 +752,14 @@ def groupnorm_tile(x_tile: Tensor, gn: nn.Module, group: dist.ProcessGroup | Non
     if not isinstance(gn, nn.GroupNorm):
         raise TypeError(f"groupnorm_tile: {type(gn).__name__} is not nn.GroupNorm")
     n, c = x_tile.shape[:2]
-    xr = x_tile.reshape(n, gn.num_groups, -1)
-    cent, _, var, _ = _moments(xr, [2], group)
-    y = (cent * torch.rsqrt(var + gn.eps)).reshape(x_tile.shape)
-    return _affine(y, gn.weight, gn.bias)
+    g = gn.num_groups
+    sp = tuple(x_tile.shape[2:])
+    xr = x_tile.reshape((n, g, c // g) + sp)
+    shape = (1, g, c // g) + (1,) * len(sp)
+    w = None if gn.weight is None else gn.weight.view(shape)
+    b = None if gn.bias is None else gn.bias.view(shape)
+    y, _, _, _ = _tile_norm(xr, w, b, list(range(2, xr.dim())), group, gn.eps)
+    return y.reshape(x_tile.shape)
 
 
 def instancenorm_tile(x_tile: Tensor, inorm: nn.Module, group: dist.ProcessGroup | None = None) -> Tensor:
@@ -666,8 +772,9 @@ def instancenorm_tile(x_tile: Tensor, inorm: nn.Module, group: dist.ProcessGroup
         return F.instance_norm(x_tile, inorm.running_mean, inorm.running_var, inorm.weight, inorm.bias,
                                False, 0.0, inorm.eps)
     dims = list(range(2, x_tile.dim()))
-    cent, mean, var, count = _moments(x_tile, dims, group)
-    y = cent * torch.rsqrt(var + inorm.eps)
+    nd = x_tile.dim()
+    w, b = (_bcast(inorm.weight, nd), _bcast(inorm.bias, nd)) if inorm.affine else (None, None)
+    y, mean, var, count = _tile_norm(x_tile, w, b, dims, group, inorm.eps)
     if inorm.training and inorm.track_running_stats and inorm.running_mean is not None:
         assert inorm.running_var is not None
         unbiased = var * (count / (count - 1)) if float(count) > 1 else var
@@ -675,7 +782,7 @@ def instancenorm_tile(x_tile: Tensor, inorm: nn.Module, group: dist.ProcessGroup
             m = float(inorm.momentum) if inorm.momentum is not None else 0.1
             inorm.running_mean.mul_(1 - m).add_(mean.reshape(mean.shape[:2]).mean(0), alpha=m)
             inorm.running_var.mul_(1 - m).add_(unbiased.reshape(var.shape[:2]).mean(0), alpha=m)
-    return _affine(y, inorm.weight if inorm.affine else None, inorm.bias if inorm.affine else None)
+    return y
 
 
 # ------------------------------------------------------------------------------------------
