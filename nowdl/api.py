@@ -182,7 +182,8 @@ class CompiledModel:
         return None if tr is None or tr.engine is None else tr.engine.optimizer
 
     def eval_step(self, x: Any) -> Any:
-        """Inference on the global batch: outputs on the ranks of the last stage, None elsewhere."""
+        """Inference on the global batch: outputs on the ranks of the last stage (its part 0, whole
+        images, when that stage is spatial), None elsewhere."""
         return self._train().eval_step(x)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

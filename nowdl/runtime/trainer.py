@@ -152,7 +152,7 @@ class Trainer:
         return loss
 
     def eval_step(self, x: Any) -> torch.Tensor | None:
-        """Outputs for the whole global batch on the ranks that run the last stage; None elsewhere."""
+        """Outputs on the ranks that run the last stage (part 0 of a spatial one, tiles gathered); None elsewhere."""
         eng = self._setup(x)
         _, outs = eng.run(x, None, train=False)
         return torch.cat(outs) if outs else None
