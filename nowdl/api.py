@@ -357,11 +357,9 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     cm.loss_fn = loss_fn
     cm.timeout_s = timeout_s
     cm.backend = backend
-    from nowdl.runtime.engine import PRECISIONS
+    from nowdl.runtime.engine import check_precision
 
-    if precision not in PRECISIONS:
-        raise NowdlError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    cm.precision = precision
+    cm.precision = check_precision(precision)
     cm.activation_checkpointing = (activation_checkpointing if isinstance(activation_checkpointing, bool)
                                    else [int(i) for i in activation_checkpointing])
     return cm

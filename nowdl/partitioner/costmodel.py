@@ -18,7 +18,7 @@ from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid
 from nowdl.profiler.cost import Profile
 
-__all__ = ["Costs", "build_problem", "predict_step", "HALO_LATENCY_S", "spatial_dims_of"]
+__all__ = ["Costs", "build_problem", "predict_step", "HALO_LATENCY_S", "spatial_dims_of", "dtype_bytes"]
 
 HALO_LATENCY_S = 10e-6  # per halo exchange (one message round to the neighbours)
 
@@ -43,7 +43,8 @@ def spatial_dims_of(profile: Profile) -> int:
     return max(1, len(shapes[0]) - 2)
 
 
-def _dtype_bytes(dtype: str) -> int:
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name ('float32', 'torch.float16', ...); 4 when unknown."""
     return {"float16": 2, "bfloat16": 2, "float64": 8, "int64": 8}.get(dtype.replace("torch.", ""), 4)
 
 
@@ -62,7 +63,7 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str) -> NodeVectors:
             src = producers.get(n.name)
             shape = prof[src].out_shape if src is not None and src in prof else None
             if src is not None and shape is not None and len(shape) >= 3:
-                hb = halo_elements(shape, grid, rule.halo) * _dtype_bytes(prof[src].out_dtype)
+                hb = halo_elements(shape, grid, rule.halo) * dtype_bytes(prof[src].out_dtype)
                 if n.saved_bytes:
                     a += hb  # the padded input tile is what the op saves
                 t += 2 * hb / costs.link_bw + 2 * HALO_LATENCY_S

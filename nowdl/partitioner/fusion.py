@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch.fx as fx
 from torch import nn
 
 from nowdl.errors import NowdlError
+from nowdl.partitioner.costmodel import HALO_LATENCY_S, dtype_bytes
 from nowdl.partitioner.plan import Plan
-from nowdl.partitioner.spatial import halo_elements
+from nowdl.partitioner.spatial import SpatialRule, halo_elements, spatial_rules
 from nowdl.profiler.cost import Profile
 
-__all__ = ["fusion_runs", "choose_fusion", "check_policy", "FUSION_POLICIES", "HALO_LATENCY_S"]
+__all__ = ["fusion_runs", "choose_fusion", "check_policy", "FUSION_POLICIES"]
 
 FUSION_POLICIES = ("auto", "off")
-HALO_LATENCY_S = 10e-6  # one halo exchange round, as in the partition cost model
 
 
 def _windowed(m: nn.Module) -> bool:
@@ -67,57 +68,60 @@ def fusion_runs(gm: fx.GraphModule, nodes: Sequence[str]) -> list[list[str]]:
     return runs
 
 
-def _split(run: list[str], mods: dict[str, nn.Module], gm: fx.GraphModule, most: int) -> list[list[str]]:
+def _split(run: list[str], windowed: dict[str, bool], most: int) -> list[list[str]]:
     """Cut a run into chains of at most ``most`` convs/pools (pointwise ops ride along)."""
-    targets = {n.name: str(n.target) for n in gm.graph.nodes}
     out: list[list[str]] = []
     cur: list[str] = []
     count = 0
     for name in run:
-        w = _windowed(mods[targets[name]])
-        if w and count == most:
+        if windowed[name] and count == most:
             out.append(cur)
             cur, count = [], 0
         cur.append(name)
-        count += int(w)
+        count += int(windowed[name])
     out.append(cur)
-    return [c for c in out if sum(_windowed(mods[targets[n]]) for n in c) >= 2]
+    return [c for c in out if sum(windowed[n] for n in c) >= 2]
 
 
-def _gain(gm: fx.GraphModule, chain: list[str], prof: Profile, grid: Sequence[int], link_bw: float) -> float:
+@dataclass(frozen=True)
+class _Graph:
+    """What the cost of a chain needs from the traced graph, looked up once per plan."""
+
+    nodes: dict[str, fx.Node]
+    mods: dict[str, nn.Module]
+    rules: dict[str, SpatialRule]
+
+    def module(self, name: str) -> nn.Module:
+        return self.mods[str(self.nodes[name].target)]
+
+    def source(self, name: str) -> str:
+        return self.nodes[name].all_input_nodes[0].name
+
+
+def _gain(g: _Graph, chain: list[str], prof: Profile, grid: Sequence[int], link_bw: float) -> float:
     """Seconds saved per micro-batch by fusing ``chain`` (negative: fusion is slower)."""
     from nowdl.runtime.fusion import chain_geometry
 
-    mods = dict(gm.named_modules())
-    targets = {n.name: n for n in gm.graph.nodes}
-    first = targets[chain[0]].all_input_nodes[0]
-    if first.name not in prof or not prof[first.name].out_shape:
+    first = g.source(chain[0])
+    if first not in prof or not prof[first].out_shape:
         return -math.inf
-    shape = list(prof[first.name].out_shape or [])
-    item = 2 if "16" in prof[first.name].out_dtype else (8 if "64" in prof[first.name].out_dtype else 4)
-    modules = [mods[str(targets[c].target)] for c in chain]
+    shape = list(prof[first].out_shape or [])
+    item = dtype_bytes(prof[first].out_dtype)
     try:
-        geo = chain_geometry(modules, shape[2:], grid)
+        geo = chain_geometry([g.module(c) for c in chain], shape[2:], grid)
     except (ValueError, NotImplementedError):
         return -math.inf
-    parts = math.prod(grid)
     unfused = 0.0
     for c in chain:
-        m = mods[str(targets[c].target)]
-        if not _windowed(m):
+        if not _windowed(g.module(c)):
             continue
-        src = targets[c].all_input_nodes[0].name
+        src = g.source(c)
         sshape = prof[src].out_shape if src in prof else None
-        k = getattr(m, "kernel_size", 1)
-        d = getattr(m, "dilation", 1)
-        ks = k if isinstance(k, tuple) else (k,) * (len(shape) - 2)
-        ds = d if isinstance(d, tuple) else (d,) * (len(shape) - 2)
-        halo = tuple((di * (ki - 1) + 1) // 2 for ki, di in zip(ks, ds, strict=False))
-        nbytes = halo_elements(sshape, grid, halo) * item if sshape else 0
+        nbytes = halo_elements(sshape, grid, g.rules[c].halo) * item if sshape else 0
         unfused += 2 * (HALO_LATENCY_S + nbytes / link_bw)
     deep = tuple(max(lo, hi) for lo, hi in geo["halo"])
     fused_bytes = halo_elements(shape, grid, deep) * item
-    compute = sum(prof[c].time_s for c in chain if c in prof) / parts
+    compute = sum(prof[c].time_s for c in chain if c in prof) / math.prod(grid)
     fused = 2 * (HALO_LATENCY_S + fused_bytes / link_bw) + float(geo["extra_fraction"]) * compute
     return unfused - fused
 
@@ -139,20 +143,21 @@ def choose_fusion(gm: fx.GraphModule, plan: Plan, prof: Profile, link_bw: float,
         NowdlError: an unknown policy.
     """
     policy = check_policy(policy)
-    mods = dict(gm.named_modules())
+    g = _Graph({n.name: n for n in gm.graph.nodes}, dict(gm.named_modules()), spatial_rules(gm))
     for st in plan.stages:
         st.fused = []
         if st.parts <= 1 or policy == "off":
             continue
         for run in fusion_runs(gm, st.nodes):
+            windowed = {name: _windowed(g.module(name)) for name in run}
             if isinstance(policy, int):
-                st.fused.extend(_split(run, mods, gm, policy))
+                st.fused.extend(_split(run, windowed, policy))
                 continue
             best: list[list[str]] = []
             best_gain = 0.0
             for most in range(2, len(run) + 1):
-                chains = _split(run, mods, gm, most)
-                gain = sum(_gain(gm, c, prof, st.grid, link_bw) for c in chains)
+                chains = _split(run, windowed, most)
+                gain = sum(_gain(g, c, prof, st.grid, link_bw) for c in chains)
                 if gain > best_gain:
                     best, best_gain = chains, gain
             st.fused.extend(best)

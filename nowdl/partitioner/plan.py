@@ -57,6 +57,10 @@ class StagePlan:
     # predicted keys: peak_bytes, static_bytes, act_bytes, recv_bytes, workspace_bytes,
     # fwd_s, bwd_s, comm_s, time_s (per micro-batch, per rank of this stage)
 
+    def tiles(self) -> str:
+        """'spatial stage 0: 4 tiles (square, grid 2x2)' (for a spatial stage)."""
+        return f"spatial stage {self.index}: {self.parts} tiles ({self.slice}, grid {'x'.join(map(str, self.grid))})"
+
 
 @dataclass
 class TensorPlan:
@@ -312,8 +316,7 @@ class Plan:
         for s in self.stages:
             if s.parts > 1:
                 fused = f"; halo fusion: {len(s.fused)} run(s) of {', '.join(str(len(f)) for f in s.fused)} ops" if s.fused else ""
-                lines.append(f"spatial stage {s.index}: {s.parts} tiles ({s.slice}, grid {'x'.join(map(str, s.grid))}), "
-                             f"halo exchange before each conv/pool{fused}")
+                lines.append(f"{s.tiles()}, halo exchange before each conv/pool{fused}")
         lines.append(
             f"predicted: peak {format_bytes(pr.get('peak_bytes', 0))}/GPU (max over ranks), step "
             f"{_format_time(pr.get('step_s', 0))}, {pr.get('throughput', 0):.3g} images/s"

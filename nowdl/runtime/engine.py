@@ -43,9 +43,18 @@ from nowdl.runtime.schedule import Action, rank_actions
 from nowdl.runtime.spatial_stage import TiledStage, full_grid
 from nowdl.runtime.tiles import TiledInput, TileGrid
 
-__all__ = ["PipelineEngine", "Placement", "PRECISIONS"]
+__all__ = ["PipelineEngine", "Placement", "PRECISIONS", "check_precision"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one of PRECISIONS (else a NowdlError listing them)."""
+    if precision not in PRECISIONS:
+        raise NowdlError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    return precision
+
+
 LOOKAHEAD = 1  # receives are posted this many actions ahead of the action that needs them
 
 
@@ -127,9 +136,7 @@ class PipelineEngine:
         self.device = device
         self.timeout_s = timeout_s
         self.loss_fn = loss_fn
-        if precision not in PRECISIONS:
-            raise NowdlError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-        self.precision = precision
+        self.precision = check_precision(precision)
         self.comm_dtype: torch.dtype | None = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         self._scaling = precision == "fp16"
         self.loss_scale = 2.0**16 if self._scaling else 1.0
@@ -144,6 +151,8 @@ class PipelineEngine:
             self.checkpointed = set(checkpointing)
         self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._sent_at: dict[tuple[Any, ...], int] = {}  # receive key -> sender's action index
+        self._boxes: dict[tuple[str, int, int], Window] = {}
+        self._recv_plans: dict[bool, list[list[_Recv]]] = {}
         self._peer_done: dict[int, int] = {}  # peer -> last action index known to have run (this step)
         self.place = Placement.from_plan(plan)
         self.m = int(plan.config["micro_batches"])
@@ -308,11 +317,17 @@ class PipelineEngine:
     # ---- tiles: which part of a value each part of a stage holds -----------------------------------
     def _box(self, name: str, stage: int, part: int) -> Window:
         """The region (full-image coords per spatial dim) of ``name`` that ``part`` of ``stage`` holds."""
-        sp = self._meta[name][0][2:]
-        if self.parts[stage] == 1:
-            return tuple((0, n) for n in sp)
-        grid = full_grid(self.plan.stages[stage].grid, len(sp))
-        return TileGrid.for_rank(sp, grid, part, range(self.parts[stage])).tile_bounds()
+        key = (name, stage, part)
+        box = self._boxes.get(key)
+        if box is None:  # fixed by the plan: computed once, looked up on every message
+            sp = self._meta[name][0][2:]
+            if self.parts[stage] == 1:
+                box = tuple((0, n) for n in sp)
+            else:
+                grid = full_grid(self.plan.stages[stage].grid, len(sp))
+                box = TileGrid.for_rank(sp, grid, part, range(self.parts[stage])).tile_bounds()
+            self._boxes[key] = box
+        return box
 
     def _piece(self, name: str, src: tuple[int, int], dst: tuple[int, int]) -> Window | None:
         """What (stage, part) ``src`` sends of ``name`` to (stage, part) ``dst``: a box, or None."""
@@ -378,7 +393,9 @@ class PipelineEngine:
             self.optimizer.zero_grad(set_to_none=True)
         for _, s in self.held:
             self.stages[s].module.train(train)
-        rx = _StepReceives(self._expected_recvs(train))
+        if train not in self._recv_plans:  # the messages of a step are fixed by the plan
+            self._recv_plans[train] = self._expected_recvs(train)
+        rx = _StepReceives(self._recv_plans[train])
         held_bufs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         b_left: dict[int, int] = {}
         for a in self.actions:

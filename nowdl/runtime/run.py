@@ -717,6 +717,5 @@ def _plan_line(cm: Any) -> str:
     c = plan.config
     return (f"plan: {c.get('stages')} stage(s) x {c.get('micro_batches')} micro-batch(es) ({c.get('schedule')}), "
             f"replicas {c.get('replicas')}, dp {c.get('dp')}, {c.get('gpus')} rank(s)"
-            + "".join(f"; spatial stage {s.index}: {s.parts} tiles ({s.slice}, grid {'x'.join(map(str, s.grid))})"
-                      + (f", {len(s.fused)} fused halo run(s)" if s.fused else "")
+            + "".join(f"; {s.tiles()}" + (f", {len(s.fused)} fused halo run(s)" if s.fused else "")
                       for s in plan.stages if s.parts > 1))
