@@ -230,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     except NowdlError as e:
         print(f"nowdl {args.command}: error: {e}", file=sys.stderr)
+        if e.detail and getattr(args, "verbose", False):
+            print(e.detail, file=sys.stderr)
         return 2
 
 

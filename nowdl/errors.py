@@ -6,7 +6,12 @@ __all__ = ["NowdlError", "TraceError", "PlanError", "InfeasibleError", "ProfileE
 
 
 class NowdlError(ValueError):
-    """Base class of nowdl's user-facing errors (a ValueError: the input was wrong)."""
+    """Base class of nowdl's user-facing errors (a ValueError: the input was wrong).
+
+    ``detail`` may hold what only ``-v`` shows (tracebacks, a graph dump).
+    """
+
+    detail: str = ""
 
 
 class TraceError(NowdlError):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import io
 import logging
 import math
 import os
@@ -16,6 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from nowdl.errors import TraceError
+from nowdl.functional import functionalize
 
 __all__ = ["Traced", "trace", "fingerprint", "check_inputs"]
 
@@ -128,17 +131,43 @@ def _in_channels(m: nn.Module) -> int:
     return int(getattr(m, "in_channels", 0) or 0)
 
 
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch: where the user's code failed."""
-    frames = traceback.extract_tb(exc.__traceback__)
+def _user_frames(exc: BaseException) -> list[tuple[traceback.FrameSummary, object]]:
+    """The traceback's frames outside torch and nowdl, innermost last, with each frame's ``self``."""
     torch_dir = os.path.dirname(torch.__file__)
     here = os.path.dirname(__file__)
-    user = [f for f in frames if not f.filename.startswith(torch_dir) and not f.filename.startswith(here)]
-    if not user:
+    out = []
+    tb = exc.__traceback__
+    while tb is not None:
+        fname = tb.tb_frame.f_code.co_filename
+        if not fname.startswith(torch_dir) and not fname.startswith(here):
+            summary = traceback.extract_tb(tb, limit=1)[0]
+            out.append((summary, tb.tb_frame.f_locals.get("self")))
+        tb = tb.tb_next
+    return out
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch: where the user's code failed."""
+    frames = _user_frames(exc)
+    if not frames:
         return ""
-    f = user[-1]
+    f = frames[-1][0]
     line = f" `{f.line.strip()}`" if f.line else ""
     return f"{f.filename}:{f.lineno} in {f.name}{line}"
+
+
+def _where(exc: BaseException, model: nn.Module) -> str:
+    """Which module of ``model`` and which source line an exception came from, as far as known."""
+    frames = _user_frames(exc)
+    names = {id(m): n for n, m in model.named_modules()}
+    module = ""
+    for _, owner in reversed(frames):
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            q = names[id(owner)]
+            module = f"module {q or '(the model)'!r} ({type(owner).__name__})"
+            break
+    line = _user_frame(exc)
+    return ", ".join(p for p in (module, f"at {line}" if line else "") if p)
 
 
 _EXPORT_MAX_ELEMENTS = 2**26
@@ -158,10 +187,10 @@ def _full_inputs(example_inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, 
     return tuple(torch.randn(x.shape, generator=g, dtype=x.dtype) for x in example_inputs)
 
 
-def _shrunk_inputs(example_inputs: Sequence[torch.Tensor], *, shrink: bool = True) -> Iterable[tuple[torch.Tensor, ...]]:
+def _shrunk_inputs(example_inputs: Sequence[torch.Tensor]) -> Iterable[tuple[torch.Tensor, ...]]:
     """Candidate small inputs of the same rank/dtype for checking the graph by value."""
     per_sample = max(math.prod(x.shape[1:]) for x in example_inputs)
-    if not shrink or (per_sample <= _VALIDATE_MAX_ELEMENTS and all(x.device.type != "meta" for x in example_inputs)):
+    if (per_sample <= _VALIDATE_MAX_ELEMENTS and all(x.device.type != "meta" for x in example_inputs)):
         yield _full_inputs(example_inputs)
         return
     for side in _SHRINK_SIDES:
@@ -209,32 +238,38 @@ def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Te
 
     fx graphs share the model's submodules and are compared in eval mode (dropout off,
     BatchNorm on running statistics, nothing mutated), on a shrunk input when the example is
-    large (an fx graph does not depend on the input size). Exported graphs cannot switch mode
-    and specialise on the input shape, so they are compared in train mode at the example's
-    own shape, on copies so no buffer of the model moves.
+    large (an fx graph does not depend on the input size). Exported graphs specialise on the
+    input shape, so they are compared at the example's own shape, in train mode on copies (so
+    no buffer of the model moves); ``train=True`` callers check eval mode separately.
+    Any exception the graph raises where the model runs is a mismatch: the trace is wrong.
     """
     was_training = model.training
+    last_err: Exception | None = None
     if train:
-        model = copy.deepcopy(model).train()
-        gm = copy.deepcopy(gm)
+        inputs = _full_inputs(example_inputs)
+        for mode in (True, False):  # train mode (batch statistics, dropout), then eval mode
+            m, g = copy.deepcopy(model).train(mode), copy.deepcopy(gm).train(mode)
+            try:
+                ref = _run(m, inputs, seed=1234)
+            except Exception as e:
+                last_err = e
+                break
+            _compare(ref, g, inputs, "train" if mode else "eval")
+        else:
+            return tuple(tuple(x.shape) for x in inputs)
     else:
         model.eval()
         gm.eval()
-    last_err: Exception | None = None
-    try:
-        for inputs in _shrunk_inputs(example_inputs, shrink=not train):
-            try:
-                ref = _run(model, inputs, seed=1234)
-            except Exception as e:  # this size does not fit the model; try another
-                last_err = e
-                continue
-            got = _run(gm, inputs, seed=1234)
-            ok, why = _same(ref, got)
-            if not ok:
-                raise _Mismatch(why)
-            return tuple(tuple(x.shape) for x in inputs)
-    finally:
-        if not train:
+        try:
+            for inputs in _shrunk_inputs(example_inputs):
+                try:
+                    ref = _run(model, inputs, seed=1234)
+                except Exception as e:  # this size does not fit the model; try another
+                    last_err = e
+                    continue
+                _compare(ref, gm, inputs, "eval")
+                return tuple(tuple(x.shape) for x in inputs)
+        finally:
             model.train(was_training)
             gm.train(was_training)
     where = _user_frame(last_err) if last_err else ""
@@ -250,6 +285,18 @@ class _Mismatch(Exception):
     pass
 
 
+def _compare(ref: object, gm: nn.Module, inputs: Sequence[torch.Tensor], mode: str) -> None:
+    """Raise _Mismatch unless ``gm`` runs on ``inputs`` and returns what the model returned."""
+    try:
+        got = _run(gm, inputs, seed=1234)
+    except Exception as e:  # the graph fails where the model runs: the trace is wrong
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise _Mismatch(f"the graph fails in {mode} mode where the model runs ({type(e).__name__}: {first})") from e
+    ok, why = _same(ref, got)
+    if not ok:
+        raise _Mismatch(f"{why} in {mode} mode")
+
+
 def _fx_trace(model: nn.Module, leaf_modules: Sequence[type | str]) -> fx.GraphModule:
     types = tuple(t for t in leaf_modules if isinstance(t, type))
     names = frozenset(t for t in leaf_modules if isinstance(t, str))
@@ -260,21 +307,31 @@ def _fx_trace(model: nn.Module, leaf_modules: Sequence[type | str]) -> fx.GraphM
 
 
 def _export_trace(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """A non-strict torch.export of ``model`` made plannable (see [Note: exported graphs])."""
+    from nowdl.exported import normalize_exported
+
     inputs = _full_inputs(example_inputs)
     was_training = model.training
     model.train()
     quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
+    copied = copy.deepcopy(model)
+    printed = io.StringIO()  # torch.export prints its graph to stderr when it fails: -v shows it
     try:
-        ep = torch.export.export(copy.deepcopy(model), inputs, strict=False)
+        with contextlib.redirect_stderr(printed):
+            ep = torch.export.export(copied, inputs, strict=False)
+    except Exception as e:
+        e.nowdl_where = _where(e, copied)  # type: ignore[attr-defined]  # the copy's modules
+        e.nowdl_printed = printed.getvalue()  # type: ignore[attr-defined]
+        raise
     finally:
         model.train(was_training)
         quiet.setLevel(level)
     gm = ep.module()
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"torch.export returned {type(gm).__name__}, not a GraphModule")
-    return gm
+    return normalize_exported(gm, model)
 
 
 def trace(
@@ -316,29 +373,33 @@ def trace(
     check_inputs(model, example_inputs)
     mname = type(model).__name__
     failures: list[str] = []
+    details: list[str] = []
     order = ["fx", "export"] if tracer == "auto" else [tracer]
     for kind in order:
         try:
             gm = _fx_trace(model, leaf_modules) if kind == "fx" else _export_trace(model, example_inputs)
-        except TraceError:
-            raise
+            functionalize(gm, example_inputs)
         except Exception as e:
-            where = _user_frame(e)
+            where = getattr(e, "nowdl_where", None) or _where(e, model)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            failures.append(f"{kind} failed: {type(e).__name__}: {first}{' at ' + where if where else ''}")
+            failures.append(f"{kind} failed{' in ' + where if where else ''}: {type(e).__name__}: {first}")
+            details.append(f"--- {kind} ---\n" + getattr(e, "nowdl_printed", "") + "".join(traceback.format_exception(e)))
             log.info("tracing %s with %s failed: %s", mname, kind, e)
             continue
         try:
             shapes = _validate(model, gm, example_inputs, train=(kind == "export"))
         except _Mismatch as m:
             failures.append(f"{kind} traced a graph that computes something else: {m}")
+            details.append(f"--- {kind} graph ---\n{gm.graph}")
             log.info("%s graph of %s disagrees with eager: %s", kind, mname, m)
             continue
         log.info("traced %s with %s: %d nodes", mname, kind, len(gm.graph.nodes))
         return Traced(gm=gm, tracer=kind, fingerprint=fingerprint(gm, kind), validated_on=shapes)
-    raise TraceError(
+    err = TraceError(
         f"nowdl cannot trace {mname}: " + "; ".join(failures) + ". "
-        "What to do: make forward() free of Python branches on tensor values, or keep the "
-        "offending submodule opaque with leaf_modules=[ThatModule] (nowdl then places it whole "
+        "What to do: make that forward() free of Python branches on tensor values and of writes into "
+        "slices, or keep the module opaque with leaf_modules=[ThatModule] (nowdl then places it whole "
         "in one stage)."
     )
+    err.detail = "\n".join(details)
+    raise err

@@ -86,3 +86,26 @@ def test_plan_with_per_stage_spatial_parts_and_fusion(capsys: pytest.CaptureFixt
         main(["plan", "unet", "--input", "1x3x128x128", "--gpus", "6", "--spatial-parts", "4,x"])
     assert e.value.code == 2
     assert "invalid parse_parts value: '4,x'" in capsys.readouterr().err
+
+
+def test_untraceable_model_one_paragraph_dump_only_with_verbose(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "nowdl_badnet.py").write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Branchy(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.c = nn.Conv2d(3, 4, 3)\n\n"
+        "    def forward(self, x):\n        if x.sum() > 0:\n            return self.c(x)\n        return self.c(x) * 2\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.body = Branchy()\n\n"
+        "    def forward(self, x):\n        return self.body(x)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "never.json"
+    argv = ["plan", "nowdl_badnet:Net", "--input", "1x3x16x16", "--gpus", "2", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "module 'body' (Branchy)" in err and "nowdl_badnet.py:11" in err and "if x.sum() > 0" in err
+    assert "def forward" not in err and not out.exists()
+    assert main([*argv, "-v"]) == 2
+    verbose = capsys.readouterr().err
+    assert "Traceback" in verbose and verbose.count("\n") > 5

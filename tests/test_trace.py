@@ -140,3 +140,49 @@ def test_bad_example_inputs(x: torch.Tensor, needle: str) -> None:
 def test_large_input_validated_on_shrunk_copy() -> None:
     t = trace(Small(), (torch.empty(1, 3, 4096, 4096, device="meta"),))
     assert t.validated_on[0][2] <= 256
+
+
+class SkipIfTensor(nn.Module):
+    """fx sees a Proxy, not a Tensor, skips the concatenation and traces a graph that crashes at
+    the channel check (MONAI's BasicUNet does this); torch.export traces it right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(8, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        skip = self.a(x)
+        if isinstance(skip, torch.Tensor):
+            y = torch.cat([y, skip], dim=1)
+        return self.b(y)
+
+
+def test_fx_graph_that_crashes_falls_back_to_export() -> None:
+    m = SkipIfTensor()
+    x = torch.randn(1, 3, 16, 16)
+    t = trace(m, (x,))
+    assert t.tracer == "export"
+    m.eval()
+    t.gm.eval()
+    with torch.no_grad():
+        assert torch.allclose(t.gm(x), m(x))
+
+
+def test_both_tracers_fail_names_module_and_line_detail_apart() -> None:
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Conv2d(3, 3, 1)
+            self.inner = Branchy()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(self.stem(x))
+
+    with pytest.raises(TraceError) as e:
+        trace(Outer(), (torch.randn(1, 3, 16, 16),))
+    msg = str(e.value)
+    assert "\n" not in msg, "one paragraph"
+    assert "module 'inner' (Branchy)" in msg and "if x.sum() > 0" in msg and "leaf_modules" in msg
+    assert "Traceback" in e.value.detail, "the full tracebacks are kept for -v"

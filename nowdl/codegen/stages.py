@@ -32,5 +32,33 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     def stage_of(node: fx.Node) -> int:
         return where[node.name]
 
-    split = split_module(gm, gm, stage_of, keep_original_order=True)
-    return split
+    ordered = _stage_ordered(gm, where)
+    return split_module(ordered, ordered, stage_of, keep_original_order=True)
+
+
+def _stage_ordered(gm: fx.GraphModule, where: dict[str, int]) -> fx.GraphModule:
+    """``gm`` with its nodes sorted by stage (graph order within a stage).
+
+    Convex stages allow a topological order that interleaves them (a stage-1 node listed
+    before a stage-0 node with no path between them); split_module needs each stage's nodes
+    to come after every earlier stage's. Sorting by (stage, position) keeps a topological
+    order because every edge goes to the same or a later stage.
+    """
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+
+    def key(n: fx.Node) -> tuple[int, int]:
+        if n.op == "placeholder":
+            return (-1, pos[n])
+        if n.op == "output":
+            return (len(nodes), pos[n])
+        return (where[n.name], pos[n])
+
+    ordered = sorted(nodes, key=key)
+    if ordered == nodes:
+        return gm
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in ordered:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)

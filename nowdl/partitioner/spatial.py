@@ -160,14 +160,13 @@ def _function_rule(node: fx.Node) -> SpatialRule:
 def spatial_rules(gm: fx.GraphModule) -> dict[str, SpatialRule]:
     """The SpatialRule of every node of ``gm`` (keyed by node name)."""
     out: dict[str, SpatialRule] = {}
-    mods = dict(gm.named_modules())
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             out[node.name] = SpatialRule(True, "", (), "io")
         elif node.op == "get_attr":
             out[node.name] = SpatialRule(True, "", (), "io")
         elif node.op == "call_module":
-            out[node.name] = _module_rule(mods[node.target])
+            out[node.name] = _module_rule(gm.get_submodule(str(node.target)))  # a shared module has several paths
         elif node.op == "call_function":
             out[node.name] = _function_rule(node)
         elif node.op == "call_method":

@@ -113,6 +113,8 @@ def _is_inplace(node: Node, mod: torch.nn.Module | None) -> bool:
     if node.op == "call_function":
         if node.target in _INPLACE_OPERATORS:
             return True
+        if isinstance(node.target, torch._ops.OpOverload):  # aten.relu_, aten.add.out: the schema says
+            return bool(node.target._schema.is_mutable)
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.endswith("__")
     if node.op == "call_method":
