@@ -19,6 +19,7 @@ from nowdl.partitioner.fusion import check_policy, choose_fusion
 from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.search import build_plan, timed_search
 from nowdl.partitioner.spatial import spatial_rules
+from nowdl.profiler import check_precision
 from nowdl.profiler.cost import Profile
 from nowdl.trace import Traced, trace
 from nowdl.units import parse_bytes
@@ -95,7 +96,7 @@ class CompiledModel:
             inputs = tuple(torch.randn(x.shape, dtype=x.dtype) for x in example_inputs)
         return _profile(t.gm, tuple(inputs), mode=mode, device=self.device, device_spec=self._spec_arg(),
                         optimizer=self.optimizer_kind, cache=self.cache, progress=self.progress,
-                        fingerprint=t.fingerprint)
+                        fingerprint=t.fingerprint, precision=self.precision)
 
     def _spec_arg(self) -> Any:
         if self.device_spec is not None:
@@ -127,6 +128,10 @@ class CompiledModel:
         if self.plan_path is not None:
             plan = Plan.load(self.plan_path)
             plan.check_model(t.fingerprint, [list(s) for s in key])
+            made = plan.config.get("precision", "fp32")
+            if made != self.precision:
+                log.warning("plan %s was made for %s, training runs in %s: its memory and time predictions "
+                            "do not hold; re-plan with precision=%r", self.plan_path, made, self.precision, self.precision)
             self._plans[key] = plan
             return plan
         assert self.request is not None  # compile() guarantees a request or a plan path
@@ -148,13 +153,14 @@ class CompiledModel:
                         "inputs": [list(s) for s in key], "tracer": t.tracer,
                         "nodes": len(prof.nodes)},
             profile_info={"source": prof.source, "device": prof.device, "dtype": prof.dtype,
-                          "optimizer": prof.optimizer, "device_spec": getattr(spec, "name", str(spec)),
+                          "precision": prof.precision, "optimizer": prof.optimizer, "device_spec": getattr(spec, "name", str(spec)),
                           "link_bw": float(spec.link_bw), "wall_s": round(prof.wall_s, 3)},
             solver_seconds=secs, created_by=f"nowdl {__version__}",
             params_per_node=_params_per_node(t.gm),
         )
         choose_fusion(t.gm, plan, prof, float(spec.link_bw), self.halo_fusion)
         plan.config["halo_fusion"] = self.halo_fusion
+        plan.config["precision"] = self.precision
         self._plans[key] = plan
         return plan
 
@@ -314,6 +320,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         timeout_s: how long any rank waits for a peer before failing (the peer is named).
         backend: torch.distributed backend (default: nccl with CUDA, gloo on CPU).
         precision: "fp32", "bf16" or "fp16" (autocast; fp16 with a loss scaler agreed by all ranks).
+            The planner profiles under the same autocast: activations and the tensors sent
+            between stages at that width, parameters, gradients and Adam state in float32.
         activation_checkpointing: True (every stage) or a list of stage indices whose forward is
             recomputed during their backward.
         time_limit: seconds the ILP may spend in total on the best few configurations; a
@@ -357,8 +365,6 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     cm.loss_fn = loss_fn
     cm.timeout_s = timeout_s
     cm.backend = backend
-    from nowdl.runtime.engine import check_precision
-
     cm.precision = check_precision(precision)
     cm.activation_checkpointing = (activation_checkpointing if isinstance(activation_checkpointing, bool)
                                    else [int(i) for i in activation_checkpointing])
@@ -376,7 +382,7 @@ def _parts_arg(v: int | Sequence[int] | None) -> int | tuple[int, ...] | None:
 def profile_model(model: nn.Module, *example_inputs: torch.Tensor, mode: str = "auto",
                   device: str | torch.device | None = None, device_spec: Any = None,
                   optimizer: str = "adam", cache: bool | str | os.PathLike[str] = True,
-                  progress: bool = True) -> Profile:
+                  progress: bool = True, precision: str = "fp32") -> Profile:
     """Trace and profile ``model`` on one micro-batch: per-node costs.
 
     Example:
@@ -386,4 +392,5 @@ def profile_model(model: nn.Module, *example_inputs: torch.Tensor, mode: str = "
         raise NowdlError(f"unknown mode {mode!r}: use 'estimate', 'measure' or 'auto'")
     cm = CompiledModel(model, request=None, plan_path=None, mode=mode, device=device, device_spec=device_spec,
                        optimizer=optimizer, leaf_modules=(), tracer="auto", cache=cache, progress=progress)
+    cm.precision = check_precision(precision)
     return cm.profile(*example_inputs)

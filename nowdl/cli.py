@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--slice", choices=("vertical", "horizontal", "square", "depth", "cube"), help="tile shape (default square)")
     pp.add_argument("--replicas", type=int, choices=(1, 2), help="2: GEMS-MASTER mirrored second replica")
     pp.add_argument("--dp", type=int, help="pin the data-parallel degree")
+    pp.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="plan for mixed-precision training: activations and sent tensors at that width (autocast), "
+                         "weights, gradients and optimizer state in float32 (default fp32)")
     pp.add_argument("--time-limit", type=float, default=30.0, help="total seconds the ILP may spend on the best configurations (default 30)")
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
     pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
@@ -274,7 +277,7 @@ def _run(args: argparse.Namespace) -> int:
                        dp=args.dp, spatial_parts=args.spatial_parts, spatial_stages=args.spatial_stages,
                        slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
                        device_spec=args.device_spec, optimizer=args.optimizer, time_limit=args.time_limit,
-                       cache=cache, halo_fusion=args.halo_fusion)
+                       cache=cache, halo_fusion=args.halo_fusion, precision=args.precision)
     plan = cm.plan(x)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}

@@ -275,7 +275,9 @@ class Plan:
         lines = [
             f"nowdl plan v{self.version} for {self.model.get('name', '?')} "
             f"input {'x'.join(str(d) for d in self.model['inputs'][0])} "
-            f"({self.profile.get('source', '?')} on {self.profile.get('device', '?')}, {self.profile.get('dtype', '?')}, "
+            f"({self.profile.get('source', '?')} on {self.profile.get('device', '?')}, {self.profile.get('dtype', '?')}"
+            + (f" weights with {self.profile['precision']} autocast" if self.profile.get("precision", "fp32") != "fp32" else "")
+            + ", "
             f"{self.profile.get('optimizer', '?')})",
             f"config: {c['gpus']} GPUs = dp {c['dp']} x {len(self.ranks) // max(1, c['dp'])} ranks/pipeline; "
             f"{c['stages']} stages, {c.get('schedule', '?')} with {c['micro_batches']} micro-batches, "

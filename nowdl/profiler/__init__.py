@@ -35,12 +35,25 @@ __all__ = [
     "count_flops",
     "MODES",
     "OPTIMIZERS",
+    "PRECISIONS",
+    "check_precision",
 ]
 
 log = logging.getLogger(__name__)
 
 MODES = ("estimate", "measure")
+#: precision name -> the autocast dtype the runtime trains with (None: no autocast)
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = tuple(OPTIMIZER_STATES)
+
+
+def check_precision(precision: str) -> str:
+    """``precision`` if it is one of PRECISIONS (else a NowdlError listing them)."""
+    from nowdl.errors import NowdlError
+
+    if precision not in PRECISIONS:
+        raise NowdlError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    return precision
 
 
 def _profile_dtype(gm: torch.nn.Module, inputs: tuple[Any, ...]) -> str:
@@ -63,6 +76,7 @@ def profile(
     cache: bool | str | os.PathLike[str] = True,
     progress: bool = True,
     fingerprint: str = "",
+    precision: str = "fp32",
 ) -> Profile:
     """Cost of every node of ``gm`` for one micro-batch shaped like ``example_inputs``.
 
@@ -72,7 +86,9 @@ def profile(
     nothing: fake tensors give exact shapes, bytes, saved tensors and FLOPs, and times come
     from a roofline on ``device_spec`` (a built-in name, a JSON path or a DeviceSpec;
     default ``h100``). ``optimizer`` sets the optimizer-state bytes (sgd 0, momentum 1,
-    adam/adamw 2 states per parameter). Results are cached as JSON under ``cache``
+    adam/adamw 2 states per parameter). ``precision`` "bf16" or "fp16" profiles every forward
+    under ``torch.autocast`` in that dtype, as the runtime trains (parameters, gradients and
+    optimizer state stay in the model's dtype). Results are cached as JSON under ``cache``
     (True: ``$NOWDL_CACHE_DIR`` or ``~/.cache/nowdl/profiles``; a path; False: off).
     The model's parameters, buffers (e.g. BatchNorm running stats), grads and the global
     RNG state are left as they were. Raises ProfileError naming a node that cannot run.
@@ -87,6 +103,8 @@ def profile(
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (
             example_inputs,)
+    if precision not in PRECISIONS:
+        raise ProfileError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
     if repeats < 1 or warmup < 0:
         raise ProfileError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, "
                            f"warmup={warmup}")
@@ -104,6 +122,7 @@ def profile(
         "dtype": dtype,
         "mode": mode,
         "optimizer": opt,
+        "precision": precision,
     }
     if mode == "measure":
         dev = resolve_device(device)
@@ -125,12 +144,12 @@ def profile(
         assert dev is not None
         with _preserved_state(gm, dev) as model:
             backend = MeasureBackend(model, dev, repeats, warmup)
-            costs, edges = walk(model, example_inputs, backend, opt, progress)
+            costs, edges = walk(model, example_inputs, backend, opt, progress, PRECISIONS[precision])
     else:
         assert spec is not None
         backend = EstimateBackend(gm, spec)
         with torch.random.fork_rng(devices=[]):
-            costs, edges = walk(gm, example_inputs, backend, opt, progress)
+            costs, edges = walk(gm, example_inputs, backend, opt, progress, PRECISIONS[precision])
     prof = Profile(
         nodes=costs,
         edges=edges,
@@ -141,6 +160,7 @@ def profile(
         input_shapes=input_shapes,
         fingerprint=fingerprint,
         wall_s=time.perf_counter() - t0,
+        precision=precision,
     )
     log.info("profiled %d nodes (%s on %s) in %.2fs", len(costs), mode, prof.device,
              prof.wall_s)

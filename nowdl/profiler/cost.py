@@ -67,6 +67,7 @@ class Profile:
     input_shapes: list[list[int]] = field(default_factory=list)
     fingerprint: str = ""
     wall_s: float = 0.0  # how long profiling took
+    precision: str = "fp32"  # "bf16"/"fp16": profiled under autocast, outputs counted at that width
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -97,6 +98,7 @@ class Profile:
             "input_shapes": self.input_shapes,
             "fingerprint": self.fingerprint,
             "wall_s": self.wall_s,
+            "precision": self.precision,
             "nodes": [asdict(n) for n in self.nodes],
             "edges": [list(e) for e in self.edges],
         }
@@ -124,6 +126,7 @@ class Profile:
             input_shapes=[list(s) for s in d.get("input_shapes", [])],
             fingerprint=d.get("fingerprint", ""),
             wall_s=float(d.get("wall_s", 0.0)),
+            precision=str(d.get("precision", "fp32")),
         )
 
     def to_json(self) -> str:

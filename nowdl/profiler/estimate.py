@@ -31,6 +31,7 @@ class EstimateBackend(Backend):
         self.gm = gm
         self.spec = spec
         self.device_label = f"estimate:{spec.name}"
+        self.device_type = next((p.device.type for p in gm.parameters()), "cpu")
         self.n_runs = 1
         self.mode = FakeTensorMode(allow_non_fake_inputs=False)
         self._fake: dict[int, torch.Tensor] = {}

@@ -57,6 +57,7 @@ class MeasureBackend(Backend):
         self.device = device
         self.cuda = device.type == "cuda"
         self.device_label = device_label(device)
+        self.device_type = device.type
         self.n_runs = 1 + max(0, warmup - 1) + max(1, repeats)
         self._untimed = 1 + max(0, warmup - 1)
         self._run_index = 0

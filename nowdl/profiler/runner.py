@@ -48,6 +48,7 @@ class Backend(ABC):
     """How nodes are executed and timed: real tensors (measure) or fake ones (estimate)."""
 
     device_label: str = ""
+    device_type: str = "cpu"  # where the tensors live (autocast runs for this device type)
     n_runs: int = 1  # runs per node; the first is the accounting run
 
     def context(self) -> AbstractContextManager[Any]:
@@ -141,9 +142,11 @@ class _Rec:
 
 
 class _Walker:
-    def __init__(self, gm: GraphModule, inputs: tuple[Any, ...], backend: Backend) -> None:
+    def __init__(self, gm: GraphModule, inputs: tuple[Any, ...], backend: Backend,
+                 autocast: torch.dtype | None = None) -> None:
         self.gm = gm
         self.backend = backend
+        self.autocast = autocast
         self.inputs = iter(inputs)
         self.env: dict[Node, Any] = {}
         self.env_keys: dict[Node, list[int]] = {}
@@ -164,10 +167,14 @@ class _Walker:
 
     def _describe(self, rec: _Rec, value: Any) -> None:
         ts = _tensors(value)
-        rec.out_bytes = sum(tensor_bytes(t) for t in ts)
+        # under autocast the runtime sends every floating tensor at the autocast width
+        wire = self.autocast
+        rec.out_bytes = sum(t.numel() * wire.itemsize if wire is not None and t.is_floating_point()
+                            else tensor_bytes(t) for t in ts)
         if ts:
             rec.out_shape = tuple(int(s) for s in ts[0].shape)
-            rec.out_dtype = dtype_name(ts[0].dtype)
+            dt = wire if wire is not None and ts[0].is_floating_point() else ts[0].dtype
+            rec.out_dtype = dtype_name(dt)
 
     def run(self, node: Node) -> _Rec:
         rec = _Rec()
@@ -258,7 +265,9 @@ class _Walker:
             args, kwargs, clones = self._inputs(node, inplace)
             saved: list[torch.Tensor] = []
             cap = capture_saved(saved) if accounting else nullcontext()
-            with cap, backend.phase("fwd", accounting) as pf:
+            cast = (torch.autocast(device_type=backend.device_type, dtype=self.autocast)
+                    if self.autocast is not None else nullcontext())
+            with cap, cast, backend.phase("fwd", accounting) as pf:
                 out = call(args, kwargs)
             if pf.seconds is not None:
                 fwd_times.append(pf.seconds)
@@ -299,19 +308,23 @@ def walk(
     backend: Backend,
     optimizer: str,
     progress: bool = True,
+    autocast: torch.dtype | None = None,
 ) -> tuple[list[NodeCost], list[tuple[str, str]]]:
     """Run every node of ``gm`` once (plus timing repeats) and build its NodeCost table.
 
     A node's value is freed as soon as its last consumer has run. Each run feeds the node
     detached copies of its inputs; a float input requires grad when its producer's output
     did (parameters require grad, the example inputs usually do not), as in training.
+    With ``autocast`` (bfloat16 or float16) every forward runs under ``torch.autocast`` as the
+    runtime's does, so saved tensors, workspaces and times are those of mixed precision, and
+    outputs are counted at that width (the runtime sends floating tensors in it).
     """
     from tqdm.auto import tqdm
 
     nodes: list[Node] = list(gm.graph.nodes)
     users_left = {n: len(n.users) for n in nodes}
     static: dict[str, StaticCost] = static_costs(gm, optimizer)
-    walker = _Walker(gm, inputs, backend)
+    walker = _Walker(gm, inputs, backend, autocast)
     recs: list[_Rec] = []
     show = progress and sys.stderr.isatty()
     with backend.context(), tqdm(total=len(nodes), desc="nowdl profile", unit="node",

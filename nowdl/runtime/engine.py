@@ -37,6 +37,8 @@ from torch import nn
 from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
 from nowdl.partitioner.plan import Plan
+from nowdl.profiler import PRECISIONS as AUTOCAST_DTYPES
+from nowdl.profiler import check_precision
 from nowdl.runtime.halo import Window, _intersect
 from nowdl.runtime.launch import wait
 from nowdl.runtime.schedule import Action, rank_actions
@@ -45,14 +47,7 @@ from nowdl.runtime.tiles import TiledInput, TileGrid
 
 __all__ = ["PipelineEngine", "Placement", "PRECISIONS", "check_precision"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-
-
-def check_precision(precision: str) -> str:
-    """``precision`` if it is one of PRECISIONS (else a NowdlError listing them)."""
-    if precision not in PRECISIONS:
-        raise NowdlError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    return precision
+PRECISIONS = tuple(AUTOCAST_DTYPES)
 
 
 LOOKAHEAD = 1  # receives are posted this many actions ahead of the action that needs them
@@ -137,7 +132,7 @@ class PipelineEngine:
         self.timeout_s = timeout_s
         self.loss_fn = loss_fn
         self.precision = check_precision(precision)
-        self.comm_dtype: torch.dtype | None = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.comm_dtype: torch.dtype | None = AUTOCAST_DTYPES[precision]
         self._scaling = precision == "fp16"
         self.loss_scale = 2.0**16 if self._scaling else 1.0
         self._good_steps = 0
