@@ -69,3 +69,43 @@ def test_tiles_and_halo() -> None:
     # vertical split: only the cut dim (W) gets a halo
     assert halo_elements((1, 8, 128, 128), (1, 4), (1, 1)) == 128 * 2 * 8
     assert halo_elements((1, 8, 128, 128), (2, 2), ()) == 0
+
+
+class AtenNet(nn.Module):
+    """Traced by torch.export (a shape branch): its graph holds ATen calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(2, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] > 4:
+            x = x + 1
+        a = torch.sigmoid(self.c(x)) * 2                      # pointwise
+        b = F.pad(a, (0, 0, 0, 0, 1, 1))                      # channels only: tileable
+        c = F.pad(a, (1, 1, 1, 1))                            # the image border: not
+        d = F.interpolate(b, scale_factor=2.0)                # a scale: tileable
+        e = F.interpolate(a, size=(12, 12))                   # 8 -> 12 is not a whole multiple
+        f = F.interpolate(a, size=(16, 16))                   # 8 -> 16: scale 2, tileable
+        return d.sum() + c.sum() + e.sum() + f.sum() + torch.cat([a, a], dim=2).sum()
+
+
+def test_aten_rules_of_an_exported_graph() -> None:
+    from nowdl.trace import trace
+
+    t = trace(AtenNet(), (torch.randn(1, 2, 8, 8),))
+    assert t.tracer == "export"
+    r = spatial_rules(t.gm)
+    by_target: dict[str, list[bool]] = {}
+    for n in t.gm.graph.nodes:
+        if n.op == "call_function":
+            by_target.setdefault(str(n.target), []).append(r[n.name].tileable)
+    assert r["c"].tileable and r["c"].kind == "conv", "the conv is a lifted nn.Conv2d"
+    assert by_target["aten.sigmoid.default"] == [True] and by_target["aten.mul.Tensor"] == [True]
+    assert by_target["aten.pad.default"] == [True, False]
+    assert by_target["aten.upsample_nearest2d.vec"] == [True, False, True]
+    assert by_target["aten.cat.default"] == [False]
+    reasons = {r[n.name].reason for n in t.gm.graph.nodes if not r[n.name].tileable and n.op == "call_function"}
+    assert any("aten.pad" in x and "border" in x for x in reasons)
+    assert any("aten.upsample_nearest2d" in x and "fixed output size" in x for x in reasons)
+    assert any("aten.cat along dim 2" in x for x in reasons)

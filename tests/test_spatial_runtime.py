@@ -59,6 +59,30 @@ class FuncNet(nn.Module):
         return torch.sigmoid(self.c3(torch.cat([a, up], dim=1)))
 
 
+class ExportNet(nn.Module):
+    """Only torch.export traces it (a branch on the shape); its graph holds ATen ops: a channel
+    pad, a scale-2 nearest upsample, in-place ReLU and add_, a channel cat, BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.c2 = nn.Conv2d(6, 4, 3, padding=1)
+        self.c3 = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] % 2 == 0:
+            x = x * 0.5
+        a = self.act(self.bn(self.c1(x)))
+        b = F.pad(self.pool(a), (0, 0, 0, 0, 1, 1))  # pads channels only
+        b = self.c2(b)
+        b += 1.0
+        up = F.interpolate(b, scale_factor=2, mode="nearest")
+        return self.c3(F.relu(torch.cat([a, up], dim=1), inplace=True))
+
+
 def _make(name: str) -> nn.Module:
     """Models without a bias right before a norm (see tests/test_runtime.py: Adam amplifies the
     round-off of such zero-gradient biases)."""
@@ -77,24 +101,26 @@ def _make(name: str) -> nn.Module:
         return nowdl.models.resnet(depth=8, version=1, num_classes=3, width=4, conv_bias=False)
     if name == "funcnet":
         return FuncNet()
+    if name == "exportnet":
+        return ExportNet()
     if name == "convnet":  # float64: fused runs recompute overlaps in another summation order, and Adam
         return ConvNet().double()  # turns float32 round-off on near-zero gradients into visible steps
     raise ValueError(name)
 
 
-_SHAPES = {"funcnet": (1, 14, 18), "monai_unet": (1, 16, 16), "monai_unet3d": (1, 8, 8, 8), "resnet_bn": (3, 17, 15), "convnet": (3, 15, 13)}
+_SHAPES = {"funcnet": (1, 14, 18), "exportnet": (1, 12, 16), "monai_unet": (1, 16, 16), "monai_unet3d": (1, 8, 8, 8), "resnet_bn": (3, 17, 15), "convnet": (3, 15, 13)}
 
 
 def _data(name: str, total: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(total, *_SHAPES[name], generator=g, dtype=torch.float64 if name == "convnet" else torch.float32)
-    if name.startswith("monai") or name == "funcnet":
+    if name.startswith("monai") or name in ("funcnet", "exportnet"):
         return x, torch.randn(total, 2, *_SHAPES[name][1:], generator=g)
     return x, torch.randint(0, 3, (total,), generator=g)
 
 
 def _loss(name: str) -> nn.Module:
-    return nn.MSELoss() if name.startswith("monai") or name == "funcnet" else nn.CrossEntropyLoss()
+    return nn.MSELoss() if name.startswith("monai") or name in ("funcnet", "exportnet") else nn.CrossEntropyLoss()
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -188,6 +214,17 @@ def test_halo_fusion_forced_through_the_engine_and_tiled_input(tmp_path: Any) ->
 def test_functional_pool_interpolate_and_cat_on_square_tiles() -> None:
     _compare("funcnet", 4, {"stages": 1, "spatial_parts": 4, "slice": "square", "micro_batches": 2, "dp": 1,
                             "replicas": 1, "schedule": "gpipe"})
+
+
+def test_exported_graph_with_aten_ops_on_square_tiles() -> None:
+    """A model only torch.export traces runs wholly on 2x2 tiles: its ATen pad, upsample, cat and
+    pointwise ops, the lifted conv/BN/pool modules, BN statistics over all tiles."""
+    from nowdl.trace import trace
+
+    assert trace(ExportNet(), (torch.randn(2, *_SHAPES["exportnet"]),)).tracer == "export"
+    layout = _compare("exportnet", 4, {"stages": 1, "spatial_parts": 4, "slice": "square", "micro_batches": 2,
+                                       "dp": 1, "replicas": 1, "schedule": "gpipe"})
+    assert [(p, g) for p, g, _ in layout] == [(4, [2, 2])]
 
 
 def test_3d_volume_depth_slices() -> None:

@@ -15,6 +15,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -122,9 +123,81 @@ def _cat_dim(node: fx.Node) -> int:
     return int(dim) if isinstance(dim, int) else 0
 
 
+_ATEN_COPIES = {torch.ops.aten.to.dtype, torch.ops.aten.clone.default, torch.ops.aten.contiguous.default,
+                torch.ops.aten._to_copy.default, torch.ops.aten.alias.default}
+
+
+def _aten_rule(node: fx.Node, op: torch._ops.OpOverload) -> SpatialRule:
+    """ATen calls in torch.export graphs: pointwise ops (by their ``pointwise`` tag), dtype
+    copies and channel concatenation run on tiles; anything else names itself."""
+    name = f"aten.{op._schema.name.partition('::')[2]}"
+    if op in (torch.ops.aten.cat.default, torch.ops.aten.concat.default):
+        dim = _cat_dim(node)
+        if dim == 1:
+            return SpatialRule(True, "", (), "concat")
+        return SpatialRule(False, f"{name} along dim {dim} (only channel concatenation, dim 1, is tiled)")
+    if op in (torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default):
+        return _pad_rule(node, name)
+    if op in _ATEN_UPSAMPLE:
+        if aten_upsample_scales(node) is not None:
+            return SpatialRule(True, "", () if "nearest" in name else (1,), "upsample")
+        return SpatialRule(False, f"{name} to a fixed output size is not tiled (a scale factor is)")
+    if op is torch.ops.aten._to_copy.default and node.kwargs.get("device") is not None:
+        return SpatialRule(False, f"{name} to another device is not tiled")
+    if torch.Tag.pointwise in op.tags or op in _ATEN_COPIES:
+        return SpatialRule(True, "", (), "elementwise")
+    return SpatialRule(False, f"{name} is not an op nowdl knows how to run on tiles (pointwise ATen ops, channel "
+                              "cat and the standard nn modules are)")
+
+
+_ATEN_UPSAMPLE = {torch.ops.aten.upsample_nearest1d.vec, torch.ops.aten.upsample_nearest2d.vec,
+                  torch.ops.aten.upsample_nearest3d.vec, torch.ops.aten.upsample_linear1d.vec,
+                  torch.ops.aten.upsample_bilinear2d.vec, torch.ops.aten.upsample_trilinear3d.vec}
+
+
+def _rank(node: object) -> int | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def aten_upsample_scales(node: fx.Node) -> tuple[float, ...] | None:
+    """Integer scale factors of an ATen upsample node (from its scales, or from a traced output
+    size that is a whole multiple of the traced input size), or None."""
+    nearest = "nearest" in str(node.target)
+    args: list[Any] = list(node.args)
+    sizes = args[1] if len(args) > 1 else None
+    scales = args[2 if nearest else 3] if len(args) > (2 if nearest else 3) else None
+    if not nearest and len(args) > 2 and args[2]:
+        return None  # align_corners=True: a tile's corners are not the image's
+    if scales is not None and all(float(f).is_integer() for f in scales):
+        return tuple(float(f) for f in scales)
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if sizes is None or not isinstance(val, torch.Tensor):
+        return None
+    ins = [int(d) for d in val.shape[2:]]
+    outs = [int(d) for d in sizes]
+    if len(ins) != len(outs) or any(o % i for i, o in zip(ins, outs, strict=True)):
+        return None
+    return tuple(float(o // i) for i, o in zip(ins, outs, strict=True))
+
+
+def _pad_rule(node: fx.Node, name: str) -> SpatialRule:
+    """A pad that adds nothing along the spatial dims (only channels, or zero) runs on tiles."""
+    pads = node.args[1] if len(node.args) > 1 else ()
+    if not isinstance(pads, (list, tuple)) or not all(isinstance(p, int) for p in pads):
+        return SpatialRule(False, f"{name} with computed amounts is not tiled")
+    rank = _rank(node.args[0])
+    spatial = len(pads) // 2 if rank is None else min(len(pads) // 2, rank - 2)
+    if any(pads[: 2 * spatial]):
+        return SpatialRule(False, f"{name} {list(pads)} pads the image's border (it needs the whole image)")
+    return SpatialRule(True, "", (), "elementwise")
+
+
 def _function_rule(node: fx.Node) -> SpatialRule:
     t = node.target
     tname = getattr(t, "__name__", str(t))
+    if isinstance(t, torch._ops.OpOverload):
+        return _aten_rule(node, t)
     if t in (torch.cat, torch.concat, torch.concatenate):
         dim = _cat_dim(node)
         if dim == 1:

@@ -32,13 +32,19 @@ from torch import Tensor, nn
 
 from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
-from nowdl.partitioner.spatial import spatial_rules
+from nowdl.partitioner.spatial import aten_upsample_scales, spatial_rules
 from nowdl.runtime.halo import tile_forward
 from nowdl.runtime.tiles import TileGrid
 
 __all__ = ["TiledStage", "full_grid"]
 
-_CAT = (torch.cat, torch.concat, torch.concatenate)
+_CAT = (torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default, torch.ops.aten.concat.default)
+_aten = torch.ops.aten
+_ATEN_UP: dict[Any, str] = {
+    _aten.upsample_nearest1d.vec: "nearest", _aten.upsample_nearest2d.vec: "nearest",
+    _aten.upsample_nearest3d.vec: "nearest", _aten.upsample_linear1d.vec: "linear",
+    _aten.upsample_bilinear2d.vec: "bilinear", _aten.upsample_trilinear3d.vec: "trilinear",
+}
 _POOL_FN: dict[Any, type[nn.Module]] = {
     F.max_pool1d: nn.MaxPool1d, F.max_pool2d: nn.MaxPool2d, F.max_pool3d: nn.MaxPool3d,
     F.avg_pool1d: nn.AvgPool1d, F.avg_pool2d: nn.AvgPool2d, F.avg_pool3d: nn.AvgPool3d,
@@ -90,7 +96,8 @@ class TiledStage:
                 "tiles: re-plan so that the spatial region ends before them (fewer spatial stages, or "
                 "spatial_parts=1)"
             )
-        self._mods = dict(gm.named_modules())
+        # by call target: a module shared by several paths is listed once by named_modules()
+        self._mods = {str(n.target): gm.get_submodule(str(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
         self._chains: dict[str, list[fx.Node]] = {}
         self._skip: set[str] = set()
         self._check_chains(fused)
@@ -191,6 +198,12 @@ class TiledStage:
             opts = _bind(args[1:], kwargs, _INTERP_ARGS)
             opts.pop("antialias", None)
             up = nn.Upsample(**opts)
+            return tile_forward(up, args[0], _one(tiled, node), self.group)
+        if node.op == "call_function" and target in _ATEN_UP:
+            scales = aten_upsample_scales(node)
+            if scales is None:  # pragma: no cover - spatial_rules refuses these
+                raise NowdlError(f"node {node.name!r} upsamples to a fixed size: it cannot run on tiles")
+            up = nn.Upsample(scale_factor=scales, mode=_ATEN_UP[target], align_corners=False if _ATEN_UP[target] != "nearest" else None)
             return tile_forward(up, args[0], _one(tiled, node), self.group)
         if node.op == "call_function" and target in _CAT:
             grids = {(g.shape, g.grid, g.coords) for g in tiled if g is not None}
