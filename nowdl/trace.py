@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import io
 import logging
 import math
 import os
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -306,11 +307,11 @@ def _fx_trace(model: nn.Module, leaf_modules: Sequence[type | str]) -> fx.GraphM
     return fx.GraphModule(tracer.root, graph, name)
 
 
-def _export_trace(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> fx.GraphModule:
-    """A non-strict torch.export of ``model`` made plannable (see [Note: exported graphs])."""
+def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
+    """A non-strict torch.export of ``model`` on ``inputs`` (real or fake), made plannable (see
+    [Note: exported graphs]) and free of in-place writes."""
     from nowdl.exported import normalize_exported
 
-    inputs = _full_inputs(example_inputs)
     was_training = model.training
     model.train()
     quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes")
@@ -331,7 +332,55 @@ def _export_trace(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> f
     gm = ep.module()
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"torch.export returned {type(gm).__name__}, not a GraphModule")
-    return normalize_exported(gm, model)
+    gm = normalize_exported(gm, model)
+    functionalize(gm, inputs)
+    return gm
+
+
+def _structure(gm: fx.GraphModule) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """A graph's nodes and edges, without the constants a shape decides (view sizes, pads)."""
+    return [(n.op, str(n.target), n.name, tuple(a.name for a in n.all_input_nodes)) for n in gm.graph.nodes]
+
+
+def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]
+            ) -> tuple[fx.GraphModule, Callable[[], tuple[tuple[int, ...], ...]]]:
+    """The exported graph at the example's shape, and the check to run on it.
+
+    An example too large to allocate (a meta input of a 16384^2 image) is exported on fake
+    tensors, which costs no memory, and checked through a second export at a small shape: that
+    one must compute what the model computes and have the same nodes and edges.
+    """
+    total = sum(math.prod(x.shape) for x in example_inputs)
+    real = all(x.device.type != "meta" for x in example_inputs)
+    if real or total <= _EXPORT_MAX_ELEMENTS:
+        gm = _export_trace(model, _full_inputs(example_inputs))
+        return gm, lambda: _validate(model, gm, example_inputs, train=True)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = tuple(torch.empty(x.shape, dtype=x.dtype) for x in example_inputs)
+    gm = _export_trace(model, fake)
+
+    def check() -> tuple[tuple[int, ...], ...]:
+        for small in _shrunk_inputs(example_inputs):
+            try:
+                _run(copy.deepcopy(model).eval(), small, seed=0)
+            except Exception:  # this size does not fit the model; try another
+                continue
+            try:
+                small_gm = _export_trace(model, small)
+            except Exception as e:
+                raise _Mismatch(f"the check at shape {[list(x.shape) for x in small]} does not export "
+                                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
+            shapes = _validate(model, small_gm, small, train=True)
+            if _structure(small_gm) != _structure(gm):
+                raise _Mismatch(f"the graph exported at {[list(x.shape) for x in example_inputs]} has other nodes "
+                                f"than the one checked at {[list(x.shape) for x in small]}")
+            return shapes
+        raise _Mismatch("no smaller input of the same rank runs through the model, so the export at full size "
+                        "cannot be checked: pass a real example tensor")
+
+    return gm, check
 
 
 def trace(
@@ -376,9 +425,14 @@ def trace(
     details: list[str] = []
     order = ["fx", "export"] if tracer == "auto" else [tracer]
     for kind in order:
+        check: Callable[[], tuple[tuple[int, ...], ...]]
         try:
-            gm = _fx_trace(model, leaf_modules) if kind == "fx" else _export_trace(model, example_inputs)
-            functionalize(gm, example_inputs)
+            if kind == "fx":
+                gm = _fx_trace(model, leaf_modules)
+                functionalize(gm, example_inputs)
+                check = functools.partial(_validate, model, gm, example_inputs)
+            else:
+                gm, check = _export(model, example_inputs)
         except Exception as e:
             where = getattr(e, "nowdl_where", None) or _where(e, model)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -387,7 +441,7 @@ def trace(
             log.info("tracing %s with %s failed: %s", mname, kind, e)
             continue
         try:
-            shapes = _validate(model, gm, example_inputs, train=(kind == "export"))
+            shapes = check()
         except _Mismatch as m:
             failures.append(f"{kind} traced a graph that computes something else: {m}")
             details.append(f"--- {kind} graph ---\n{gm.graph}")

@@ -186,3 +186,13 @@ def test_both_tracers_fail_names_module_and_line_detail_apart() -> None:
     assert "\n" not in msg, "one paragraph"
     assert "module 'inner' (Branchy)" in msg and "if x.sum() > 0" in msg and "leaf_modules" in msg
     assert "Traceback" in e.value.detail, "the full tracebacks are kept for -v"
+
+
+def test_export_of_an_input_too_large_to_allocate_is_checked_small() -> None:
+    """A 16384^2 meta input of a model only torch.export traces: exported on fake tensors at that
+    size (no memory), checked by value through an export at a small size with the same nodes."""
+    t = trace(ShapeBranch(), (torch.empty(1, 3, 16384, 16384, device="meta"),))
+    assert t.tracer == "export"
+    assert max(t.validated_on[0][2:]) <= 512
+    out = [n for n in t.gm.graph.nodes if n.op == "output"][0]
+    assert tuple(out.args[0][0].meta["val"].shape) == (1, 4, 16384, 16384)
