@@ -27,6 +27,8 @@ class EstimateBackend(Backend):
     ``torch.func.functional_call``, so the real model is never touched.
     """
 
+    memoise = True  # fake tensors: identical nodes cost the same (see [Note: node memo])
+
     def __init__(self, gm: torch.nn.Module, spec: DeviceSpec) -> None:
         self.gm = gm
         self.spec = spec

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import statistics
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from nowdl.errors import ProfileError
 from nowdl.profiler.cost import NodeCost
+from nowdl.profiler.memo import Entry, input_tensors, make_entry, memo_key, replay
 from nowdl.profiler.memory import (
     StaticCost,
     StorageLedger,
@@ -50,6 +52,7 @@ class Backend(ABC):
     device_label: str = ""
     device_type: str = "cpu"  # where the tensors live (autocast runs for this device type)
     n_runs: int = 1  # runs per node; the first is the accounting run
+    memoise: bool = False  # reuse identical nodes' costs (see [Note: node memo])
 
     def context(self) -> AbstractContextManager[Any]:
         """Context around the whole walk (e.g. FakeTensorMode)."""
@@ -152,6 +155,8 @@ class _Walker:
         self.env_keys: dict[Node, list[int]] = {}
         self.env_rg: dict[Node, bool] = {}
         self.ledger = StorageLedger(backend.static_tensors())
+        self.memo: dict[Hashable, Entry | None] = {}
+        self.memo_hits = 0
 
     def _store(self, node: Node, value: Any) -> list[int]:
         self.env[node] = value
@@ -256,6 +261,13 @@ class _Walker:
         else:
             raise ProfileError(f"unknown fx op {node.op!r} at node {node.format_node()}")
         inplace = _is_inplace(node, mod)
+        key = None
+        if backend.memoise and not inplace:
+            key = memo_key(node, mod, self.env.__getitem__, self.env_rg.__getitem__, self.autocast)
+            hit = self.memo.get(key) if key is not None else None
+            if hit is not None:
+                return self._replay(node, rec, hit)
+        entry: Entry | None = None
         params = backend.params_of(mod) if mod is not None else []
 
         fwd_times: list[float] = []
@@ -281,6 +293,9 @@ class _Walker:
                 self.env_rg[node] = any(t.requires_grad for t in _tensors(out))
                 self._describe(rec, value)
                 rec.saved_bytes, rec.self_saved = self.ledger.account(node.name, saved, out_keys)
+                if key is not None:
+                    entry = make_entry(rec.flops, rec.workspace_bytes, out,
+                                       input_tensors(node, self.env.__getitem__), saved, self.ledger.static_keys)
             del saved
             outs = [t for t in _tensors(out) if t.requires_grad]
             if outs:
@@ -299,6 +314,21 @@ class _Walker:
             rec.fwd_s = statistics.median(fwd_times)
         if bwd_times:
             rec.bwd_s = statistics.median(bwd_times)
+        if key is not None and entry is not None:
+            self.memo[key] = dataclasses.replace(entry, fwd_s=rec.fwd_s, bwd_s=rec.bwd_s,
+                                                 workspace=rec.workspace_bytes)
+        return rec
+
+    def _replay(self, node: Node, rec: _Rec, e: Entry) -> _Rec:
+        """A node identical to one already run: its recorded costs, fresh outputs, and what it
+        saves attributed by the ledger as a run would be (see [Note: node memo])."""
+        value, saved = replay(e, input_tensors(node, self.env.__getitem__))
+        out_keys = self._store(node, value)
+        self.env_rg[node] = e.requires_grad
+        self._describe(rec, value)
+        rec.saved_bytes, rec.self_saved = self.ledger.account(node.name, saved, out_keys)
+        rec.fwd_s, rec.bwd_s, rec.flops, rec.workspace_bytes = e.fwd_s, e.bwd_s, e.flops, e.workspace
+        self.memo_hits += 1
         return rec
 
 
