@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from nowdl.errors import NowdlError, PlanError
 from nowdl.partitioner.config import PlanRequest
-from nowdl.partitioner.costmodel import Costs
+from nowdl.partitioner.costmodel import Costs, tied_nodes
 from nowdl.partitioner.fusion import check_policy, choose_fusion
 from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.search import build_plan, timed_search
@@ -124,7 +125,9 @@ class CompiledModel:
         key = tuple(tuple(x.shape) for x in example_inputs)
         if key in self._plans:
             return self._plans[key]
+        t0 = time.perf_counter()
         t = self.trace(*example_inputs)
+        t1 = time.perf_counter()
         if self.plan_path is not None:
             plan = Plan.load(self.plan_path)
             plan.check_model(t.fingerprint, [list(s) for s in key])
@@ -136,10 +139,12 @@ class CompiledModel:
             return plan
         assert self.request is not None  # compile() guarantees a request or a plan path
         prof = self.profile(*example_inputs)
+        t2 = time.perf_counter()
         spec = self._spec()
         req = self.request
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
-        costs = Costs(profile=prof, rules=spatial_rules(t.gm), link_bw=float(spec.link_bw), mem_cap=cap)
+        costs = Costs(profile=prof, rules=spatial_rules(t.gm), link_bw=float(spec.link_bw), mem_cap=cap,
+                      tied=tied_nodes(t.gm))
         bar = _Progress("planning", enabled=self.progress)
         try:
             result, secs = timed_search(costs, req, progress=bar.update)
@@ -161,6 +166,9 @@ class CompiledModel:
         choose_fusion(t.gm, plan, prof, float(spec.link_bw), self.halo_fusion)
         plan.config["halo_fusion"] = self.halo_fusion
         plan.config["precision"] = self.precision
+        # where plan() spent its time (trace includes the eager check; 0 when cached)
+        plan.solver["timing"] = {"trace_s": round(t1 - t0, 3), "profile_s": round(t2 - t1, 3),
+                                 "search_s": round(secs, 3), "total_s": round(time.perf_counter() - t0, 3)}
         self._plans[key] = plan
         return plan
 

@@ -7,29 +7,40 @@ import itertools
 import random
 
 import pytest
-from test_ilp import brute_force, check_valid, close, feasible, random_problem
+from test_ilp import (
+    brute_force,
+    check_levels,
+    check_valid,
+    close,
+    feasible,
+    lex_reference,
+    random_problem,
+)
 
 from nowdl.errors import InfeasibleError
 from nowdl.partitioner.dp import make_partition, objective_values, solve_dp, topological_order
 from nowdl.partitioner.problem import Problem
 
 
-def brute_cuts(problem: Problem, order: list[int]) -> tuple[float, float] | None:
-    """Lexicographic optimum over all contiguous splits of ``order`` into K stages."""
+def order_splits(problem: Problem, order: list[int]) -> list[tuple[int, ...]]:
+    """All feasible contiguous splits of ``order`` into K stages."""
     n, k = problem.n, problem.k
-    best: tuple[float, float] | None = None
+    out = []
     for cuts in itertools.combinations_with_replacement(range(n + 1), k - 1):
         bounds = [0, *cuts, n]
         stage_of = [0] * n
         for s in range(k):
             for i in range(bounds[s], bounds[s + 1]):
                 stage_of[order[i]] = s
-        if not feasible(problem, stage_of):
-            continue
-        key = objective_values(problem, make_partition(problem, stage_of))
-        if best is None or key < best:
-            best = key
-    return best
+        if feasible(problem, stage_of):
+            out.append(tuple(stage_of))
+    return out
+
+
+def brute_cuts(problem: Problem, order: list[int]) -> tuple[float, float] | None:
+    """Lexicographic (primary, secondary) optimum over contiguous splits of ``order``."""
+    keys = [objective_values(problem, make_partition(problem, a)) for a in order_splits(problem, order)]
+    return min(keys) if keys else None
 
 
 def random_order(problem: Problem, rng: random.Random) -> list[int]:
@@ -65,8 +76,9 @@ def test_dp_optimal_over_fixed_order(seed: int) -> None:
     part = solve_dp(p, order)
     check_valid(p, part)
     assert part.status == "optimal" and part.solver == "dp"
-    prim, sec = objective_values(p, part)
-    assert close(prim, best[0], 1e-9) and close(sec, best[1], 1e-9)
+    ref = lex_reference(p, order_splits(p, order))
+    assert ref is not None and close(ref.primary, best[0], 1e-9)
+    check_levels(p, part, ref, 1e-9)
     # the stages are contiguous segments of the order
     pos = [part.stage_of[v] for v in order]
     assert pos == sorted(pos)

@@ -244,6 +244,7 @@ class _Groups:
             for k in self.keys
         }
         pinned = {index[g]: s for g in gids if (s := self.pin[g]) is not None}
+        tied = [sorted({where[v] for v in grp}) for grp in p.tied]
         coarse = Problem(
             names=names,
             edges=sorted(edges),
@@ -255,6 +256,7 @@ class _Groups:
             objective=p.objective,
             mem_cap=p.mem_cap,
             pinned=pinned,
+            tied=[t for t in tied if len(t) > 1],
         )
         return coarse, groups
 

@@ -13,12 +13,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import fx
+
 from nowdl.partitioner.config import Candidate
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid
 from nowdl.profiler.cost import Profile
 
-__all__ = ["Costs", "build_problem", "predict_step", "HALO_LATENCY_S", "spatial_dims_of", "dtype_bytes"]
+__all__ = ["Costs", "build_problem", "predict_step", "tied_nodes", "HALO_LATENCY_S",
+           "spatial_dims_of", "dtype_bytes"]
 
 HALO_LATENCY_S = 10e-6  # per halo exchange (one message round to the neighbours)
 
@@ -31,6 +35,7 @@ class Costs:
     rules: dict[str, SpatialRule]
     link_bw: float  # bytes/s between GPUs
     mem_cap: float | None
+    tied: tuple[tuple[str, ...], ...] = ()  # node groups sharing a weight (``tied_nodes``)
 
     @property
     def names(self) -> list[str]:
@@ -109,11 +114,53 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
         elif n.op == "output":
             pinned[i] = k - 1
     tileable = [costs.rules[n].tileable if n in costs.rules else False for n in names]
+    tied = [[index[v] for v in grp if v in index] for grp in costs.tied]
     return Problem(
         names=names, edges=edges, static=[n.static_bytes for n in prof.nodes], variants=variants,
         stages=stages, tileable=tileable, ranks=ranks, objective=objective,
-        mem_cap=costs.mem_cap, pinned=pinned,
+        mem_cap=costs.mem_cap, pinned=pinned, tied=[g for g in tied if len(g) > 1],
     )
+
+
+def tied_nodes(gm: fx.GraphModule) -> tuple[tuple[str, ...], ...]:
+    """Groups of nodes that use one parameter or buffer (a call_module owning it, or a node
+    reading it through get_attr): they must share a stage, since the runtime cannot yet sum
+    a shared weight's gradients across stages."""
+    users: dict[int, list[str]] = {}
+    for node in gm.graph.nodes:
+        tensors: list[torch.Tensor] = []
+        names = [node.name]
+        if node.op == "call_module":
+            mod = gm.get_submodule(str(node.target))
+            tensors = [*mod.parameters(), *mod.buffers()]
+        elif node.op == "get_attr":
+            owner, _, leaf = str(node.target).rpartition(".")
+            mod = gm.get_submodule(owner) if owner else gm
+            if leaf in mod._parameters or leaf in mod._buffers:
+                tensors = [getattr(mod, leaf)]
+            names = [u.name for u in node.users]  # get_attr lives with its users
+        for t in tensors:
+            for name in names:
+                if name not in users.setdefault(id(t), []):
+                    users[id(t)].append(name)
+    # merge groups that share a node (a module with two tied weights, say)
+    parent: dict[str, str] = {}
+
+    def root(a: str) -> str:
+        while parent.setdefault(a, a) != a:
+            a = parent[a]
+        return a
+
+    for names in users.values():
+        for other in names[1:]:
+            parent[root(other)] = root(names[0])
+    groups: dict[str, list[str]] = {}
+    for names in users.values():
+        for name in names:
+            groups.setdefault(root(name), [])
+            if name not in groups[root(name)]:
+                groups[root(name)].append(name)
+    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
 
 
 def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> dict[str, float]:

@@ -7,14 +7,17 @@ its two ends, every stage's memory and time is a function of (start, end): the D
 rank holds one stage. With MASTER pairing (rank r holds stages r and K-1-r) rank loads are
 not a function of one segment, so the DP minimises the per-stage bottleneck instead and the
 rank loads are evaluated afterwards (a heuristic there, flagged in ``Partition.status``).
-Ties on the primary quantity are broken by a second exact DP restricted to segments whose
-primary cost stays within the optimum. Costs are (n+1) x (n+1) matrices built with numpy
-(2D difference arrays for boundary tensors), so n up to a few thousand is fine.
+Ties on the primary quantity and the spread of the work are the later levels of
+[Note: lexicographic levels] (``chain``); MASTER splits are then improved by
+[Note: MASTER descent]. Costs are (n+1) x (n+1) matrices built with numpy (2D difference
+arrays for boundary tensors), so n up to a few thousand is fine.
+
+The helpers every solver shares (``check_problem``, ``topological_order``, ``stage_ranges``,
+``make_partition``, ...) live in ``structure`` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import time
@@ -23,10 +26,23 @@ from collections.abc import Sequence
 import numpy as np
 
 from nowdl.errors import InfeasibleError
-from nowdl.partitioner.problem import Partition, Problem, evaluate
+from nowdl.partitioner.chain import lexicographic
+from nowdl.partitioner.master import master_split, standard_pairing
+from nowdl.partitioner.problem import Partition, Problem
+from nowdl.partitioner.structure import (
+    check_problem,
+    make_partition,
+    objective_values,
+    one_to_one,
+    rank_loads,
+    stage_ranges,
+    tileable_mask,
+    topological_order,
+)
 
 __all__ = [
     "solve_dp",
+    "one_to_one",
     "check_problem",
     "topological_order",
     "stage_ranges",
@@ -36,272 +52,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-_REL_TIE = 1e-9  # relative slack when the tie-break pass keeps the primary optimum
-
-
-def check_problem(problem: Problem) -> None:
-    """Check that a Problem is well formed (sizes, indices, acyclicity, non-negative costs).
-
-    Args:
-        problem: the problem to check.
-
-    Raises:
-        ValueError: naming the first inconsistency found and the numbers involved.
-    """
-    n, k = problem.n, problem.k
-    if n < 1:
-        raise ValueError("problem has no nodes (names is empty)")
-    if k < 1:
-        raise ValueError("problem has no stages (stages is empty)")
-    if len(set(problem.names)) != n:
-        raise ValueError("node names must be unique")
-    if len(problem.static) != n:
-        raise ValueError(f"static has {len(problem.static)} entries, expected one per node ({n})")
-    if problem.tileable and len(problem.tileable) != n:
-        raise ValueError(
-            f"tileable has {len(problem.tileable)} entries, expected 0 (all tileable) or {n}"
-        )
-    for key, vec in problem.variants.items():
-        for field_name in ("act", "time", "workspace", "out"):
-            values = getattr(vec, field_name)
-            if len(values) != n:
-                raise ValueError(
-                    f"variant {key!r}: {field_name} has {len(values)} entries, expected {n}"
-                )
-            for i, x in enumerate(values):
-                if not (math.isfinite(x) and x >= 0):
-                    raise ValueError(
-                        f"variant {key!r}: {field_name}[{problem.names[i]}] = {x} "
-                        "(costs must be finite and >= 0)"
-                    )
-    for i, x in enumerate(problem.static):
-        if not (math.isfinite(x) and x >= 0):
-            raise ValueError(f"static[{problem.names[i]}] = {x} (costs must be finite and >= 0)")
-    for s, spec in enumerate(problem.stages):
-        if spec.variant not in problem.variants:
-            raise ValueError(
-                f"stage {s} uses variant {spec.variant!r}, not one of {sorted(problem.variants)}"
-            )
-        if spec.inflight < 0 or not math.isfinite(spec.link_s_per_byte) or spec.link_s_per_byte < 0:
-            raise ValueError(
-                f"stage {s}: inflight ({spec.inflight}) and link_s_per_byte "
-                f"({spec.link_s_per_byte}) must be >= 0"
-            )
-    for u, v in problem.edges:
-        if not (0 <= u < n and 0 <= v < n):
-            raise ValueError(f"edge ({u}, {v}) has an index outside 0..{n - 1}")
-        if u == v:
-            raise ValueError(f"edge ({u}, {v}) is a self-loop on {problem.names[u]}")
-    if problem.objective not in ("memory", "compute"):
-        raise ValueError(f"objective is {problem.objective!r}, expected 'memory' or 'compute'")
-    if problem.mem_cap is not None and not (problem.mem_cap > 0):
-        raise ValueError(f"mem_cap must be > 0 bytes or None (got {problem.mem_cap})")
-    for v, s in problem.pinned.items():
-        if not 0 <= v < n:
-            raise ValueError(f"pinned node index {v} outside 0..{n - 1}")
-        if not 0 <= s < k:
-            raise ValueError(f"node {problem.names[v]} is pinned to stage {s}, outside 0..{k - 1}")
-    covered: set[int] = set()
-    for r, stages in enumerate(problem.rank_stages()):
-        if not stages:
-            raise ValueError(f"rank {r} holds no stage")
-        for s in stages:
-            if not 0 <= s < k:
-                raise ValueError(f"rank {r} holds stage {s}, outside 0..{k - 1}")
-        covered.update(stages)
-    if len(covered) != k:
-        missing = sorted(set(range(k)) - covered)
-        raise ValueError(f"stages {missing} are held by no rank")
-    topological_order(problem)  # raises on a cycle
-
-
-def topological_order(problem: Problem) -> list[int]:
-    """A deterministic topological order: index order if it is one, else Kahn (smallest first).
-
-    Args:
-        problem: the problem whose DAG is ordered.
-
-    Returns:
-        The node indices in an order where every edge goes forward.
-
-    Raises:
-        ValueError: if the graph has a cycle.
-    """
-    n = problem.n
-    if all(u < v for u, v in problem.edges):
-        return list(range(n))
-    succ: list[list[int]] = [[] for _ in range(n)]
-    indeg = [0] * n
-    for u, v in set(problem.edges):
-        succ[u].append(v)
-        indeg[v] += 1
-    heap = [v for v in range(n) if indeg[v] == 0]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        u = heapq.heappop(heap)
-        order.append(u)
-        for v in succ[u]:
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                heapq.heappush(heap, v)
-    if len(order) != n:
-        stuck = [problem.names[v] for v in range(n) if indeg[v] > 0][:5]
-        raise ValueError(f"the graph has a cycle through {stuck}")
-    return order
-
-
-def _tileable(problem: Problem) -> list[bool]:
-    return [bool(t) for t in problem.tileable] if problem.tileable else [True] * problem.n
-
-
-def _allowed(problem: Problem, v: int, tile: Sequence[bool]) -> list[bool]:
-    k = problem.k
-    if v in problem.pinned:
-        ok = [s == problem.pinned[v] for s in range(k)]
-    else:
-        ok = [True] * k
-    if not tile[v]:
-        ok = [a and not problem.stages[s].spatial for s, a in enumerate(ok)]
-    return ok
-
-
-def stage_ranges(problem: Problem) -> tuple[list[int], list[int], list[list[bool]]]:
-    """Earliest and latest feasible stage of every node under precedence, pins and tiling.
-
-    The earliest stage is found greedily in topological order (the smallest allowed stage
-    not before any producer's earliest stage); a feasible assignment exists exactly when
-    that greedy never runs out of stages, because any feasible assignment is pointwise at
-    least the greedy one.
-
-    Args:
-        problem: a checked problem.
-
-    Returns:
-        (lo, hi, allowed): every feasible assignment has lo[v] <= stage(v) <= hi[v] and
-        allowed[v][stage(v)]; assigning every node lo[v] is itself feasible.
-
-    Raises:
-        InfeasibleError: if no assignment respects pins, tileability and precedence.
-    """
-    n, k = problem.n, problem.k
-    tile = _tileable(problem)
-    order = topological_order(problem)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for u, v in problem.edges:
-        preds[v].append(u)
-        succs[u].append(v)
-    allowed = [_allowed(problem, v, tile) for v in range(n)]
-    lo = [0] * n
-    for v in order:
-        start = max((lo[u] for u in preds[v]), default=0)
-        cand = [s for s in range(start, k) if allowed[v][s]]
-        if not cand:
-            raise InfeasibleError(_structural_message(problem, v, start, preds[v], lo, tile))
-        lo[v] = cand[0]
-    hi = [k - 1] * n
-    for v in reversed(order):
-        end = min((hi[w] for w in succs[v]), default=k - 1)
-        cand = [s for s in range(0, end + 1) if allowed[v][s]]
-        hi[v] = cand[-1]  # non-empty: lo[v] <= end and allowed
-    return lo, hi, allowed
-
-
-def _structural_message(
-    problem: Problem, v: int, start: int, preds: list[int], lo: list[int], tile: list[bool]
-) -> str:
-    name = problem.names[v]
-    k = problem.k
-    why = []
-    if v in problem.pinned:
-        why.append(f"it is pinned to stage {problem.pinned[v]}")
-    if not tile[v]:
-        spatial = [s for s in range(k) if problem.stages[s].spatial]
-        why.append(f"it is not tileable and stages {spatial} are spatial")
-    late = [problem.names[u] for u in preds if lo[u] == start]
-    before = (
-        f"its producer {late[0]} cannot be placed before stage {start}" if late and start > 0 else ""
-    )
-    parts = "; ".join(why + ([before] if before else []))
-    return (
-        f"No placement of the {problem.n} nodes into {k} stages respects precedence, pins and "
-        f"tileability: node {name} has no allowed stage in {start}..{k - 1} ({parts}). "
-        "This does not depend on memory: move or remove the pin, make a non-spatial stage "
-        "available after the spatial ones, or mark the node tileable."
-    )
-
-
-def rank_loads(problem: Problem, stage_vals: Sequence[float]) -> list[float]:
-    """Sum a per-stage quantity over the stages each rank holds.
-
-    A stage listed twice counts twice: with MASTER and an odd stage count the middle rank
-    holds both replicas' copies of the middle stage.
-
-    Args:
-        problem: the problem (its ``rank_stages()``).
-        stage_vals: one value per stage.
-
-    Returns:
-        One value per rank.
-    """
-    return [sum(stage_vals[s] for s in st) for st in problem.rank_stages()]
-
-
-def make_partition(
-    problem: Problem,
-    stage_of: Sequence[int],
-    *,
-    solver: str = "",
-    status: str = "",
-    gap: float = 0.0,
-    seconds: float = 0.0,
-) -> Partition:
-    """Evaluate an assignment with ``evaluate()`` and wrap it in a Partition.
-
-    Args:
-        problem: the problem.
-        stage_of: stage of every node.
-        solver: solver name to record.
-        status: status to record.
-        gap: relative gap of the primary objective.
-        seconds: wall time to record.
-
-    Returns:
-        The Partition, with stage and rank loads from the reference cost model.
-    """
-    mem, tim = evaluate(problem, stage_of)
-    return Partition(
-        stage_of=[int(s) for s in stage_of],
-        stage_mem=mem,
-        stage_time=tim,
-        rank_mem=rank_loads(problem, mem),
-        rank_time=rank_loads(problem, tim),
-        solver=solver,
-        status=status,
-        gap=gap,
-        seconds=seconds,
-    )
-
-
-def objective_values(problem: Problem, part: Partition) -> tuple[float, float]:
-    """(primary, secondary) bottlenecks of a partition for the problem's objective.
-
-    Args:
-        problem: the problem (its ``objective``).
-        part: a partition of it.
-
-    Returns:
-        (bottleneck of the objective quantity, bottleneck of the other one).
-    """
-    if problem.objective == "memory":
-        return part.bottleneck_mem, part.bottleneck_time
-    return part.bottleneck_time, part.bottleneck_mem
-
-
-def _one_to_one(problem: Problem) -> bool:
-    return sorted(len(set(st)) for st in problem.rank_stages()) == [1] * problem.k
 
 
 class _SegmentCosts:
@@ -315,7 +65,7 @@ class _SegmentCosts:
         for i, v in enumerate(order):
             pos[v] = i
         self.static = np.concatenate([[0.0], np.cumsum([problem.static[v] for v in order])])
-        tile = _tileable(problem)
+        tile = tileable_mask(problem)
         # next_nt[a] = position of the first non-tileable node at or after a (n if none)
         next_nt = np.full(n + 1, n, dtype=np.int64)
         for i in range(n - 1, -1, -1):
@@ -424,6 +174,78 @@ class _SegmentCosts:
         return mem, tt
 
 
+class _OrderCosts:
+    """``chain.ChainCosts`` over the cut positions 0..n of one order (see [Note: DP family])."""
+
+    def __init__(self, problem: Problem, seg: _SegmentCosts, cap: float | None) -> None:
+        self.problem = problem
+        self.seg = seg
+        self.cap = cap
+        self.k = problem.k
+        n = seg.n
+        self.start, self.end = 0, n
+        bmin, bmax = seg.prefix_bounds()
+        idx = np.arange(n + 1)
+        whole = np.ones(n + 1, dtype=bool)  # no cut between two uses of one weight
+        pos = {v: i for i, v in enumerate(seg.order)}
+        for grp in problem.tied:
+            first, last = min(pos[v] for v in grp), max(pos[v] for v in grp)
+            whole[first + 1:last + 1] = False
+        self.allowed: list[np.ndarray | None] = [
+            (idx >= bmin[s]) & (idx <= bmax[s]) & whole for s in range(problem.k - 1)
+        ]
+        # prefix sums of each node's cheapest primary load (a lower bound of any segment's)
+        per_stage = []
+        for spec in problem.stages:
+            vec = problem.variants[spec.variant]
+            if problem.objective == "memory":
+                per_stage.append(np.asarray(problem.static, float)
+                                 + spec.inflight * np.asarray(vec.act, float))
+            else:
+                per_stage.append(np.asarray(vec.time, float))
+        cheap = np.min(np.vstack(per_stage), axis=0)[seg.order]
+        self._cheap = np.concatenate([[0.0], np.cumsum(cheap)])
+
+    def rows(self, s: int, a: np.ndarray, lo: int, hi: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        mem_all, tt_all = self.seg.stage(s)
+        tim = self.seg.variant(self.problem.stages[s].variant)[1]
+        mem = mem_all[a, lo:hi]
+        tt = tt_all[a, lo:hi]
+        work = tim[None, lo:hi] - tim[a][:, None]
+        bad = np.arange(lo, hi)[None, :] <= a[:, None]  # every stage holds a node
+        if self.cap is not None:
+            bad |= mem > self.cap
+        mem[bad] = np.inf
+        tt[bad] = np.inf
+        work[bad] = np.inf
+        if self.problem.objective == "memory":
+            return mem, tt, work
+        return tt, mem, work
+
+    def window(self, a: np.ndarray, bound: float) -> tuple[int, int]:
+        lo = int(a.min()) + 1
+        if not math.isfinite(bound):
+            return lo, self.end + 1
+        top = float(self._cheap[int(a.max())]) + bound
+        return lo, int(np.searchsorted(self._cheap, top + 1e-9 * abs(top), side="right"))
+
+    def upper_bound(self) -> float:
+        """The primary bottleneck of equal-cost cuts of the order."""
+        total, n = float(self._cheap[-1]), self.end
+        cuts = [0]
+        for s in range(1, self.k):
+            j = int(np.searchsorted(self._cheap, total * s / self.k, side="left"))
+            cuts.append(min(max(j, cuts[-1] + 1), n - (self.k - s)))
+        cuts.append(n)
+        if any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)) or any(
+            m is not None and not m[c] for m, c in zip(self.allowed, cuts[1:-1], strict=True)
+        ):
+            return math.inf
+        return max(float(self.rows(s, np.array([cuts[s]]), cuts[s + 1], cuts[s + 1] + 1)[0][0, 0])
+                   for s in range(self.k))
+
+
 def _minmax_dp(
     costs: list[np.ndarray], bmin: Sequence[int], bmax: Sequence[int], *, nonempty: bool = True
 ) -> tuple[float, list[int]]:
@@ -503,44 +325,24 @@ def _solve_dp(problem: Problem, order: Sequence[int] | None, *, explain: bool) -
                 f"{problem.names[v]}"
             )
     seg = _SegmentCosts(problem, order)
-    bmin, bmax = seg.prefix_bounds()
-    exact = _one_to_one(problem)
+    exact = one_to_one(problem)
     cap = problem.mem_cap
     caps: list[float | None] = [cap]
     if cap is not None and not exact:
-        caps.append(cap / max(len(set(r)) for r in problem.rank_stages()))
+        caps.append(cap / max(len(r) for r in problem.rank_stages()))
     last_err = "no contiguous split of the order respects pins and tileability"
     for stage_cap in caps:
-        cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        prim: list[np.ndarray] = []
-        sec: list[np.ndarray] = []
-        for s in range(k):
-            mem, tt = seg.stage(s)
-            key = id(mem)
-            if key not in cache:
-                p, q = (mem, tt) if problem.objective == "memory" else (tt, mem)
-                if stage_cap is not None:
-                    over = mem > stage_cap
-                    p = np.where(over, np.inf, p)
-                    q = np.where(over, np.inf, q)
-                cache[key] = (p, q)
-            prim.append(cache[key][0])
-            sec.append(cache[key][1])
-        best, cuts = _minmax_dp(prim, bmin, bmax)
-        if not math.isfinite(best):
+        costs = _OrderCosts(problem, seg, stage_cap)
+        res = lexicographic(costs)
+        if res is None:
             if stage_cap is not None:
                 last_err = "no contiguous split of the order respects pins, tileability and the cap"
             continue
-        limit = best * (1 + _REL_TIE)
-        cache2: dict[int, np.ndarray] = {}
-        sec2 = []
-        for p, q in zip(prim, sec, strict=True):
-            if id(p) not in cache2:
-                cache2[id(p)] = np.where(p <= limit, q, np.inf)
-            sec2.append(cache2[id(p)])
-        best2, cuts2 = _minmax_dp(sec2, bmin, bmax)
-        if math.isfinite(best2):
-            cuts = cuts2
+        cuts = res.cuts
+        if not exact and standard_pairing(problem.rank_stages(), k):
+            got = master_split(_OrderCosts(problem, seg, None),
+                               mem_is_prim=problem.objective == "memory", cap=cap)
+            cuts = got[0] if got is not None else cuts
         stage_of = [0] * n
         for s in range(k):
             for i in range(cuts[s], cuts[s + 1]):
@@ -552,7 +354,8 @@ def _solve_dp(problem: Problem, order: Sequence[int] | None, *, explain: bool) -
         if cap is not None and part.bottleneck_mem > cap * (1 + 1e-9):
             last_err = f"the best split found needs {part.bottleneck_mem:.6g} bytes on one rank"
             continue
-        log.debug("dp: n=%d K=%d primary=%.6g (%s) in %.2f s", n, k, best, status, part.seconds)
+        log.debug("dp: n=%d K=%d primary=%.6g (%s) in %.2f s", n, k, res.primary, status,
+                  part.seconds)
         return part
     msg = last_err
     if explain:

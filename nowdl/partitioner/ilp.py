@@ -1,17 +1,11 @@
-"""The partitioning MILP (PuLP + HiGHS or CBC): min-max rank load over convex stage splits.
+"""Solving the partitioning MILP: primary bottleneck, then the later lexicographic levels.
 
-[Note: ILP formulation] Binary y[v,s] = 1 iff stage(v) <= s for s = 0..K-2 (y[v,-1] = 0,
-y[v,K-1] = 1), monotone in s; an edge u->v gives y[v,s] <= y[u,s]; x[v,s] = y[v,s] -
-y[v,s-1] is "v sits in stage s". Pins, tileability and precedence first give every node a
-range lo..hi of stages (``dp.stage_ranges``); y is fixed outside it and, inside it, a stage
-the node may not use (a spatial stage for a non-tileable node) aliases y[v,s] to y[v,s-1].
-A received tensor is r[u,s] >= x[v,s] + y[u,s-1] - 1 for every consumer v; a sent one
-q[u,s] >= x[u,s] - y[v,s] (charged once to the sender, in link time and in memory: the buffer
-for its gradient per micro-batch in flight); the workspace w[s] >= ws[v] x[v,s].
-Stage memory and time are then exactly ``evaluate()``'s formulas at the minimal r, q, w,
-which any optimum takes on its bottleneck ranks. Bytes and seconds are divided by an upper
-bound of one stage's load so every coefficient lies in [0, 1]. The primary bottleneck is
-minimised first; the other one is then minimised with the primary fixed to its optimum.
+The model is ``ilp_model``'s [Note: ILP formulation]; ``ilp_run`` runs it on HiGHS or CBC.
+``solve_ilp`` minimises the primary bottleneck (MIP start and fallback: the best known split,
+by default the DP over a topological order), then, while time remains, the levels of
+[Note: lexicographic levels]: the other bottleneck with the primary held, then the spread
+(the least busy stage's work maximised, ``z <= work_s`` for every stage) when a stage would
+otherwise idle.
 """
 
 from __future__ import annotations
@@ -19,607 +13,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-import re
-import tempfile
 import time
-import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
 import pulp
 
 from nowdl.errors import InfeasibleError
-from nowdl.partitioner.dp import (
-    _solve_dp,
+from nowdl.partitioner.chain import spread_ok
+from nowdl.partitioner.dp import _solve_dp
+from nowdl.partitioner.ilp_model import ConstantViolation, IlpModel, build_ilp
+from nowdl.partitioner.ilp_run import available_solvers, pick_solver, run_model
+from nowdl.partitioner.narrowing import load_windows
+from nowdl.partitioner.problem import Partition, Problem
+from nowdl.partitioner.spread import stage_work
+from nowdl.partitioner.structure import (
     check_problem,
     make_partition,
     objective_values,
     stage_ranges,
-    topological_order,
 )
-from nowdl.partitioner.problem import Partition, Problem
 
 __all__ = ["solve_ilp", "build_ilp", "IlpModel", "available_solvers", "load_windows"]
 
 log = logging.getLogger(__name__)
 
-_TIE_REL = 1e-7  # the tie-break solve may lose this much (relative) on the primary
+_TIE_REL = 1e-7  # the later levels may lose this much (relative) on the levels they hold
 _CAP_REL = 1e-6  # a returned plan may exceed mem_cap by this much (solver tolerance)
-
-Lin = dict[Any, float]  # variable -> coefficient
-Y = Any  # an int constant (0 or 1) or a pulp.LpVariable
-
-
-@dataclass
-class IlpModel:
-    """A built MILP: the PuLP problem plus handles on its variables and scales.
-
-    ``y[v]`` has K+1 entries for s = -1..K-1, each 0, 1 or a binary variable; ``t_mem`` and
-    ``t_time`` are the scaled bottlenecks; multiply by ``mem_scale``/``time_scale`` for
-    bytes/seconds.
-    """
-
-    prob: pulp.LpProblem
-    y: list[list[Y]]
-    t_mem: pulp.LpVariable
-    t_time: pulp.LpVariable
-    mem_scale: float
-    time_scale: float
-    rank_mem: list[pulp.LpAffineExpression]
-    rank_time: list[pulp.LpAffineExpression]
-    aux: dict[str, dict[tuple[int, int], pulp.LpVariable]] = field(default_factory=dict)
-    w: dict[int, pulp.LpVariable] = field(default_factory=dict)
-    w_unit: dict[int, float] = field(default_factory=dict)
-
-    def assignment(self) -> list[int]:
-        """The stage of every node read from the current variable values (rounded)."""
-        out = []
-        for row in self.y:
-            stage = 0
-            for e in row[1:-1]:
-                val = e if isinstance(e, int) else (e.varValue or 0.0)
-                if val < 0.5:
-                    stage += 1
-            out.append(stage)
-        return out
-
-    def set_values(self, problem: Problem, stage_of: Sequence[int]) -> None:
-        """Set every variable to the value an assignment implies (for a warm start)."""
-        k = problem.k
-        for v, row in enumerate(self.y):
-            for s in range(-1, k):
-                e = row[s + 1]
-                if not isinstance(e, int):
-                    e.varValue = 1.0 if stage_of[v] <= s else 0.0
-        cons: dict[int, set[int]] = {}
-        for u, v in problem.edges:
-            cons.setdefault(u, set()).add(stage_of[v])
-        for (u, s), var in self.aux.get("r", {}).items():
-            var.varValue = 1.0 if stage_of[u] < s and s in cons.get(u, ()) else 0.0
-        for (u, s), var in self.aux.get("q", {}).items():
-            later = any(j > s for j in cons.get(u, ()))
-            var.varValue = 1.0 if stage_of[u] == s and later else 0.0
-        for s, var in self.w.items():
-            vec = problem.variants[problem.stages[s].variant]
-            ws = [vec.workspace[v] for v in range(problem.n) if stage_of[v] == s]
-            var.varValue = max(ws, default=0.0) / self.w_unit[s]
-        self.t_mem.varValue = max(pulp.value(e) or 0.0 for e in self.rank_mem)
-        self.t_time.varValue = max(pulp.value(e) or 0.0 for e in self.rank_time)
-
-
-def available_solvers() -> list[str]:
-    """MILP back ends usable here, preferred first ("highs", "cbc").
-
-    Returns:
-        The names accepted by ``solve_ilp(..., solver=...)`` that work in this environment.
-    """
-    names = set(pulp.listSolvers(onlyAvailable=True))
-    out = []
-    if "HiGHS" in names:
-        out.append("highs")
-    if "PULP_CBC_CMD" in names:
-        out.append("cbc")
-    return out
-
-
-def _var(
-    prob: pulp.LpProblem, name: str, lo: float | None, hi: float | None,
-    cat: str = pulp.LpContinuous,
-) -> pulp.LpVariable:
-    """A new variable of ``prob`` (PuLP >= 3.3 attaches it; older PuLP builds it free)."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, lowBound=lo, upBound=hi, cat=cat)
-    return pulp.LpVariable(name, lowBound=lo, upBound=hi, cat=cat)  # pragma: no cover
-
-
-def _clean(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", name)[:60]
-
-
-def _names(problem: Problem) -> list[str]:
-    seen: set[str] = set()
-    out = []
-    for i, name in enumerate(problem.names):
-        c = _clean(str(name)) or f"n{i}"
-        if c in seen:
-            c = f"{c}_{i}"
-        seen.add(c)
-        out.append(c)
-    return out
-
-
-def _add(lin: Lin, e: Y, coef: float) -> float:
-    """Add coef * e to lin; return the constant part."""
-    if isinstance(e, int):
-        return coef * e
-    lin[e] = lin.get(e, 0.0) + coef
-    return 0.0
-
-
-class _ConstantViolation(RuntimeError):
-    """A constraint with no variables left is false (e.g. a cap below a fully pinned stage)."""
-
-
-def _constraint(
-    prob: pulp.LpProblem, terms: list[tuple[Y, float]], sense: int, rhs: float, name: str
-) -> None:
-    """Add sum(coef * e) (sense) rhs unless it holds trivially (constants only)."""
-    lin: Lin = {}
-    const = 0.0
-    for e, c in terms:
-        const += _add(lin, e, c)
-    lin = {k: c for k, c in lin.items() if c != 0.0}
-    if not lin:
-        ok = (const <= rhs + 1e-12) if sense == pulp.LpConstraintLE else (const >= rhs - 1e-12)
-        if not ok:  # only a memory cap can be broken by constants (all nodes pinned)
-            raise _ConstantViolation(f"constraint {name} is violated by constants")
-        return
-    expr = pulp.LpAffineExpression(list(lin.items()))
-    prob.addConstraint(pulp.LpConstraint(expr, sense, name=name, rhs=rhs - const))
-
-
-def _scales(problem: Problem) -> tuple[float, float]:
-    """Scales for memory and time: an upper bound of one stage's load over K."""
-    ms, ts = 0.0, 0.0
-    tot_static = float(sum(problem.static))
-    for spec in problem.stages:
-        vec = problem.variants[spec.variant]
-        outs = float(sum(vec.out))
-        ms = max(
-            ms,
-            tot_static + spec.inflight * (float(sum(vec.act)) + outs) + max(vec.workspace),
-        )
-        ts = max(ts, float(sum(vec.time)) + spec.link_s_per_byte * 2 * outs)
-    # divided by K: the bottleneck is then of order 1 and so are the solver's tolerances
-    k = problem.k
-    return (ms / k if ms > 0 else 1.0), (ts / k if ts > 0 else 1.0)
-
-
-def _closure(problem: Problem, order: Sequence[int]) -> np.ndarray:
-    """Boolean matrix A[v, a] = a is v or an ancestor of v."""
-    n = problem.n
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for u, v in problem.edges:
-        preds[v].append(u)
-    anc = np.zeros((n, n), dtype=bool)
-    for v in order:
-        for u in preds[v]:
-            anc[v] |= anc[u]
-        anc[v, v] = True
-    return anc
-
-
-def load_windows(
-    problem: Problem,
-    lo: Sequence[int],
-    hi: Sequence[int],
-    allowed: Sequence[Sequence[bool]],
-    *,
-    mem_ub: float | None = None,
-    time_ub: float | None = None,
-) -> tuple[list[int], list[int]]:
-    """Narrow every node's stage range using upper bounds on any stage's memory/time.
-
-    If v sits in stage j, v and all its ancestors sit in stages 0..j, whose loads add up to
-    at most (j+1) * bound, and each of those nodes costs at least its cheapest load among
-    the stages it may use there (boundary tensors and workspace only add). So j is at least
-    the first stage where the ancestors' cheapest total fits; descendants bound j from
-    above the same way. Every assignment whose stage loads stay within the bounds (every
-    optimum, when a bound is the value of a known solution) lies inside the new ranges.
-
-    Args:
-        problem: the problem.
-        lo: earliest stages (``dp.stage_ranges``).
-        hi: latest stages.
-        allowed: allowed[v][s] (pins and tileability).
-        mem_ub: bound on any stage's memory (a cap or a known solution's bottleneck).
-        time_ub: bound on any stage's time.
-
-    Returns:
-        (lo, hi) narrowed; unchanged when no bound is given or the bounds contradict.
-    """
-    n, k = problem.n, problem.k
-    lo2, hi2 = list(lo), list(hi)
-    bounds: list[tuple[float, np.ndarray]] = []
-    for ub, kind in ((mem_ub, "mem"), (time_ub, "time")):
-        if ub is None or not math.isfinite(ub):
-            continue
-        cost = np.full((k, n), np.inf)
-        for s, spec in enumerate(problem.stages):
-            vec = problem.variants[spec.variant]
-            if kind == "mem":
-                cost[s] = np.asarray(problem.static, float) + spec.inflight * np.asarray(
-                    vec.act, float
-                )
-            else:
-                cost[s] = np.asarray(vec.time, float)
-        ok = np.array(allowed, dtype=bool).T  # k x n
-        cost = np.where(ok, cost, np.inf)
-        bounds.append((ub * (1 + 1e-9) + 1e-300, cost))
-    if not bounds:
-        return lo2, hi2
-    order = topological_order(problem)
-    anc = _closure(problem, order).astype(np.float64)
-    desc = anc.T
-    for ub, cost in bounds:
-        pre = np.minimum.accumulate(cost, axis=0)  # cheapest over stages 0..j
-        suf = np.minimum.accumulate(cost[::-1], axis=0)[::-1]  # over stages j..K-1
-        pre = np.where(np.isfinite(pre), pre, 0.0)
-        suf = np.where(np.isfinite(suf), suf, 0.0)
-        anc_mass = pre @ anc.T  # [j, v] = sum over ancestors of v
-        desc_mass = suf @ desc.T
-        for v in range(n):
-            fits_lo = [j for j in range(k) if anc_mass[j, v] <= (j + 1) * ub]
-            fits_hi = [j for j in range(k) if desc_mass[j, v] <= (k - j) * ub]
-            if fits_lo:
-                lo2[v] = max(lo2[v], fits_lo[0])
-            if fits_hi:
-                hi2[v] = min(hi2[v], fits_hi[-1])
-    # keep the ranges consistent with precedence and allowed stages
-    for _ in range(k + 1):
-        changed = False
-        for u, w in problem.edges:
-            if lo2[w] < lo2[u]:
-                lo2[w] = lo2[u]
-                changed = True
-            if hi2[u] > hi2[w]:
-                hi2[u] = hi2[w]
-                changed = True
-        for v in range(n):
-            while lo2[v] < k and not allowed[v][lo2[v]]:
-                lo2[v] += 1
-                changed = True
-            while hi2[v] >= 0 and not allowed[v][hi2[v]]:
-                hi2[v] -= 1
-                changed = True
-        if not changed:
-            break
-    if any(a > b for a, b in zip(lo2, hi2, strict=True)):
-        log.debug("ilp: load windows contradict (bound below the optimum?); not narrowing")
-        return list(lo), list(hi)
-    return lo2, hi2
-
-
-def build_ilp(
-    problem: Problem,
-    *,
-    use_cap: bool = True,
-    mem_ub: float | None = None,
-    time_ub: float | None = None,
-) -> IlpModel:
-    """Build the MILP of [Note: ILP formulation] with the primary bottleneck as objective.
-
-    Args:
-        problem: a well-formed problem (see ``dp.check_problem``).
-        use_cap: add ``mem_cap`` constraints (when the problem has a cap).
-        mem_ub: optional bound on every stage's memory (e.g. a known solution's memory
-            bottleneck when memory is the objective) used to narrow the stage ranges; the
-            cap is used too. Solutions above it are cut off.
-        time_ub: the same for time.
-
-    Returns:
-        The model; ``model.prob.writeLP(path)`` gives a readable LP file.
-
-    Raises:
-        InfeasibleError: if pins, tileability and precedence admit no placement.
-    """
-    n, k = problem.n, problem.k
-    lo, hi, allowed = stage_ranges(problem)
-    if use_cap and problem.mem_cap is not None:
-        mem_ub = problem.mem_cap if mem_ub is None else min(mem_ub, problem.mem_cap)
-    lo, hi = load_windows(problem, lo, hi, allowed, mem_ub=mem_ub, time_ub=time_ub)
-    nm = _names(problem)
-    prob = pulp.LpProblem(f"nowdl_partition_{problem.objective}_K{k}", pulp.LpMinimize)
-    mem_scale, time_scale = _scales(problem)
-
-    # y[v][s+1] for s = -1..K-1
-    y: list[list[Y]] = []
-    for v in range(n):
-        row: list[Y] = [0]
-        for s in range(k - 1):
-            if s < lo[v]:
-                row.append(0)
-            elif s >= hi[v]:
-                row.append(1)
-            elif not allowed[v][s]:
-                row.append(row[-1])  # x[v,s] = 0: same as the previous stage
-            else:
-                row.append(_var(prob, f"y_{nm[v]}_s{s}", 0, 1, pulp.LpBinary))
-        row.append(1)
-        y.append(row)
-
-    def in_stage(v: int, s: int) -> list[tuple[Y, float]]:
-        return [(y[v][s + 1], 1.0), (y[v][s], -1.0)]
-
-    consumers: list[list[int]] = [[] for _ in range(n)]
-    for u, v in sorted(set(problem.edges)):
-        consumers[u].append(v)
-
-    # precedence and monotonicity
-    seen: set[tuple[int, int]] = set()
-    for v in range(n):
-        for s in range(1, k - 1):
-            a, b = y[v][s], y[v][s + 1]
-            if not isinstance(a, int) and not isinstance(b, int) and a is not b:
-                _constraint(prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0,
-                            f"mono_{nm[v]}_s{s}")
-    for u in range(n):
-        for v in consumers[u]:
-            for s in range(k - 1):
-                a, b = y[v][s + 1], y[u][s + 1]
-                if isinstance(a, int) or isinstance(b, int):
-                    continue  # constants are consistent by construction of lo/hi
-                key = (id(a), id(b))
-                if key in seen:
-                    continue
-                seen.add(key)
-                _constraint(prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0,
-                            f"prec_{nm[u]}_{nm[v]}_s{s}")
-
-    def can_be(v: int, s: int) -> bool:
-        return lo[v] <= s <= hi[v] and allowed[v][s]
-
-    # every stage holds at least one node (an empty stage is a rank with nothing to do)
-    for s in range(k):
-        terms = [t for v in range(n) if can_be(v, s) for t in in_stage(v, s)]
-        if not terms:
-            raise InfeasibleError(
-                f"stage {s} of {k} can hold no node (pins, spatial rules and precedence leave it "
-                "empty): use fewer stages"
-            )
-        _constraint(prob, terms, pulp.LpConstraintGE, 1.0, f"nonempty_s{s}")
-
-    mem_lin: list[Lin] = [{} for _ in range(k)]
-    mem_const = [0.0] * k
-    time_lin: list[Lin] = [{} for _ in range(k)]
-    time_const = [0.0] * k
-    r_vars: dict[tuple[int, int], pulp.LpVariable] = {}
-    q_vars: dict[tuple[int, int], pulp.LpVariable] = {}
-    w_vars: dict[int, pulp.LpVariable] = {}
-    w_unit: dict[int, float] = {}
-    for s, spec in enumerate(problem.stages):
-        vec = problem.variants[spec.variant]
-        link = spec.link_s_per_byte
-        for v in range(n):
-            if not can_be(v, s):
-                continue
-            cm = (problem.static[v] + spec.inflight * vec.act[v]) / mem_scale
-            ct = vec.time[v] / time_scale
-            for e, sign in in_stage(v, s):
-                mem_const[s] += _add(mem_lin[s], e, sign * cm)
-                time_const[s] += _add(time_lin[s], e, sign * ct)
-        # received tensors
-        for u in range(n):
-            out = vec.out[u]
-            cm = spec.inflight * out / mem_scale
-            ct = link * out / time_scale
-            if out <= 0 or s == 0 or lo[u] > s - 1:
-                continue
-            cons = [v for v in consumers[u] if can_be(v, s)]
-            if not cons:
-                continue
-            r = _var(prob, f"r_{nm[u]}_s{s}", 0, 1)
-            r_vars[(u, s)] = r
-            for v in cons:  # r >= x[v,s] + y[u,s-1] - 1
-                _constraint(
-                    prob,
-                    [(r, 1.0)] + [(e, -c) for e, c in in_stage(v, s)] + [(y[u][s], -1.0)],
-                    pulp.LpConstraintGE, -1.0,
-                    f"recv_{nm[u]}_{nm[v]}_s{s}",
-                )
-            mem_lin[s][r] = mem_lin[s].get(r, 0.0) + cm
-            if ct > 0:
-                time_lin[s][r] = time_lin[s].get(r, 0.0) + ct
-        # sent tensors: link time, and a buffer for their gradient per micro-batch in flight
-        for u in range(n):
-            out = vec.out[u]
-            if out <= 0 or not can_be(u, s):
-                continue
-            cons = [v for v in consumers[u] if hi[v] > s]
-            if not cons:
-                continue
-            q = _var(prob, f"q_{nm[u]}_s{s}", 0, 1)
-            q_vars[(u, s)] = q
-            for v in cons:  # q >= x[u,s] - y[v,s]
-                _constraint(
-                    prob,
-                    [(q, 1.0)] + [(e, -c) for e, c in in_stage(u, s)] + [(y[v][s + 1], 1.0)],
-                    pulp.LpConstraintGE, 0.0,
-                    f"send_{nm[u]}_{nm[v]}_s{s}",
-                )
-            if link > 0:
-                time_lin[s][q] = time_lin[s].get(q, 0.0) + link * out / time_scale
-            mem_lin[s][q] = mem_lin[s].get(q, 0.0) + spec.inflight * out / mem_scale
-        # workspace
-        ws_nodes = [v for v in range(n) if vec.workspace[v] > 0 and can_be(v, s)]
-        if ws_nodes:
-            # in units of the stage's largest workspace, so the solver's tolerances stay
-            # small against it
-            unit = max(vec.workspace[v] for v in ws_nodes)
-            w = _var(prob, f"w_s{s}", 0, 1)
-            w_vars[s] = w
-            w_unit[s] = unit
-            for v in ws_nodes:
-                c = vec.workspace[v] / unit
-                _constraint(
-                    prob,
-                    [(w, 1.0)] + [(e, -c * sign) for e, sign in in_stage(v, s)],
-                    pulp.LpConstraintGE, 0.0,
-                    f"ws_{nm[v]}_s{s}",
-                )
-            mem_lin[s][w] = mem_lin[s].get(w, 0.0) + unit / mem_scale
-
-    t_mem = _var(prob, "T_mem", 0, None)
-    t_time = _var(prob, "T_time", 0, None)
-    rank_mem: list[pulp.LpAffineExpression] = []
-    rank_time: list[pulp.LpAffineExpression] = []
-    for r_idx, stages in enumerate(problem.rank_stages()):
-        ml: Lin = {}
-        tl: Lin = {}
-        mc = tc = 0.0
-        for s in sorted(stages):  # a stage listed twice (MASTER, odd K: both replicas' copies) counts twice
-            for var, c in mem_lin[s].items():
-                ml[var] = ml.get(var, 0.0) + c
-            for var, c in time_lin[s].items():
-                tl[var] = tl.get(var, 0.0) + c
-            mc += mem_const[s]
-            tc += time_const[s]
-        me = pulp.LpAffineExpression([(a, c) for a, c in ml.items() if c != 0.0], constant=mc)
-        te = pulp.LpAffineExpression([(a, c) for a, c in tl.items() if c != 0.0], constant=tc)
-        rank_mem.append(me)
-        rank_time.append(te)
-        _constraint(prob, [(t_mem, 1.0)] + [(a, -c) for a, c in ml.items()],
-                    pulp.LpConstraintGE, mc, f"mem_r{r_idx}")
-        _constraint(prob, [(t_time, 1.0)] + [(a, -c) for a, c in tl.items()],
-                    pulp.LpConstraintGE, tc, f"time_r{r_idx}")
-        if use_cap and problem.mem_cap is not None:
-            _constraint(prob, list(ml.items()), pulp.LpConstraintLE,
-                        problem.mem_cap / mem_scale - mc, f"mem_cap_r{r_idx}")
-    prob.setObjective(t_mem if problem.objective == "memory" else t_time)
-    return IlpModel(
-        prob=prob, y=y, t_mem=t_mem, t_time=t_time, mem_scale=mem_scale,
-        time_scale=time_scale, rank_mem=rank_mem, rank_time=rank_time,
-        aux={"r": r_vars, "q": q_vars}, w=w_vars, w_unit=w_unit,
-    )
-
-
-@dataclass
-class _Run:
-    """What one solver call gave."""
-
-    state: str  # "optimal", "feasible", "infeasible", "none" (no solution), "error"
-    gap: float  # relative gap reported by the solver (NaN if unknown)
-    seconds: float
-    detail: str = ""
-
-
-if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
-
-    class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc]
-        """PuLP's highspy interface, plus an optional MIP start from the variables' values."""
-
-        def __init__(self, *, warm: bool, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self.warm = warm
-
-        def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 (PuLP's name)
-            if self.warm:
-                idx, val = [], []
-                for var in lp.variables():
-                    if var.varValue is not None:
-                        idx.append(var.index)
-                        val.append(float(var.varValue))
-                lp.solverModel.setSolution(
-                    len(idx), np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64)
-                )
-            lp.solverModel.run()
-
-
-def _run_highs(model: IlpModel, time_limit: float, threads: int, gap: float, warm: bool) -> _Run:
-    import highspy
-
-    t0 = time.perf_counter()
-    solver = _WarmHiGHS(
-        warm=warm, msg=False, timeLimit=max(time_limit, 0.01), gapRel=gap, gapAbs=1e-10,
-        threads=threads, random_seed=0,
-    )
-    try:
-        model.prob.solve(solver)
-    except (pulp.PulpSolverError, IndexError) as exc:  # IndexError: no column values
-        h = getattr(model.prob, "solverModel", None)
-        if h is None or h.getModelStatus() != highspy.HighsModelStatus.kInfeasible:
-            return _Run("error", math.nan, time.perf_counter() - t0, str(exc))
-    h = model.prob.solverModel
-    status = h.getModelStatus()
-    info = h.getInfo()
-    seconds = time.perf_counter() - t0
-    ms = highspy.HighsModelStatus
-    has_solution = int(info.primal_solution_status) == 2  # kSolutionStatusFeasible
-    detail = h.modelStatusToString(status)
-    if status == ms.kOptimal and has_solution:
-        g = float(info.mip_gap)  # inf when presolve solved it without branching
-        return _Run("optimal", max(g, 0.0) if math.isfinite(g) else 0.0, seconds, detail)
-    if status in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
-        return _Run("infeasible", math.nan, seconds, detail)
-    if has_solution:
-        g = float(info.mip_gap)
-        return _Run("feasible", g if math.isfinite(g) else math.nan, seconds, detail)
-    return _Run("none", math.nan, seconds, detail)
-
-
-def _run_cbc(model: IlpModel, time_limit: float, threads: int, gap: float, warm: bool) -> _Run:
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="nowdl_cbc_") as tmp:
-        log_path = os.path.join(tmp, "cbc.log")
-        with warnings.catch_warnings():  # PuLP 3.3 deprecates its bundled CBC
-            warnings.simplefilter("ignore", DeprecationWarning)
-            solver = pulp.PULP_CBC_CMD(
-                msg=False, timeLimit=max(time_limit, 0.01), gapRel=gap, gapAbs=1e-10,
-                threads=threads, warmStart=warm, logPath=log_path, timeMode="elapsed",
-            )
-        try:
-            model.prob.solve(solver)
-        except pulp.PulpSolverError as exc:
-            return _Run("error", math.nan, time.perf_counter() - t0, str(exc))
-        try:
-            with open(log_path) as fh:
-                text = fh.read()
-        except OSError:
-            text = ""
-    seconds = time.perf_counter() - t0
-    m = re.search(r"^Gap:\s+([-+0-9.eE]+)", text, re.MULTILINE)
-    g = float(m.group(1)) if m else math.nan
-    sol = model.prob.sol_status
-    if sol == pulp.LpSolutionOptimal:
-        return _Run("optimal", g if math.isfinite(g) else 0.0, seconds, "Optimal")
-    if sol == pulp.LpSolutionIntegerFeasible:
-        return _Run("feasible", g, seconds, "stopped with a solution")
-    if model.prob.status == pulp.LpStatusInfeasible or sol == pulp.LpSolutionInfeasible:
-        return _Run("infeasible", math.nan, seconds, "Infeasible")
-    return _Run("none", math.nan, seconds, pulp.LpStatus.get(model.prob.status, "?"))
-
-
-def _pick_solver(solver: str) -> str:
-    avail = available_solvers()
-    if solver == "auto":
-        if not avail:
-            raise RuntimeError(
-                "no MILP solver available: install highspy (pip install highspy) or CBC"
-            )
-        return avail[0]
-    if solver not in ("highs", "cbc"):
-        raise ValueError(f"solver is {solver!r}, expected 'auto', 'highs' or 'cbc'")
-    if solver not in avail:
-        raise ValueError(f"solver {solver!r} is not available here (available: {avail})")
-    return solver
-
-
-def _run(name: str, model: IlpModel, left: float, threads: int, gap: float, warm: bool) -> _Run:
-    fn = _run_highs if name == "highs" else _run_cbc
-    return fn(model, left, threads, gap, warm)
 
 
 def _within_cap(problem: Problem, part: Partition) -> bool:
@@ -685,13 +103,17 @@ def solve_ilp(
     threads: int = 1,
     mip_gap: float = 1e-6,
     warm_start: bool = True,
+    start: Partition | None = None,
+    spread: bool = True,
 ) -> Partition:
     """Optimal convex split of the DAG into K stages by MILP (see [Note: ILP formulation]).
 
     Minimises the bottleneck of ``problem.objective`` over ranks subject to ``mem_cap``, then
     (when the first solve was proven optimal and time remains) the other bottleneck with the
-    first held at its optimum. The DP over a topological order gives the MIP start and the
-    fallback, so the result is never worse than ``solve_dp``.
+    first held at its optimum, then the spread of the work (see [Note: lexicographic levels]).
+    The best known split (``start``, else the DP over a topological order) gives the MIP
+    start, the bound that narrows every node's stages, and the fallback, so the result is
+    never worse than it.
 
     Example:
         >>> part = solve_ilp(problem, time_limit=10)
@@ -703,7 +125,9 @@ def solve_ilp(
         solver: "auto" (HiGHS if available, else CBC), "highs" or "cbc".
         threads: solver threads (1 keeps the run deterministic).
         mip_gap: relative gap at which the solver may call a solution optimal.
-        warm_start: start the solver from the DP's split.
+        warm_start: start the solver from the best known split.
+        start: a known split of this problem (a heuristic's); None: run the DP for one.
+        spread: solve the spread level (no idle GPU) after the tie-break.
 
     Returns:
         The Partition (evaluated with ``evaluate()``): status "optimal" when the solver
@@ -725,12 +149,15 @@ def solve_ilp(
         raise ValueError(f"mip_gap must be in [0, 1) (got {mip_gap})")
     check_problem(problem)
     stage_ranges(problem)  # structural infeasibility raises here, before any solve
-    name = _pick_solver(solver)
+    name = pick_solver(solver)
     dp_part: Partition | None = None
-    try:
-        dp_part = _solve_dp(problem, None, explain=False)
-    except InfeasibleError as exc:
-        log.info("ilp: the DP found no split of the topological order (%s)", exc)
+    if start is not None and len(start.stage_of) == problem.n and _within_cap(problem, start):
+        dp_part = make_partition(problem, start.stage_of, solver=start.solver, status=start.status)
+    else:
+        try:
+            dp_part = _solve_dp(problem, None, explain=False)
+        except InfeasibleError as exc:
+            log.info("ilp: the DP found no split of the topological order (%s)", exc)
     mem_ub = time_ub = None
     if dp_part is not None:
         prim_dp, _ = objective_values(problem, dp_part)
@@ -740,7 +167,7 @@ def solve_ilp(
             time_ub = prim_dp
     try:
         model = build_ilp(problem, mem_ub=mem_ub, time_ub=time_ub)
-    except _ConstantViolation:
+    except ConstantViolation:
         if problem.mem_cap is None:  # pragma: no cover - stage_ranges() rules this out
             raise
         raise InfeasibleError(_cap_message(problem, time_limit, name, threads)) from None
@@ -756,7 +183,7 @@ def solve_ilp(
     # leave a margin for reading the solution back and the tie-break check, so the whole
     # call returns within time_limit
     margin = min(1.0, 0.03 * time_limit)
-    run = _run(name, model, max(0.05, time_limit - margin - (time.perf_counter() - t0)), threads, mip_gap, warm)
+    run = run_model(name, model, max(0.05, time_limit - margin - (time.perf_counter() - t0)), threads, mip_gap, warm)
     log.info("ilp: %s primary solve: %s (%s) in %.2f s, gap %.3g", name, run.state,
              run.detail, run.seconds, run.gap)
     if run.state == "infeasible":
@@ -772,9 +199,11 @@ def solve_ilp(
                 f"{problem.k} stages within the memory cap of {_gib(problem.mem_cap or 0.0)}. "
                 "Give the solver more time, raise the cap, or use more GPUs/stages."
             )
-        log.warning("ilp: %s found no solution (%s); falling back to the DP", name, run.detail)
+        log.warning("ilp: %s found no solution (%s); falling back to the %s split", name,
+                    run.detail, dp_part.solver or "known")
         return dataclasses.replace(
-            dp_part, solver=f"dp (fallback: {name} {run.state})", status="feasible",
+            dp_part, solver=f"{dp_part.solver or 'dp'} (fallback: {name} {run.state})",
+            status="feasible",
             gap=math.nan, seconds=time.perf_counter() - t0,
         )
     part = make_partition(problem, model.assignment(), solver=name, status=run.state,
@@ -788,7 +217,7 @@ def solve_ilp(
     if run.state == "optimal" and abs(solver_val - prim) > 1e-6 * max(abs(prim), 1e-300):
         log.warning("ilp: solver objective %.9g differs from evaluate() %.9g", solver_val, prim)
     if dp_part is not None and (_better(problem, dp_part, part) or not _within_cap(problem, part)):
-        log.debug("ilp: the DP split is lexicographically better than the incumbent; kept")
+        log.debug("ilp: the start split is lexicographically better than the incumbent; kept")
         part = dataclasses.replace(part, stage_of=dp_part.stage_of, stage_mem=dp_part.stage_mem,
                                    stage_time=dp_part.stage_time, rank_mem=dp_part.rank_mem,
                                    rank_time=dp_part.rank_time)
@@ -796,6 +225,10 @@ def solve_ilp(
     left = min(time_limit - (time.perf_counter() - t0), max(0.5, 0.5 * run.seconds))
     if run.state == "optimal" and left > 0.05:
         part = _tie_break(problem, model, part, name, left, threads, mip_gap)
+    left = min(time_limit - (time.perf_counter() - t0), max(0.5, 0.5 * run.seconds))
+    if (spread and run.state == "optimal" and left > 0.05
+            and not spread_ok(stage_work(problem, part.stage_of))):
+        part = _spread(problem, model, part, name, left, threads, mip_gap)
     return dataclasses.replace(part, seconds=time.perf_counter() - t0)
 
 
@@ -813,7 +246,7 @@ def _tie_break(
     model.prob.setObjective(t_sec)
     model.set_values(problem, part.stage_of)
     try:
-        run = _run(name, model, left, threads, mip_gap, True)
+        run = run_model(name, model, left, threads, mip_gap, True)
     finally:
         t_prim.upBound = None
         model.prob.setObjective(t_prim)
@@ -826,3 +259,79 @@ def _tie_break(
     if _within_cap(problem, cand) and p2 <= prim * (1 + 2 * _TIE_REL) and s2 < sec:
         return cand
     return part
+
+
+def _levels(problem: Problem, model: IlpModel) -> tuple[pulp.LpVariable, pulp.LpVariable, float, float]:
+    """(primary bottleneck variable, secondary one, their scales)."""
+    if problem.objective == "memory":
+        return model.t_mem, model.t_time, model.mem_scale, model.time_scale
+    return model.t_time, model.t_mem, model.time_scale, model.mem_scale
+
+
+def _spread_run(problem: Problem, model: IlpModel, part: Partition, name: str, left: float,
+                threads: int, mip_gap: float, *, hold_sec: bool, floor: float | None) -> Partition | None:
+    """One solve with the primary (and the secondary) held: maximise the least busy rank's
+    work, or, with ``floor``, minimise the secondary keeping every rank's work >= floor."""
+    t_prim, t_sec, p_scale, s_scale = _levels(problem, model)
+    prim, sec = objective_values(problem, part)
+    z = model.z_work
+    z.upBound = None
+    t_prim.upBound = prim / p_scale * (1 + _TIE_REL)
+    if hold_sec:
+        t_sec.upBound = sec / s_scale * (1 + _TIE_REL)
+    if floor is None:
+        model.prob.setObjective(-1.0 * z)
+    else:
+        z.lowBound = floor / model.time_scale * (1 - _TIE_REL)
+        model.prob.setObjective(t_sec)
+    model.set_values(problem, part.stage_of)
+    z.varValue = max(0.0, min(pulp.value(e) or 0.0 for e in model.stage_work))
+    try:
+        run = run_model(name, model, left, threads, mip_gap, True)
+    finally:
+        t_prim.upBound = None
+        t_sec.upBound = None
+        z.lowBound = 0
+        z.upBound = 0
+        model.prob.setObjective(t_prim)
+    log.info("ilp: %s spread solve (%s): %s in %.2f s", name,
+             "secondary held" if hold_sec else "floor" if floor is not None else "primary held",
+             run.state, run.seconds)
+    if run.state not in ("optimal", "feasible"):
+        return None
+    cand = make_partition(problem, model.assignment(), solver=part.solver, status=part.status,
+                          gap=part.gap)
+    p2, s2 = objective_values(problem, cand)
+    if not _within_cap(problem, cand) or p2 > prim * (1 + 2 * _TIE_REL):
+        return None
+    if hold_sec and s2 > sec * (1 + 2 * _TIE_REL):
+        return None
+    return cand
+
+
+def _spread(problem: Problem, model: IlpModel, part: Partition, name: str, left: float,
+            threads: int, mip_gap: float) -> Partition:
+    """Level 3 of [Note: lexicographic levels]: spread the work, swapping levels 2 and 3 when
+    a rank would otherwise idle; never worse on the primary."""
+    t0 = time.perf_counter()
+    best = part
+    cand = _spread_run(problem, model, part, name, left, threads, mip_gap, hold_sec=True, floor=None)
+    if cand is not None and min(stage_work(problem, cand.stage_of)) >= min(stage_work(problem, part.stage_of)):
+        best = cand
+    if spread_ok(stage_work(problem, best.stage_of)):
+        return best
+    left -= time.perf_counter() - t0
+    if left <= 0.05:
+        return best
+    relaxed = _spread_run(problem, model, best, name, left / 2, threads, mip_gap, hold_sec=False,
+                          floor=None)
+    if relaxed is None or not spread_ok(stage_work(problem, relaxed.stage_of)):
+        return best
+    left -= time.perf_counter() - t0
+    floor = min(stage_work(problem, relaxed.stage_of))
+    if left > 0.05:
+        lower = _spread_run(problem, model, relaxed, name, left, threads, mip_gap, hold_sec=False,
+                            floor=floor)
+        if lower is not None and spread_ok(stage_work(problem, lower.stage_of)):
+            return lower
+    return relaxed

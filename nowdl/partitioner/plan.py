@@ -109,6 +109,7 @@ class Plan:
     solver: dict[str, Any]  # name, status, gap, seconds, candidates
     version: int = PLAN_VERSION
     created_by: str = ""
+    warnings: list[str] = field(default_factory=list)  # e.g. GPUs left idle (see nowdl plan)
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -126,6 +127,8 @@ class Plan:
             "predicted": self.predicted,
             "solver": self.solver,
         }
+        if self.warnings:
+            d["warnings"] = list(self.warnings)
         return d
 
     def to_json(self) -> str:
@@ -174,9 +177,13 @@ class Plan:
         for key in ("model", "profile", "config", "schedule", "predicted", "solver"):
             if not isinstance(d[key], dict):
                 raise PlanError(f"{source}: '{key}' must be an object, got {type(d[key]).__name__}")
+        warn = d.get("warnings", [])  # absent in plans written before warnings existed
+        if not isinstance(warn, list) or not all(isinstance(w, str) for w in warn):
+            raise PlanError(f"{source}: 'warnings' must be a list of strings")
         plan = cls(model=d["model"], profile=d["profile"], config=d["config"], stages=stages,
                    ranks=ranks, tensors=tensors, schedule=d["schedule"], predicted=d["predicted"],
-                   solver=d["solver"], version=v, created_by=str(d.get("created_by", "")))
+                   solver=d["solver"], version=v, created_by=str(d.get("created_by", "")),
+                   warnings=list(warn))
         plan.validate(source=source)
         return plan
 
@@ -330,8 +337,18 @@ class Plan:
             + (f", gap {gap:.2%}" if isinstance(gap, (int, float)) and math.isfinite(gap) else ", gap unknown")
             + f", {self.solver.get('seconds', 0):.2f} s"
             + (f", {self.solver['candidates']} configurations searched" if self.solver.get("candidates") else "")
+            + _search_text(self.solver.get("search"))
         )
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _search_text(st: Any) -> str:
+    """' (12 solved, 3 proven, 52 pruned by bounds; choice proven)' from solver.search."""
+    if not isinstance(st, dict) or "evaluated" not in st:
+        return ""
+    return (f" ({st.get('evaluated')} solved, {st.get('proven')} proven, "
+            f"{st.get('pruned_by_bound', 0)} pruned by bounds; choice {st.get('choice', '?')})")
 
 
 def _list(d: dict[str, Any], key: str, source: str) -> list[dict[str, Any]]:

@@ -49,6 +49,8 @@ class Problem:
     ``objective`` is "memory" (minimise the largest rank memory) or "compute" (the slowest
     rank's time); the other quantity breaks ties. ``mem_cap`` bounds every rank's memory.
     ``pinned`` fixes nodes to stages (placeholders at 0, the output at K-1, say).
+    ``tied`` lists groups of nodes that must share a stage (uses of one shared weight: the
+    runtime cannot yet sum a weight's gradients across stages).
     """
 
     names: Sequence[str]
@@ -61,6 +63,7 @@ class Problem:
     objective: str = "memory"
     mem_cap: float | None = None
     pinned: dict[int, int] = field(default_factory=dict)
+    tied: Sequence[Sequence[int]] = ()
 
     @property
     def n(self) -> int:

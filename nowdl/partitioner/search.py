@@ -1,12 +1,24 @@
-"""Configuration search: screen every candidate configuration, solve the best ones exactly, emit a Plan.
+"""Configuration search: bound every candidate, solve only the ones that can win, emit a Plan.
 
-Screening uses the exact DP over a topological order on the coarsened graph (fast); the
-best few candidates by predicted throughput are then solved by the ILP over the whole DAG
-and the best of those becomes the plan. Every pinned setting narrows the candidate list.
+[Note: configuration search] Every candidate configuration (stages, micro-batches,
+replicas, dp, spatial layout) gets cheap bounds first ([Note: candidate bounds]): an upper
+bound on its throughput and a lower bound on its memory. Candidates are then taken best
+bound first and solved by ``solve(..., ilp=False)``: the exact DP over ideals where the
+graph allows (then the candidate's value is proven), else a heuristic split (DP over a
+topological order, MASTER descent). The search stops as soon as no remaining candidate's
+bound can beat the best proven-achievable throughput of a candidate that leaves no GPU idle
+(with balance "compute" a heuristic's time is achievable, so it prunes too). Only
+candidates whose value is not proven and that may beat the best proven one go to the MILP
+(at most ``FINALISTS``), each started from its heuristic split, sharing what is left of
+``time_limit``, which bounds the whole search.
+The best candidate is the one with no idle GPU and the highest predicted throughput (then
+the least memory); one that idles a GPU is chosen only when every candidate does, and the
+plan then says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -14,44 +26,55 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nowdl.errors import InfeasibleError, NowdlError
+from nowdl.partitioner.assemble import SearchResult, build_plan
+from nowdl.partitioner.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.config import Candidate, PlanRequest, enumerate_candidates
-from nowdl.partitioner.costmodel import Costs, build_problem, predict_step, stage_sums
-from nowdl.partitioner.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan, format_bytes
+from nowdl.partitioner.costmodel import Costs, build_problem, predict_step
+from nowdl.partitioner.plan import format_bytes
 from nowdl.partitioner.problem import Partition, Problem
-from nowdl.partitioner.spatial import slice_grid
+from nowdl.partitioner.solve import SolveCache, final_split, proven, solve
+from nowdl.partitioner.spread import idle_stages, idle_warning
 
-__all__ = ["search", "SearchResult", "FINALISTS"]
+__all__ = ["search", "SearchResult", "FINALISTS", "build_plan", "timed_search"]
 
 log = logging.getLogger(__name__)
 
-FINALISTS = 3  # candidates solved by the ILP after screening
+FINALISTS = 3  # candidates solved by the MILP at most (their values not proven by the DP)
+_REL = 1e-9
 
 
-@dataclass(frozen=True)
-class SearchResult:
-    candidate: Candidate
-    partition: Partition
-    predicted: dict[str, float]
-    screened: int
+@dataclass
+class _Eval:
+    """One solved candidate."""
 
+    cand: Candidate
+    problem: Problem
+    bounds: Bounds
+    part: Partition
+    pred: dict[str, float]
+    exact: bool  # the split is the candidate's proven lexicographic optimum
+    final: bool  # the split will not change (no MILP would improve it)
+    fits: bool  # within the memory cap
+    idle: bool  # some stage gets less than 5 % of the busiest one's work
 
-def _screen(costs: Costs, cand: Candidate, objective: str) -> tuple[Partition, dict[str, float]] | None:
-    from nowdl.partitioner.coarsen import coarsen, expand
-    from nowdl.partitioner.dp import solve_dp
+    def key(self) -> tuple[bool, float, float]:
+        return (self.idle, -self.pred["throughput"], self.part.bottleneck_mem)
 
-    problem = build_problem(costs, cand, objective)
-    problem = _uncapped(problem)
-    small, groups = coarsen(problem)
-    try:
-        part = expand(solve_dp(small), groups, problem)
-    except (InfeasibleError, NowdlError):
-        return None
-    return part, predict_step(costs, cand, part, _batch(costs))
+    def achievable(self, balance: str, costs: Costs, batch: int) -> float:
+        """A throughput this candidate's final plan reaches at least (0: unknown)."""
+        if self.final:
+            return self.pred["throughput"]
+        if balance != "compute":
+            return 0.0  # the MILP's memory optimum may be slower than the heuristic split
+        c = self.cand
+        params = sum(n.param_bytes for n in costs.profile.nodes)
+        sync = (2 * (c.dp - 1) / c.dp * params + (params if c.replicas == 2 else 0.0)) / costs.link_bw
+        step = (c.micro_batches + c.stages - 1) * self.part.bottleneck_time + sync
+        return batch * c.micro_batches * c.replicas * c.dp / step if step > 0 else math.inf
 
 
 def _uncapped(p: Problem) -> Problem:
-    return Problem(names=p.names, edges=p.edges, static=p.static, variants=p.variants, stages=p.stages,
-                   tileable=p.tileable, ranks=p.ranks, objective=p.objective, mem_cap=None, pinned=p.pinned)
+    return dataclasses.replace(p, mem_cap=None)
 
 
 def _batch(costs: Costs) -> int:
@@ -75,6 +98,38 @@ def _tileable_ends(costs: Costs) -> tuple[bool, bool]:
     return front, back
 
 
+def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, cache: SolveCache,
+              batch: int) -> _Eval | None:
+    """Solve a candidate without the MILP; None when pins/tileability allow no split."""
+    try:
+        part = solve(problem, ilp=False, cache=cache)
+        fits = True
+    except InfeasibleError:
+        try:
+            part = solve(_uncapped(problem), ilp=False, cache=cache)
+        except InfeasibleError:
+            return None
+        fits = False
+    if costs.mem_cap is not None and part.bottleneck_mem > costs.mem_cap * (1 + 1e-6):
+        fits = False
+    idle = bool(idle_stages(problem, part.stage_of))
+    return _Eval(cand, problem, bounds, part, predict_step(costs, cand, part, batch),
+                 exact=proven(part), final=final_split(part), fits=fits, idle=idle)
+
+
+def _finish(costs: Costs, ev: _Eval, time_limit: float, cache: SolveCache, batch: int) -> _Eval | None:
+    """The MILP on a candidate, started from its heuristic split."""
+    try:
+        part = solve(ev.problem, time_limit=time_limit, cache=cache, start=ev.part)
+    except InfeasibleError as e:
+        log.info("candidate %s does not fit: %s", ev.cand, e)
+        return None
+    fits = costs.mem_cap is None or part.bottleneck_mem <= costs.mem_cap * (1 + 1e-6)
+    return dataclasses.replace(ev, part=part, pred=predict_step(costs, ev.cand, part, batch),
+                               exact=proven(part), final=True, fits=fits,
+                               idle=bool(idle_stages(ev.problem, part.stage_of)))
+
+
 def search(
     costs: Costs,
     req: PlanRequest,
@@ -83,55 +138,126 @@ def search(
 ) -> SearchResult:
     """Pick the configuration with the highest predicted throughput that fits the memory cap.
 
+    See [Note: configuration search].
+
     Raises:
         InfeasibleError: no configuration fits; says the smallest memory that would fit with
             ``req.gpus`` GPUs and the smallest GPU count that would fit the cap.
         NowdlError: the pinned settings allow no configuration for this GPU count.
     """
-    from nowdl.partitioner.solve import solve
-
+    t0 = time.perf_counter()
     front, back = _tileable_ends(costs)
-    cands = list(enumerate_candidates(req, tileable_front=front, tileable_back=back, max_stages=_max_stages(costs),
-                                      micro_batch=_batch(costs)))
+    batch = _batch(costs)
+    cands = list(enumerate_candidates(req, tileable_front=front, tileable_back=back,
+                                      max_stages=_max_stages(costs, req), micro_batch=batch))
     if not cands:
         raise NowdlError(_no_candidate_message(req, front, _first_untileable(costs, front)))
-    fits: list[tuple[float, int, Candidate]] = []
-    over: list[tuple[float, int, Candidate]] = []  # over the cap by the DP; the ILP may still fit
-    best_mem = math.inf
-    for i, cand in enumerate(cands):
-        r = _screen(costs, cand, req.balance)
-        if progress is not None:
-            progress(i + 1, len(cands))
-        if r is None:
-            continue
-        part, pred = r
-        best_mem = min(best_mem, part.bottleneck_mem)
-        if costs.mem_cap is None or part.bottleneck_mem <= costs.mem_cap:
-            fits.append((-pred["throughput"], i, cand))
-        else:
-            over.append((part.bottleneck_mem, i, cand))
-    finalists = [c for _, _, c in sorted(fits)[:FINALISTS]] or [c for _, _, c in sorted(over)[:FINALISTS]]
-    results: list[SearchResult] = []
-    min_mem_seen = best_mem
-    deadline = time.perf_counter() + req.time_limit  # one budget for all finalists' ILPs
-    for i, cand in enumerate(finalists):
+    entries: list[tuple[Candidate, Problem, Bounds]] = []
+    for cand in cands:
         problem = build_problem(costs, cand, req.balance)
-        share = max(0.5, (deadline - time.perf_counter()) / (len(finalists) - i))
         try:
-            part = solve(problem, time_limit=share)
-        except InfeasibleError as e:
-            log.info("candidate %s does not fit: %s", cand, e)
+            entries.append((cand, problem, candidate_bounds(costs, cand, problem, batch)))
+        except InfeasibleError:  # pins and tileability allow no split
             continue
-        min_mem_seen = min(min_mem_seen, part.bottleneck_mem)
-        results.append(SearchResult(cand, part, predict_step(costs, cand, part, _batch(costs)), len(cands)))
-    if not results:
-        raise InfeasibleError(_infeasible_message(costs, req, min_mem_seen))
-    results.sort(key=lambda r: (-r.predicted["throughput"], r.partition.bottleneck_mem))
-    return results[0]
+    order = sorted(range(len(entries)), key=lambda i: (-entries[i][2].throughput_ub, i))
+    cache = SolveCache()
+    evals: list[_Eval] = []
+    best_lb = 0.0
+    pruned = over = 0
+    for done, i in enumerate(order):
+        cand, problem, b = entries[i]
+        if progress is not None:
+            progress(done + 1, len(order))
+        if b.throughput_ub < best_lb * (1 - _REL):
+            pruned = len(order) - done
+            break
+        if costs.mem_cap is not None and b.mem_lb > costs.mem_cap * (1 + _REL):
+            over += 1
+            continue
+        ev = _evaluate(costs, cand, problem, b, cache, batch)
+        if ev is None:
+            continue
+        evals.append(ev)
+        if ev.fits and not ev.idle:
+            best_lb = max(best_lb, ev.achievable(req.balance, costs, batch))
+    if progress is not None and pruned:
+        progress(len(order), len(order))
+    screen_s = time.perf_counter() - t0
+    results = _finalists(costs, req, evals, cache, batch, deadline=t0 + req.time_limit)
+    fitting = [e for e in results if e.fits]
+    if not fitting:
+        min_mem = min((e.part.bottleneck_mem for e in results), default=math.inf)
+        if not results:
+            min_mem = min((e[2].mem_lb for e in entries), default=math.inf)
+        raise InfeasibleError(_infeasible_message(costs, req, min_mem))
+    best = min(fitting, key=lambda e: e.key())
+    if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap
+        part = solve(best.problem, cache=cache, start=best.part)
+        best = dataclasses.replace(best, part=part, pred=predict_step(costs, best.cand, part, batch))
+        results = [best if e.cand == best.cand else e for e in results]
+        fitting = [e for e in results if e.fits]
+    # could a candidate whose split is not proven optimal beat the choice? only if its bound says so
+    doubt = [e for e in fitting if not e.exact and e is not best and not e.idle
+             and e.bounds.throughput_ub > best.pred["throughput"] * (1 + _REL)]
+    choice = "proven"
+    if doubt:
+        edge = max(e.bounds.throughput_ub for e in doubt) / best.pred["throughput"] - 1
+        choice = f"{len(doubt)} candidate(s) not proven could be up to {edge:.1%} faster by their bounds"
+    stats: dict[str, object] = {
+        "enumerated": len(cands), "evaluated": len(evals), "pruned_by_bound": pruned,
+        "over_cap_by_bound": over, "proven": sum(1 for e in results if e.exact),
+        "milp": sum(1 for e in results if e.part.solver in ("highs", "cbc")),
+        "choice": choice, "screen_s": round(screen_s, 3),
+        "total_s": round(time.perf_counter() - t0, 3),
+    }
+    warnings: list[str] = []
+    if best.idle:
+        msg = idle_warning(best.problem, best.part.stage_of, costs.names, balance=req.balance,
+                           pinned=req.stages is not None)
+        if msg:
+            log.warning("%s", msg)
+            warnings.append(msg)
+    log.info("search: %d candidates, %d solved (%d proven), %d pruned by bounds, in %.2f s",
+             len(cands), len(evals), stats["proven"], pruned, time.perf_counter() - t0)
+    return SearchResult(best.cand, best.part, best.pred, len(cands), stats, warnings)
 
 
-def _max_stages(costs: Costs) -> int:
-    return max(1, sum(1 for n in costs.profile.nodes if n.op not in ("placeholder", "output", "get_attr")))
+def _finalists(costs: Costs, req: PlanRequest, evals: list[_Eval], cache: SolveCache,
+               batch: int, *, deadline: float) -> list[_Eval]:
+    """Run the MILP on the unproven candidates that may beat the best proven one, sharing
+    what is left of the search's time limit (at least 0.5 s each)."""
+    fits = [e for e in evals if e.fits]
+    final = [e for e in fits if e.final]
+    best_final = min(final, key=lambda e: e.key()) if final else None
+    if fits:
+        todo = sorted((e for e in fits if not e.final and (best_final is None or e.key() < best_final.key())),
+                      key=lambda e: e.key())[:FINALISTS]
+    else:  # nothing fits by the heuristics: the MILP may still fit the leanest ones
+        todo = sorted((e for e in evals if not e.final), key=lambda e: e.part.bottleneck_mem)[:FINALISTS]
+    if not todo:
+        return evals
+    out = [e for e in evals if all(e is not t for t in todo)]
+    for i, ev in enumerate(todo):
+        done_best = max((e.achievable(req.balance, costs, batch) for e in out
+                         if e.fits and not e.idle), default=0.0)
+        if ev.bounds.throughput_ub < done_best * (1 - _REL):  # cannot win any more: keep as is
+            out.append(ev)
+            continue
+        left = deadline - time.perf_counter()
+        # the most promising candidate gets two thirds of what is left, the others share
+        share = left * (2 / 3 if i == 0 and len(todo) > 1 else 1 / (len(todo) - i))
+        done = _finish(costs, ev, max(0.5, share), cache, batch)
+        out.append(done if done is not None else dataclasses.replace(ev, fits=False))
+    return out
+
+
+def _max_stages(costs: Costs, req: PlanRequest | None = None) -> int:
+    """Stages a search may try: one per compute node; a pinned count may go up to one per node
+    (the plan then warns about the idle GPUs)."""
+    compute = max(1, sum(1 for n in costs.profile.nodes if n.op not in ("placeholder", "output", "get_attr")))
+    if req is not None and req.stages is not None:
+        return max(compute, min(req.stages, len(costs.profile.nodes)))
+    return compute
 
 
 def _first_untileable(costs: Costs, front: bool) -> str:
@@ -181,6 +307,7 @@ def _infeasible_message(costs: Costs, req: PlanRequest, min_mem: float) -> str:
 
 def _smallest_gpus(costs: Costs, req: PlanRequest) -> int | None:
     front, back = _tileable_ends(costs)
+    cache = SolveCache()
     g = req.gpus * 2
     while g <= 4096:
         try:
@@ -195,96 +322,14 @@ def _smallest_gpus(costs: Costs, req: PlanRequest) -> int | None:
         # the deepest pipeline and the widest spatial split are the memory-lean ones
         cands.sort(key=lambda c: (-(c.stages * c.parts), c.micro_batches))
         for c in cands[:4]:
-            s = _screen(costs, c, "memory")
-            if s is not None and costs.mem_cap is not None and s[0].bottleneck_mem <= costs.mem_cap:
+            try:
+                part = solve(_uncapped(build_problem(costs, c, "memory")), ilp=False, cache=cache)
+            except InfeasibleError:
+                continue
+            if costs.mem_cap is not None and part.bottleneck_mem <= costs.mem_cap:
                 return g
         g *= 2
     return None
-
-
-def build_plan(
-    costs: Costs,
-    req: PlanRequest,
-    result: SearchResult,
-    *,
-    model_info: dict[str, object],
-    profile_info: dict[str, object],
-    solver_seconds: float,
-    created_by: str,
-    params_per_node: dict[str, int],
-) -> Plan:
-    """Assemble the Plan (stages, rank map, cross-stage tensors, predictions) for a solved search."""
-    cand, part = result.candidate, result.partition
-    prof = costs.profile
-    k = cand.stages
-    parts = cand.stage_parts()
-    groups = cand.group_sizes()
-    rpp = sum(groups)
-    group_start = [sum(groups[:j]) for j in range(k)]
-    sums = stage_sums(costs, cand, part.stage_of)
-    sp_dims = max(1, len(prof.input_shapes[0]) - 2) if prof.input_shapes else 2
-    stage_nodes: list[list[str]] = [[] for _ in range(k)]
-    for i, n in enumerate(prof.nodes):
-        stage_nodes[part.stage_of[i]].append(n.name)
-    stages = []
-    for s in range(k):
-        comm = part.stage_time[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"])
-        stages.append(StagePlan(
-            index=s, nodes=stage_nodes[s], ranks=list(range(group_start[s], group_start[s] + parts[s])),
-            parts=parts[s], slice=cand.slice if parts[s] > 1 else None,
-            grid=list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 else [],
-            params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
-            param_bytes=int(sums[s]["param_bytes"]),
-            predicted={
-                "peak_bytes": part.stage_mem[s], "static_bytes": sums[s]["static_bytes"],
-                "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
-                "comm_s": max(0.0, comm), "time_s": part.stage_time[s],
-                "inflight": float(cand.inflight()[s]),
-            },
-        ))
-    ranks: list[RankPlan] = []
-    for d in range(cand.dp):
-        for j in range(k):
-            for q in range(groups[j]):
-                held = []
-                if q < parts[j]:
-                    held.append({"replica": 0, "stage": j, "part": q})
-                if cand.replicas == 2 and q < parts[k - 1 - j]:
-                    held.append({"replica": 1, "stage": k - 1 - j, "part": q})
-                ranks.append(RankPlan(
-                    rank=d * rpp + group_start[j] + q, dp=d, stages=held,
-                    predicted_peak_bytes=sum(part.stage_mem[h["stage"]] for h in held),
-                    predicted_time_s=sum(part.stage_time[h["stage"]] for h in held),
-                ))
-    consumers: dict[int, set[int]] = {}
-    index = {n.name: i for i, n in enumerate(prof.nodes)}
-    for u, v in prof.edges:
-        su, sv = part.stage_of[index[u]], part.stage_of[index[v]]
-        if sv > su:
-            consumers.setdefault(index[u], set()).add(sv)
-    tensors = []
-    for ui in sorted(consumers):
-        n = prof.nodes[ui]
-        tensors.append(TensorPlan(producer=n.name, from_stage=part.stage_of[ui], to_stages=sorted(consumers[ui]),
-                                  shape=list(n.out_shape or []), dtype=n.out_dtype, bytes=int(n.out_bytes)))
-    spatial = ({"stages": cand.spatial_stages(), "parts": cand.parts, "slice": cand.slice,
-                "stage_parts": [parts[s] for s in cand.spatial_stages()]} if cand.parts > 1 else {})
-    config = {
-        "gpus": req.gpus, "balance": req.balance, "stages": k, "micro_batches": cand.micro_batches,
-        "schedule": cand.schedule, "replicas": cand.replicas, "dp": cand.dp, "spatial": spatial,
-        "gpu_memory": costs.mem_cap,
-        "pinned": {key: getattr(req, key) for key in ("stages", "micro_batches", "schedule", "replicas", "dp",
-                                                     "spatial_parts", "spatial_stages", "slice") if getattr(req, key) is not None},
-    }
-    return Plan(
-        model=dict(model_info), profile=dict(profile_info), config=config, stages=stages, ranks=ranks,
-        tensors=tensors, schedule={"name": cand.schedule, "micro_batches": cand.micro_batches,
-                                   "inflight": cand.inflight()},
-        predicted=dict(result.predicted),
-        solver={"name": part.solver, "status": part.status, "gap": part.gap, "seconds": round(solver_seconds, 3),
-                "ilp_seconds": round(part.seconds, 3), "candidates": result.screened},
-        version=PLAN_VERSION, created_by=created_by,
-    )
 
 
 def timed_search(costs: Costs, req: PlanRequest, progress: Callable[[int, int], None] | None = None) -> tuple[SearchResult, float]:

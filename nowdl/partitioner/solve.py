@@ -1,20 +1,94 @@
-"""The planner's entry point: coarsen, solve the MILP (DP fallback), expand to the graph."""
+"""The planner's entry point: coarsen, solve exactly where cheap (ideal DP), else the MILP.
+
+Order of attack for one problem (one candidate configuration):
+
+1. exact coarsening (``coarsen``: merges no optimum needs apart);
+2. if the graph has few ideals, the DP over ideals ([Note: ideal DP]): the exact
+   lexicographic optimum over all convex splits when every rank holds one stage; with
+   MASTER pairing exact for few ideals (``master_exact.pair_dp``), else the MASTER descent with a
+   Lagrangian lower bound (status "feasible" with its gap). Done, no MILP: on these graphs
+   HiGHS neither improved the descent's split nor its bound in 30 s (ResNet-140, K = 8);
+3. otherwise the DP over a topological order (MASTER descent for paired ranks) is the
+   MILP's start, bound and fallback (``ilp``).
+
+``SolveCache`` keeps the lattice and pair matrices between the candidates of one search
+(they share the graph and, for plain stages, the cost vectors).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass, field
 
+from nowdl.errors import InfeasibleError
 from nowdl.partitioner.coarsen import coarsen as coarsen_problem
 from nowdl.partitioner.coarsen import compose_groups, expand
-from nowdl.partitioner.dp import check_problem
+from nowdl.partitioner.dp import _solve_dp
+from nowdl.partitioner.ideals import (
+    IDEAL_CAP,
+    Lattice,
+    bound_master,
+    enumerate_ideals,
+    solve_ideals,
+)
 from nowdl.partitioner.ilp import solve_ilp
 from nowdl.partitioner.problem import Partition, Problem
+from nowdl.partitioner.structure import check_problem, make_partition, one_to_one, stage_ranges
 
-__all__ = ["solve"]
+__all__ = ["solve", "SolveCache", "final_split", "proven"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class SolveCache:
+    """Lattices (by graph) and ideal pair matrices shared between solves of one graph."""
+
+    lattices: dict[tuple[object, ...], Lattice | None] = field(default_factory=dict)
+    bases: dict[tuple[object, ...], object] = field(default_factory=dict)
+
+    def lattice(self, problem: Problem, cap: int = IDEAL_CAP) -> Lattice | None:
+        key = (problem.n, tuple(sorted(set(problem.edges))), cap)
+        if key not in self.lattices:
+            self.lattices[key] = enumerate_ideals(problem, cap)
+        return self.lattices[key]
+
+
+def proven(part: Partition) -> bool:
+    """The split is the proven optimum over all convex splits: status "optimal" from the DP
+    over ideals or the MILP ("optimal" from the DP over one order only counts for K = 1)."""
+    if part.status != "optimal":
+        return False
+    return not part.solver.startswith("dp") or max(part.stage_of, default=0) == 0
+
+
+def final_split(part: Partition) -> bool:
+    """A split the MILP would not improve: proven optimal, or from the DP over ideals (the
+    MASTER descent, whose split and Lagrangian bound HiGHS did not beat in 30 s on
+    ResNet-140 at K = 8)."""
+    return proven(part) or part.solver == "ideals"
+
+
+def _gib(x: float) -> str:
+    return f"{x:.6g} bytes ({x / 2**30:.3f} GiB)"
+
+
+def _ideal_cap_message(problem: Problem, lat: Lattice, cache: SolveCache) -> str:
+    relaxed = dataclasses.replace(problem, objective="memory", mem_cap=None)
+    best = solve_ideals(relaxed, lat, bases=cache.bases)
+    cap = float(problem.mem_cap or 0.0)
+    config = f"{problem.n} nodes in {problem.k} stages on {len(problem.rank_stages())} GPUs"
+    if best is None:  # pragma: no cover - pins/tileability were checked before
+        return f"No partition keeps every GPU within the memory cap of {_gib(cap)} ({config})."
+    need = best.bottleneck_mem
+    return (
+        f"No partition keeps every GPU within the memory cap of {_gib(cap)} ({config}): the "
+        f"smallest achievable largest per-GPU memory for this configuration is {_gib(need)} "
+        f"(proven optimal). Raise mem_cap to at least {_gib(need)}, or use more GPUs/stages so "
+        "each holds less."
+    )
 
 
 def solve(
@@ -25,11 +99,17 @@ def solve(
     coarsen: bool = True,
     max_nodes: int | None = None,
     threads: int = 1,
+    ilp: bool = True,
+    cache: SolveCache | None = None,
+    start: Partition | None = None,
 ) -> Partition:
     """Partition a problem's DAG into pipeline stages: what the rest of nowdl calls.
 
-    Exact coarsening (see ``coarsen``), then the MILP with the DP as MIP start and fallback,
-    then the assignment mapped back and re-evaluated on the original problem.
+    Exact coarsening (see ``coarsen``); then the exact DP over ideals when the graph has
+    few of them and every rank holds one stage; otherwise the MILP, started from the best
+    heuristic split (which is also its fallback); then the assignment mapped back and
+    re-evaluated on the original problem. Every path applies the lexicographic levels of
+    [Note: lexicographic levels] (primary, secondary, spread of the work).
 
     Example:
         >>> part = solve(problem, time_limit=10)
@@ -37,15 +117,20 @@ def solve(
 
     Args:
         problem: the problem.
-        time_limit: seconds for the solver (model building and solves).
+        time_limit: seconds for the MILP (model building and solves).
         solver: "auto" (HiGHS, else CBC), "highs" or "cbc".
         coarsen: merge nodes first where that provably loses nothing.
         max_nodes: if given, also merge greedily down to this many nodes (faster, not
             exact: an optimal status then reads "coarse-optimal").
         threads: solver threads (1 is deterministic).
+        ilp: False stops at the heuristic split where no exact DP applies (screening).
+        cache: lattices and pair matrices to share with other solves of the same graph.
+        start: a known split of ``problem`` (from ``ilp=False``, say): the MILP starts from it
+            instead of recomputing a heuristic one.
 
     Returns:
-        The Partition of the original problem, evaluated with ``evaluate()``.
+        The Partition of the original problem, evaluated with ``evaluate()``; solver
+        "ideals" (exact DP over ideals), "dp", "highs" or "cbc".
 
     Raises:
         ValueError: if the problem or an argument is malformed.
@@ -53,6 +138,18 @@ def solve(
     """
     t0 = time.perf_counter()
     check_problem(problem)
+    if not time_limit > 0:
+        raise ValueError(f"time_limit must be > 0 seconds (got {time_limit})")
+    stage_ranges(problem)  # structural infeasibility raises here, naming the node
+    cache = cache if cache is not None else SolveCache()
+    if problem.k == 1:  # one stage holds everything: nothing to choose
+        part = make_partition(problem, [0] * problem.n, solver="single-stage", status="optimal")
+        if problem.mem_cap is not None and part.bottleneck_mem > problem.mem_cap * (1 + 1e-9):
+            raise InfeasibleError(
+                f"No partition keeps every GPU within the memory cap of {_gib(problem.mem_cap)} "
+                f"(1 stage): the one stage needs {_gib(part.bottleneck_mem)}. Raise mem_cap to at "
+                "least that, or use more GPUs/stages so each holds less.")
+        return dataclasses.replace(part, seconds=time.perf_counter() - t0)
     work, groups, exact = problem, [[v] for v in range(problem.n)], True
     if coarsen:
         work, groups = coarsen_problem(problem)
@@ -64,7 +161,26 @@ def solve(
     if work.n < problem.n:
         log.info("solve: %d nodes -> %d (%s)", problem.n, work.n,
                  "exact merges" if exact else "greedy merges: not exact")
-    part = solve_ilp(work, time_limit=time_limit, solver=solver, threads=threads)
+    known: Partition | None = None
+    if start is not None:  # the same coarsening: every group sits in one stage
+        known = make_partition(work, [start.stage_of[g[0]] for g in groups], solver=start.solver,
+                               status=start.status)
+    else:
+        lat = cache.lattice(work)
+        if lat is not None:
+            known = solve_ideals(work, lat, bases=cache.bases)
+            if known is None and one_to_one(work):
+                raise InfeasibleError(_ideal_cap_message(work, lat, cache))
+        if known is None and not ilp:  # screening: the caller explains a failure
+            known = _solve_dp(work, None, explain=False)
+    if known is not None and ilp and known.solver == "ideals" and known.status == "heuristic":
+        lat = cache.lattice(work)
+        if lat is not None:
+            known = bound_master(work, lat, known, bases=cache.bases)
+    if known is not None and (final_split(known) or not ilp):
+        part = known
+    else:
+        part = solve_ilp(work, time_limit=time_limit, solver=solver, threads=threads, start=known)
     if work is not problem:
         part = expand(part, groups, problem, exact=exact)
     part = dataclasses.replace(part, seconds=time.perf_counter() - t0)

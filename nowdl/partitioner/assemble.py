@@ -1,0 +1,111 @@
+"""The Plan of a finished search: stages, rank map, cross-stage tensors, predictions, solver."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nowdl.partitioner.config import Candidate, PlanRequest
+from nowdl.partitioner.costmodel import Costs, stage_sums
+from nowdl.partitioner.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
+from nowdl.partitioner.problem import Partition
+from nowdl.partitioner.spatial import slice_grid
+
+__all__ = ["SearchResult", "build_plan"]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The chosen configuration, its split and prediction, and how the search went."""
+
+    candidate: Candidate
+    partition: Partition
+    predicted: dict[str, float]
+    screened: int  # candidate configurations enumerated
+    stats: dict[str, object] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def build_plan(
+    costs: Costs,
+    req: PlanRequest,
+    result: SearchResult,
+    *,
+    model_info: dict[str, object],
+    profile_info: dict[str, object],
+    solver_seconds: float,
+    created_by: str,
+    params_per_node: dict[str, int],
+) -> Plan:
+    """Assemble the Plan (stages, rank map, cross-stage tensors, predictions) for a solved search."""
+    cand, part = result.candidate, result.partition
+    prof = costs.profile
+    k = cand.stages
+    parts = cand.stage_parts()
+    groups = cand.group_sizes()
+    rpp = sum(groups)
+    group_start = [sum(groups[:j]) for j in range(k)]
+    sums = stage_sums(costs, cand, part.stage_of)
+    sp_dims = max(1, len(prof.input_shapes[0]) - 2) if prof.input_shapes else 2
+    stage_nodes: list[list[str]] = [[] for _ in range(k)]
+    for i, n in enumerate(prof.nodes):
+        stage_nodes[part.stage_of[i]].append(n.name)
+    stages = []
+    for s in range(k):
+        comm = part.stage_time[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"])
+        stages.append(StagePlan(
+            index=s, nodes=stage_nodes[s], ranks=list(range(group_start[s], group_start[s] + parts[s])),
+            parts=parts[s], slice=cand.slice if parts[s] > 1 else None,
+            grid=list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 else [],
+            params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
+            param_bytes=int(sums[s]["param_bytes"]),
+            predicted={
+                "peak_bytes": part.stage_mem[s], "static_bytes": sums[s]["static_bytes"],
+                "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
+                "comm_s": max(0.0, comm), "time_s": part.stage_time[s],
+                "inflight": float(cand.inflight()[s]),
+            },
+        ))
+    ranks: list[RankPlan] = []
+    for d in range(cand.dp):
+        for j in range(k):
+            for q in range(groups[j]):
+                held = []
+                if q < parts[j]:
+                    held.append({"replica": 0, "stage": j, "part": q})
+                if cand.replicas == 2 and q < parts[k - 1 - j]:
+                    held.append({"replica": 1, "stage": k - 1 - j, "part": q})
+                ranks.append(RankPlan(
+                    rank=d * rpp + group_start[j] + q, dp=d, stages=held,
+                    predicted_peak_bytes=sum(part.stage_mem[h["stage"]] for h in held),
+                    predicted_time_s=sum(part.stage_time[h["stage"]] for h in held),
+                ))
+    consumers: dict[int, set[int]] = {}
+    index = {n.name: i for i, n in enumerate(prof.nodes)}
+    for u, v in prof.edges:
+        su, sv = part.stage_of[index[u]], part.stage_of[index[v]]
+        if sv > su:
+            consumers.setdefault(index[u], set()).add(sv)
+    tensors = []
+    for ui in sorted(consumers):
+        n = prof.nodes[ui]
+        tensors.append(TensorPlan(producer=n.name, from_stage=part.stage_of[ui], to_stages=sorted(consumers[ui]),
+                                  shape=list(n.out_shape or []), dtype=n.out_dtype, bytes=int(n.out_bytes)))
+    spatial = ({"stages": cand.spatial_stages(), "parts": cand.parts, "slice": cand.slice,
+                "stage_parts": [parts[s] for s in cand.spatial_stages()]} if cand.parts > 1 else {})
+    config = {
+        "gpus": req.gpus, "balance": req.balance, "stages": k, "micro_batches": cand.micro_batches,
+        "schedule": cand.schedule, "replicas": cand.replicas, "dp": cand.dp, "spatial": spatial,
+        "gpu_memory": costs.mem_cap,
+        "pinned": {key: getattr(req, key) for key in ("stages", "micro_batches", "schedule", "replicas", "dp",
+                                                     "spatial_parts", "spatial_stages", "slice") if getattr(req, key) is not None},
+    }
+    return Plan(
+        model=dict(model_info), profile=dict(profile_info), config=config, stages=stages, ranks=ranks,
+        tensors=tensors, schedule={"name": cand.schedule, "micro_batches": cand.micro_batches,
+                                   "inflight": cand.inflight()},
+        predicted=dict(result.predicted),
+        solver={"name": part.solver, "status": part.status, "gap": part.gap, "seconds": round(solver_seconds, 3),
+                "ilp_seconds": round(part.seconds, 3), "candidates": result.screened,
+                "search": dict(result.stats)},
+        version=PLAN_VERSION, created_by=created_by, warnings=list(result.warnings),
+    )

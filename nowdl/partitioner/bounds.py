@@ -1,0 +1,77 @@
+"""Cheap bounds per candidate configuration, so the search solves only the ones that can win.
+
+[Note: candidate bounds] For any split of a candidate's problem, a rank's load is at least
+what its nodes cost wherever they may sit: node v costs at least ``min_s t_s(v)`` seconds
+(t_s: the time vector of stage s's kind, so a tileable node may count at 1/P of its time)
+and ``min_s static(v) + inflight_s * act_s(v)`` bytes, over the stages s its pins and
+tileability allow; boundary tensors and workspace only add. The ranks' loads add up to
+sum_s mult_s * load_s (mult_s: how many ranks hold stage s, 2 with MASTER), so
+
+    max rank load >= max( min_s(mult_s) * sum_v cheapest(v) / R,  max_v cheapest(v) ).
+
+With the step model of ``costmodel.predict_step`` (step = (m + K - 1) x slowest rank +
+gradient sync, sync >= its value with the parameters spread evenly) the time bound gives an
+upper bound on throughput; the memory bound proves a candidate over the cap. Both are
+O(n K) numpy per candidate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nowdl.partitioner.config import Candidate
+from nowdl.partitioner.costmodel import Costs
+from nowdl.partitioner.problem import Problem
+from nowdl.partitioner.structure import stage_ranges
+
+__all__ = ["Bounds", "candidate_bounds"]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Lower bounds on a candidate's bottlenecks and the throughput they allow."""
+
+    time_lb: float  # seconds per micro-batch on the slowest rank
+    mem_lb: float  # bytes on the fullest rank
+    throughput_ub: float  # samples per second
+
+
+def _cheapest(problem: Problem, allowed: list[list[bool]], per_stage: list[np.ndarray]) -> np.ndarray:
+    cost = np.vstack(per_stage)  # k x n
+    ok = np.array(allowed, dtype=bool).T
+    return np.where(ok, cost, np.inf).min(axis=0)
+
+
+def candidate_bounds(costs: Costs, cand: Candidate, problem: Problem, batch: int) -> Bounds:
+    """Bounds of [Note: candidate bounds] for one candidate and its problem.
+
+    Raises:
+        InfeasibleError: pins and tileability allow no split (``structure.stage_ranges``).
+    """
+    _, _, allowed = stage_ranges(problem)
+    static = np.asarray(problem.static, dtype=np.float64)
+    times, mems = [], []
+    for spec in problem.stages:
+        vec = problem.variants[spec.variant]
+        times.append(np.asarray(vec.time, dtype=np.float64))
+        mems.append(static + spec.inflight * np.asarray(vec.act, dtype=np.float64))
+    ranks = problem.rank_stages()
+    mult = [sum(r.count(s) for r in ranks) for s in range(problem.k)]
+    share = min(mult) / len(ranks)
+    t_min = _cheapest(problem, allowed, times)
+    m_min = _cheapest(problem, allowed, mems)
+    time_lb = max(share * float(t_min.sum()), float(t_min.max(initial=0.0)))
+    mem_lb = max(share * float(m_min.sum()), float(m_min.max(initial=0.0)))
+    params = np.asarray([n.param_bytes for n in costs.profile.nodes], dtype=np.float64)
+    sync = 0.0
+    if cand.dp > 1:
+        per_rank = max(share * float(params.sum()), float(params.max(initial=0.0)))
+        sync += 2 * (cand.dp - 1) / cand.dp * per_rank / costs.link_bw
+    if cand.replicas == 2:
+        sync += max(float(params.sum()) / cand.stages, float(params.max(initial=0.0))) / costs.link_bw
+    step = (cand.micro_batches + cand.stages - 1) * time_lb + sync
+    samples = batch * cand.micro_batches * cand.replicas * cand.dp
+    return Bounds(time_lb=time_lb, mem_lb=mem_lb,
+                  throughput_ub=samples / step if step > 0 else float("inf"))

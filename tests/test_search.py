@@ -1,0 +1,241 @@
+"""The configuration search (bounds, pruning) and the exact solvers behind it (ideal DP, MASTER)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+from test_ilp import (
+    all_splits,
+    check_levels,
+    check_valid,
+    close,
+    feasible,
+    lex_reference,
+    random_problem,
+    resnet_like,
+)
+
+from nowdl.errors import InfeasibleError
+from nowdl.models import resnet
+from nowdl.partitioner.bounds import candidate_bounds
+from nowdl.partitioner.config import PlanRequest, enumerate_candidates
+from nowdl.partitioner.costmodel import Costs, build_problem, predict_step, tied_nodes
+from nowdl.partitioner.ideals import IdealCosts, enumerate_ideals, solve_ideals
+from nowdl.partitioner.ilp import solve_ilp
+from nowdl.partitioner.master import master_split
+from nowdl.partitioner.master_exact import lagrangian_bound
+from nowdl.partitioner.problem import NodeVectors, Problem, StageSpec
+from nowdl.partitioner.search import _batch, _max_stages, _tileable_ends, search
+from nowdl.partitioner.solve import SolveCache, proven, solve
+from nowdl.partitioner.spatial import spatial_rules
+from nowdl.partitioner.spread import idle_stages
+from nowdl.partitioner.structure import make_partition, objective_values
+from nowdl.profiler import get_device_spec, profile
+from nowdl.trace import trace
+
+
+def _costs(depth: int = 8, side: int = 64) -> Costs:
+    model = resnet(depth=depth, version=1)
+    x = torch.empty(1, 3, side, side, device="meta")
+    t = trace(model, (x,))
+    prof = profile(t.gm, (x,), mode="estimate", device_spec="h100", cache=False, progress=False)
+    spec = get_device_spec("h100")
+    return Costs(profile=prof, rules=spatial_rules(t.gm), link_bw=float(spec.link_bw),
+                 mem_cap=float(spec.memory_bytes))
+
+
+@pytest.fixture(scope="module")
+def costs() -> Costs:
+    return _costs()
+
+
+def _key(costs: Costs, cand: object, problem: Problem, batch: int) -> tuple[bool, float, float]:
+    part = solve(problem)
+    pred = predict_step(costs, cand, part, batch)  # type: ignore[arg-type]
+    return (bool(idle_stages(problem, part.stage_of)), -pred["throughput"], part.bottleneck_mem)
+
+
+@pytest.mark.parametrize("balance", ["compute", "memory"])
+@pytest.mark.parametrize("stages", [None, 4])
+def test_pruning_finds_the_same_optimum_as_solving_every_candidate(
+    costs: Costs, balance: str, stages: int | None
+) -> None:
+    req = PlanRequest(gpus=4, balance=balance, stages=stages)
+    got = search(costs, req)
+    front, back = _tileable_ends(costs)
+    batch = _batch(costs)
+    keys = []
+    for cand in enumerate_candidates(req, tileable_front=front, tileable_back=back,
+                                     max_stages=_max_stages(costs, req), micro_batch=batch):
+        try:
+            keys.append(_key(costs, cand, build_problem(costs, cand, balance), batch))
+        except InfeasibleError:
+            continue
+    best = min(keys)
+    assert close(got.predicted["throughput"], -best[1], 1e-9), (got.candidate, best)
+    assert bool(got.warnings) == best[0]
+    assert got.stats["evaluated"] + got.stats["pruned_by_bound"] <= got.stats["enumerated"]
+
+
+def test_bounds_hold_for_every_candidate(costs: Costs) -> None:
+    req = PlanRequest(gpus=4, balance="compute")
+    front, back = _tileable_ends(costs)
+    batch = _batch(costs)
+    for cand in enumerate_candidates(req, tileable_front=front, tileable_back=back,
+                                     max_stages=_max_stages(costs, req), micro_batch=batch):
+        for balance in ("compute", "memory"):
+            problem = build_problem(costs, cand, balance)
+            b = candidate_bounds(costs, cand, problem, batch)
+            part = solve(problem)
+            assert b.time_lb <= part.bottleneck_time * (1 + 1e-9), cand
+            assert b.mem_lb <= part.bottleneck_mem * (1 + 1e-9), cand
+            pred = predict_step(costs, cand, part, batch)
+            assert b.throughput_ub >= pred["throughput"] * (1 - 1e-9), cand
+
+
+def test_unpinned_search_is_proven_and_prunes(costs: Costs) -> None:
+    got = search(costs, PlanRequest(gpus=8, balance="compute"))
+    assert got.stats["choice"] == "proven" and proven(got.partition)
+    assert got.stats["pruned_by_bound"] > 0
+
+
+def _diamond() -> Problem:
+    vec = NodeVectors(act=[1.0] * 4, time=[1.0] * 4, workspace=[0.0] * 4, out=[1.0] * 4)
+    return Problem(names=list("abcd"), edges=[(0, 1), (0, 2), (1, 3), (2, 3)],
+                   static=[0.0] * 4, variants={"plain": vec}, stages=[StageSpec()] * 2)
+
+
+def test_enumerate_ideals_counts_and_cap() -> None:
+    lat = enumerate_ideals(_diamond())
+    assert lat is not None and lat.size == 6  # {}, a, ab, ac, abc, abcd
+    sets = {tuple(np.flatnonzero(row)) for row in lat.members}
+    assert sets == {(), (0,), (0, 1), (0, 2), (0, 1, 2), (0, 1, 2, 3)}
+    assert lat.proper[0, 5] and not lat.proper[2, 3] and not lat.proper[3, 3]
+    assert lat.chain[0] == 0 and lat.chain[-1] == lat.size - 1 and len(lat.chain) == 5
+    assert enumerate_ideals(_diamond(), cap=3) is None
+
+
+def _case(seed: int, master: bool) -> Problem:
+    rng = random.Random(seed)
+    n = rng.randint(3, 7)
+    k = rng.choice([2, 3, 4]) if master else rng.choice([2, 3])
+    p = random_problem(rng, max(n, k), k, skips=rng.choice([0.0, 0.4]), spatial=seed % 3 == 0,
+                       master=master, objective=rng.choice(["memory", "compute"]))
+    if seed % 5 == 2:
+        ref = lex_reference(dataclasses.replace(p, objective="memory"), all_splits(p))
+        if ref is not None:
+            p = dataclasses.replace(p, mem_cap=ref.primary * rng.uniform(1.0, 1.25))
+    return p
+
+
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("seed", range(30))
+def test_ideal_dp_matches_brute_force(seed: int, master: bool) -> None:
+    p = _case(700 + seed, master)
+    lat = enumerate_ideals(p)
+    assert lat is not None
+    ref = lex_reference(p, all_splits(p))
+    part = solve_ideals(p, lat)
+    if ref is None:
+        assert part is None
+        return
+    assert part is not None and part.status == "optimal"  # MASTER: exact for few ideals
+    check_valid(p, part)
+    check_levels(p, part, ref)
+
+
+def _long_master(seed: int) -> Problem:
+    objective = "memory" if seed % 2 else "compute"
+    p = resnet_like(blocks=12, k=4, seed=seed, objective=objective)
+    return dataclasses.replace(p, ranks=[[r, 3 - r] for r in range(4)])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_master_descent_is_bounded_by_the_lagrangian(seed: int) -> None:
+    """Beyond the exact pair DP's size: the descent's split against its lower bound."""
+    p = _long_master(900 + seed)
+    lat = enumerate_ideals(p)
+    assert lat is not None and lat.size > 72
+    got = master_split(IdealCosts(p, lat), mem_is_prim=p.objective == "memory", cap=None)
+    assert got is not None
+    part = make_partition(p, IdealCosts(p, lat).assignment(got[0]))
+    check_valid(p, part)
+    value = objective_values(p, part)[0]
+    lower = lagrangian_bound(IdealCosts(p, lat), value)
+    assert 0 < lower <= value * (1 + 1e-9)
+    assert solve(p).gap == pytest.approx(1 - lower / value)  # what the plan reports
+    # the MILP never beats the lower bound either
+    ilp = solve_ilp(p, time_limit=10, start=part)
+    assert objective_values(p, ilp)[0] >= lower * (1 - 1e-9)
+
+
+def test_master_exact_pair_dp_beats_or_ties_the_descent() -> None:
+    for seed in range(10):
+        p = _case(800 + seed, True)
+        lat = enumerate_ideals(p)
+        assert lat is not None
+        exact = master_split(IdealCosts(p, lat), mem_is_prim=p.objective == "memory",
+                             cap=p.mem_cap, exact=True)
+        heur = master_split(IdealCosts(p, lat), mem_is_prim=p.objective == "memory",
+                            cap=p.mem_cap)
+        if exact is None:
+            continue
+        cost = IdealCosts(p, lat)
+        e = objective_values(p, make_partition(p, cost.assignment(exact[0])))[0]
+        assert close(exact[1], e)  # the exact split's value is its own lower bound
+        if heur is not None:
+            h = make_partition(p, cost.assignment(heur[0]))
+            assert feasible(p, h.stage_of, cap_rel=1e-9)
+            assert objective_values(p, h)[0] >= e * (1 - 1e-9)
+
+
+def test_solve_cache_shares_lattices() -> None:
+    p = resnet_like(blocks=5, k=4)
+    cache = SolveCache()
+    a = solve(p, cache=cache)
+    b = solve(dataclasses.replace(p, objective="compute"), cache=cache)
+    assert len(cache.lattices) == 1 and a.solver == b.solver == "ideals"
+    assert list(itertools.islice(cache.lattices.values(), 1))[0] is not None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tied_nodes_share_a_stage_in_every_solver(seed: int) -> None:
+    rng = random.Random(1100 + seed)
+    p = random_problem(rng, rng.randint(4, 7), rng.choice([2, 3]), skips=0.3,
+                       master=seed % 3 == 2, objective=rng.choice(["memory", "compute"]))
+    a, b = sorted(rng.sample(range(p.n), 2))
+    p = dataclasses.replace(p, tied=[[a, b]])
+    ref = lex_reference(p, all_splits(p))
+    if ref is None:
+        with pytest.raises(InfeasibleError):
+            solve(p)
+        return
+    for part in (solve(p), solve_ilp(p), solve(p, coarsen=False)):
+        check_valid(p, part)  # feasible() checks the tie
+        assert part.stage_of[a] == part.stage_of[b]
+        assert close(objective_values(p, part)[0], ref.primary), part.solver
+
+
+def test_tied_nodes_found_in_the_graph() -> None:
+    class Shared(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+            self.other = torch.nn.Conv2d(2, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)
+            y = self.other(y)
+            return self.conv(y) + torch.nn.functional.conv2d(y, self.other.weight)
+
+    gm = trace(Shared(), (torch.randn(1, 2, 8, 8),)).gm
+    groups = {frozenset(g) for g in tied_nodes(gm)}
+    names = [n.name for n in gm.graph.nodes if n.op == "call_module" and n.target == "conv"]
+    assert frozenset(names) in groups and len(names) == 2
+    other = [g for g in groups if "other" in g]
+    assert other and len(other[0]) == 2  # the module and the conv2d reading its weight
