@@ -232,10 +232,17 @@ def _view_parents(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> dict[fx
             keys[n] = ks
             return out
 
-    with mode, torch.no_grad():
-        fakes = [mode.from_tensor(x) if x.device.type != "meta" else
-                 torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu") for x in inputs]
-        _Probe(gm, garbage_collect_values=False).run(*fakes)  # keep values: no address reuse
+    # the probe runs the model's own modules in train mode: BatchNorm would count a batch
+    saved = [(b, b.detach().clone()) for b in gm.buffers()]
+    try:
+        with mode, torch.no_grad():
+            fakes = [mode.from_tensor(x) if x.device.type != "meta" else
+                     torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu") for x in inputs]
+            _Probe(gm, garbage_collect_values=False).run(*fakes)  # keep values: no address reuse
+    finally:
+        with torch.no_grad():
+            for b, old in saved:
+                b.copy_(old)
     parent: dict[fx.Node, fx.Node | None] = {}
     for n in gm.graph.nodes:
         mine = keys.get(n, set())

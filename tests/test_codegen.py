@@ -278,3 +278,63 @@ def test_cli_codegen(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["codegen", str(bare), "--out", str(tmp_path / "g3"), "--model", "unet",
                  "--model-args", '{"in_channels": 1, "depth": 2, "base_width": 8}']) == 2
     assert "another model" in capsys.readouterr().err
+
+
+class _ReadsSizeEarly(nn.Module):
+    """Reads sizes at the start and uses them at the end, as MONAI's squeeze-and-excitation blocks
+    do (``b, c = x.shape[:2]`` ... ``.view(b, c)``): Python ints, not tensors, cross the cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(1, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c = x.shape[0], x.size(1)
+        h = torch.relu(self.a(x))
+        return self.b(h).view(n, -1) * (c + 1)
+
+
+class _ReadsValueEarly(_ReadsSizeEarly):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.sum().item()
+        h = torch.relu(self.a(x))
+        return self.b(h) * s
+
+
+def test_sizes_crossing_stages_become_constants_of_the_plan() -> None:
+    torch.manual_seed(0)
+    model = _ReadsSizeEarly()
+    x = torch.randn(2, 1, 8, 8)
+    gm, plan = _plan(model, 2, x)
+    _force_cut(gm, plan, "relu")
+    ints = [n.name for n in gm.graph.nodes if n.op != "placeholder" and plan.node_stage()[n.name] == 0
+            and any(plan.node_stage()[u.name] == 1 for u in n.users) and n.name != "relu"]
+    assert ints, "the cut must leave sizes made in stage 0 for stage 1"
+    stages = build_stages(gm, plan)
+    assert stages[1].inputs == ["relu"] and stages[0].outputs == ["relu"]  # only the tensor travels
+    assert torch.equal(_chain(stages, x)[0], model(x))
+
+
+def test_a_data_dependent_value_crossing_stages_is_refused() -> None:
+    x = torch.randn(2, 1, 8, 8)
+    cm = nowdl.compile(_ReadsValueEarly(), gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2,
+                       mode="measure", cache=False, progress=False)  # estimate mode cannot profile .item()
+    gm, plan = cm.trace(x).gm, cm.plan(x)
+    _force_cut(gm, plan, "relu")
+    with pytest.raises(NowdlError, match=r"node 'item' .*depends on the tensors' data.*share a stage"):
+        build_stages(gm, plan)
+
+
+def test_last_stage_rebuilds_the_models_output_structure() -> None:
+    from nowdl.codegen.stage import fill_outputs
+
+    torch.manual_seed(0)
+    model = _TwoHeads().eval()
+    x = torch.randn(2, 1, 16, 16)
+    gm, plan = _plan(model, 2, x)
+    stages = build_stages(gm, plan)
+    out = fill_outputs(stages[-1].output_tree, _chain(stages, x))
+    ref = model(x)
+    assert isinstance(out, dict) and list(out) == list(ref)
+    assert all(torch.equal(out[k], ref[k]) for k in ref)

@@ -170,3 +170,22 @@ def test_export_graph_inplace_aten_ops_functional() -> None:
     assert mutable == []
     with torch.no_grad():
         assert torch.allclose(t.gm(x), m(x))
+
+
+def test_functionalize_leaves_the_models_state_alone() -> None:
+    class BnNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = nn.Conv2d(1, 2, 3)
+            self.bn = nn.BatchNorm2d(2)
+            self.a = nn.ReLU(inplace=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(self.bn(self.c(x)))
+
+    m = BnNet()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    gm = fx.symbolic_trace(m)
+    assert functionalize(gm, (torch.randn(2, 1, 8, 8),)) == ["a"]
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k

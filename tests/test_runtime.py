@@ -250,3 +250,91 @@ def test_load_state_dict_under_original_names() -> None:
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+class _Twice(nn.Module):
+    """Modules registered under two names (as MONAI's DynUNet ``skip_layers``) and a parameter the
+    forward never uses: ``model.state_dict()`` holds all of them. A plain tensor attribute (a
+    constant, like those torch.export lifts out of SwinUNETR's forward) is not state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(2)
+        self.skips = nn.ModuleList([self.conv, self.bn])
+        self.unused = nn.Linear(2, 2)
+        self.scale = torch.tensor(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.skips[1](self.skips[0](x)) * self.scale
+
+
+def test_state_dict_has_the_models_keys_aliases_and_unused_parameters_included() -> None:
+    torch.manual_seed(0)
+    model = _Twice()
+    cm = nowdl.compile(model, gpus=1, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
+                       progress=False)
+    x, y = torch.randn(2, 1, 6, 6), torch.randn(2, 2, 6, 6)
+    cm.train_step(x, y)
+    sd = cm.state_dict()
+    want = model.state_dict()
+    assert list(sd) == list(want)  # same keys in the same order: loads with strict=True
+    for k in want:
+        assert torch.equal(sd[k], want[k]), k
+    torch.manual_seed(1)
+    other = _Twice().state_dict()
+    cm.load_state_dict(other)
+    after = cm.state_dict()
+    for k in other:
+        assert torch.equal(after[k], other[k]), k
+
+
+class _TwoHeads(nn.Module):
+    """Returns a dict holding a tensor and a list (deep supervision, as BasicUNetPlusPlus's list):
+    the loss and eval_step must see that structure, not the flattened tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 2, 3, padding=1)
+        self.aux = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        h = torch.relu(self.c1(x))
+        return {"seg": self.c2(h), "aux": [self.aux(h)]}
+
+
+def _two_heads_loss(out: dict[str, Any], y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out["seg"], y) + 0.5 * nn.functional.mse_loss(out["aux"][0], y)
+
+
+def _two_heads_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(4, 1, 8, 8, generator=g, dtype=torch.float64),
+            torch.randn(4, 2, 8, 8, generator=g, dtype=torch.float64))
+
+
+def _two_heads_worker(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    torch.manual_seed(0)
+    cm = nowdl.compile(_TwoHeads().double(), gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2,
+                       mode="estimate", optimizer=_adam, loss_fn=_two_heads_loss, cache=False, progress=False,
+                       timeout_s=60)
+    losses = [cm.train_step(*_two_heads_data(step)) for step in range(STEPS)]
+    return losses, cm.state_dict(), cm.eval_step(_two_heads_data(0)[0])
+
+
+def test_loss_and_eval_step_see_the_models_output_structure() -> None:
+    results = run_workers(_two_heads_worker, 2, timeout_s=240)
+    torch.manual_seed(0)
+    model = _TwoHeads().double()
+    ref_losses, ref_sd = train_reference(model, _adam(model.parameters()), _two_heads_loss, _two_heads_data, 2, STEPS)
+    losses, sd, _ = results[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=1e-12)
+    for k, ref in ref_sd.items():
+        torch.testing.assert_close(sd[k], ref, rtol=1e-9, atol=1e-12)
+    out = results[1][2]  # the last stage's rank: both micro-batches, concatenated per tensor
+    with torch.no_grad():
+        want = model.eval()(_two_heads_data(0)[0])
+    assert isinstance(out, dict) and set(out) == {"seg", "aux"} and isinstance(out["aux"], list)
+    torch.testing.assert_close(out["seg"], want["seg"])
+    torch.testing.assert_close(out["aux"][0], want["aux"][0])

@@ -47,6 +47,18 @@ from nowdl.runtime.tiles import TiledInput, TileGrid
 
 __all__ = ["PipelineEngine", "Placement", "PRECISIONS", "check_precision"]
 
+
+def _detach(out: Any) -> Any:
+    """``out`` (a tensor or a structure of tensors) detached."""
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_detach(v) for v in out)
+    if isinstance(out, dict):
+        return {k: _detach(v) for k, v in out.items()}
+    return out
+
+
 PRECISIONS = tuple(AUTOCAST_DTYPES)
 
 
@@ -425,18 +437,12 @@ class PipelineEngine:
                 outs, grids = self._forward(st, ins, shapes, train, tiled)
                 inputs[key] = ins
                 outputs[key] = outs
+                model_out: dict[str, torch.Tensor] = {}
                 for name, t, g_out in zip(st.outputs, outs, grids, strict=True):
                     for c in st.consumers.get(name, []):
-                        if c == self.k:  # the model output: the loss
+                        if c == self.k:  # the model output: the loss (below)
                             whole = t if tiled is None or g_out is None else g_out.gather(t, tiled.group)
-                            yi = ys[(act.replica, act.microbatch)]
-                            if self.loss_fn is not None and yi is not None:
-                                loss = self.loss_fn(whole.float() if self.comm_dtype else whole, yi.to(self.device))
-                                losses[(act.replica, act.microbatch)] = loss
-                                if part == 0:  # every tile computes the same loss: count it once
-                                    loss_sum += float(loss.detach())
-                            if not train and part == 0:
-                                final.append(whole.detach())
+                            model_out[name] = whole.float() if self.comm_dtype and whole.is_floating_point() else whole
                             continue
                         msg = t.detach()
                         if self.comm_dtype is not None and msg.is_floating_point():
@@ -450,6 +456,16 @@ class PipelineEngine:
                             w = dist.isend(piece, dst=q, tag=self._tag(name, False, act.replica, act.microbatch))
                             sends.append((w, f"{name} to stage {c}", piece, q,
                                           self._index(q, "F", c, act.microbatch, act.replica)))
+                if model_out:  # the model's output as the model returns it (tensor, tuple, list, dict)
+                    result = self._model_output(st, model_out)
+                    yi = ys[(act.replica, act.microbatch)]
+                    if self.loss_fn is not None and yi is not None:
+                        loss = self.loss_fn(result, yi.to(self.device) if isinstance(yi, torch.Tensor) else yi)
+                        losses[(act.replica, act.microbatch)] = loss
+                        if part == 0:  # every tile computes the same loss: count it once
+                            loss_sum += float(loss.detach())
+                    if not train and part == 0:
+                        final.append(_detach(result))
                 if not train:
                     inputs.pop(key)
                     outputs.pop(key)
@@ -520,6 +536,16 @@ class PipelineEngine:
             self._finish_sync(pending)
             self._step()
         return self._mean_loss(loss_sum), final
+
+    @staticmethod
+    def _model_output(st: StageModule, values: dict[str, torch.Tensor]) -> Any:
+        """The last stage's outputs in the structure the model returns them (see ``output_tree``)."""
+        from nowdl.codegen.stage import fill_outputs
+
+        if st.output_tree is None:
+            flat = list(values.values())
+            return flat[0] if len(flat) == 1 else tuple(flat)
+        return fill_outputs(st.output_tree, [values.get(n) for n in st.outputs])
 
     def _release_done(self, sends: list[tuple[Any, str, torch.Tensor, int, int]]
                       ) -> list[tuple[Any, str, torch.Tensor, int, int]]:

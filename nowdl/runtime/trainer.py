@@ -6,7 +6,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError, PlanError
 from nowdl.partitioner.plan import Plan
 from nowdl.runtime.engine import PipelineEngine
@@ -64,6 +65,37 @@ def plan_on_rank0(make: Callable[[], Plan], *, rank: int, world: int) -> Plan:
     return Plan.from_json(str(box[0]), source="plan from rank 0")
 
 
+def state_names(model: nn.Module, stages: Sequence[StageModule]
+                ) -> tuple[dict[str, list[str]], dict[str, torch.Tensor], list[str]]:
+    """What ``model.state_dict()`` holds beyond the stages' own names, so that ``state_dict()``
+    returns the same keys as the model's (and no tensor a graph holds that is not model state,
+    such as the constants torch.export lifts out of ``forward``).
+
+    Returns ``(aliases, unused, order)``: for a stage tensor's original name, the other keys under
+    which the model's state dict holds the same tensor (a module registered twice, as DynUNet's
+    ``skip_layers``); copies of the entries no stage uses (parameters the forward never touches);
+    and the model's key order. Call before the stages move to their device (tensor identity).
+    """
+    names: dict[int, list[str]] = {}
+    full = model.state_dict(keep_vars=True)
+    for key, t in full.items():
+        names.setdefault(id(t), []).append(key)
+    aliases: dict[str, list[str]] = {}
+    owned: set[str] = set()
+    for st in stages:
+        local: dict[str, torch.Tensor] = dict(st.module.named_parameters())
+        local.update(dict(st.module.named_buffers()))
+        for name, orig in st.param_names.items():
+            same = names.get(id(local[name]), [])
+            owned.add(orig)
+            owned.update(same)
+            others = [k for k in same if k != orig]
+            if others:
+                aliases[orig] = others
+    unused = {k: t.detach().cpu().clone() for k, t in full.items() if k not in owned}
+    return aliases, unused, list(full)
+
+
 class Trainer:
     """Owns this rank's engine; set up lazily on the first step (plans if needed)."""
 
@@ -79,6 +111,10 @@ class Trainer:
         self.plan: Plan | None = None
         self.rank = 0
         self.world = 1
+        self._aliases: dict[str, list[str]] = {}
+        self._unused: dict[str, torch.Tensor] = {}
+        self._order: list[str] = []  # the model's state_dict() keys, in its order
+        self._keys: set[str] = set()
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _setup(self, x: Any) -> PipelineEngine:
@@ -110,6 +146,8 @@ class Trainer:
         traced = self.cm.trace(*example)
         plan.check_model(traced.fingerprint, [list(t.shape) for t in example])
         stages = build_stages(traced.gm, plan)
+        self._aliases, self._unused, self._order = state_names(self.cm.model, stages)
+        self._keys = set(self._order)
         device = self._device()
         self.plan = plan
         self.engine = PipelineEngine(plan, stages, self.rank, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
@@ -151,11 +189,21 @@ class Trainer:
         loss, _ = eng.run(x, y, train=True)
         return loss
 
-    def eval_step(self, x: Any) -> torch.Tensor | None:
-        """Outputs on the ranks that run the last stage (part 0 of a spatial one, tiles gathered); None elsewhere."""
+    def eval_step(self, x: Any) -> Any:
+        """Outputs on the ranks that run the last stage (part 0 of a spatial one, tiles gathered); None elsewhere.
+
+        The micro-batches' outputs are concatenated along the batch, in the structure the model
+        returns (a tensor, or a tuple/list/dict of tensors)."""
         eng = self._setup(x)
         _, outs = eng.run(x, None, train=False)
-        return torch.cat(outs) if outs else None
+        if not outs:
+            return None
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        flat = [tree_flatten(o) for o in outs]
+        leaves = [torch.cat([f[0][i] for f in flat]) if isinstance(flat[0][0][i], torch.Tensor) else flat[0][0][i]
+                  for i in range(len(flat[0][0]))]
+        return tree_unflatten(leaves, flat[0][1])
 
     # ---- state -----------------------------------------------------------------------------------
     def _owned(self) -> dict[str, torch.Tensor]:
@@ -171,7 +219,13 @@ class Trainer:
             local: dict[str, torch.Tensor] = dict(st.module.named_parameters())
             local.update(dict(st.module.named_buffers()))
             for name, orig in st.param_names.items():
+                if self._order and orig not in self._keys:  # a graph constant (export's lifted tensors)
+                    continue
                 out[orig] = local[name].detach().cpu().clone()
+                for alias in self._aliases.get(orig, ()):
+                    out[alias] = out[orig]
+        if self.rank == 0:
+            out.update(self._unused)
         return out
 
     def _require(self) -> PipelineEngine:
@@ -184,7 +238,7 @@ class Trainer:
         """The whole model's state under its original names, on rank 0 ({} on other ranks)."""
         mine = self._owned()
         if self.world == 1:
-            return mine
+            return self._in_model_order(mine)
         parts: list[Any] = [None] * self.world if self.rank == 0 else []
         dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
         if self.rank != 0:
@@ -192,7 +246,11 @@ class Trainer:
         merged: dict[str, torch.Tensor] = {}
         for p in parts:
             merged.update(p)
-        return merged
+        return self._in_model_order(merged)
+
+    def _in_model_order(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rank = {k: i for i, k in enumerate(self._order)}
+        return dict(sorted(sd.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load original-name weights (every rank passes the same dict, or rank 0 and others {})."""
@@ -206,10 +264,15 @@ class Trainer:
             local: dict[str, torch.Tensor] = dict(st.module.named_parameters())
             local.update(dict(st.module.named_buffers()))
             for name, orig in st.param_names.items():
+                if self._order and orig not in self._keys:  # not state: a constant of the graph
+                    continue
                 if orig not in sd:
                     raise NowdlError(f"state dict has no entry {orig!r} (stage {s}); it was saved from another model")
                 with torch.no_grad():
                     local[name].copy_(sd[orig])
+        for key in self._unused:  # parameters no stage uses: kept for state_dict() only
+            if key in sd:
+                self._unused[key] = sd[key].detach().cpu().clone()
 
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
         """Every rank writes its stages' weights, optimizer state and RNG state (atomically)."""
