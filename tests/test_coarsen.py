@@ -132,3 +132,30 @@ def test_unet_like_long_skips_solve() -> None:
     raw = solve_ilp(p)
     via = solve(p)
     assert close(objective_values(p, raw)[0], objective_values(p, via)[0])
+
+
+def test_input_independent_nodes_float_to_their_consumer() -> None:
+    """A random mask drawn in forward (rand -> add -> floor -> mul(x, .)) joins its consumer;
+    without pinned inputs nothing floats (see [Note: floating nodes])."""
+    rng = random.Random(3)
+    base = chain_heavy(rng, 12, 3)
+    n = base.n
+    extra = 3  # rand, add, floor: a chain hanging into node 8
+    edges = list(base.edges) + [(n, n + 1), (n + 1, n + 2), (n + 2, 8)]
+    vec = base.variants["plain"]
+    tiny = [1e-9] * extra
+    p = Problem(
+        names=[*base.names, "rand", "add", "floor"], edges=edges, static=[*base.static, 0.0, 0.0, 0.0],
+        variants={"plain": NodeVectors(act=[*vec.act, *tiny], time=[*vec.time, *tiny],
+                                       workspace=[*vec.workspace, 0.0, 0.0, 0.0], out=[*vec.out, 4.0, 4.0, 4.0])},
+        stages=base.stages, objective=base.objective)
+    free, groups = coarsen(p)
+    assert not any({n, n + 1, n + 2} <= set(g) for g in groups)  # no pinned input: nothing floats
+    pinned = dataclasses.replace(p, pinned={0: 0})
+    small, groups = coarsen(pinned)
+    holder = next(g for g in groups if n in g)
+    assert {n, n + 1, n + 2, 8} <= set(holder)
+    part = solve(pinned)
+    check_valid(pinned, part)
+    assert len({part.stage_of[v] for v in (n, n + 1, n + 2, 8)}) == 1
+    assert free.n > small.n

@@ -25,7 +25,7 @@ from nowdl.models import resnet
 from nowdl.partitioner.bounds import candidate_bounds
 from nowdl.partitioner.config import PlanRequest, enumerate_candidates
 from nowdl.partitioner.costmodel import Costs, build_problem, predict_step, tied_nodes
-from nowdl.partitioner.ideals import IdealCosts, enumerate_ideals, solve_ideals
+from nowdl.partitioner.ideals import IdealCosts, beam_ideals, enumerate_ideals, solve_ideals
 from nowdl.partitioner.ilp import solve_ilp
 from nowdl.partitioner.master import master_split
 from nowdl.partitioner.master_exact import lagrangian_bound
@@ -147,6 +147,60 @@ def test_ideal_dp_matches_brute_force(seed: int, master: bool) -> None:
     assert part is not None and part.status == "optimal"  # MASTER: exact for few ideals
     check_valid(p, part)
     check_levels(p, part, ref)
+
+
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("seed", range(8))
+def test_beam_of_ideals_is_a_valid_heuristic(seed: int, master: bool) -> None:
+    """A beam keeps some ideals (each a real ideal, the order's prefixes among them); its DP
+    gives a valid split, marked heuristic, between the exact optimum and the order's DP."""
+    p = _case(800 + seed, master)
+    full = enumerate_ideals(p)
+    assert full is not None
+    beam = beam_ideals(p, cap=2 * p.n)
+    assert not beam.complete and full.complete
+    every = {row.tobytes() for row in full.members}
+    assert all(row.tobytes() in every for row in beam.members)
+    assert beam.members[0].sum() == 0 and beam.members[-1].all()
+    assert all(beam.proper[a, b] for a, b in itertools.pairwise(beam.chain))
+    got = solve_ideals(p, beam)
+    exact = solve_ideals(p, full)
+    if exact is None:
+        return
+    assert got is not None and got.solver == "beam" and got.status == "heuristic"
+    check_valid(p, got)
+    assert objective_values(p, got) >= objective_values(p, exact)
+    via = solve(dataclasses.replace(p), ilp=False, coarsen=False)
+    assert objective_values(p, via) <= objective_values(p, got)
+
+
+def test_wide_graph_gets_the_beam_before_the_milp() -> None:
+    """Too many ideals for the exact DP: ``solve`` starts from the better of the beam and the
+    order's DP, and the MILP never returns anything worse."""
+    rng = random.Random(4)
+    n, width = 30, 5  # five parallel chains of 6 between a source and a sink: 7^5 ideals
+    edges = []
+    for c in range(width):
+        prev = 0
+        for i in range(n // width):
+            v = 1 + c * (n // width) + i
+            edges.append((prev, v))
+            prev = v
+        edges.append((prev, n + 1))
+    m = n + 2
+    vec = lambda: [rng.uniform(1, 10) for _ in range(m)]  # noqa: E731
+    p = Problem(names=[f"v{i}" for i in range(m)], edges=edges, static=vec(),
+                variants={"plain": NodeVectors(act=vec(), time=vec(), workspace=[0.0] * m, out=vec())},
+                stages=[StageSpec(inflight=2, link_s_per_byte=0.01) for _ in range(3)], pinned={0: 0})
+    assert enumerate_ideals(p) is None
+    cache = SolveCache()
+    heur = solve(p, ilp=False, cache=cache)
+    assert heur.solver in ("beam", "dp")
+    order = solve(p, ilp=False, coarsen=False, cache=SolveCache())
+    assert objective_values(p, heur) <= objective_values(p, order)
+    full = solve(p, time_limit=20)
+    check_valid(p, full)
+    assert objective_values(p, full) <= objective_values(p, heur)
 
 
 def _long_master(seed: int) -> Problem:

@@ -16,6 +16,16 @@ allowed wherever A is (tileable if A is; unpinned, or pinned with A) these are e
 4. M's only consumer is A, M has the single producer P whose only consumer is M, and
    out[P] <= out[M] in every variant: P's tensor crosses where M's used to.
 
+[Note: floating nodes] A node that depends on no input (a random mask drawn in ``forward``,
+as EfficientNet's stochastic depth does, or a constant computed there) is placed with its
+single consumer, repeatedly, so a chain ``rand -> add -> floor -> mul(x, .)`` ends up with the
+``mul``. This is a placement rule rather than an exact merge: such nodes cost microseconds, and
+left free each one multiplies the number of convex splits (and of the DAG's ideals) by the
+length of its chain, which is what kept graphs like EfficientNet from the exact ideal DP.
+The inputs are the pinned sources (``build_problem`` pins every placeholder to stage 0); a
+problem with no pinned source has no floating nodes. In a problem with spatial stages a node that cannot
+run on tiles does not join one that can (the group would lose its tileability).
+
 Only the output of a group's "exit" node ever leaves the group (every rule keeps it so),
 so a group has the costs sum(static, act, time), max(workspace), out[exit], and the
 coarse problem's evaluate() equals the original's for the expanded assignment.
@@ -154,6 +164,26 @@ class _Groups:
                         changed = True
         return merged
 
+    def floating_pass(self) -> int:
+        """Place input-independent nodes with their single consumer ([Note: floating nodes])."""
+        merged = 0
+        spatial = any(st.spatial for st in self.p.stages)
+        todo = [m for m in range(len(self.alive)) if self.alive[m] and not self.preds[m]]
+        if not any(self.pin[m] is not None for m in todo):
+            return 0  # the inputs are not known (not pinned): no source can be told apart from them
+        while todo:
+            m = todo.pop()
+            if not self.alive[m] or self.preds[m] or len(self.succs[m]) != 1 or self.pin[m] is not None:
+                continue
+            a = next(iter(self.succs[m]))
+            if spatial and not self.may_move(m, a):
+                continue
+            self.merge(a, m, self.exit[a])
+            merged += 1
+            if not self.preds[a]:
+                todo.append(a)
+        return merged
+
     def load(self, g: int) -> tuple[float, float]:
         """(memory, time) of a group, averaged over variants (for the greedy order)."""
         mem = self.static[g] + sum(self.act[k][g] for k in self.keys) / len(self.keys)
@@ -289,6 +319,7 @@ def coarsen(
     if zero_tol < 0:
         raise ValueError(f"zero_tol must be >= 0 (got {zero_tol})")
     g = _Groups(problem)
+    floating = g.floating_pass()
     exact = g.exact_pass(zero_tol)
     greedy = 0
     if max_nodes is not None and sum(g.alive) > max_nodes:
@@ -296,8 +327,8 @@ def coarsen(
         exact += g.exact_pass(zero_tol)
     coarse, groups = g.build()
     log.info(
-        "coarsen: %d -> %d nodes (%d exact merges, %d greedy)",
-        problem.n, coarse.n, exact, greedy,
+        "coarsen: %d -> %d nodes (%d floating, %d exact merges, %d greedy)",
+        problem.n, coarse.n, floating, exact, greedy,
     )
     return coarse, groups
 

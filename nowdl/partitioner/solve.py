@@ -8,7 +8,8 @@ Order of attack for one problem (one candidate configuration):
    MASTER pairing exact for few ideals (``master_exact.pair_dp``), else the MASTER descent with a
    Lagrangian lower bound (status "feasible" with its gap). Done, no MILP: on these graphs
    HiGHS neither improved the descent's split nor its bound in 30 s (ResNet-140, K = 8);
-3. otherwise the DP over a topological order (MASTER descent for paired ranks) is the
+3. otherwise the better of the DP over a beam of ideals with thin frontiers ([Note: ideal
+   beam]) and the DP over one topological order (MASTER descent for paired ranks) is the
    MILP's start, bound and fallback (``ilp``).
 
 ``SolveCache`` keeps the lattice and pair matrices between the candidates of one search
@@ -25,10 +26,12 @@ from dataclasses import dataclass, field
 from nowdl.errors import InfeasibleError
 from nowdl.partitioner.coarsen import coarsen as coarsen_problem
 from nowdl.partitioner.coarsen import compose_groups, expand
-from nowdl.partitioner.dp import _solve_dp
+from nowdl.partitioner.dp import _solve_dp, objective_values
 from nowdl.partitioner.ideals import (
+    BEAM_CAP,
     IDEAL_CAP,
     Lattice,
+    beam_ideals,
     bound_master,
     enumerate_ideals,
     solve_ideals,
@@ -55,6 +58,15 @@ class SolveCache:
             self.lattices[key] = enumerate_ideals(problem, cap)
         return self.lattices[key]
 
+    def beam(self, problem: Problem, cap: int = BEAM_CAP) -> Lattice:
+        """Some ideals (``beam_ideals``: about ``cap``) for a graph with too many."""
+        key = ("beam", problem.n, tuple(sorted(set(problem.edges))), cap,
+               tuple(tuple(v.out) for _, v in sorted(problem.variants.items())))
+        lat = self.lattices.get(key)
+        if lat is None:
+            lat = self.lattices[key] = beam_ideals(problem, cap)
+        return lat
+
 
 def proven(part: Partition) -> bool:
     """The split is the proven optimum over all convex splits: status "optimal" from the DP
@@ -69,6 +81,16 @@ def final_split(part: Partition) -> bool:
     MASTER descent, whose split and Lagrangian bound HiGHS did not beat in 30 s on
     ResNet-140 at K = 8)."""
     return proven(part) or part.solver == "ideals"
+
+
+def _best(problem: Problem, parts: list[Partition | None]) -> Partition | None:
+    """The lexicographically best of some splits (None entries: nothing found)."""
+    found = [p for p in parts if p is not None]
+    if not found:
+        return None
+    cap = problem.mem_cap
+    fits = [p for p in found if cap is None or p.bottleneck_mem <= cap * (1 + 1e-9)] or found
+    return min(fits, key=lambda p: objective_values(problem, p))
 
 
 def _gib(x: float) -> str:
@@ -171,8 +193,15 @@ def solve(
             known = solve_ideals(work, lat, bases=cache.bases)
             if known is None and one_to_one(work):
                 raise InfeasibleError(_ideal_cap_message(work, lat, cache))
-        if known is None and not ilp:  # screening: the caller explains a failure
-            known = _solve_dp(work, None, explain=False)
+        else:  # too many ideals: the best of a beam of thin cuts and one topological order
+            beam = solve_ideals(work, cache.beam(work), bases=cache.bases)
+            try:
+                order: Partition | None = _solve_dp(work, None, explain=False)
+            except InfeasibleError:
+                if beam is None and not ilp:  # screening: the caller explains a failure
+                    raise
+                order = None
+            known = _best(work, [beam, order])
     if known is not None and ilp and known.solver == "ideals" and known.status == "heuristic":
         lat = cache.lattice(work)
         if lat is not None:
