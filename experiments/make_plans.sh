@@ -13,6 +13,8 @@ run() {  # name, then nowdl plan arguments
 ONLY=${1:-}
 # GEMS: ResNet-110-v2 on 1024x1024 pathology tiles, model-parallel over 4 GPUs (the seeds' --split-size 4)
 run resnet110v2_1024_4gpu resnet110v2 --input 1x3x1024x1024 --gpus 4 --stages 4
+# GEMS-MASTER: the same with the mirrored second replica pinned (rank r holds stages r and 3-r)
+run resnet110v2_1024_4gpu_master resnet110v2 --input 1x3x1024x1024 --gpus 4 --stages 4 --replicas 2 --dp 1
 # now-dl: AmoebaNet-D at 2048x2048, 4 spatial parts in the first of 2 stages (the seeds' -np 5 run)
 run amoebanet_2048_sp4 amoebanet --input 1x3x2048x2048 --gpus 5 --stages 2 --spatial-parts 4 --spatial-stages 1 --slice square --dp 1 --replicas 1
 # the built-in UNet at 2048x2048 in 8 pipeline stages, balanced by memory (make demo)
