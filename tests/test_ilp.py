@@ -373,3 +373,34 @@ def test_performance_smoke_resnet_500() -> None:
     check_valid(p, part)
     assert part.status in ("optimal", "feasible")
     assert math.isfinite(part.bottleneck_mem)
+
+
+def test_no_better_split_in_time_keeps_the_start_with_the_solvers_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the MILP, narrowed by the start's value, finds nothing in its time, the start split
+    comes back with the gap to the solver's lower bound (not an unknown gap)."""
+    import nowdl.partitioner.ilp as ilp_mod
+    from nowdl.partitioner.ilp_run import Run
+
+    p = resnet_like(blocks=6, k=3, seed=1)
+    start = solve_dp(p)
+    value = objective_values(p, start)[0]
+    seen: dict[str, float] = {}
+
+    def no_solution(name: str, model: object, left: float, threads: int, gap: float, warm: bool) -> Run:
+        scale = model.mem_scale if p.objective == "memory" else model.time_scale  # type: ignore[attr-defined]
+        seen["scale"] = scale
+        return Run("none", math.nan, 0.01, "Time limit reached", bound=0.9 * value / scale)
+
+    monkeypatch.setattr(ilp_mod, "run_model", no_solution)
+    part = solve_ilp(p, time_limit=5, start=start)
+    assert seen and part.stage_of == start.stage_of
+    assert part.status == "feasible" and part.gap == pytest.approx(0.1)
+    assert "fallback" in part.solver
+
+    def no_bound(*args: object) -> Run:
+        return Run("none", math.nan, 0.01, "Time limit reached")
+
+    monkeypatch.setattr(ilp_mod, "run_model", no_bound)
+    part = solve_ilp(p, time_limit=5, start=start)
+    assert part.status == "feasible" and math.isnan(part.gap)

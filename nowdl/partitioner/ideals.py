@@ -46,7 +46,7 @@ __all__ = ["Lattice", "enumerate_ideals", "beam_ideals", "IdealCosts", "solve_id
 log = logging.getLogger(__name__)
 
 IDEAL_CAP = 3000  # more ideals than this: the ideal DP is not used (~32 * cap^2 bytes of matrices)
-BEAM_CAP = 1000  # ideals a beam keeps (about: at least 2 per size)
+BEAM_CAP = 1500  # ideals a beam keeps at most (about)
 _MAX_BASES = 4  # per-variant pair matrices kept between solves
 
 
@@ -105,7 +105,7 @@ def _expansions(level: dict[int, _Info], graph: tuple[list[int], list[int], list
 
 
 def _lattice(n: int, ideals: list[int], info: list[_Info], succs: list[list[int]],
-             complete: bool) -> Lattice:
+             complete: bool, chain_sets: Sequence[int] | None = None) -> Lattice:
     nbytes = (n + 7) // 8
     members = np.zeros((len(ideals), n), dtype=bool)
     for i, e in enumerate(ideals):
@@ -118,10 +118,13 @@ def _lattice(n: int, ideals: list[int], info: list[_Info], succs: list[list[int]
         proper[i] = members[:, list(top)].all(axis=1) if top else True
         proper[i, i] = False
     index = {e: i for i, e in enumerate(ideals)}
-    chain, d = [0], 0
-    while info[chain[-1]][0]:  # add the smallest addable node, one at a time
-        d |= 1 << info[chain[-1]][0][0]
-        chain.append(index[d])
+    if chain_sets is not None:
+        chain = [index[d] for d in chain_sets]
+    else:
+        chain, d = [0], 0
+        while info[chain[-1]][0]:  # add the smallest addable node, one at a time
+            d |= 1 << info[chain[-1]][0][0]
+            chain.append(index[d])
     return Lattice(members=members, proper=proper, frontier=[list(f) for _, f, _ in info],
                    consumers=succs, chain=chain, complete=complete)
 
@@ -152,13 +155,15 @@ def beam_ideals(problem: Problem, cap: int = BEAM_CAP) -> Lattice:
     """Some of the DAG's ideals, for graphs with too many (see [Note: ideal beam]).
 
     Breadth first by size like ``enumerate_ideals``, but each size keeps only its
-    ``cap // n`` (at least 2) ideals with the fewest bytes crossing their frontier, plus the
-    prefix of the one topological order the chain DP uses. Deterministic.
+    ``cap // n - 1`` (at least 2) ideals with the fewest bytes crossing their frontier, plus the
+    prefix of one topological order; when that is still more than ``cap``, only every
+    ``stride``-th size is kept as a place to cut (all sizes are still expanded). Deterministic.
     """
     graph = _graph(problem)
     preds, succs = graph[0], graph[2]
     n = problem.n
-    width = max(2, cap // max(n, 1))
+    width = max(2, cap // max(n, 1) - 1)  # per size, besides the order's prefix
+    stride = max(1, math.ceil((width + 1) * n / max(cap, 1)))
     out = np.zeros(n)
     for vec in problem.variants.values():  # the largest size a tensor has in any kind of stage
         out = np.maximum(out, np.asarray(vec.out, dtype=np.float64))
@@ -166,20 +171,24 @@ def beam_ideals(problem: Problem, cap: int = BEAM_CAP) -> Lattice:
     level: dict[int, _Info] = {0: start}
     ideals = [0]
     info: list[_Info] = [start]
-    chain_d = 0
+    chain_d, chain = 0, [0]
+    size = 0
     while level:
         nxt = _expansions(level, graph)
         if not nxt:
             break
+        size += 1
         chain_d |= 1 << min(level[chain_d][0])  # the chain's next ideal (smallest addable node)
         ranked = sorted(nxt, key=lambda e: (float(out[list(nxt[e][1])].sum()), e))
         keep = ranked[:width]
         if chain_d not in keep:
             keep.append(chain_d)
         level = {e: nxt[e] for e in keep}
-        ideals.extend(level)
-        info.extend(level.values())
-    return _lattice(n, ideals, info, succs, complete=False)
+        if size % stride == 0 or size == n:
+            ideals.extend(level)
+            info.extend(level.values())
+            chain.append(chain_d)
+    return _lattice(n, ideals, info, succs, complete=False, chain_sets=chain)
 
 
 class _Base:

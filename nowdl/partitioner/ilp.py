@@ -199,12 +199,18 @@ def solve_ilp(
                 f"{problem.k} stages within the memory cap of {_gib(problem.mem_cap or 0.0)}. "
                 "Give the solver more time, raise the cap, or use more GPUs/stages."
             )
-        log.warning("ilp: %s found no solution (%s); falling back to the %s split", name,
-                    run.detail, dp_part.solver or "known")
+        # nothing better than the start within its narrowed bound: the start, with the gap
+        # to the solver's lower bound (NaN when it has none)
+        scale = model.mem_scale if problem.objective == "memory" else model.time_scale
+        value, _ = objective_values(problem, dp_part)
+        lower = run.bound * scale
+        gap = max(0.0, (value - lower) / value) if math.isfinite(lower) and value > 0 else math.nan
+        log.info("ilp: %s found no split better than the %s one in its time (%s); lower bound "
+                 "%.6g, gap %.3g", name, dp_part.solver or "known", run.detail, lower, gap)
         return dataclasses.replace(
             dp_part, solver=f"{dp_part.solver or 'dp'} (fallback: {name} {run.state})",
-            status="feasible",
-            gap=math.nan, seconds=time.perf_counter() - t0,
+            status="optimal" if gap <= 1e-9 else "feasible",
+            gap=gap, seconds=time.perf_counter() - t0,
         )
     part = make_partition(problem, model.assignment(), solver=name, status=run.state,
                           gap=run.gap)

@@ -41,6 +41,7 @@ class Run:
     gap: float  # relative gap reported by the solver (NaN if unknown)
     seconds: float
     detail: str = ""
+    bound: float = math.nan  # the solver's lower bound on the objective (model units; NaN if unknown)
 
 
 if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
@@ -86,6 +87,7 @@ def _run_highs(model: IlpModel, time_limit: float, threads: int, gap: float, war
     ms = highspy.HighsModelStatus
     has_solution = int(info.primal_solution_status) == 2  # kSolutionStatusFeasible
     detail = h.modelStatusToString(status)
+    bound = float(getattr(info, "mip_dual_bound", math.nan))
     if status == ms.kOptimal and has_solution:
         g = float(info.mip_gap)  # inf when presolve solved it without branching
         return Run("optimal", max(g, 0.0) if math.isfinite(g) else 0.0, seconds, detail)
@@ -94,7 +96,7 @@ def _run_highs(model: IlpModel, time_limit: float, threads: int, gap: float, war
     if has_solution:
         g = float(info.mip_gap)
         return Run("feasible", g if math.isfinite(g) else math.nan, seconds, detail)
-    return Run("none", math.nan, seconds, detail)
+    return Run("none", math.nan, seconds, detail, bound=bound if math.isfinite(bound) else math.nan)
 
 
 def _run_cbc(model: IlpModel, time_limit: float, threads: int, gap: float, warm: bool) -> Run:
