@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -145,9 +146,12 @@ class CompiledModel:
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         costs = Costs(profile=prof, rules=spatial_rules(t.gm), link_bw=float(spec.link_bw), mem_cap=cap,
                       tied=tied_nodes(t.gm))
+        # time_limit bounds the whole plan() call: the search gets what tracing and profiling
+        # left of it (less a second for the MILP's read-back and tie-breaks)
+        left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)
         bar = _Progress("planning", enabled=self.progress)
         try:
-            result, secs = timed_search(costs, req, progress=bar.update)
+            result, secs = timed_search(costs, dataclasses.replace(req, time_limit=left), progress=bar.update)
         finally:
             bar.close()
         from nowdl import __version__
@@ -332,8 +336,10 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
             between stages at that width, parameters, gradients and Adam state in float32.
         activation_checkpointing: True (every stage) or a list of stage indices whose forward is
             recomputed during their backward.
-        time_limit: seconds the ILP may spend in total on the best few configurations; a
-            solve stopped by it reports status "feasible" and its gap.
+        time_limit: seconds ``plan()`` may take: what tracing and profiling leave of it goes
+            to the configuration search, whose MILP (graphs with too many ideals for the exact
+            DP) shares it among the best few configurations; a solve stopped by it reports
+            status "feasible" and its gap.
 
     Returns:
         A CompiledModel; ``cm.plan(x)`` gives the Plan.

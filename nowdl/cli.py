@@ -126,7 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="plan for mixed-precision training: activations and sent tensors at that width (autocast), "
                          "weights, gradients and optimizer state in float32 (default fp32)")
-    pp.add_argument("--time-limit", type=float, default=30.0, help="total seconds the ILP may spend on the best configurations (default 30)")
+    pp.add_argument("--time-limit", type=float, default=30.0, help="seconds planning may take end to end; the MILP, for graphs too wide for the exact DP, "
+                    "gets what tracing and profiling leave (default 30)")
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
     pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
 
