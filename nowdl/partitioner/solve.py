@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from nowdl.errors import InfeasibleError
 from nowdl.partitioner.coarsen import coarsen as coarsen_problem
 from nowdl.partitioner.coarsen import compose_groups, expand
-from nowdl.partitioner.dp import _solve_dp, objective_values
+from nowdl.partitioner.dp import _solve_dp
 from nowdl.partitioner.ideals import (
     BEAM_CAP,
     IDEAL_CAP,
@@ -38,7 +38,13 @@ from nowdl.partitioner.ideals import (
 )
 from nowdl.partitioner.ilp import solve_ilp
 from nowdl.partitioner.problem import Partition, Problem
-from nowdl.partitioner.structure import check_problem, make_partition, one_to_one, stage_ranges
+from nowdl.partitioner.structure import (
+    check_problem,
+    make_partition,
+    objective_values,
+    one_to_one,
+    stage_ranges,
+)
 
 __all__ = ["solve", "SolveCache", "final_split", "proven"]
 
