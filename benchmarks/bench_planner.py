@@ -70,11 +70,11 @@ from nowdl.partitioner.blockpartition import (
 )
 from nowdl.partitioner.config import Candidate
 from nowdl.partitioner.costmodel import Costs, build_problem
-from nowdl.partitioner.dp import topological_order
 from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.solve import solve
 from nowdl.partitioner.spatial import spatial_rules
+from nowdl.partitioner.structure import topological_order
 from nowdl.profiler import get_device_spec, profile
 
 # ``trace`` is imported from its module: ``nowdl.trace`` the attribute may be shadowed.
@@ -622,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"nowdl: solve(problem, time_limit={args.time_limit:g}) (exact coarsening; the exact DP "
         "over the DAG's ideals where it has at most 3,000 of them, else the HiGHS MILP started "
         "from the DP over one topological order, threads=1); 'solve s' is its wall time.",
-        "Baselines split the same topological order (nowdl.partitioner.dp.topological_order) "
+        "Baselines split the same topological order (nowdl.partitioner.structure.topological_order) "
         "contiguously and are evaluated by the same cost model (evaluate()).",
         "params: balance_by_params: exact min-max contiguous split of the per-node static bytes "
         "(parameters + grads + Adam states, proportional to the parameter count).",

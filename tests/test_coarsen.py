@@ -9,10 +9,10 @@ import pytest
 from test_ilp import check_valid, close, resnet_like
 
 from nowdl.partitioner.coarsen import coarsen, compose_groups, expand
-from nowdl.partitioner.dp import objective_values, topological_order
 from nowdl.partitioner.ilp import solve_ilp
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
 from nowdl.partitioner.solve import solve
+from nowdl.partitioner.structure import objective_values, topological_order
 
 
 def chain_heavy(rng: random.Random, n: int, k: int, *, objective: str = "memory") -> Problem:

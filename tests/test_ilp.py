@@ -14,10 +14,11 @@ import pytest
 
 from nowdl.errors import InfeasibleError
 from nowdl.partitioner.chain import spread_ok
-from nowdl.partitioner.dp import make_partition, objective_values, solve_dp
+from nowdl.partitioner.dp import solve_dp
 from nowdl.partitioner.ilp import available_solvers, build_ilp, solve_ilp
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
 from nowdl.partitioner.spread import stage_work
+from nowdl.partitioner.structure import make_partition, objective_values
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from nowdl.partitioner.dp import (
-    _minmax_dp,
-    check_problem,
-    make_partition,
-    topological_order,
-)
+from nowdl.partitioner.dp import _minmax_dp
 from nowdl.partitioner.problem import Partition, Problem
+from nowdl.partitioner.structure import check_problem, make_partition, topological_order
 
 __all__ = [
     "solve_blockpartition",

@@ -42,8 +42,8 @@ import logging
 import math
 from collections.abc import Sequence
 
-from nowdl.partitioner.dp import check_problem, make_partition
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem
+from nowdl.partitioner.structure import check_problem, make_partition
 
 __all__ = ["coarsen", "expand", "compose_groups"]
 

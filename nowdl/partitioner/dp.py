@@ -32,24 +32,12 @@ from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.structure import (
     check_problem,
     make_partition,
-    objective_values,
     one_to_one,
-    rank_loads,
-    stage_ranges,
     tileable_mask,
     topological_order,
 )
 
-__all__ = [
-    "solve_dp",
-    "one_to_one",
-    "check_problem",
-    "topological_order",
-    "stage_ranges",
-    "make_partition",
-    "objective_values",
-    "rank_loads",
-]
+__all__ = ["solve_dp"]
 
 log = logging.getLogger(__name__)
 
