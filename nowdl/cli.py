@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import sys
@@ -11,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from nowdl.errors import NowdlError
+from nowdl.models.resolve import resolve_model
 from nowdl.units import parse_bytes, parse_parts, parse_shape
 
 __all__ = ["main", "resolve_model"]
@@ -23,53 +22,6 @@ _EPILOG_MODEL = (
     "called with --model-args, e.g. monai.networks.nets:UNet --model-args "
     "'{\"spatial_dims\": 2, \"in_channels\": 1, \"out_channels\": 2, \"channels\": [16, 32, 64], \"strides\": [2, 2]}'"
 )
-
-
-def resolve_model(spec: str, model_args: str | None) -> tuple[nn.Module, list[int] | None, str]:
-    """Build the model named by ``spec``; returns (model, default input shape or None, display name).
-
-    Raises:
-        NowdlError: unknown built-in, unimportable path, bad JSON, or the callable rejects the args.
-    """
-    from nowdl.models import DEFAULT_INPUTS, MODELS
-
-    try:
-        kwargs: dict[str, Any] = json.loads(model_args) if model_args else {}
-    except json.JSONDecodeError as e:
-        raise NowdlError(f"--model-args is not valid JSON ({e.msg} at column {e.colno}): write e.g. '{{\"depth\": 4}}'") from None
-    if not isinstance(kwargs, dict):
-        raise NowdlError(f"--model-args must be a JSON object of keyword arguments, got {type(kwargs).__name__}")
-    if ":" not in spec:
-        if spec not in MODELS:
-            raise NowdlError(
-                f"unknown model {spec!r}: built-in models are {', '.join(sorted(MODELS))}; "
-                "or give 'package.module:callable' (e.g. monai.networks.nets:UNet)"
-            )
-        try:
-            model = MODELS[spec](**kwargs)
-        except TypeError as e:
-            raise NowdlError(f"built-in model {spec!r} does not take these --model-args: {e}") from None
-        default = DEFAULT_INPUTS.get(spec)
-        return model, list(default) if default else None, spec
-    mod_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise NowdlError(f"cannot import {mod_name!r} for model {spec!r}: {e}. Is the package installed?") from None
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise NowdlError(f"{mod_name!r} has no attribute {attr!r} (model {spec!r})")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise NowdlError(f"{spec!r} is not callable")
-    try:
-        model = fn(**kwargs)
-    except Exception as e:
-        raise NowdlError(f"{spec}(**{kwargs}) failed: {type(e).__name__}: {e}. Check --model-args.") from None
-    if not isinstance(model, nn.Module):
-        raise NowdlError(f"{spec} returned a {type(model).__name__}, not an nn.Module")
-    return model, None, spec
 
 
 def _example(shape_text: str | None, default: list[int] | None, mode: str) -> torch.Tensor:
@@ -147,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="sort key (default time = fwd + bwd)")
     pr.add_argument("--out", metavar="FILE", help="save the profile JSON here")
 
-    from nowdl.runtime.run import add_run_arguments
+    from nowdl.runtime.runspec import add_run_arguments
 
     prun = sub.add_parser("run", help="train (or evaluate) MODEL on synthetic or image-folder data",
                           epilog=_EPILOG_MODEL + ". Launch with torchrun --nproc-per-node N -m nowdl run ...",

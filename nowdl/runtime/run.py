@@ -45,404 +45,35 @@ the last step it saves again. ``DIR`` must be visible to every rank (a shared fi
 job spans nodes).
 """
 
+
 from __future__ import annotations
 
 import argparse
 import inspect
-import itertools
 import json
-import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from nowdl.errors import NowdlError
-from nowdl.units import parse_parts
+from nowdl.runtime.data import Batches, ImageFolderData, SyntheticData
+from nowdl.runtime.runspec import RunSource, check_pins, make_optimizer, output_shape, run_source
 
-__all__ = [
-    "add_run_arguments",
-    "run_main",
-    "SyntheticData",
-    "ImageFolderData",
-    "output_shape",
-    "RUN_STATE",
-    "PLAN_FILE",
-]
+__all__ = ["run_main", "RUN_STATE", "PLAN_FILE"]
 
 #: File in ``--checkpoint DIR`` holding the step number (written by rank 0).
 RUN_STATE = "nowdl-run.json"
 #: File in ``--checkpoint DIR`` holding the plan the run used (reused on resume).
 PLAN_FILE = "plan.json"
 _RUN_FORMAT = "nowdl.run"
-
-_IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff")
-_ARRAY_EXTS = (".npy",)
-_PRECISIONS = ("fp32", "bf16", "fp16")
-_OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
-
-
-# ---- command line --------------------------------------------------------------------------------
-def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Add the options of ``nowdl run`` to ``p``."""
-    p.add_argument("model", metavar="MODEL|PLAN.json",
-                   help="built-in model name, package.module:callable, or a plan JSON saved by `nowdl plan --out`")
-    p.add_argument("--model-args", metavar="JSON", help="keyword arguments for the model, as a JSON object")
-    p.add_argument("--input", metavar="CxHxW",
-                   help="ONE sample's shape, without the batch dimension, e.g. 3x1024x1024 "
-                   "(default: the built-in model's or the plan's)")
-    p.add_argument("--steps", type=int, required=True, help="optimizer (or inference) steps to run")
-    p.add_argument("--batch-size", type=int, help="GLOBAL batch per step = micro-batch (1 sample when planning) "
-                   "x micro-batches x replicas x dp (default with a plan: the plan's)")
-    p.add_argument("--micro-batches", type=int, help="pin micro-batches per step")
-    p.add_argument("--stages", type=int, help="pin the number of pipeline stages")
-    p.add_argument("--dp", type=int, help="pin the data-parallel degree")
-    p.add_argument("--replicas", type=int, choices=(1, 2), help="pin replicas (2: GEMS-MASTER mirrored replica)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), help="pin the pipeline schedule")
-    p.add_argument("--spatial-parts", type=parse_parts, metavar="P[,P2..]",
-                   help="pin spatial parts (image tiles) per spatial stage: 4, or one per stage: 4,2 (1: none)")
-    p.add_argument("--spatial-stages", type=int, help="pin how many leading stages are spatial")
-    p.add_argument("--slice", choices=("vertical", "horizontal", "square", "depth", "cube"), help="tile shape")
-    p.add_argument("--halo-fusion", default="auto", metavar="auto|off|N",
-                   help="fuse conv/pool runs into one deeper halo exchange (auto, off, or up to N per exchange)")
-    p.add_argument("--balance", choices=("memory", "compute"), default="memory",
-                   help="what the planner balances (default memory)")
-    p.add_argument("--num-classes", type=int, metavar="C",
-                   help="label classes (default: the model's output channels; built-in models are built "
-                   "with it unless --model-args says otherwise)")
-    p.add_argument("--data", default="synthetic", metavar="synthetic|imagefolder:PATH",
-                   help="synthetic (seeded random, default) or imagefolder:PATH (PATH/<class>/<image or .npy>)")
-    p.add_argument("--eval", action="store_true", help="inference steps (eval_step) instead of training")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adam",
-                   help="adam (default), adamw, sgd, or momentum (SGD with momentum 0.9)")
-    p.add_argument("--precision", choices=_PRECISIONS, default="fp32", help="numeric precision (default fp32)")
-    p.add_argument("--checkpoint", metavar="DIR",
-                   help="resume from DIR if it holds a checkpoint; save there after the last step")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds any rank waits for a peer before failing, naming it (default 300)")
-    p.add_argument("--gpu-memory", metavar="SIZE", help="per-GPU memory cap for planning, e.g. 80GiB")
-    p.add_argument("--device-spec", help="device spec the planner estimates with (default h100)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log what nowdl does")
-
-
-# ---- data ----------------------------------------------------------------------------------------
-class Batches(Protocol):
-    """A source of global batches: the same ``(x, y)`` for the same step on every rank."""
-
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def _generator(seed: int, step: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63))
-
-
-@dataclass
-class SyntheticData:
-    """Seeded random images (standard normal) and integer labels, a function of (seed, step).
-
-    ``label_shape`` is ``()`` for classification, the output's spatial shape for segmentation.
-    """
-
-    sample_shape: tuple[int, ...]
-    label_shape: tuple[int, ...]
-    num_classes: int
-    seed: int = 0
-
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = _generator(self.seed, step)
-        x = torch.randn((batch_size, *self.sample_shape), generator=g)
-        y = torch.randint(0, self.num_classes, (batch_size, *self.label_shape), generator=g)
-        return x, y
-
-
-def _pil() -> Any:
-    try:
-        from PIL import Image
-    except ImportError:
-        return None
-    return Image
-
-
-class ImageFolderData:
-    """``root/<class>/<file>`` samples with the class index as label, resized to ``sample_shape``.
-
-    Raises:
-        NowdlError: the folder is missing or has no class subfolders or no samples, a sample has
-            the wrong channel count, or image files need Pillow and it is not installed.
-    """
-
-    def __init__(self, root: str | os.PathLike[str], sample_shape: Sequence[int], seed: int = 0) -> None:
-        self.root = Path(root)
-        self.sample_shape = tuple(int(d) for d in sample_shape)
-        self.seed = seed
-        layout = f"lay it out as {self.root}/<class name>/<sample> (one subfolder per class)"
-        if not self.root.exists():
-            raise NowdlError(f"--data imagefolder:{self.root}: the folder does not exist; {layout}")
-        if not self.root.is_dir():
-            raise NowdlError(f"--data imagefolder:{self.root} is not a folder; {layout}")
-        self.classes = sorted(d.name for d in self.root.iterdir() if d.is_dir() and not d.name.startswith("."))
-        if not self.classes:
-            raise NowdlError(f"--data imagefolder:{self.root} has no class subfolders; {layout}")
-        exts = _IMAGE_EXTS + _ARRAY_EXTS
-        self.samples: list[tuple[Path, int]] = []
-        for label, name in enumerate(self.classes):
-            files = sorted(f for f in (self.root / name).rglob("*")
-                           if f.is_file() and f.suffix.lower() in exts and not f.name.startswith("."))
-            self.samples.extend((f, label) for f in files)
-        if not self.samples:
-            raise NowdlError(f"--data imagefolder:{self.root}: no {'/'.join(exts)} files in its class subfolders "
-                             f"({', '.join(self.classes[:5])}{', ...' if len(self.classes) > 5 else ''}); {layout}")
-        images = [f for f, _ in self.samples if f.suffix.lower() in _IMAGE_EXTS]
-        if images and _pil() is None:
-            raise NowdlError(
-                f"--data imagefolder:{self.root} holds image files (e.g. {images[0]}) but Pillow is not "
-                "installed: `pip install pillow` (nowdl does not depend on it), or convert the images "
-                "to .npy arrays shaped (C, H, W)"
-            )
-        if images and len(self.sample_shape) != 3:
-            raise NowdlError(f"image files are 2D but --input {'x'.join(map(str, self.sample_shape))} is not "
-                             "CxHxW: use .npy arrays (C, D, H, W) for 3D models")
-        self.sample(0)  # fail now, not mid-run, on a sample of the wrong shape
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def sample(self, index: int) -> torch.Tensor:
-        """Sample ``index`` as a float tensor shaped ``sample_shape`` in ``[0, 1]`` (uint8 inputs)."""
-        path, _ = self.samples[index]
-        t = _load_array(path) if path.suffix.lower() in _ARRAY_EXTS else _load_image(path, self.sample_shape[0])
-        c, spatial = self.sample_shape[0], self.sample_shape[1:]
-        if t.ndim == len(spatial):
-            t = t.unsqueeze(0)
-        if t.ndim != len(self.sample_shape) or t.shape[0] != c:
-            raise NowdlError(f"{path} has shape {tuple(t.shape)} but --input is {'x'.join(map(str, self.sample_shape))} "
-                             f"(channels first): store samples as ({c}, {', '.join('..' for _ in spatial)})")
-        return _fit(t, spatial)
-
-    def _order(self, epoch: int) -> list[int]:
-        return torch.randperm(len(self.samples), generator=_generator(self.seed, -1 - epoch)).tolist()
-
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(self.samples)
-        xs, ys = [], []
-        orders: dict[int, list[int]] = {}
-        for k in range(step * batch_size, (step + 1) * batch_size):
-            epoch, pos = divmod(k, n)
-            if epoch not in orders:
-                orders[epoch] = self._order(epoch)
-            idx = orders[epoch][pos]
-            xs.append(self.sample(idx))
-            ys.append(self.samples[idx][1])
-        return torch.stack(xs), torch.tensor(ys, dtype=torch.long)
-
-
-def _scaled(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.uint8:
-        return t.float() / 255.0
-    if t.dtype == torch.bool:
-        return t.float()
-    return t.float()
-
-
-def _load_array(path: Path) -> torch.Tensor:
-    import numpy as np
-
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise NowdlError(f"cannot read {path} as a .npy array: {e}") from None
-    return _scaled(torch.from_numpy(np.ascontiguousarray(arr)))
-
-
-def _load_image(path: Path, channels: int) -> torch.Tensor:
-    import numpy as np
-
-    image_mod = _pil()
-    modes = {1: "L", 3: "RGB", 4: "RGBA"}
-    if channels not in modes:
-        raise NowdlError(f"{path}: images give 1, 3 or 4 channels but --input has {channels}: use .npy arrays")
-    try:
-        with image_mod.open(path) as img:
-            arr = np.asarray(img.convert(modes[channels]))
-    except OSError as e:
-        raise NowdlError(f"cannot read {path} as an image: {e}") from None
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    t = t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1)
-    return _scaled(t)
-
-
-def _fit(t: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
-    """Resize ``t`` (C, *spatial) so it covers ``size`` keeping its aspect, then centre-crop to it."""
-    have = tuple(t.shape[1:])
-    if have != tuple(size):
-        scale = max(s / h for s, h in zip(size, have, strict=True))
-        new = [max(s, round(h * scale)) for s, h in zip(size, have, strict=True)]
-        if new != list(have):
-            mode = {1: "linear", 2: "bilinear", 3: "trilinear"}.get(len(size), "nearest")
-            kw: dict[str, Any] = {} if mode == "nearest" else {"align_corners": False}
-            t = nn.functional.interpolate(t.unsqueeze(0), size=new, mode=mode, **kw).squeeze(0)
-        starts = [(n - s) // 2 for n, s in zip(t.shape[1:], size, strict=True)]
-        t = t[(slice(None), *(slice(a, a + s) for a, s in zip(starts, size, strict=True)))]
-    return t.contiguous()
-
-
-# ---- the model -----------------------------------------------------------------------------------
-def output_shape(model: nn.Module, sample_shape: Sequence[int]) -> tuple[int, ...]:
-    """The shape of ``model``'s output for a batch of 2 samples, found on meta tensors.
-
-    Raises:
-        NowdlError: the model does not return one tensor.
-    """
-    was_training = model.training
-    model.eval()
-    try:
-        x = torch.empty((2, *sample_shape), device="meta")
-        try:
-            meta = {k: torch.empty_like(v, device="meta")
-                    for k, v in itertools.chain(model.named_parameters(), model.named_buffers())}
-            with torch.no_grad():
-                out = torch.func.functional_call(model, meta, (x,))
-        except Exception:  # an op without a meta kernel: run once on real zeros
-            with torch.no_grad():
-                out = model(torch.zeros((2, *sample_shape)))
-    finally:
-        model.train(was_training)
-    if not isinstance(out, torch.Tensor):
-        raise NowdlError(f"nowdl run trains models that return one tensor; this one returns {type(out).__name__}")
-    return tuple(out.shape)
-
-
-def _builtin_class_arg(spec: str) -> str | None:
-    """The keyword a built-in model takes for its class count (None: not a built-in)."""
-    from nowdl.models import MODELS
-
-    if ":" in spec or spec not in MODELS:
-        return None
-    params = inspect.signature(MODELS[spec]).parameters
-    return next((k for k in ("num_classes", "out_channels") if k in params), None)
-
-
-@dataclass
-class _Source:
-    spec: str
-    model_args: str | None
-    sample_shape: tuple[int, ...]
-    plan_path: str | None
-    plan_config: dict[str, Any] | None
-    plan_batch: int | None
-
-
-def _is_plan_arg(model: str) -> bool:
-    return model.lower().endswith(".json") or (os.path.isfile(model) and ":" not in model)
-
-
-def _sample_shape(text: str | None, default: Sequence[int] | None, what: str) -> tuple[int, ...]:
-    from nowdl.units import parse_shape
-
-    if text is None:
-        if default is None:
-            raise NowdlError(f"give --input CxHxW (one sample's shape, e.g. --input 3x512x512): {what} has no default input")
-        return tuple(default)
-    shape = tuple(parse_shape(text))
-    if default is not None and len(shape) == len(default) + 1 and shape[0] == 1:
-        raise NowdlError(f"--input {text} looks like it has a batch dimension: --input is ONE sample's shape, "
-                         f"e.g. {'x'.join(map(str, shape[1:]))} (the batch is --batch-size)")
-    return shape
-
-
-def _with_num_classes(spec: str, model_args: str | None, num_classes: int | None) -> str | None:
-    """``model_args`` with ``--num-classes`` added for a built-in model that takes it (unless given)."""
-    key = _builtin_class_arg(spec)
-    if num_classes is None or key is None:
-        return model_args
-    try:
-        kwargs = json.loads(model_args) if model_args else {}
-    except json.JSONDecodeError:
-        return model_args  # resolve_model says what is wrong with it
-    if isinstance(kwargs, dict) and key not in kwargs:
-        kwargs[key] = num_classes
-        return json.dumps(kwargs)
-    return model_args
-
-
-def _source(args: argparse.Namespace, ckpt_plan: str | None) -> _Source:
-    """Where the model and the plan come from: MODEL, a plan JSON, or a checkpoint's plan."""
-    from nowdl.models import DEFAULT_INPUTS
-    from nowdl.partitioner.plan import Plan
-
-    plan_path = args.model if _is_plan_arg(args.model) else None
-    margs: str | None
-    if plan_path is not None:
-        plan = Plan.load(plan_path)
-        src = plan.model.get("source")
-        if not isinstance(src, dict) or not isinstance(src.get("spec"), str):
-            raise NowdlError(
-                f"{plan_path} does not record how to build its model ({plan.model.get('name', '?')}): "
-                "re-plan with `nowdl plan MODEL ... --out PLAN.json` (which records it), or run the model "
-                "by name: `nowdl run MODEL --model-args JSON --stages ... --micro-batches ...`"
-            )
-        spec, margs = str(src["spec"]), json.dumps(src.get("args") or {})
-        if args.model_args is not None:
-            try:
-                given = json.loads(args.model_args)
-            except json.JSONDecodeError:
-                given = None
-            if given != (src.get("args") or {}):
-                raise NowdlError(f"--model-args {args.model_args} differ from the ones {plan_path} was made "
-                                 f"with ({margs}): drop --model-args or re-plan")
-    else:
-        spec, margs = args.model, _with_num_classes(args.model, args.model_args, args.num_classes)
-    where = ckpt_plan if ckpt_plan is not None else plan_path
-    if where is None:
-        default_in = DEFAULT_INPUTS.get(spec)
-        shape = _sample_shape(args.input, tuple(default_in[1:]) if default_in else None, spec)
-        return _Source(spec, margs, shape, None, None, None)
-    plan = Plan.load(where)
-    inputs = plan.model.get("inputs") or [[1]]
-    default = tuple(int(d) for d in inputs[0][1:])
-    c = plan.config
-    per = int(inputs[0][0]) * int(c["micro_batches"]) * int(c["replicas"]) * int(c["dp"])
-    shape = _sample_shape(args.input, default, where)
-    if shape != default:
-        raise NowdlError(f"--input {'x'.join(map(str, shape))} differs from the plan's sample shape "
-                         f"{'x'.join(map(str, default))} ({where}): drop --input or re-plan")
-    return _Source(spec, margs, shape, where, dict(c), per)
-
-
-def _check_pins(args: argparse.Namespace, config: dict[str, Any], where: str) -> None:
-    for opt, key in (("stages", "stages"), ("micro_batches", "micro_batches"), ("dp", "dp"),
-                     ("replicas", "replicas"), ("schedule", "schedule")):
-        want = getattr(args, opt)
-        if want is not None and want != config.get(key):
-            flag = "--" + opt.replace("_", "-")
-            raise NowdlError(f"{flag} {want} but the plan in {where} has {key} {config.get(key)}: drop {flag} "
-                             "(the plan fixes it) or use another plan / --checkpoint directory")
-
-
-def _optimizer(name: str, lr: float) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
-    if not (lr > 0 and math.isfinite(lr)):
-        raise NowdlError(f"--lr {lr} must be a positive number")
-
-    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        if name == "adam":
-            return torch.optim.Adam(params, lr=lr)
-        if name == "adamw":
-            return torch.optim.AdamW(params, lr=lr)
-        if name == "momentum":
-            return torch.optim.SGD(params, lr=lr, momentum=0.9)
-        return torch.optim.SGD(params, lr=lr)
-
-    return make
 
 
 # ---- checkpoint state ----------------------------------------------------------------------------
@@ -508,7 +139,7 @@ def run_main(args: argparse.Namespace) -> int:
     data_kind, _, data_path = str(args.data).partition(":")
     if data_kind not in ("synthetic", "imagefolder") or (data_kind == "imagefolder") != bool(data_path):
         raise NowdlError(f"--data {args.data}: use 'synthetic' or 'imagefolder:PATH' (a folder of class subfolders)")
-    optimizer = _optimizer(args.optimizer, args.lr)
+    optimizer = make_optimizer(args.optimizer, args.lr)
 
     world, rank = env.world_size, env.rank
     initialized_here = False
@@ -527,7 +158,7 @@ def run_main(args: argparse.Namespace) -> int:
 
 
 def _plan_on_rank0(model: nn.Module, args: argparse.Namespace, rank: int, world: int, batch: int,
-                   micro_batch: int, src: _Source, optimizer: Any, progress: bool) -> str:
+                   micro_batch: int, src: RunSource, optimizer: Any, progress: bool) -> str:
     """Rank 0 plans one ``micro_batch``-sample micro-batch for a ``batch``-sample step; every rank
     gets the plan JSON (or rank 0's error), through the trainer's ``plan_on_rank0``."""
     import dataclasses
@@ -555,7 +186,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
          optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], data_kind: str, data_path: str,
          compile_params: Any, tmp: Path) -> int:
     import nowdl
-    from nowdl.cli import resolve_model
+    from nowdl.models.resolve import resolve_model
 
     say = rank == 0
     ckpt = Path(args.checkpoint) if args.checkpoint else None
@@ -571,9 +202,9 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         state = state["ok"]
     resume = state is not None
     assert ckpt is not None or not resume
-    src = _source(args, str(ckpt / PLAN_FILE) if resume and ckpt is not None else None)
+    src = run_source(args, str(ckpt / PLAN_FILE) if resume and ckpt is not None else None)
     if src.plan_config is not None:
-        _check_pins(args, src.plan_config, str(src.plan_path))
+        check_pins(args, src.plan_config, str(src.plan_path))
         if src.plan_config.get("gpus") != world:
             g = src.plan_config.get("gpus")
             raise NowdlError(f"the plan in {src.plan_path} needs {g} ranks but this job has {world}: launch with "
