@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,7 +66,7 @@ class CompiledModel:
         self._plans: dict[tuple[tuple[int, ...], ...], Plan] = {}
         self._split: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
         self._trainer: Any = None
-        self.optimizer_factory: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None  # built by compile() over model.parameters()
         self.loss_fn: Any = None
         self.timeout_s = 300.0
         self.backend: str | None = None
@@ -181,9 +181,13 @@ class CompiledModel:
         if self._trainer is None:
             from nowdl.runtime.trainer import Trainer
 
-            self._trainer = Trainer(self, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
+            self._trainer = Trainer(self, optimizer=self.optimizer, loss_fn=self.loss_fn,
                                     timeout_s=self.timeout_s, backend=self.backend)
         return self._trainer
+
+    @property
+    def _ready(self) -> bool:
+        return self._trainer is not None and self._trainer.engine is not None
 
     def train_step(self, x: Any, y: Any) -> float:
         """One optimizer step on the global batch ``x``, ``y`` (every rank passes the same batch;
@@ -192,29 +196,48 @@ class CompiledModel:
             raise NowdlError("train_step needs a loss: nowdl.compile(model, ..., loss_fn=torch.nn.CrossEntropyLoss())")
         return float(self._train().train_step(x, y))
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """This rank's optimizer (over the parameters of the stages it holds), for LR schedulers;
-        None before the first step."""
-        tr = self._trainer
-        return None if tr is None or tr.engine is None else tr.engine.optimizer
-
     def eval_step(self, x: Any) -> Any:
         """Inference on the global batch: outputs on the ranks of the last stage (its part 0, whole
         images, when that stage is spatial), None elsewhere."""
         return self._train().eval_step(x)
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters under their original names; after the first step, the ones this
+        rank trains are the live stage parameters (the others are not updated on this rank)."""
+        live = self._train()._named_held() if self._ready else {}
+        for name, p in self.model.named_parameters():
+            yield name, live.get(name, p)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters of :meth:`named_parameters` (what ``cm.optimizer`` steps)."""
+        for _, p in self.named_parameters():
+            yield p
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights under the original names, on rank 0."""
+        """The whole model's weights under the original names: on rank 0 once training started
+        (``{}`` on the other ranks), on every rank before the first step."""
+        if not self._ready:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return dict(self._train().state_dict())
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load original-name weights; before the first step every rank loads them into the model
+        (and into the stages when they are built)."""
+        if not self._ready:
+            self.model.load_state_dict(sd)
+            self._train().pending_state = dict(sd)
+            return
         self._train().load_state_dict(sd)
 
-    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
-        self._train().save_checkpoint(directory)
+    def save_checkpoint(self, directory: str | os.PathLike[str], *, meta: dict[str, Any] | None = None,
+                        keep: int = 1) -> None:
+        """Save weights, optimizer state and RNG state with torch.distributed.checkpoint (collective,
+        atomic; ``meta``: JSON kept beside it; ``keep``: how many steps to keep). Needs a step first."""
+        self._train().save_checkpoint(directory, extra=meta, keep=keep)
 
     def load_checkpoint(self, directory: str | os.PathLike[str], x: Any = None) -> None:
+        """Resume from ``directory``, saved by any plan of this model (resharded by name); ``x`` (a
+        batch) sets the runtime up when no step ran yet."""
         self._train().load_checkpoint(directory, x)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
@@ -243,6 +266,33 @@ def _optimizer_kind(optimizer: Any) -> str:
     if any(g.get("momentum", 0) for g in probe.param_groups):
         return "momentum"
     return "sgd"
+
+
+_NAMED_OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
+    "adam": lambda ps: torch.optim.Adam(ps),
+    "adamw": lambda ps: torch.optim.AdamW(ps),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+}
+
+
+def _build_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer | None:
+    """The optimizer over ``model.parameters()``: a name (torch's defaults) or a factory's result."""
+    params = list(model.parameters())
+    if not params:
+        return None
+    if isinstance(optimizer, str):
+        if optimizer not in _NAMED_OPTIMIZERS:
+            raise NowdlError(f"unknown optimizer {optimizer!r}: use one of {', '.join(_NAMED_OPTIMIZERS)} or a factory "
+                             "params -> torch.optim.Optimizer")
+        return _NAMED_OPTIMIZERS[optimizer](params)
+    try:
+        opt = optimizer(params)
+    except Exception as e:
+        raise NowdlError(f"the optimizer factory failed on the model's parameters: {type(e).__name__}: {e}") from None
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise NowdlError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    return opt
 
 
 def _spec_for_local_gpu() -> Any:
@@ -374,7 +424,7 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     cm = CompiledModel(model, request=request, plan_path=plan_path, mode=mode, device=device,
                        device_spec=device_spec, optimizer=_optimizer_kind(optimizer), leaf_modules=leaf_modules,
                        tracer=tracer, cache=cache, progress=progress)
-    cm.optimizer_factory = optimizer if callable(optimizer) else None
+    cm.optimizer = _build_optimizer(optimizer, model)
     cm.halo_fusion = check_policy(halo_fusion)
     cm.loss_fn = loss_fn
     cm.timeout_s = timeout_s
