@@ -124,6 +124,14 @@ def stage_color(i: int) -> tuple[float, float, float]:
     return (c[0], c[1], c[2])
 
 
+def _count(n: int) -> str:
+    """38720 -> '38.7k', 3300000 -> '3.3M', 0 -> '0'."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
 def _short(name: str, width: int) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
@@ -156,7 +164,7 @@ def draw_graph(ax: Any, plan: Plan) -> StageGraph:
         lines = [_short(x, chars) for x in b.layers]
         if b.more:
             lines.insert(len(lines) - 1, f"… {b.more} more …")
-        foot = f"{len(s.nodes)} nodes, {s.params / 1e6:.2g}M params"
+        foot = f"{len(s.nodes)} node{'s' if len(s.nodes) != 1 else ''}, {_count(s.params)} params"
         texts.append([b.title, *b.ranks.split("\n"), "", *lines, "", foot])
     height = max(len(t) for t in texts)
     arts = []
