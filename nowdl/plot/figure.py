@@ -24,7 +24,7 @@ def _title(plan: Plan) -> str:
         extra += f", spatial stages {sp['stages']}"
     if int(c.get("dp", 1)) > 1:
         extra += f", dp {c['dp']}"
-    return (f"nowdl plan: {plan.model.get('name', '?')} {shape} on {c['gpus']} GPUs: {c['stages']} stages, "
+    return (f"nowdl plan: {plan.model.get('name', '?')} {shape} on {c['gpus']} GPUs: {c['stages']} stage{'s' if c['stages'] != 1 else ''}, "
             f"{c.get('schedule', '?')}, {c['micro_batches']} micro-batches{extra}; predicted peak "
             f"{format_bytes(pr.get('peak_bytes', 0))}/GPU, step {pr.get('step_s', 0) * 1e3:.0f} ms, "
             f"{pr.get('throughput', 0):.3g} images/s")

@@ -198,6 +198,6 @@ def draw_graph(ax: Any, plan: Plan) -> StageGraph:
     ax.set_xlim(-0.5, k - 0.5)
     ax.set_ylim(-0.45 / graph_height(plan), 1.0)
     ax.axis("off")
-    ax.set_title(f"stage graph: {k} stages, {len(plan.tensors)} cross-stage tensors (bytes per micro-batch)"
+    ax.set_title(f"stage graph: {k} stage{'s' if k != 1 else ''}, {len(plan.tensors)} cross-stage tensors (bytes per micro-batch)"
                  + (f", {len(skips)} long skip(s) sent directly (red)" if skips else ""), fontsize=10, loc="left")
     return g

@@ -133,7 +133,8 @@ def draw_memory(ax: Any, plan: Plan) -> list[RankMemory]:
     ax.set_ylim(0, ylim / scale)
     ax.set_xticks(xs)
     ax.set_xticklabels([f"{b.rank}\n{b.label}" for b in bars], fontsize=7 if len(bars) <= 16 else 5)
-    ax.set_xlim(-0.6, len(bars) - 0.4)
+    pad = max(0.0, (4 - len(bars)) / 2)  # a lone bar is not drawn page-wide
+    ax.set_xlim(-0.6 - pad, len(bars) - 0.4 + pad)
     ax.set_ylabel(f"predicted peak ({unit})")
     ax.set_xlabel("rank / what it holds (sS = stage S, ' = MASTER replica 1, .q = tile q)", fontsize=8)
     dp = int(plan.config.get("dp", 1))
