@@ -113,3 +113,16 @@ def test_report_bad_plot_path(log: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert main(["report", str(log), "--plot", str(tmp_path / "r.xyz")]) == 2
     assert "unknown picture format" in capsys.readouterr().err
     assert not (tmp_path / "r.xyz").exists()
+
+
+def test_report_without_matplotlib(log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    for mod in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    pic = tmp_path / "r.png"
+    assert main(["report", str(log), "--plot", str(pic)]) == 2
+    assert "pip install 'nowdl[plot]'" in capsys.readouterr().err and not pic.exists()
+    assert main(["report", str(log)]) == 0, "the text summary needs no matplotlib"
