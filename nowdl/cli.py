@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
                     "gets what tracing and profiling leave (default 30)")
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
     pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
+    pp.add_argument("--plot", metavar="FILE", help="also draw the plan (memory per rank, schedule, stage graph) "
+                    "into FILE (.png, .svg or .pdf; needs pip install 'nowdl[plot]')")
 
     pc = sub.add_parser("codegen", help="write each stage of a saved plan as Python", epilog=_EPILOG_MODEL,
                         description="Rebuild the plan's model, cut it into the plan's stages and write "
@@ -112,6 +114,15 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--nodes", action="store_true", help="list every stage's nodes")
     ps.add_argument("--schedule", action="store_true",
                     help="after the plan, draw its pipeline schedule (ranks x time steps)")
+    ps.add_argument("--plot", metavar="FILE", help="draw the plan (memory per rank, schedule, stage graph) into "
+                    "FILE (.png, .svg or .pdf; needs pip install 'nowdl[plot]'); see docs/pictures.md")
+
+    pg = sub.add_parser("report", help="summarise (and draw) the metrics log of `nowdl run --log-dir DIR`",
+                        description="Read DIR/metrics.jsonl; print steps, images/s, loss and measured against "
+                        "predicted peak memory per rank.")
+    pg.add_argument("dir", metavar="DIR", help="the --log-dir of a `nowdl run`")
+    pg.add_argument("--plot", metavar="FILE", help="draw loss per step and peak memory per rank into FILE "
+                    "(.png, .svg or .pdf; needs pip install 'nowdl[plot]')")
     return ap
 
 
@@ -196,6 +207,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "show":
         plan = nowdl.Plan.load(args.plan)
+        if args.plot:
+            from nowdl.plot.commands import check_plot
+
+            check_plot(args.plot)
         print(plan)
         if args.nodes:
             for s in plan.stages:
@@ -205,7 +220,15 @@ def _run(args: argparse.Namespace) -> int:
 
             print()
             print(format_plan_schedule(plan))
+        if args.plot:
+            from nowdl.plot.commands import draw_plan
+
+            draw_plan(plan, args.plot)
         return 0
+    if args.command == "report":
+        from nowdl.plot.commands import report_command
+
+        return report_command(args.dir, args.plot)
     if args.command == "codegen":
         return _codegen(args)
     if args.command == "run":
@@ -223,6 +246,10 @@ def _run(args: argparse.Namespace) -> int:
             with open(args.out, "w") as f:
                 f.write(prof.to_json())
         return 0
+    if args.plot:
+        from nowdl.plot.commands import check_plot
+
+        check_plot(args.plot)
     x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate")
     cap = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     cm = nowdl.compile(model, gpus=args.gpus, balance=args.balance, stages=args.stages,
@@ -239,6 +266,10 @@ def _run(args: argparse.Namespace) -> int:
     print(plan.to_json() if args.json else plan)
     if args.out and not args.json:
         print(f"saved {args.out}")
+    if args.plot:
+        from nowdl.plot.commands import draw_plan
+
+        draw_plan(plan, args.plot, quiet=args.json)
     return 0
 
 
