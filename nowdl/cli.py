@@ -6,19 +6,20 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from nowdl.errors import NowdlError
+from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.models.resolve import resolve_model
 from nowdl.units import parse_bytes, parse_parts, parse_shape
 
 __all__ = ["main", "resolve_model"]
 
 _EPILOG_MODEL = (
-    "MODEL is a built-in name (see `nowdl plan --list-models`) or 'package.module:callable' "
+    "MODEL is a built-in name (see `nowdl models`) or 'package.module:callable' "
     "called with --model-args, e.g. monai.networks.nets:UNet --model-args "
     "'{\"spatial_dims\": 2, \"in_channels\": 1, \"out_channels\": 2, \"channels\": [16, 32, 64], \"strides\": [2, 2]}'"
 )
@@ -53,8 +54,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="nowdl", description="Plan pipeline, spatial and data parallelism for CNNs on very large images.")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    from nowdl import __version__
+
+    ap = _Parser(prog="nowdl", description="Plan pipeline, spatial and data parallelism for CNNs on very large images.")
+    ap.add_argument("--version", action="version", version=f"nowdl {__version__} (torch {torch.__version__})")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.add_parser("models", help="list the built-in models and their default inputs",
+                   description="List the built-in model names MODEL accepts, with their default input shapes.")
 
     pp = sub.add_parser("plan", help="plan MODEL for N GPUs and print the plan", epilog=_EPILOG_MODEL,
                         description="Trace, profile and partition MODEL; print the plan (and save it with --out).")
@@ -184,21 +190,53 @@ def _codegen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rank() -> int:
+    """This process's rank as its launcher describes it (0 when alone or unreadable)."""
+    from nowdl.runtime.launch import launch_env
+
+    try:
+        return launch_env().rank
+    except NowdlError:
+        return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors in nowdl's form: one line, on rank 0 only, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        if _rank() == 0:
+            print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _say_error(command: str, e: BaseException, verbose: bool) -> None:
+    """Print ``e`` as one paragraph (rank 0 only): the message first, details with -v."""
+    if _rank() != 0:
+        return
+    print(f"nowdl {command}: error: {error_text(e)}", file=sys.stderr)
+    if verbose:
+        detail = getattr(e, "detail", "") or "".join(traceback.format_exception(e))
+        print(detail, file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `nowdl` console script; returns the exit status."""
+    """Entry point of the `nowdl` console script; returns the exit status (2 on any error)."""
     ap = _parser()
     args = ap.parse_args(argv)
     if args.command is None:
         ap.print_help()
         return 2
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="nowdl: %(name)s: %(message)s")
+    verbose = bool(getattr(args, "verbose", False))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format=f"nowdl[rank {_rank()}]: %(name)s: %(message)s")
     try:
         return _run(args)
-    except NowdlError as e:
-        print(f"nowdl {args.command}: error: {e}", file=sys.stderr)
-        if e.detail and getattr(args, "verbose", False):
-            print(e.detail, file=sys.stderr)
+    except ReportedError:  # printed once for the whole job (runtime/failure.py)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        _say_error(args.command, e, verbose)
         return 2
 
 
@@ -229,6 +267,16 @@ def _run(args: argparse.Namespace) -> int:
         from nowdl.plot.commands import report_command
 
         return report_command(args.dir, args.plot)
+    if args.command == "models":
+        from nowdl.models import DEFAULT_INPUTS, MODELS
+
+        for name in sorted(MODELS):
+            shape = DEFAULT_INPUTS.get(name)
+            doc = (MODELS[name].__doc__ or "").strip().splitlines()
+            print(f"{name:<12} input {'x'.join(map(str, shape)) if shape else '-':<16} {doc[0] if doc else ''}")
+        print("or any 'package.module:callable' returning an nn.Module, e.g. monai.networks.nets:UNet "
+              "with --model-args JSON")
+        return 0
     if args.command == "codegen":
         return _codegen(args)
     if args.command == "run":

@@ -69,9 +69,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nowdl.errors import NowdlError
+from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.runtime.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from nowdl.runtime.data import Batches, ImageFolderData, SyntheticData
+from nowdl.runtime.failure import open_channel
+from nowdl.runtime.launch import PeerError
 from nowdl.runtime.runspec import (
     RunSource,
     check_pins,
@@ -165,10 +167,19 @@ def run_main(args: argparse.Namespace) -> int:
     if world > 1 and not dist.is_initialized():
         init_distributed(timeout_s=args.timeout)
         initialized_here = True
+    channel = open_channel(rank, world, report=lambda m: print(f"nowdl run: error: {m}", file=sys.stderr, flush=True),
+                           timeout_s=args.timeout)
     try:
         with tempfile.TemporaryDirectory(prefix="nowdl-run-") as tmp:
             return _run(args, rank, world, optimizer, data_kind, data_path, compile_params, Path(tmp))
+    except Exception as e:
+        if channel is None:
+            raise
+        channel.fail(error_text(e), consequence=isinstance(e, PeerError))  # rank 0 prints the job's first failure; every rank exits 2
+        raise ReportedError(str(e)) from e
     finally:
+        if channel is not None:
+            channel.close()
         if initialized_here and dist.is_initialized():
             try:
                 dist.destroy_process_group()
