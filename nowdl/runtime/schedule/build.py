@@ -1,25 +1,6 @@
-"""Pipeline schedules: which forward and backward each rank runs, in what order.
+"""Building schedules: GPipe and 1F1B per stage, the GEMS-MASTER merge, and a plan's per-rank actions.
 
-A *schedule* gives every pipeline slot (a rank of data-parallel copy 0 that holds part 0 of its
-stage) the list of actions it executes during one training step. An action is the forward
-(``F``) or backward (``B``) of one stage on one micro-batch, for replica 0 or (GEMS-MASTER)
-replica 1. Three orders are built:
-
-* **GPipe** (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
-  Parallelism", NeurIPS 2019): every stage runs all ``m`` forwards, then all ``m`` backwards.
-  Peak in-flight micro-batches per stage: ``m``.
-* **1F1B** (PipeDream-Flush; Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
-  Training", ICML 2021): stage ``s`` of ``K`` runs ``min(m, K - s)`` warm-up forwards, then
-  alternates one backward and one forward, then drains the remaining backwards. Peak in-flight
-  micro-batches at stage ``s``: ``min(m, K - s)``.
-* **GEMS-MASTER** (Jain et al., "GEMS: GPU-Enabled Memory-Aware Model-Parallelism System for
-  Distributed DNN Training", SC'20), ``replicas=2``: a second, mirrored replica whose stage ``s``
-  lives on the ranks of replica 0's stage ``K-1-s`` (``K`` odd: the middle rank holds both
-  copies of the middle stage). Replica 1 trains on its own ``m`` micro-batches (micro-batches
-  ``m .. 2m-1`` of the global batch; :attr:`Action.microbatch` is the index *within* the
-  replica). A rank's two lists (each a GPipe or 1F1B list) are merged by the time step at which
-  each action runs in its own replica's schedule, replica 0 first on ties. Each replica keeps
-  its own program order, so its in-flight bound is unchanged.
+See :mod:`nowdl.runtime.schedule` for the orders and their in-flight bounds.
 
 [Note: backward order] Backwards run in micro-batch order ``0 .. m-1`` in GPipe and 1F1B alike
 (1F1B does so naturally; GPipe is often drawn with ``m-1 .. 0``). The gradients a stage
@@ -35,136 +16,28 @@ execution order that satisfies the chain's dependencies therefore satisfies the 
 the chain's deadlock-free GPipe and 1F1B orders stay deadlock-free; :func:`simulate` checks it.
 The same argument covers the MASTER merge: sorting all actions by (step in their own replica,
 replica) is a total order in which every dependency comes strictly earlier.
-
-:func:`simulate` runs a schedule in unit time steps under blocking-receive semantics (an action
-runs once every action it depends on ran at an earlier step, and only after the actions before
-it on its rank); :func:`format_grid` draws the result, rows = ranks, columns = steps, like
-``torch.distributed.pipelining``'s schedule printouts.
-
-Example:
-    >>> print(format_grid(simulate(one_f_one_b(4, 4), chain_deps(4))))
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from nowdl.errors import NowdlError
+from nowdl.runtime.schedule.deps import (
+    SCHEDULES,
+    Action,
+    Deps,
+    Schedule,
+    ScheduleError,
+    chain_deps,
+    stage_deps,
+)
+from nowdl.runtime.schedule.simulate import simulate
 
 if TYPE_CHECKING:
     from nowdl.partitioner.plan import Plan
 
-__all__ = [
-    "Action",
-    "Schedule",
-    "Deps",
-    "ScheduleError",
-    "SCHEDULES",
-    "LEGEND",
-    "stage_deps",
-    "chain_deps",
-    "dag_deps",
-    "stage_actions",
-    "gpipe",
-    "one_f_one_b",
-    "build_schedule",
-    "rank_actions",
-    "validate_schedule",
-    "simulate",
-    "inflight_peaks",
-    "format_grid",
-    "format_plan_schedule",
-]
-
-SCHEDULES = ("gpipe", "1f1b")
-
-LEGEND = (
-    "legend: sFi = forward of stage s on micro-batch i, sBi = its backward, one action per step;\n"
-    "        a prime (') marks replica 1 (GEMS-MASTER, its own micro-batches); blank = idle"
-)
-
-
-class ScheduleError(NowdlError):
-    """A schedule is malformed, incomplete, or deadlocks (the message names the stuck ranks).
-
-    Attributes:
-        stuck: rank -> the action it is blocked at (empty unless the schedule deadlocked).
-        step: the time step at which no rank could progress (-1 if not a deadlock).
-    """
-
-    def __init__(self, message: str, *, stuck: Mapping[int, Action] | None = None, step: int = -1) -> None:
-        super().__init__(message)
-        self.stuck: dict[int, Action] = dict(stuck or {})
-        self.step = step
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    """One forward (``"F"``) or backward (``"B"``) of ``stage`` on ``microbatch``.
-
-    ``microbatch`` is the index within the replica (0 .. m-1). ``str()`` gives ``"2F0"`` (stage 2,
-    forward, micro-batch 0) and ``"2F0'"`` for replica 1.
-    """
-
-    kind: str
-    stage: int
-    microbatch: int
-    replica: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("F", "B"):
-            raise ScheduleError(f"action kind must be 'F' or 'B', got {self.kind!r}")
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}" + "'" * self.replica
-
-
-Schedule: TypeAlias = dict[int, list[Action]]
-"""Pipeline slot (rank of dp copy 0 holding part 0 of its stages) -> actions in execution order."""
-
-Deps: TypeAlias = tuple[dict[int, set[int]], dict[int, set[int]]]
-"""(stage -> producer stages, stage -> consumer stages), as :func:`stage_deps` returns."""
-
-
-# ---- stage dependency graphs -------------------------------------------------------------------
-def stage_deps(plan: Plan) -> Deps:
-    """The stage DAG of ``plan``: (stage -> producer stages, stage -> consumer stages).
-
-    Built from ``plan.tensors`` (long skips included); tensors from or to a stage outside
-    ``0 .. K-1`` (model inputs, placeholders: stage -1) and self-edges are ignored. Every stage
-    appears as a key of both maps.
-    """
-    k = len(plan.stages)
-    return dag_deps(k, ((t.from_stage, j) for t in plan.tensors for j in t.to_stages))
-
-
-def chain_deps(k: int) -> Deps:
-    """The dependencies of a simple chain ``0 -> 1 -> ... -> K-1``."""
-    return dag_deps(k, ((s, s + 1) for s in range(k - 1)))
-
-
-def dag_deps(k: int, edges: Iterable[tuple[int, int]]) -> Deps:
-    """Dependencies of ``k`` stages from ``(producer, consumer)`` stage edges.
-
-    Edges with an end outside ``0 .. k-1`` or from a stage to itself are ignored.
-
-    Raises:
-        ScheduleError: an edge goes backward (consumer < producer): pipelines need forward edges.
-    """
-    if k < 1:
-        raise ScheduleError(f"a pipeline needs at least one stage, got {k}")
-    producers: dict[int, set[int]] = {s: set() for s in range(k)}
-    consumers: dict[int, set[int]] = {s: set() for s in range(k)}
-    for src, dst in edges:
-        if src < 0 or dst < 0 or src >= k or dst >= k or src == dst:
-            continue
-        if dst < src:
-            raise ScheduleError(f"stage edge {src} -> {dst} goes backward: every edge must go to a later stage")
-        producers[dst].add(src)
-        consumers[src].add(dst)
-    return producers, consumers
+__all__ = ["stage_actions", "gpipe", "one_f_one_b", "build_schedule", "rank_actions"]
 
 
 def _num_stages(deps: Deps) -> int:
@@ -336,181 +209,3 @@ def rank_actions(plan: Plan, global_rank: int, schedule: Schedule | None = None)
         return []
     return [a for a in sched[slots.pop()] if (a.replica, a.stage) in held]
 
-
-# ---- checking and simulation ----------------------------------------------------------------------
-def validate_schedule(schedule: Schedule, k: int, m: int, replicas: int = 1) -> None:
-    """Check every (replica, stage, micro-batch) forward and backward appears exactly once, F before B.
-
-    Raises:
-        ScheduleError: naming the missing, duplicated, unexpected or misordered actions.
-    """
-    want = {Action(kd, s, i, r) for r in range(replicas) for s in range(k) for i in range(m) for kd in "FB"}
-    where: dict[Action, tuple[int, int]] = {}
-    problems: list[str] = []
-    for rank, acts in schedule.items():
-        for pos, a in enumerate(acts):
-            if a in where:
-                problems.append(f"{a} twice (rank {where[a][0]} and rank {rank})")
-            elif a not in want:
-                problems.append(f"unexpected {a} on rank {rank}")
-            where[a] = (rank, pos)
-    missing = sorted(want - set(where), key=lambda a: (a.replica, a.stage, a.microbatch, a.kind != "F"))
-    if missing:
-        shown = ", ".join(str(a) for a in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        problems.append(f"missing {shown}")
-    for a, (rank, pos) in where.items():
-        if a.kind == "B":
-            f = Action("F", a.stage, a.microbatch, a.replica)
-            if f in where and where[f][0] == rank and where[f][1] > pos:
-                problems.append(f"{a} before {f} on rank {rank}")
-    if problems:
-        raise ScheduleError("invalid schedule: " + "; ".join(problems))
-
-
-def _deps_of(a: Action, deps: Deps) -> list[Action]:
-    producers, consumers = deps
-    if a.kind == "F":
-        return [Action("F", p, a.microbatch, a.replica) for p in sorted(producers.get(a.stage, ()))]
-    return [Action("F", a.stage, a.microbatch, a.replica)] + [
-        Action("B", c, a.microbatch, a.replica) for c in sorted(consumers.get(a.stage, ()))
-    ]
-
-
-def simulate(schedule: Schedule, plan: Plan | Deps) -> list[dict[int, Action | None]]:
-    """Run ``schedule`` in unit time steps; returns one {rank: action or None (idle)} per step.
-
-    Each step, every rank runs its next action if all the actions it depends on ran at an
-    earlier step: ``F(s, i)`` needs ``F(p, i)`` for every producer stage ``p`` of ``s``;
-    ``B(s, i)`` needs ``F(s, i)`` and ``B(c, i)`` for every consumer stage ``c`` (a stage without
-    consumers, like the last, needs only its forward); all within the same replica.
-
-    Args:
-        plan: a Plan (its stage DAG is used) or the dependencies themselves (:func:`stage_deps`,
-            :func:`chain_deps`, :func:`dag_deps`).
-
-    Raises:
-        ScheduleError: an action is listed twice, or the schedule deadlocks; the message names
-            every stuck rank, the action it is blocked at and what that action waits for.
-    """
-    deps: Deps = plan if isinstance(plan, tuple) else stage_deps(plan)
-    ranks = sorted(schedule)
-    seen: dict[Action, int] = {}
-    for r in ranks:
-        for a in schedule[r]:
-            if a in seen:
-                raise ScheduleError(f"{a} is scheduled twice (rank {seen[a]} and rank {r})")
-            seen[a] = r
-    total = len(seen)
-    done: set[Action] = set()
-    pos = dict.fromkeys(ranks, 0)
-    steps: list[dict[int, Action | None]] = []
-    while len(done) < total:
-        row: dict[int, Action | None] = {}
-        for r in ranks:
-            nxt = schedule[r][pos[r]] if pos[r] < len(schedule[r]) else None
-            row[r] = nxt if nxt is not None and all(d in done for d in _deps_of(nxt, deps)) else None
-        if all(x is None for x in row.values()):
-            stuck = {r: schedule[r][pos[r]] for r in ranks if pos[r] < len(schedule[r])}
-            parts = []
-            for r, blocked in stuck.items():
-                waits = [f"{d}" + ("" if d in seen else " (never scheduled)")
-                         for d in _deps_of(blocked, deps) if d not in done]
-                parts.append(f"rank {r} at {blocked} (waits for {', '.join(waits)})")
-            raise ScheduleError(
-                f"the schedule deadlocks at step {len(steps)} after {len(done)} of {total} actions: "
-                + "; ".join(parts),
-                stuck=stuck, step=len(steps),
-            )
-        for r, ran in row.items():
-            if ran is not None:
-                done.add(ran)
-                pos[r] += 1
-        steps.append(row)
-    return steps
-
-
-def inflight_peaks(steps: Sequence[Mapping[int, Action | None]]) -> dict[tuple[int, int], int]:
-    """(replica, stage) -> the most micro-batches whose forward ran but backward did not yet."""
-    live: dict[tuple[int, int], int] = {}
-    peak: dict[tuple[int, int], int] = {}
-    for row in steps:
-        for a in row.values():
-            if a is None:
-                continue
-            key = (a.replica, a.stage)
-            live[key] = live.get(key, 0) + (1 if a.kind == "F" else -1)
-            peak[key] = max(peak.get(key, 0), live[key])
-    return peak
-
-
-# ---- display ------------------------------------------------------------------------------------------
-def format_grid(steps: Sequence[Mapping[int, Action | None]], *, failed: tuple[int, int] | None = None,
-                labels: Mapping[int, str] | None = None) -> str:
-    """Draw a simulated schedule: one row per rank, one column per time step.
-
-    Cells read ``0F1`` (stage 0 forward of micro-batch 1), ``2B0'`` (replica 1) or are blank
-    (idle).
-
-    Args:
-        failed: (rank, step) where a run failed: that cell is marked ``!`` and a note follows.
-        labels: rank -> row label (default ``"rank R"``).
-    """
-    ranks = sorted({r for row in steps for r in row} | ({failed[0]} if failed else set()))
-    lab = {r: (labels or {}).get(r, f"rank {r}") for r in ranks}
-    cells = [[str(row.get(r) or "") for row in steps] for r in ranks]
-    n = len(steps)
-    if failed is not None and failed[1] >= n:
-        for c in cells:
-            c.extend([""] * (failed[1] + 1 - n))
-        n = failed[1] + 1
-    if failed is not None:
-        i = ranks.index(failed[0])
-        cells[i][failed[1]] += "!"
-    width = max([len(str(max(n - 1, 0)))] + [len(c) for row in cells for c in row]) + 1
-    lw = max([len("step")] + [len(v) for v in lab.values()])
-    lines = [f"{'step':<{lw}} |" + "".join(f"{t:>{width}}" for t in range(n))]
-    lines.append("-" * len(lines[0]))
-    for r, row in zip(ranks, cells, strict=True):
-        lines.append(f"{lab[r]:<{lw}} |" + "".join(f"{c:>{width}}" for c in row).rstrip())
-    if failed is not None:
-        act = steps[failed[1]].get(failed[0]) if failed[1] < len(steps) else None
-        lines.append(f"! rank {failed[0]} failed at step {failed[1]}" + (f" while running {act}" if act else ""))
-    return "\n".join(lines)
-
-
-def _rank_span(ranks: Sequence[int]) -> str:
-    rs = sorted(ranks)
-    if len(rs) == 1:
-        return f"rank {rs[0]}"
-    if rs == list(range(rs[0], rs[-1] + 1)):
-        return f"ranks {rs[0]}-{rs[-1]}"
-    return "ranks " + ",".join(str(r) for r in rs)
-
-
-def format_plan_schedule(plan: Plan) -> str:
-    """The schedule of ``plan`` as text: a title, the grid of :func:`simulate`, and a legend."""
-    name, k, m, replicas = _plan_params(plan)
-    sched = build_schedule(plan)
-    steps = simulate(sched, plan)
-    validate_schedule(sched, k, m, replicas)
-    owner = _slot_owners(plan)
-    group: dict[int, list[int]] = {slot: [] for slot in sched}
-    for rp in plan.ranks:
-        if rp.dp != 0 or not rp.stages:
-            continue
-        slots = {owner[(int(e.get("replica", 0)), int(e["stage"]))] for e in rp.stages}
-        for slot in slots:
-            group[slot].append(rp.rank)
-    labels = {slot: _rank_span(group[slot] or [slot]) for slot in sched}
-    busy = sum(1 for row in steps for a in row.values() if a is not None)
-    cells = max(1, len(steps) * len(sched))
-    title = (f"schedule: {name}{' + GEMS-MASTER' if replicas == 2 else ''}, {k} stage{'s' if k > 1 else ''}, {m} micro-batches"
-             f"{' per replica' if replicas == 2 else ''}: {len(steps)} steps of one action each, "
-             f"{1 - busy / cells:.0%} idle")
-    notes = [LEGEND]
-    if any(len(g) > 1 for g in group.values()):
-        notes.append("a row with several ranks is a spatial stage: its tiles run the same actions in step")
-    dp = int(plan.config.get("dp", 1))
-    if dp > 1:
-        notes.append(f"data-parallel copies 1..{dp - 1} run the same schedule on their own ranks")
-    return "\n".join([title, format_grid(steps, labels=labels), *notes])
