@@ -40,7 +40,8 @@ MAX_LINES = 400
 LEAVES = ("nowdl.errors", "nowdl.units", "nowdl.functional", "nowdl.geometry", "nowdl.models")
 LAYERS = {
     "nowdl.trace": 0,
-    "nowdl.tracing": 0,
+    "nowdl.trace_check": 0,
+    "nowdl.trace_where": 0,
     "nowdl.exported": 0,
     "nowdl.profiler": 1,
     "nowdl.partitioner": 2,
