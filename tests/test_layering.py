@@ -60,7 +60,9 @@ KNOWN: dict[str, set[tuple[str, ...]]] = {
     "upward": {
         # runtime/trainer.py: `if TYPE_CHECKING: from nowdl.api import CompiledModel`
         ("nowdl.runtime.trainer", "nowdl.api"),
-        # runtime/run.py: lazy `import nowdl` (for nowdl.compile / nowdl.Plan) reaches the top
+        # runtime/run.py: three lazy `import nowdl`, to call nowdl.compile (the api layer) and
+        # name nowdl.Plan: `nowdl run` plans through the public API. Fix there: take Plan from
+        # nowdl.partitioner.plan and move the planning call (or run.py) up to the api/cli layer.
         ("nowdl.runtime.run", "nowdl"),
     },
     "cycle": {
