@@ -48,6 +48,8 @@ LAYERS = {
     "nowdl.codegen": 3,
     "nowdl.runtime": 4,
     "nowdl.api": 5,
+    "nowdl.plot": 5,  # pictures of plans and runs: reads plans and schedules, used by the cli
+    "nowdl.report": 5,
     "nowdl.cli": 5,
     "nowdl.__main__": 5,
     "nowdl": 5,
@@ -58,20 +60,16 @@ LEAF = -1
 # Each entry must still be needed (see test_known_entries_are_needed); empty after merging.
 KNOWN: dict[str, set[tuple[str, ...]]] = {
     "upward": {
-        # runtime/trainer.py: `if TYPE_CHECKING: from nowdl.api import CompiledModel`
-        ("nowdl.runtime.trainer", "nowdl.api"),
         # runtime/run.py: three lazy `import nowdl`, to call nowdl.compile (the api layer) and
         # name nowdl.Plan: `nowdl run` plans through the public API. Fix there: take Plan from
         # nowdl.partitioner.plan and move the planning call (or run.py) up to the api/cli layer.
         ("nowdl.runtime.run", "nowdl"),
     },
-    "cycle": {
-        # trainer -> api (TYPE_CHECKING) and api -> runtime.trainer (lazy, in CompiledModel)
-        ("nowdl.api", "nowdl.runtime.trainer"),
-    },
+    "cycle": set(),
     "long": {
         ("nowdl/runtime/engine.py",),  # 690 lines, being split by the engine branch
         ("nowdl/api.py",),  # 410 lines, being split by the api branch
+        ("nowdl/runtime/run.py",),  # moves up to the cli layer once the data-path branch has merged
     },
 }
 
