@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from nowdl.errors import NowdlError, PlanError
+from nowdl.optimizers import build_optimizer, optimizer_kind
 from nowdl.partitioner.config import PlanRequest
 from nowdl.partitioner.costmodel import Costs, tied_nodes
 from nowdl.partitioner.fusion import check_policy, choose_fusion
@@ -23,6 +23,7 @@ from nowdl.partitioner.search import build_plan, timed_search
 from nowdl.partitioner.spatial import spatial_rules
 from nowdl.profiler import check_precision
 from nowdl.profiler.cost import Profile
+from nowdl.progress import Progress
 from nowdl.trace import Traced, trace
 from nowdl.units import parse_bytes
 
@@ -149,7 +150,7 @@ class CompiledModel:
         # time_limit bounds the whole plan() call: the search gets what tracing and profiling
         # left of it (less a second for the MILP's read-back and tie-breaks)
         left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)
-        bar = _Progress("planning", enabled=self.progress)
+        bar = Progress("planning", enabled=self.progress)
         try:
             result, secs = timed_search(costs, dataclasses.replace(req, time_limit=left), progress=bar.update)
         finally:
@@ -250,51 +251,6 @@ class CompiledModel:
         return self._split[key](*inputs)
 
 
-def _optimizer_kind(optimizer: Any) -> str:
-    """The optimizer-state family ("sgd", "momentum", "adam") of a name or a factory."""
-    if isinstance(optimizer, str):
-        return optimizer
-    if not callable(optimizer):
-        raise NowdlError(f"optimizer must be a name ('sgd', 'momentum', 'adam') or a callable "
-                         f"params -> torch.optim.Optimizer, got {type(optimizer).__name__}")
-    probe = optimizer([nn.Parameter(torch.zeros(1))])
-    if not isinstance(probe, torch.optim.Optimizer):
-        raise NowdlError(f"the optimizer factory returned {type(probe).__name__}, not a torch.optim.Optimizer")
-    name = type(probe).__name__.lower()
-    if "adam" in name:
-        return "adam"
-    if any(g.get("momentum", 0) for g in probe.param_groups):
-        return "momentum"
-    return "sgd"
-
-
-_NAMED_OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
-    "adam": lambda ps: torch.optim.Adam(ps),
-    "adamw": lambda ps: torch.optim.AdamW(ps),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
-    "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
-}
-
-
-def _build_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer | None:
-    """The optimizer over ``model.parameters()``: a name (torch's defaults) or a factory's result."""
-    params = list(model.parameters())
-    if not params:
-        return None
-    if isinstance(optimizer, str):
-        if optimizer not in _NAMED_OPTIMIZERS:
-            raise NowdlError(f"unknown optimizer {optimizer!r}: use one of {', '.join(_NAMED_OPTIMIZERS)} or a factory "
-                             "params -> torch.optim.Optimizer")
-        return _NAMED_OPTIMIZERS[optimizer](params)
-    try:
-        opt = optimizer(params)
-    except Exception as e:
-        raise NowdlError(f"the optimizer factory failed on the model's parameters: {type(e).__name__}: {e}") from None
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise NowdlError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
-    return opt
-
-
 def _spec_for_local_gpu() -> Any:
     from nowdl.profiler import get_device_spec
 
@@ -304,29 +260,6 @@ def _spec_for_local_gpu() -> Any:
             if key in name:
                 return get_device_spec(key)
     return get_device_spec("h100")
-
-
-class _Progress:
-    """A tqdm bar on stderr for long searches, silent when not a terminal or disabled."""
-
-    def __init__(self, desc: str, *, enabled: bool) -> None:
-        self.desc = desc
-        self.enabled = enabled and sys.stderr.isatty()
-        self._bar: Any = None
-
-    def update(self, done: int, total: int) -> None:
-        if not self.enabled or total < 8:
-            return
-        if self._bar is None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=self.desc, unit="config", leave=False, file=sys.stderr)
-        self._bar.n = done
-        self._bar.refresh()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
@@ -422,9 +355,9 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
                               spatial_parts=_parts_arg(spatial_parts),
                               spatial_stages=spatial_stages, slice=slice, gpu_memory=cap, time_limit=time_limit)
     cm = CompiledModel(model, request=request, plan_path=plan_path, mode=mode, device=device,
-                       device_spec=device_spec, optimizer=_optimizer_kind(optimizer), leaf_modules=leaf_modules,
+                       device_spec=device_spec, optimizer=optimizer_kind(optimizer), leaf_modules=leaf_modules,
                        tracer=tracer, cache=cache, progress=progress)
-    cm.optimizer = _build_optimizer(optimizer, model)
+    cm.optimizer = build_optimizer(optimizer, model)
     cm.halo_fusion = check_policy(halo_fusion)
     cm.loss_fn = loss_fn
     cm.timeout_s = timeout_s
