@@ -30,7 +30,7 @@ __all__ = ["FailureChannel", "ACK_WAIT_S", "open_channel"]
 
 #: Seconds a failing rank waits for rank 0 to print its message before exiting anyway.
 ACK_WAIT_S = 30.0
-_POLL = timedelta(seconds=2)
+_POLL_S = 0.5
 _GRACE_S = 1.0
 
 
@@ -54,8 +54,10 @@ class FailureChannel:
         return self
 
     def close(self) -> None:
-        """Stop watching (the run ended normally)."""
+        """Stop watching (the run ended normally); the watcher is never left inside a store call."""
         self._done.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * _POLL_S)
 
     def post(self, message: str) -> str:
         """Post this rank's failure; returns the job's first one (``"rank R: ..."``)."""
@@ -96,11 +98,14 @@ class FailureChannel:
             pass
 
     def _watch(self) -> None:
-        while not self._done.is_set():
+        # polls with a quick check rather than a blocking store wait: a thread parked inside a
+        # C++ store call when the interpreter exits aborts the process
+        while not self._done.wait(_POLL_S):
             try:
-                self.store.wait([self._key], _POLL)
+                if not self.store.check([self._key]):
+                    continue
             except Exception:
-                continue  # nothing posted yet (or the store is gone: the main thread will fail on its own)
+                return  # the store is gone (its host exited): the main thread fails on its own
             if self._done.is_set():
                 return
             try:
