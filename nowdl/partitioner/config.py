@@ -43,12 +43,14 @@ class PlanRequest:
     gpu_memory: float | None = None  # bytes; None: the device's memory
     time_limit: float = 30.0
     global_batch: int | None = None  # samples per optimizer step: micro-batch x m x replicas x dp must equal it
+    nodes: int | None = None  # cluster nodes (None: from gpus_per_node or the device spec's node)
+    gpus_per_node: int | None = None  # GPUs per node (None: the device spec's node, e.g. 8 for h100)
 
     def __post_init__(self) -> None:
         _pos_int("gpus", self.gpus, allow_none=False)
         if self.balance not in BALANCES:
             raise NowdlError(f"unknown balance {self.balance!r}: use 'memory' (smallest peak memory per GPU) or 'compute' (fastest stage time)")
-        for name in ("stages", "micro_batches", "replicas", "dp", "global_batch"):
+        for name in ("stages", "micro_batches", "replicas", "dp", "global_batch", "nodes", "gpus_per_node"):
             _pos_int(name, getattr(self, name))
         if isinstance(self.spatial_parts, (list, tuple)):
             sp = tuple(self.spatial_parts)
@@ -76,6 +78,11 @@ class PlanRequest:
             raise NowdlError(f"gpu_memory must be a positive number of bytes (e.g. 80 * 2**30), got {self.gpu_memory!r}")
         if self.dp is not None and self.gpus % self.dp:
             raise NowdlError(f"dp ({self.dp}) must divide gpus ({self.gpus}): dp * ranks per pipeline == gpus")
+        if self.nodes is not None and self.gpus_per_node is not None and self.nodes * self.gpus_per_node != self.gpus:
+            raise NowdlError(f"nodes ({self.nodes}) x gpus_per_node ({self.gpus_per_node}) = "
+                             f"{self.nodes * self.gpus_per_node} GPUs, but gpus is {self.gpus}: give nodes x "
+                             f"gpus_per_node = gpus (e.g. --nodes {max(1, self.gpus // self.gpus_per_node)} "
+                             f"--gpus-per-node {self.gpus_per_node})")
         if self.time_limit <= 0:
             raise NowdlError(f"time_limit must be positive seconds, got {self.time_limit}")
 

@@ -29,7 +29,7 @@ from nowdl.errors import InfeasibleError, NowdlError
 from nowdl.partitioner.assemble import SearchResult, build_plan
 from nowdl.partitioner.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.config import Candidate, PlanRequest, enumerate_candidates
-from nowdl.partitioner.costmodel import Costs, build_problem, predict_step
+from nowdl.partitioner.costmodel import Costs, build_problem, grad_sync_s, predict_step
 from nowdl.partitioner.plan import format_bytes
 from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.solve import SolveCache, final_split, proven, solve
@@ -68,7 +68,7 @@ class _Eval:
             return 0.0  # the MILP's memory optimum may be slower than the heuristic split
         c = self.cand
         params = sum(n.param_bytes for n in costs.profile.nodes)
-        sync = (2 * (c.dp - 1) / c.dp * params + (params if c.replicas == 2 else 0.0)) / costs.link_bw
+        sync = grad_sync_s(costs, c, [params] * c.stages, [params] * c.stages)  # an upper bound
         step = (c.micro_batches + c.stages - 1) * self.part.bottleneck_time + sync
         return batch * c.micro_batches * c.replicas * c.dp / step if step > 0 else math.inf
 
