@@ -44,6 +44,7 @@ def build_plan(
     parts = cand.stage_parts()
     groups = cand.group_sizes()
     lay = layout_of(costs, cand)  # [Note: placement]: on one node, rank = d x rpp + slot start + q
+    rank_of = lay.rank_of
     sums = stage_sums(costs, cand, part.stage_of)
     sp_dims = max(1, len(prof.input_shapes[0]) - 2) if prof.input_shapes else 2
     stage_nodes: list[list[str]] = [[] for _ in range(k)]
@@ -54,7 +55,7 @@ def build_plan(
     for s in range(k):
         comm = part.stage_time[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"])
         stages.append(StagePlan(
-            index=s, nodes=stage_nodes[s], ranks=[lay.rank_of[(0, s, q)] for q in range(parts[s])],
+            index=s, nodes=stage_nodes[s], ranks=[rank_of[(0, s, q)] for q in range(parts[s])],
             parts=parts[s], slice=cand.slice if parts[s] > 1 else None,
             grid=list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 else [],
             params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
@@ -76,7 +77,7 @@ def build_plan(
                 if cand.replicas == 2 and q < parts[k - 1 - j]:
                     held.append({"replica": 1, "stage": k - 1 - j, "part": q})
                 ranks.append(RankPlan(
-                    rank=lay.rank_of[(d, j, q)], dp=d, stages=held,
+                    rank=rank_of[(d, j, q)], dp=d, stages=held,
                     predicted_peak_bytes=sum(part.stage_mem[h["stage"]] for h in held),
                     predicted_time_s=sum(part.stage_time[h["stage"]] for h in held),
                 ))

@@ -191,12 +191,31 @@ def _tapers(pinned_tapers: list[tuple[int, ...]], parts: int, front: int, *, pin
     return out
 
 
+def _ranks_of(k: int, rep: int, parts: int, front: int, back: int, taper: tuple[int, ...]) -> int:
+    """``Candidate.ranks_per_pipeline()`` in O(front + back): only slots touching a spatial stage
+    hold more than one rank."""
+    def p(s: int) -> int:
+        if s < front:
+            return taper[s] if taper else parts
+        if s >= k - back:
+            return taper[k - 1 - s] if taper else parts
+        return 1
+
+    special = {*range(front), *range(k - back, k)}
+    if rep == 2:
+        special |= {k - 1 - j for j in special}
+        return k - len(special) + sum(max(p(j), p(k - 1 - j)) for j in special)
+    return k - len(special) + sum(p(j) for j in special)
+
+
 def _stage_counts(req: PlanRequest, ranks: int, rep: int, dp: int, parts: int, front: int, back: int,
                   taper: tuple[int, ...], tileable_back: bool, mbs: Sequence[int], scheds: Sequence[str], slice_: str,
                   micro_batch: int, max_stages: int | None, seen: set[Candidate]) -> Iterator[Candidate]:
     for k in range(1, min(ranks, max_stages or ranks) + 1):
         if req.stages and k != req.stages:
             continue
+        if front + back <= k and _ranks_of(k, rep, parts, front, back, taper) != ranks:
+            continue  # the check below, without building the candidates
         if rep == 2 and k < 2:
             continue
         if front + back > k or (front and front + back == k and not tileable_back):

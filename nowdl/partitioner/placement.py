@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from nowdl.partitioner.config import Candidate, PlanRequest
 from nowdl.profiler.topology import Link, Topology, make_topology, node_spec_for
@@ -59,6 +61,14 @@ def _slot_order(cand: Candidate, topo: Topology) -> list[int]:
 
 def _pack(sizes: Sequence[int], per_node: int) -> list[int]:
     """Order of units (by index) so that each unit of size <= per_node sits inside one node."""
+    fill, fits = 0, True
+    for s in sizes:  # the order as given, when no unit straddles a node it could fit in
+        if (s <= per_node and fill + s > per_node) or (s > per_node and fill):
+            fits = False
+            break
+        fill = (fill + s) % per_node
+    if fits:
+        return list(range(len(sizes)))
     queues: dict[int, deque[int]] = {}
     for i, s in enumerate(sizes):
         queues.setdefault(s, deque()).append(i)
@@ -77,11 +87,18 @@ def _pack(sizes: Sequence[int], per_node: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Layout:
-    """Ranks of one candidate on one topology: ``rank_of[(d, j, q)]`` for copy d, slot j, tile q."""
+    """Ranks of one candidate on one topology: slot j of copy d holds ranks ``start[(d, j)] + q``."""
 
     cand: Candidate
     topo: Topology
-    rank_of: dict[tuple[int, int, int], int]
+    start: dict[tuple[int, int], int]  # (dp copy, slot) -> its first rank (a slot's tiles are consecutive)
+    parts: tuple[int, ...]  # tiles of each stage
+    groups: tuple[int, ...]  # ranks of each slot
+
+    @property
+    def rank_of(self) -> dict[tuple[int, int, int], int]:
+        """(dp copy, slot, tile) -> global rank."""
+        return {(d, j, q): r0 + q for (d, j), r0 in self.start.items() for q in range(self.groups[j])}
 
     def node(self, rank: int) -> int:
         return self.topo.node_of(rank)
@@ -91,63 +108,90 @@ class Layout:
 
     def group(self, d: int, rep: int, stage: int) -> list[int]:
         """Ranks of the tiles of ``stage`` (replica ``rep``) in data-parallel copy ``d``."""
-        j = self.slot(rep, stage)
-        return [self.rank_of[(d, j, q)] for q in range(self.cand.stage_parts()[stage])]
+        r0 = self.start[(d, self.slot(rep, stage))]
+        return list(range(r0, r0 + self.parts[stage]))
 
-    def _nodes(self, ranks: Iterable[int]) -> set[int]:
-        return {self.node(r) for r in ranks}
+    def _span(self, d: int, rep: int, stage: int) -> tuple[int, int]:
+        r0 = self.start[(d, self.slot(rep, stage))]
+        return self.node(r0), self.node(r0 + self.parts[stage] - 1)
 
     def _copies(self) -> list[tuple[int, int]]:
         return [(d, rep) for d in range(self.cand.dp) for rep in range(self.cand.replicas)]
 
+    @functools.cached_property
+    def _crossings(self) -> tuple[list[bool], list[bool]]:
+        """(tiles span nodes, a chain boundary crosses nodes) per stage, over every copy."""
+        return _crossings(self.cand.stages, self.cand.replicas, self.cand.dp, self.parts,
+                          tuple(sorted(self.start.items())), self.topo.gpus_per_node)
+
     def tiles_cross(self, stage: int) -> bool:
         """Does a tile group of ``stage`` span several nodes (its halos cross the inter link)?"""
-        return any(len(self._nodes(self.group(d, r, stage))) > 1 for d, r in self._copies())
+        return self._crossings[0][stage]
 
     def boundary_cross(self, stage: int) -> bool:
         """Does a boundary tensor into or out of ``stage`` (next stages in the chain) cross nodes?"""
-        k = self.cand.stages
-        for d, r in self._copies():
-            mine = self.group(d, r, stage)
-            for other in (stage - 1, stage + 1):
-                if 0 <= other < k and len(self._nodes(mine + self.group(d, r, other))) > 1:
-                    return True
-        return False
+        return self._crossings[1][stage]
 
     def master_cross(self, stage: int) -> bool:
         """MASTER: are the two replicas of ``stage`` (slots s and K-1-s) on different nodes?"""
         if self.cand.replicas != 2:
             return False
-        return any(len(self._nodes(self.group(d, 0, stage) + self.group(d, 1, stage))) > 1
-                   for d in range(self.cand.dp))
+        return any(len({*self._span(d, 0, stage), *self._span(d, 1, stage)}) > 1 for d in range(self.cand.dp))
 
     def dp_members(self, slot: int) -> list[list[int]]:
         """For each tile q of ``slot``: members of its data-parallel group on each node spanned."""
         out = []
-        for q in range(self.cand.group_sizes()[slot]):
+        for q in range(self.groups[slot]):
             count: dict[int, int] = {}
             for d in range(self.cand.dp):
-                n = self.node(self.rank_of[(d, slot, q)])
+                n = self.node(self.start[(d, slot)] + q)
                 count[n] = count.get(n, 0) + 1
-            out.append(sorted(count.values(), reverse=True))
+            members = sorted(count.values(), reverse=True)
+            if members not in out:
+                out.append(members)
         return out
 
 
-@functools.lru_cache(maxsize=256)
-def place(cand: Candidate, topo: Topology) -> Layout:
-    """The layout of [Note: placement] for ``cand`` on ``topo``."""
-    groups = cand.group_sizes()
-    order = _slot_order(cand, topo)
-    units = [(d, j) for d in range(cand.dp) for j in order]
-    if topo.multi_node:
-        units = [units[i] for i in _pack([groups[j] for _, j in units], topo.gpus_per_node)]
-    rank_of: dict[tuple[int, int, int], int] = {}
+@functools.lru_cache(maxsize=1024)
+def _crossings(k: int, replicas: int, dp: int, parts: tuple[int, ...], start: tuple[tuple[tuple[int, int], int], ...],
+               per_node: int) -> tuple[list[bool], list[bool]]:
+    first = np.zeros((dp, k), dtype=np.int64)
+    for (d, j), r0 in start:
+        first[d, j] = r0
+    p = np.asarray(parts, dtype=np.int64)
+    tiles = np.zeros(k, dtype=bool)
+    edge = np.zeros(k, dtype=bool)
+    for rep in range(replicas):
+        slots = np.arange(k) if rep == 0 else k - 1 - np.arange(k)
+        lo = first[:, slots] // per_node  # dp x k: node of each stage's first tile
+        hi = (first[:, slots] + p - 1) // per_node
+        tiles |= (lo != hi).any(axis=0)
+        if k > 1:
+            cross = ((lo[:, :-1] != hi[:, :-1]) | (lo[:, 1:] != hi[:, 1:]) | (lo[:, :-1] != lo[:, 1:])).any(axis=0)
+            edge[:-1] |= cross
+            edge[1:] |= cross
+    return tiles.tolist(), edge.tolist()
+
+
+@functools.lru_cache(maxsize=1024)
+def _starts(groups: tuple[int, ...], order: tuple[int, ...], dp: int, per_node: int,
+            multi: bool) -> dict[tuple[int, int], int]:
+    units = [(d, j) for d in range(dp) for j in order]
+    if multi:
+        units = [units[i] for i in _pack([groups[j] for _, j in units], per_node)]
+    start: dict[tuple[int, int], int] = {}
     r = 0
     for d, j in units:
-        for q in range(groups[j]):
-            rank_of[(d, j, q)] = r
-            r += 1
-    return Layout(cand, topo, rank_of)
+        start[(d, j)] = r
+        r += groups[j]
+    return start
+
+
+def place(cand: Candidate, topo: Topology) -> Layout:
+    """The layout of [Note: placement] for ``cand`` on ``topo``."""
+    groups = tuple(cand.group_sizes())
+    start = _starts(groups, tuple(_slot_order(cand, topo)), cand.dp, topo.gpus_per_node, topo.multi_node)
+    return Layout(cand, topo, start, tuple(cand.stage_parts()), groups)
 
 
 def allreduce_s(nbytes: float, members: Sequence[int], topo: Topology) -> float:
