@@ -224,3 +224,21 @@ def test_plans_without_topology_load_as_one_node(capsys: pytest.CaptureFixture[s
     assert "one node holds every rank" in format_node_map(plan)
     assert main(["show", str(out)]) == 0
     assert "node 0: ranks 0,1: dp0:s0, dp0:s1" in capsys.readouterr().out
+
+
+def test_the_64_h100_experiments_keep_their_halos_where_the_node_map_says() -> None:
+    plan = nowdl.Plan.load(ROOT / "experiments" / "unet_8192_64gpu_h100.json")
+    topo = plan.topology
+    assert (topo["nodes"], topo["gpus_per_node"]) == (8, 8)
+    groups = [[r.rank for r in plan.ranks if r.dp == d] for d in range(plan.config["dp"])]
+    assert all(len({topo["node_of_rank"][r] for r in g}) == 1 for g in groups)  # every tile group in one node
+    assert cross_node_bytes(plan)["halo"] == 0 and topo["cross_node_bytes"]["halo"] == 0
+    text = format_node_map(plan)
+    assert "node 0: ranks 0-7: dp0:s0 tiles 0-3, dp1:s0 tiles 0-3" in text and "halo 0 B" in text
+    big = nowdl.Plan.load(ROOT / "experiments" / "unet_16384_64gpu_h100.json")
+    assert big.stages[0].parts == 16 and big.topology["nodes"] == 8
+    assert "node 1: ranks 8-15: dp0:s0 tiles 8-15" in format_node_map(big)  # 16 tiles fill two nodes, by rows
+    # only the middle row boundary of the 4 x 4 grid crosses: 10 of the 42 neighbouring tile pairs (4 vertical, 6 diagonal)
+    per_rank = big.stages[0].predicted["halo_bytes"]
+    m, dp = big.config["micro_batches"], big.config["dp"]
+    assert cross_node_bytes(big)["halo"] == pytest.approx(per_rank * 16 * 10 / 42 * m * dp)

@@ -130,11 +130,9 @@ _NODE_VARS: dict[str, tuple[str, str]] = {
 
 
 def _node_vars(env: Mapping[str, str], launcher: str, rank: int, world: int) -> tuple[int | None, int | None]:
-    """(node rank, processes per node) as the launcher tells them; None where it does not.
-
-    Slurm writes SLURM_NTASKS_PER_NODE as ``2`` or ``2(x4)`` (2 tasks on each of 4 nodes);
-    without a node-rank variable the node is rank // processes per node (block placement).
-    """
+    """(node rank, processes per node) as the launcher tells them, None where it does not. Slurm
+    writes SLURM_NTASKS_PER_NODE as ``2`` or ``2(x4)``; without a node-rank variable the node is
+    rank // processes per node (block placement)."""
     node_var, size_var = _NODE_VARS[launcher]
     size: int | None = None
     raw = env.get(size_var, "").strip()
