@@ -23,5 +23,7 @@ run unet_2048_8gpu_memory unet --input 1x3x2048x2048 --gpus 8 --balance memory -
 run unet_2048_8gpu_searched unet --input 1x3x2048x2048 --gpus 8 --balance memory
 # a 16384x16384 UNet on 64 H100s (80 GiB each), estimate mode: spatial tiles are a must here
 run unet_16384_64gpu_h100 unet --input 1x3x16384x16384 --gpus 64 --balance memory --gpu-memory 80GiB
+# the same UNet at 8192x8192 on 64 H100s (8 DGX nodes): 4-tile groups, each inside one node (no halo crosses nodes)
+run unet_8192_64gpu_h100 unet --input 1x3x8192x8192 --gpus 64 --nodes 8 --gpus-per-node 8 --balance memory --gpu-memory 80GiB
 # UNet at 8192x8192: encoder stages on 4 then 2 tiles, the mirrored decoder on 2 then 4 (12 GPUs)
 run unet_8192_sp4x2 unet --input 1x3x8192x8192 --gpus 12 --stages 4 --spatial-parts 4,2 --dp 1 --replicas 1

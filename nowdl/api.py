@@ -18,6 +18,7 @@ from nowdl.optimizers import build_optimizer, optimizer_kind
 from nowdl.partitioner.config import PlanRequest
 from nowdl.partitioner.costmodel import Costs, tied_nodes
 from nowdl.partitioner.fusion import check_policy, choose_fusion
+from nowdl.partitioner.placement import request_topology
 from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.search import build_plan, timed_search
 from nowdl.partitioner.spatial import spatial_rules
@@ -146,7 +147,7 @@ class CompiledModel:
         req = self.request
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         costs = Costs(profile=prof, rules=spatial_rules(t.gm), link_bw=float(spec.link_bw), mem_cap=cap,
-                      tied=tied_nodes(t.gm))
+                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec))
         # time_limit bounds the whole plan() call: the search gets what tracing and profiling
         # left of it (less a second for the MILP's read-back and tie-breaks)
         left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)
@@ -292,6 +293,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     backend: str | None = None,
     precision: str = "fp32",
     activation_checkpointing: bool | Sequence[int] = False,
+    nodes: int | None = None,
+    gpus_per_node: int | None = None,
 ) -> CompiledModel:
     """Prepare ``model`` for ``gpus`` GPUs; plans lazily on the first example input.
 
@@ -323,6 +326,9 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
             to the configuration search, whose MILP (graphs with too many ideals for the exact
             DP) shares it among the best few configurations; a solve stopped by it reports
             status "feasible" and its gap.
+        nodes, gpus_per_node: the cluster (nodes x gpus_per_node must equal gpus); default:
+            the device spec's node (h100/h200: 8-GPU DGX H100, a100: DGX A100) when it divides
+            gpus, else one node. Placement and link costs follow it (docs/multinode.md).
 
     Returns:
         A CompiledModel; ``cm.plan(x)`` gives the Plan.
@@ -353,7 +359,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         request = PlanRequest(gpus=gpus, balance=balance, stages=stages, micro_batches=micro_batches,
                               schedule=schedule, replicas=replicas, dp=dp,
                               spatial_parts=_parts_arg(spatial_parts),
-                              spatial_stages=spatial_stages, slice=slice, gpu_memory=cap, time_limit=time_limit)
+                              spatial_stages=spatial_stages, slice=slice, gpu_memory=cap, time_limit=time_limit,
+                              nodes=nodes, gpus_per_node=gpus_per_node)
     cm = CompiledModel(model, request=request, plan_path=plan_path, mode=mode, device=device,
                        device_spec=device_spec, optimizer=optimizer_kind(optimizer), leaf_modules=leaf_modules,
                        tracer=tracer, cache=cache, progress=progress)

@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--slice", choices=("vertical", "horizontal", "square", "depth", "cube"), help="tile shape (default square)")
     pp.add_argument("--replicas", type=int, choices=(1, 2), help="2: GEMS-MASTER mirrored second replica")
     pp.add_argument("--dp", type=int, help="pin the data-parallel degree")
+    pp.add_argument("--nodes", type=int, help="cluster nodes; nodes x --gpus-per-node must equal --gpus "
+                    "(default: the device spec's node, e.g. 8-GPU DGX H100 nodes for h100, when it divides --gpus)")
+    pp.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the device spec's node, else all on one)")
     pp.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="plan for mixed-precision training: activations and sent tensors at that width (autocast), "
                          "weights, gradients and optimizer state in float32 (default fp32)")
@@ -253,6 +256,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.nodes:
             for s in plan.stages:
                 print(f"stage {s.index}: {' '.join(s.nodes)}")
+        from nowdl.partitioner.traffic import format_node_map
+
+        print(format_node_map(plan))
         if args.schedule:
             from nowdl.runtime.schedule import format_plan_schedule
 
@@ -305,7 +311,8 @@ def _run(args: argparse.Namespace) -> int:
                        dp=args.dp, spatial_parts=args.spatial_parts, spatial_stages=args.spatial_stages,
                        slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
                        device_spec=args.device_spec, optimizer=args.optimizer, time_limit=args.time_limit,
-                       cache=cache, halo_fusion=args.halo_fusion, precision=args.precision)
+                       cache=cache, halo_fusion=args.halo_fusion, precision=args.precision,
+                       nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     plan = cm.plan(x)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 from nowdl.partitioner.breakdown import stage_memory
 from nowdl.partitioner.config import Candidate, PlanRequest
-from nowdl.partitioner.costmodel import Costs, stage_sums
+from nowdl.partitioner.costmodel import Costs, layout_of, stage_sums
 from nowdl.partitioner.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
 from nowdl.partitioner.problem import Partition
 from nowdl.partitioner.spatial import slice_grid
+from nowdl.partitioner.traffic import cross_node_bytes, halo_bytes, together_groups
 
 __all__ = ["SearchResult", "build_plan"]
 
@@ -43,19 +44,20 @@ def build_plan(
     k = cand.stages
     parts = cand.stage_parts()
     groups = cand.group_sizes()
-    rpp = sum(groups)
-    group_start = [sum(groups[:j]) for j in range(k)]
+    lay = layout_of(costs, cand)  # [Note: placement]: on one node, rank = d x rpp + slot start + q
+    rank_of = lay.rank_of
     sums = stage_sums(costs, cand, part.stage_of)
     mem = stage_memory(costs, cand, part.stage_of)  # [Note: memory breakdown]
     sp_dims = max(1, len(prof.input_shapes[0]) - 2) if prof.input_shapes else 2
     stage_nodes: list[list[str]] = [[] for _ in range(k)]
     for i, n in enumerate(prof.nodes):
         stage_nodes[part.stage_of[i]].append(n.name)
+    halo = halo_bytes(costs, cand, part.stage_of)
     stages = []
     for s in range(k):
         comm = part.stage_time[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"])
         stages.append(StagePlan(
-            index=s, nodes=stage_nodes[s], ranks=list(range(group_start[s], group_start[s] + parts[s])),
+            index=s, nodes=stage_nodes[s], ranks=[rank_of[(0, s, q)] for q in range(parts[s])],
             parts=parts[s], slice=cand.slice if parts[s] > 1 else None,
             grid=list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 else [],
             params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
@@ -64,7 +66,7 @@ def build_plan(
                 "peak_bytes": part.stage_mem[s], "static_bytes": sums[s]["static_bytes"],
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
                 "comm_s": max(0.0, comm), "time_s": part.stage_time[s],
-                "inflight": float(cand.inflight()[s]),
+                "inflight": float(cand.inflight()[s]), "halo_bytes": halo[s],
                 **mem[s],
             },
         ))
@@ -78,10 +80,11 @@ def build_plan(
                 if cand.replicas == 2 and q < parts[k - 1 - j]:
                     held.append({"replica": 1, "stage": k - 1 - j, "part": q})
                 ranks.append(RankPlan(
-                    rank=d * rpp + group_start[j] + q, dp=d, stages=held,
+                    rank=rank_of[(d, j, q)], dp=d, stages=held,
                     predicted_peak_bytes=sum(part.stage_mem[h["stage"]] for h in held),
                     predicted_time_s=sum(part.stage_time[h["stage"]] for h in held),
                 ))
+    ranks.sort(key=lambda r: r.rank)
     consumers: dict[int, set[int]] = {}
     index = {n.name: i for i, n in enumerate(prof.nodes)}
     for u, v in prof.edges:
@@ -102,7 +105,9 @@ def build_plan(
         "pinned": {key: getattr(req, key) for key in ("stages", "micro_batches", "schedule", "replicas", "dp",
                                                      "spatial_parts", "spatial_stages", "slice") if getattr(req, key) is not None},
     }
-    return Plan(
+    topology = lay.topo.to_dict()
+    topology["node_of_rank"] = [lay.node(r.rank) for r in ranks]
+    plan = Plan(
         model=dict(model_info), profile=dict(profile_info), config=config, stages=stages, ranks=ranks,
         tensors=tensors, schedule={"name": cand.schedule, "micro_batches": cand.micro_batches,
                                    "inflight": cand.inflight()},
@@ -110,5 +115,8 @@ def build_plan(
         solver={"name": part.solver, "status": part.status, "gap": part.gap, "seconds": round(solver_seconds, 3),
                 "ilp_seconds": round(part.seconds, 3), "candidates": result.screened,
                 "search": dict(result.stats)},
-        version=PLAN_VERSION, created_by=created_by, warnings=list(result.warnings),
+        version=PLAN_VERSION, created_by=created_by, warnings=list(result.warnings), topology=topology,
     )
+    plan.topology["together"] = together_groups(plan)
+    plan.topology["cross_node_bytes"] = cross_node_bytes(plan)
+    return plan

@@ -17,6 +17,7 @@ O(n K) numpy per candidate.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +59,8 @@ def candidate_bounds(costs: Costs, cand: Candidate, problem: Problem, batch: int
         times.append(np.asarray(vec.time, dtype=np.float64))
         mems.append(static + spec.inflight * np.asarray(vec.act, dtype=np.float64))
     ranks = problem.rank_stages()
-    mult = [sum(r.count(s) for r in ranks) for s in range(problem.k)]
+    held = Counter(s for r in ranks for s in r)
+    mult = [held[s] for s in range(problem.k)]
     share = min(mult) / len(ranks)
     t_min = _cheapest(problem, allowed, times)
     m_min = _cheapest(problem, allowed, mems)

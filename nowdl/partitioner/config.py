@@ -43,12 +43,14 @@ class PlanRequest:
     gpu_memory: float | None = None  # bytes; None: the device's memory
     time_limit: float = 30.0
     global_batch: int | None = None  # samples per optimizer step: micro-batch x m x replicas x dp must equal it
+    nodes: int | None = None  # cluster nodes (None: from gpus_per_node or the device spec's node)
+    gpus_per_node: int | None = None  # GPUs per node (None: the device spec's node, e.g. 8 for h100)
 
     def __post_init__(self) -> None:
         _pos_int("gpus", self.gpus, allow_none=False)
         if self.balance not in BALANCES:
             raise NowdlError(f"unknown balance {self.balance!r}: use 'memory' (smallest peak memory per GPU) or 'compute' (fastest stage time)")
-        for name in ("stages", "micro_batches", "replicas", "dp", "global_batch"):
+        for name in ("stages", "micro_batches", "replicas", "dp", "global_batch", "nodes", "gpus_per_node"):
             _pos_int(name, getattr(self, name))
         if isinstance(self.spatial_parts, (list, tuple)):
             sp = tuple(self.spatial_parts)
@@ -76,6 +78,11 @@ class PlanRequest:
             raise NowdlError(f"gpu_memory must be a positive number of bytes (e.g. 80 * 2**30), got {self.gpu_memory!r}")
         if self.dp is not None and self.gpus % self.dp:
             raise NowdlError(f"dp ({self.dp}) must divide gpus ({self.gpus}): dp * ranks per pipeline == gpus")
+        if self.nodes is not None and self.gpus_per_node is not None and self.nodes * self.gpus_per_node != self.gpus:
+            raise NowdlError(f"nodes ({self.nodes}) x gpus_per_node ({self.gpus_per_node}) = "
+                             f"{self.nodes * self.gpus_per_node} GPUs, but gpus is {self.gpus}: give nodes x "
+                             f"gpus_per_node = gpus (e.g. --nodes {max(1, self.gpus // self.gpus_per_node)} "
+                             f"--gpus-per-node {self.gpus_per_node})")
         if self.time_limit <= 0:
             raise NowdlError(f"time_limit must be positive seconds, got {self.time_limit}")
 
@@ -184,12 +191,31 @@ def _tapers(pinned_tapers: list[tuple[int, ...]], parts: int, front: int, *, pin
     return out
 
 
+def _ranks_of(k: int, rep: int, parts: int, front: int, back: int, taper: tuple[int, ...]) -> int:
+    """``Candidate.ranks_per_pipeline()`` in O(front + back): only slots touching a spatial stage
+    hold more than one rank."""
+    def p(s: int) -> int:
+        if s < front:
+            return taper[s] if taper else parts
+        if s >= k - back:
+            return taper[k - 1 - s] if taper else parts
+        return 1
+
+    special = {*range(front), *range(k - back, k)}
+    if rep == 2:
+        special |= {k - 1 - j for j in special}
+        return k - len(special) + sum(max(p(j), p(k - 1 - j)) for j in special)
+    return k - len(special) + sum(p(j) for j in special)
+
+
 def _stage_counts(req: PlanRequest, ranks: int, rep: int, dp: int, parts: int, front: int, back: int,
                   taper: tuple[int, ...], tileable_back: bool, mbs: Sequence[int], scheds: Sequence[str], slice_: str,
                   micro_batch: int, max_stages: int | None, seen: set[Candidate]) -> Iterator[Candidate]:
     for k in range(1, min(ranks, max_stages or ranks) + 1):
         if req.stages and k != req.stages:
             continue
+        if front + back <= k and _ranks_of(k, rep, parts, front, back, taper) != ranks:
+            continue  # the check below, without building the candidates
         if rep == 2 and k < 2:
             continue
         if front + back > k or (front and front + back == k and not tileable_back):

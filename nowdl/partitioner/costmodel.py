@@ -5,6 +5,14 @@ time, workspace and boundary tensors are divided by P, and a node with a spatial
 (conv, pool, bilinear upsample) adds its halo: the padded input it saves (memory) and the
 halo it receives and, in backward, sends back (link time, plus a fixed latency per exchange).
 Parameters are not divided: every tile rank holds the full weights.
+
+[Note: links per crossing] With a topology (``Costs.topology``, [Note: topology]) every
+message is charged at the link it crosses under the candidate's placement ([Note:
+placement]): a tile group spanning nodes pays its halos at the inter-node bandwidth and
+latency; a stage with a boundary tensor to or from another node pays all its boundary bytes
+at the inter-node bandwidth (conservative: one rate per stage); the data-parallel all-reduce
+is hierarchical (``placement.allreduce_s``); MASTER's gradient exchange pays the link between
+the two replicas of each stage. On one node every figure is what it was without a topology.
 """
 
 from __future__ import annotations
@@ -17,12 +25,14 @@ import torch
 from torch import fx
 
 from nowdl.partitioner.config import Candidate
+from nowdl.partitioner.placement import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid
 from nowdl.profiler.cost import Profile
+from nowdl.profiler.topology import Topology
 
 __all__ = ["Costs", "build_problem", "predict_step", "tied_nodes", "HALO_LATENCY_S",
-           "spatial_dims_of", "dtype_bytes"]
+           "spatial_dims_of", "dtype_bytes", "layout_of", "grad_sync_s"]
 
 HALO_LATENCY_S = 10e-6  # per halo exchange (one message round to the neighbours)
 
@@ -36,6 +46,11 @@ class Costs:
     link_bw: float  # bytes/s between GPUs
     mem_cap: float | None
     tied: tuple[tuple[str, ...], ...] = ()  # node groups sharing a weight (``tied_nodes``)
+    topology: Topology | None = None  # None: one node, every message at link_bw
+
+    def topo(self, gpus: int) -> Topology:
+        """The cluster, or one flat node of ``gpus`` ranks at ``link_bw`` when none was given."""
+        return self.topology if self.topology is not None else flat_topology(gpus, self.link_bw)
 
     @property
     def names(self) -> list[str]:
@@ -53,7 +68,13 @@ def dtype_bytes(dtype: str) -> int:
     return {"float16": 2, "bfloat16": 2, "float64": 8, "int64": 8}.get(dtype.replace("torch.", ""), 4)
 
 
-def _tiled_vectors(costs: Costs, parts: int, slice_: str) -> NodeVectors:
+def layout_of(costs: Costs, cand: Candidate) -> Layout:
+    """Where ``cand``'s ranks sit ([Note: placement])."""
+    return place(cand, costs.topo(cand.ranks_per_pipeline() * cand.dp))
+
+
+def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None = None,
+                   latency_s: float = HALO_LATENCY_S) -> NodeVectors:
     prof = costs.profile
     grid = slice_grid(slice_, parts, spatial_dims_of(prof))
     producers: dict[str, str] = {}
@@ -71,7 +92,7 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str) -> NodeVectors:
                 hb = halo_elements(shape, grid, rule.halo) * dtype_bytes(prof[src].out_dtype)
                 if n.saved_bytes:
                     a += hb  # the padded input tile is what the op saves
-                t += 2 * hb / costs.link_bw + 2 * HALO_LATENCY_S
+                t += 2 * hb / (link_bw or costs.link_bw) + 2 * latency_s
         act.append(a)
         time.append(t)
         ws.append(n.workspace_bytes / parts)
@@ -94,13 +115,21 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
         )
     }
     parts = cand.stage_parts()
+    lay = layout_of(costs, cand)
+    multi = lay.topo.multi_node
+    cross_tiles = [multi and parts[s] > 1 and lay.tiles_cross(s) for s in range(cand.stages)]
+    cross_edge = [multi and lay.boundary_cross(s) for s in range(cand.stages)]
     for p in sorted(set(parts) - {1}):
         variants[f"tiled{p}"] = _tiled_vectors(costs, p, cand.slice)
-    link = 2.0 / costs.link_bw  # activation forward + gradient backward
+        if any(c for s, c in enumerate(cross_tiles) if parts[s] == p):
+            inter = lay.topo.inter
+            variants[f"tiled{p}-inter"] = _tiled_vectors(costs, p, cand.slice, inter.bw, inter.latency_s)
     inflight = cand.inflight()
-    stages = [
-        StageSpec(inflight=inflight[s], variant=f"tiled{parts[s]}" if parts[s] > 1 else "plain",
-                  spatial=parts[s] > 1, link_s_per_byte=link)
+    stages = [  # activation forward + gradient backward, at the link each stage's boundaries cross
+        StageSpec(inflight=inflight[s],
+                  variant=(f"tiled{parts[s]}" + ("-inter" if cross_tiles[s] else "")) if parts[s] > 1 else "plain",
+                  spatial=parts[s] > 1,
+                  link_s_per_byte=2.0 / (lay.topo.inter.bw if cross_edge[s] else costs.link_bw))
         for s in range(cand.stages)
     ]
     k = cand.stages
@@ -175,12 +204,7 @@ def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> 
     stage_param = [0.0] * k
     for i, n in enumerate(prof.nodes):
         stage_param[part.stage_of[i]] += n.param_bytes
-    rank_param = [stage_param[j] + (stage_param[k - 1 - j] if cand.replicas == 2 else 0.0) for j in range(k)]
-    sync = 0.0
-    if cand.dp > 1:
-        sync += 2 * (cand.dp - 1) / cand.dp * max(rank_param) / costs.link_bw
-    if cand.replicas == 2:
-        sync += max(stage_param) / costs.link_bw
+    sync = grad_sync_s(costs, cand, stage_param)
     step = (m + k - 1) * part.bottleneck_time + sync
     global_batch = batch * m * cand.replicas * cand.dp
     return {
@@ -191,6 +215,27 @@ def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> 
         "bubble": (k - 1) / (m + k - 1),
         "grad_sync_s": sync,
     }
+
+
+def grad_sync_s(costs: Costs, cand: Candidate, stage_param: Sequence[float],
+                rank_param: Sequence[float] | None = None) -> float:
+    """Gradient synchronisation per step: the data-parallel all-reduce of every slot's
+    gradients (hierarchical across nodes, ``placement.allreduce_s``), plus MASTER's exchange of
+    each stage's gradients between its two replicas, at the link between them. Monotone in
+    ``stage_param`` and ``rank_param`` (per slot; default: its stages' sum), so the search
+    bounds it with every stage and every rank holding all parameters."""
+    k = cand.stages
+    lay = layout_of(costs, cand)
+    topo = lay.topo
+    sync = 0.0
+    if cand.dp > 1:
+        if rank_param is None:
+            rank_param = [stage_param[j] + (stage_param[k - 1 - j] if cand.replicas == 2 else 0.0) for j in range(k)]
+        sync += max(allreduce_s(rank_param[j], members, topo) for j in range(k) for members in lay.dp_members(j))
+    if cand.replicas == 2:
+        sync += max(stage_param[s] / topo.inter.bw + topo.inter.latency_s if lay.master_cross(s)
+                    else stage_param[s] / costs.link_bw for s in range(k))
+    return sync
 
 
 def stage_sums(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[dict[str, float]]:

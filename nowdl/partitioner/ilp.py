@@ -60,6 +60,11 @@ def _gib(x: float) -> str:
     return f"{x:.6g} bytes ({x / 2**30:.3f} GiB)"
 
 
+def _short_cap_message(problem: Problem) -> str:
+    return (f"No partition keeps every GPU within the memory cap of {_gib(float(problem.mem_cap or 0.0))} "
+            f"({problem.n} nodes in {problem.k} stages)")
+
+
 def _cap_message(problem: Problem, time_limit: float, solver: str, threads: int) -> str:
     cap = float(problem.mem_cap or 0.0)
     relaxed = dataclasses.replace(problem, objective="memory", mem_cap=None)
@@ -105,6 +110,7 @@ def solve_ilp(
     warm_start: bool = True,
     start: Partition | None = None,
     spread: bool = True,
+    explain: bool = True,
 ) -> Partition:
     """Optimal convex split of the DAG into K stages by MILP (see [Note: ILP formulation]).
 
@@ -128,6 +134,8 @@ def solve_ilp(
         warm_start: start the solver from the best known split.
         start: a known split of this problem (a heuristic's); None: run the DP for one.
         spread: solve the spread level (no idle GPU) after the tie-break.
+        explain: when nothing fits the cap, solve again without it to say what would fit
+            (False: a short message; the configuration search screens many candidates).
 
     Returns:
         The Partition (evaluated with ``evaluate()``): status "optimal" when the solver
@@ -170,7 +178,8 @@ def solve_ilp(
     except ConstantViolation:
         if problem.mem_cap is None:  # pragma: no cover - stage_ranges() rules this out
             raise
-        raise InfeasibleError(_cap_message(problem, time_limit, name, threads)) from None
+        raise InfeasibleError(_cap_message(problem, time_limit, name, threads) if explain
+                              else _short_cap_message(problem)) from None
     n_bin = sum(1 for v in model.prob.variables() if v.cat == pulp.LpInteger)
     log.info(
         "ilp: %s, n=%d K=%d: %d variables (%d binary), %d constraints, built in %.2f s",
@@ -190,7 +199,7 @@ def solve_ilp(
         if problem.mem_cap is None:  # pragma: no cover - stage_ranges() rules this out
             raise InfeasibleError(f"the MILP is infeasible without a memory cap ({run.detail})")
         left = max(time_limit - (time.perf_counter() - t0), min(time_limit, 5.0))
-        raise InfeasibleError(_cap_message(problem, left, name, threads))
+        raise InfeasibleError(_cap_message(problem, left, name, threads) if explain else _short_cap_message(problem))
     if run.state in ("none", "error"):
         if dp_part is None:
             raise InfeasibleError(

@@ -20,7 +20,7 @@ from nowdl.errors import PlanError
 __all__ = ["Plan", "StagePlan", "TensorPlan", "RankPlan", "PLAN_VERSION", "format_bytes"]
 
 PLAN_FORMAT = "nowdl.plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: "topology" (nodes, links, rank -> node map); ranks may be placed out of order
 
 
 def format_bytes(n: float) -> str:
@@ -110,6 +110,7 @@ class Plan:
     version: int = PLAN_VERSION
     created_by: str = ""
     warnings: list[str] = field(default_factory=list)  # e.g. GPUs left idle (see nowdl plan)
+    topology: dict[str, Any] = field(default_factory=dict)  # nodes, links, node_of_rank ({}: one node)
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -129,6 +130,8 @@ class Plan:
         }
         if self.warnings:
             d["warnings"] = list(self.warnings)
+        if self.topology:
+            d["topology"] = self.topology
         return d
 
     def to_json(self) -> str:
@@ -180,10 +183,13 @@ class Plan:
         warn = d.get("warnings", [])  # absent in plans written before warnings existed
         if not isinstance(warn, list) or not all(isinstance(w, str) for w in warn):
             raise PlanError(f"{source}: 'warnings' must be a list of strings")
+        topo = d.get("topology", {})  # absent before version 2: one node holds every rank
+        if not isinstance(topo, dict):
+            raise PlanError(f"{source}: 'topology' must be an object, got {type(topo).__name__}")
         plan = cls(model=d["model"], profile=d["profile"], config=d["config"], stages=stages,
                    ranks=ranks, tensors=tensors, schedule=d["schedule"], predicted=d["predicted"],
                    solver=d["solver"], version=v, created_by=str(d.get("created_by", "")),
-                   warnings=list(warn))
+                   warnings=list(warn), topology=dict(topo))
         plan.validate(source=source)
         return plan
 
@@ -247,6 +253,10 @@ class Plan:
         for t in self.tensors:
             if t.from_stage not in range(k) or any(j not in range(k) or j <= t.from_stage for j in t.to_stages):
                 raise PlanError(f"{source}: tensor {t.producer!r} goes from stage {t.from_stage} to {t.to_stages}")
+        if self.topology:
+            from nowdl.partitioner.traffic import check_topology
+
+            check_topology(self, source=source)
 
     @property
     def fingerprint(self) -> str:
@@ -339,6 +349,14 @@ class Plan:
             + (f", {self.solver['candidates']} configurations searched" if self.solver.get("candidates") else "")
             + _search_text(self.solver.get("search"))
         )
+        if self.topology.get("nodes", 1) > 1:
+            cross = self.topology.get("cross_node_bytes") or {}
+            lines.append(
+                f"topology: {self.topology['nodes']} nodes x {self.topology.get('gpus_per_node')} GPUs "
+                f"({self.topology.get('name', '?')}); bytes per step crossing nodes: halo "
+                f"{format_bytes(cross.get('halo', 0))}, boundary {format_bytes(cross.get('boundary', 0))}, dp all-reduce "
+                f"{format_bytes(cross.get('dp_allreduce', 0))}, MASTER {format_bytes(cross.get('master', 0))} "
+                "(nowdl show: the rank -> node map)")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 

@@ -5,7 +5,8 @@ replicas, dp, spatial layout) gets cheap bounds first ([Note: candidate bounds])
 bound on its throughput and a lower bound on its memory. Candidates are then taken best
 bound first and solved by ``solve(..., ilp=False)``: the exact DP over ideals where the
 graph allows (then the candidate's value is proven), else a heuristic split (DP over a
-topological order, MASTER descent). The search stops as soon as no remaining candidate's
+topological order, MASTER descent; where none fits the cap, a MILP of at most
+``SCREEN_MILP_S`` seconds). The search stops as soon as no remaining candidate's
 bound can beat the best proven-achievable throughput of a candidate that leaves no GPU idle
 (with balance "compute" a heuristic's time is achievable, so it prunes too). Only
 candidates whose value is not proven and that may beat the best proven one go to the MILP
@@ -29,17 +30,18 @@ from nowdl.errors import InfeasibleError, NowdlError
 from nowdl.partitioner.assemble import SearchResult, build_plan
 from nowdl.partitioner.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.config import Candidate, PlanRequest, enumerate_candidates
-from nowdl.partitioner.costmodel import Costs, build_problem, predict_step
+from nowdl.partitioner.costmodel import Costs, build_problem, grad_sync_s, predict_step
 from nowdl.partitioner.plan import format_bytes
 from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.solve import SolveCache, final_split, proven, solve
 from nowdl.partitioner.spread import idle_stages, idle_warning
 
-__all__ = ["search", "SearchResult", "FINALISTS", "build_plan", "timed_search"]
+__all__ = ["search", "SearchResult", "FINALISTS", "SCREEN_MILP_S", "build_plan", "timed_search"]
 
 log = logging.getLogger(__name__)
 
 FINALISTS = 3  # candidates solved by the MILP at most (their values not proven by the DP)
+SCREEN_MILP_S = 3.0  # a screening solve whose heuristics fit nothing under the cap tries the MILP this long
 _REL = 1e-9
 
 
@@ -68,7 +70,7 @@ class _Eval:
             return 0.0  # the MILP's memory optimum may be slower than the heuristic split
         c = self.cand
         params = sum(n.param_bytes for n in costs.profile.nodes)
-        sync = (2 * (c.dp - 1) / c.dp * params + (params if c.replicas == 2 else 0.0)) / costs.link_bw
+        sync = grad_sync_s(costs, c, [params] * c.stages, [params] * c.stages)  # an upper bound
         step = (c.micro_batches + c.stages - 1) * self.part.bottleneck_time + sync
         return batch * c.micro_batches * c.replicas * c.dp / step if step > 0 else math.inf
 
@@ -99,14 +101,17 @@ def _tileable_ends(costs: Costs) -> tuple[bool, bool]:
 
 
 def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, cache: SolveCache,
-              batch: int) -> _Eval | None:
-    """Solve a candidate without the MILP; None when pins/tileability allow no split."""
+              batch: int, time_limit: float = 30.0) -> _Eval | None:
+    """Solve a candidate without the MILP; None when pins/tileability allow no split.
+
+    ``time_limit`` bounds the MILP that screening falls back to when no heuristic split fits the
+    cap (MASTER): one that cannot find a split in time counts as not fitting."""
     try:
-        part = solve(problem, ilp=False, cache=cache)
+        part = solve(problem, ilp=False, cache=cache, time_limit=time_limit)
         fits = True
     except InfeasibleError:
         try:
-            part = solve(_uncapped(problem), ilp=False, cache=cache)
+            part = solve(_uncapped(problem), ilp=False, cache=cache, time_limit=time_limit)
         except InfeasibleError:
             return None
         fits = False
@@ -174,7 +179,8 @@ def search(
         if costs.mem_cap is not None and b.mem_lb > costs.mem_cap * (1 + _REL):
             over += 1
             continue
-        ev = _evaluate(costs, cand, problem, b, cache, batch)
+        screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
+        ev = _evaluate(costs, cand, problem, b, cache, batch, screen)
         if ev is None:
             continue
         evals.append(ev)

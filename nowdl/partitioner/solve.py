@@ -215,7 +215,8 @@ def solve(
     if known is not None and (final_split(known) or not ilp):
         part = known
     else:
-        part = solve_ilp(work, time_limit=time_limit, solver=solver, threads=threads, start=known)
+        part = solve_ilp(work, time_limit=time_limit, solver=solver, threads=threads, start=known,
+                         explain=ilp)  # screening (ilp=False): the caller explains a failure
     if work is not problem:
         part = expand(part, groups, problem, exact=exact)
     part = dataclasses.replace(part, seconds=time.perf_counter() - t0)

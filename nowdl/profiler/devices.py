@@ -27,7 +27,8 @@ class DeviceSpec:
     Numbers are dense (no structured sparsity) peaks. ``tf32_flops`` is the tensor-core
     rate for float32 convolutions/matmuls when TF32 is allowed (None: no TF32).
     ``link_bw`` is the one-direction GPU-to-GPU bandwidth (NVLink) the planner charges
-    for boundary tensors. ``memory_bytes`` is the device memory as reported by the driver.
+    for boundary tensors inside a node. A spec JSON may also hold a ``"node"`` object (GPUs
+    per node, inter-node bandwidth and latency: see ``nowdl.profiler.topology``). ``memory_bytes`` is the device memory as reported by the driver.
     """
 
     name: str
@@ -69,7 +70,7 @@ class DeviceSpec:
         if not isinstance(d, dict):
             raise ValueError(f"device spec must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - known - {"node"})  # "node": the cluster's nodes (profiler/topology.py)
         if unknown:
             raise ValueError(
                 f"device spec has unknown field(s) {unknown}; valid fields: {sorted(known)}"

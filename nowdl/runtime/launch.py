@@ -10,6 +10,10 @@ its own environment variables:
 * MPICH / Intel MPI (Hydra): ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``;
 * Slurm's ``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``.
 
+Across nodes, the node rank and the processes per node come from ``GROUP_RANK`` /
+``LOCAL_WORLD_SIZE`` (torchrun), ``SLURM_NODEID`` / ``SLURM_NTASKS_PER_NODE`` (srun) or the
+MPI local-size variables; the CUDA device of a process is its local rank on its node.
+
 :func:`launch_env` reads them (in that order of precedence; none means a single process),
 :func:`init_distributed` joins the default process group, and :func:`wait` waits for an
 asynchronous send/receive/collective with a deadline, turning a silent hang on a dead peer
@@ -38,6 +42,7 @@ __all__ = [
     "init_distributed",
     "wait",
     "BACKENDS",
+    "rendezvous_message",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,10 @@ class LaunchEnv:
     master_port: int | None
     launcher: str
     """``"torchrun"``, ``"openmpi"``, ``"mvapich"``, ``"mpich"``, ``"slurm"`` or ``"single"``."""
+    node_rank: int | None = None
+    """This process's node (torchrun ``GROUP_RANK``, Slurm ``SLURM_NODEID``; else rank // local size)."""
+    local_world_size: int | None = None
+    """Processes on this node (torchrun ``LOCAL_WORLD_SIZE``, Slurm ``SLURM_NTASKS_PER_NODE``, ...)."""
 
 
 # (launcher, rank variable, size variable, local-rank variable), in order of precedence.
@@ -110,6 +119,41 @@ def _master(environ: Mapping[str, str]) -> tuple[str | None, int | None]:
     return addr, port
 
 
+# launcher -> (node-rank variable or "", processes-per-node variable)
+_NODE_VARS: dict[str, tuple[str, str]] = {
+    "torchrun": ("GROUP_RANK", "LOCAL_WORLD_SIZE"),
+    "openmpi": ("", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "mvapich": ("", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    "mpich": ("", "MPI_LOCALNRANKS"),
+    "slurm": ("SLURM_NODEID", "SLURM_NTASKS_PER_NODE"),
+}
+
+
+def _node_vars(env: Mapping[str, str], launcher: str, rank: int, world: int) -> tuple[int | None, int | None]:
+    """(node rank, processes per node) as the launcher tells them, None where it does not. Slurm
+    writes SLURM_NTASKS_PER_NODE as ``2`` or ``2(x4)``; without a node-rank variable the node is
+    rank // processes per node (block placement)."""
+    node_var, size_var = _NODE_VARS[launcher]
+    size: int | None = None
+    raw = env.get(size_var, "").strip()
+    if raw:
+        head = raw.split(",")[0].split("(")[0]
+        try:
+            size = int(head)
+        except ValueError:
+            raise NowdlError(f"{size_var}={raw!r} is not a number of processes per node ({launcher})") from None
+        if not 1 <= size <= world:
+            raise NowdlError(f"{size_var}={raw!r}: processes per node must be in 1..{world} ({launcher})")
+    node: int | None = None
+    if node_var and env.get(node_var, "").strip():
+        node = _int_var(env, node_var, launcher)
+        if node < 0:
+            raise NowdlError(f"{node_var}={env[node_var]!r}: a node rank is >= 0 ({launcher})")
+    elif size is not None:
+        node = rank // size
+    return node, size
+
+
 def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read this process's rank, world size and local rank from its launcher's variables.
 
@@ -146,7 +190,8 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             )
         if local_var not in env and world > 1:
             logger.debug("%s not set; assuming local rank 0", local_var)
-        return LaunchEnv(rank, world, local, master_addr, master_port, launcher)
+        node_rank, local_size = _node_vars(env, launcher, rank, world)
+        return LaunchEnv(rank, world, local, master_addr, master_port, launcher, node_rank, local_size)
     return LaunchEnv(0, 1, 0, master_addr, master_port, "single")
 
 
@@ -284,14 +329,29 @@ def init_distributed(
             host = f"[{host}]"  # IPv6 literal
         logger.info("rank %d/%d (%s, local %d) joining %s at %s:%d", env.rank, env.world_size,
                     env.launcher, env.local_rank, name, env.master_addr, env.master_port)
-        dist.init_process_group(
-            name,
-            init_method=f"tcp://{host}:{env.master_port}",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timeout,
-        )
+        try:
+            dist.init_process_group(
+                name,
+                init_method=f"tcp://{host}:{env.master_port}",
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timeout,
+            )
+        except (RuntimeError, TimeoutError) as exc:  # DistStoreError, DistNetworkError: RuntimeErrors
+            raise NowdlError(rendezvous_message(env, timeout_s, exc)) from exc
     return env
+
+
+def rendezvous_message(env: LaunchEnv, timeout_s: float, exc: BaseException) -> str:
+    """The one-paragraph error of a rendezvous that did not complete within ``timeout_s``."""
+    where = f"{env.master_addr}:{env.master_port}"
+    node = f" (node {env.node_rank})" if env.node_rank is not None else ""
+    per = f", {env.local_world_size} per node" if env.local_world_size else ""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"rank {env.rank} of {env.world_size}{node}: the rendezvous at {where} did not complete within "
+            f"{timeout_s:g} s (the timeout; {env.world_size} ranks expected{per}): start the launcher on every "
+            f"node (torchrun --nnodes N --node-rank I, or srun), make {where} reachable from every node, or "
+            f"raise --timeout [{type(exc).__name__}: {first}]")
 
 
 def wait(work: dist.Work | None, *, timeout_s: float, what: str, peer: int | None) -> None:

@@ -196,13 +196,15 @@ def _plan_on_rank0(model: nn.Module, args: argparse.Namespace, rank: int, world:
     import nowdl
     from nowdl.runtime.trainer import plan_on_rank0
 
+    nodes, per_node = _job_nodes(world)
+
     def make() -> nowdl.Plan:
         planner = nowdl.compile(model, gpus=world, balance=args.balance, stages=args.stages,
                                 micro_batches=args.micro_batches, schedule=args.schedule,
                                 replicas=args.replicas, dp=args.dp, spatial_parts=args.spatial_parts,
                                 spatial_stages=args.spatial_stages, slice=args.slice, halo_fusion=args.halo_fusion,
                                 gpu_memory=args.gpu_memory, mode="estimate", device_spec=args.device_spec,
-                                optimizer=optimizer, progress=progress)
+                                optimizer=optimizer, progress=progress, nodes=nodes, gpus_per_node=per_node)
         if planner.request is not None:
             planner.request = dataclasses.replace(planner.request, global_batch=batch)
         plan = planner.plan(torch.empty((micro_batch, *src.sample_shape), device="meta"))
@@ -210,6 +212,14 @@ def _plan_on_rank0(model: nn.Module, args: argparse.Namespace, rank: int, world:
         return plan
 
     return plan_on_rank0(make, rank=rank, world=world).to_json()
+
+
+def _job_nodes(world: int) -> tuple[int | None, int | None]:
+    """The launched job's (nodes, processes per node) for the planner (torchrun --nnodes, srun)."""
+    from nowdl.runtime.nodes import job_topology
+
+    nodes, per = job_topology()
+    return (nodes, per) if nodes is not None and per is not None and nodes * per == world else (None, None)
 
 
 def _run(args: argparse.Namespace, rank: int, world: int,

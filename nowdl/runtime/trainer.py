@@ -16,6 +16,7 @@ from nowdl.errors import NowdlError
 from nowdl.partitioner.plan import Plan
 from nowdl.runtime.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
 from nowdl.runtime.engine import PipelineEngine
+from nowdl.runtime.nodes import check_node_map
 from nowdl.runtime.state import (
     bind_optimizer,
     load_optimizer_state,
@@ -121,6 +122,7 @@ class Trainer:
                 f"this plan needs {plan.config['gpus']} ranks (gpus) but the job has {self.world}: launch with "
                 f"torchrun --nproc-per-node {plan.config['gpus']} (or re-plan with gpus={self.world})"
             )
+        check_node_map(plan, self.world)  # a launch that splits a tile group / MASTER pair the plan keeps on one node
         per = plan.config["dp"] * plan.config["replicas"] * plan.config["micro_batches"]
         mb = plan.model["inputs"][0][0]
         if first.shape[0] != mb * per:
