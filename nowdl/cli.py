@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -173,6 +174,12 @@ def _codegen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rank_prefix() -> str:
+    """``"[rank N] "`` in a launched job's ranks other than 0 (their lines say who printed them)."""
+    rank = os.environ.get("RANK", "0")
+    return f"[rank {rank}] " if rank.isdigit() and rank != "0" else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `nowdl` console script; returns the exit status."""
     ap = _parser()
@@ -180,12 +187,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         ap.print_help()
         return 2
+    who = _rank_prefix()
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="nowdl: %(name)s: %(message)s")
+                        format=f"{who}nowdl: %(name)s: %(message)s")
     try:
         return _run(args)
     except NowdlError as e:
-        print(f"nowdl {args.command}: error: {e}", file=sys.stderr)
+        print(f"{who}nowdl {args.command}: error: {e}", file=sys.stderr)
         if e.detail and getattr(args, "verbose", False):
             print(e.detail, file=sys.stderr)
         return 2

@@ -38,5 +38,6 @@ def crops(spec: str, sample_shape: Sequence[int], *, labels: str | None = None, 
     """
     shape = tuple(int(d) for d in sample_shape)
     images = open_images(spec, shape[0], len(shape) - 1)
-    masks = None if labels is None else open_images(labels, 1, len(shape) - 1, label=True)
+    masks = None if labels is None else open_images(labels, 1, len(shape) - 1, label=True,
+                                                stacked=any(im.index is not None for im in images))
     return CropDataset(images, masks, shape, seed=seed, crops=per_image)

@@ -225,7 +225,8 @@ def _check_h5(path: Path, name: str | None, spec: str) -> None:
             raise NowdlError(f"{path} has no dataset {name!r}: its datasets are {', '.join(names[:8]) or 'none'}")
 
 
-def _layout(shape: tuple[int, ...], channels: int, ndim: int, where: str, label: bool) -> tuple[str, int | None]:
+def _layout(shape: tuple[int, ...], channels: int, ndim: int, where: str, label: bool,
+            stacked: bool) -> tuple[str, int | None]:
     """(layout, images along a leading N dim or None) of an array shaped ``shape``."""
     if len(shape) == ndim:
         return "none", None
@@ -234,16 +235,17 @@ def _layout(shape: tuple[int, ...], channels: int, ndim: int, where: str, label:
             return "cf", None
         if shape[-1] == channels:
             return "cl", None
-        if channels == 1 or label:
+        if (channels == 1 and not label) or stacked:
             return "none", shape[0]  # (N, *S)
     if len(shape) == ndim + 2 and shape[1] == channels:
         return "cf", shape[0]
-    want = "the mask's (*S)" if label else f"(*S), ({channels}, *S), (*S, {channels}) or (N, {channels}, *S)"
+    want = "one integer class per pixel, (*S)" if label else f"(*S), ({channels}, *S), (*S, {channels}) or (N, {channels}, *S)"
     raise NowdlError(f"{where} has shape {shape} but --input asks for {channels} channel(s) and {ndim} spatial "
                      f"dim(s): store it as {want}, or fix --input")
 
 
-def open_images(spec: str, channels: int, ndim: int, *, label: bool = False) -> list[ImageArray]:
+def open_images(spec: str, channels: int, ndim: int, *, label: bool = False,
+                stacked: bool = False) -> list[ImageArray]:
     """The images named by ``spec`` (``zarr:``, ``tiff:``, ``h5:``) as ``(C, *spatial)`` arrays.
 
     Args:
@@ -251,6 +253,7 @@ def open_images(spec: str, channels: int, ndim: int, *, label: bool = False) -> 
         channels: the model's input channels (1 for a mask).
         ndim: spatial dims of the model's input.
         label: open a mask (integer classes; no channel dim, or one of size 1).
+        stacked: the images came as one ``(N, ...)`` array: a mask may be ``(N, *S)``.
 
     Raises:
         NowdlError: a missing or unreadable file, a missing level or dataset, a layout that does not fit.
@@ -279,7 +282,7 @@ def open_images(spec: str, channels: int, ndim: int, *, label: bool = False) -> 
     out: list[ImageArray] = []
     for where, opener in arrays:
         shape = tuple(int(d) for d in opener().shape)
-        layout, n = _layout(shape, 1 if label else channels, ndim, where, label)
+        layout, n = _layout(shape, 1 if label else channels, ndim, where, label, stacked)
         out.extend([ImageArray(opener, where, layout)] if n is None
                    else [ImageArray(opener, f"{where}[{i}]", layout, i) for i in range(n)])
     return out
