@@ -30,6 +30,12 @@ Data (``--data``):
   pillow``; it is not a dependency of nowdl). Samples are scaled to ``[0, 1]`` (uint8 / 255),
   resized so that they cover ``--input`` and centre-cropped to it; the order is a seeded
   shuffle per epoch. Per-image labels only fit classification models.
+* ``zarr:PATH[:ARRAY]``, ``tiff:PATH[:level=N]``, ``h5:PATH:DATASET``: seeded ``--input`` crops of
+  large images, masks from ``--labels`` (``nowdl.runtime.feed``); with a spatial plan each rank
+  reads only its tile. ``package.module:callable`` (``--data-args JSON``): a torch Dataset.
+  Datasets load through ``nowdl.data.loader`` with ``--workers`` processes.
+
+``--log-dir DIR``: ``DIR/metrics.jsonl`` and TensorBoard events (``nowdl.runtime.metrics``).
 
 Output (rank 0 only; the other ranks print nothing but errors)::
 
