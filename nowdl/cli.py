@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from nowdl.runtime.runspec import add_run_arguments
 
-    prun = sub.add_parser("run", help="train (or evaluate) MODEL on synthetic or image-folder data",
+    prun = sub.add_parser("run", help="train (or evaluate) MODEL on synthetic, image-folder, large-image or Dataset data",
                           epilog=_EPILOG_MODEL + ". Launch with torchrun --nproc-per-node N -m nowdl run ...",
                           description="Plan (or load a plan), then train or run inference for --steps steps on "
                           "every rank of the job; rank 0 prints the loss and images/s of each step.")
@@ -190,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     who = _rank_prefix()
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format=f"{who}nowdl: %(name)s: %(message)s")
+    logging.captureWarnings(bool(who))  # a rank's Python warnings get its prefix too
     try:
         return _run(args)
     except NowdlError as e:
