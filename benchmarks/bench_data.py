@@ -10,13 +10,16 @@ spatial stage of P = 4 square tiles (``gpus=4, stages=1, spatial_parts=4``) on `
 crops (the whole image by default), ``--batch`` crops per step, through
 ``nowdl.data.crops(...).lazy_batch``: each rank's engine reads its own tile of every crop from
 the TIFF (the halo arrives from the neighbours), and the ranks that compute the loss read the
-mask crop.
+mask crop. The reads go through ``nowdl.runtime.prefetch.TileReadAhead``, as in ``nowdl run``:
+the first step learns each rank's windows, and from then on the next step's windows are read
+on a background thread while a step runs.
 
 Table 1, per rank: image pixels read, as a share of the pixels of the crops of the run (and of
 the image), and mask pixels read. Target: <= 1/4 of the image plus halo (no halo is read:
 the halos are exchanged). Table 2, per step: the slowest rank's step time and, per rank, the
-seconds its step spent reading (the data wait: reads happen inside the step, on the critical
-path). The first step also traces and builds the stages.
+seconds spent reading during the step (on the read-ahead thread: this step's windows not read
+ahead yet, and the next step's) and the seconds the step waited for reads (the data wait). The
+first step also traces and builds the stages.
 
 How to run
 ----------
@@ -45,6 +48,7 @@ from distributed import run_workers  # noqa: E402
 import nowdl  # noqa: E402
 from nowdl.runtime.feed import label_loss  # noqa: E402
 from nowdl.runtime.loader import StepSampler  # noqa: E402
+from nowdl.runtime.prefetch import TileReadAhead  # noqa: E402
 
 P = 4
 
@@ -78,18 +82,20 @@ def worker(rank: int, world: int, image: str, mask: str, crop: int, batch: int, 
                        loss_fn=label_loss(torch.nn.CrossEntropyLoss()), timeout_s=1800,
                        optimizer=lambda p: torch.optim.Adam(p, lr=1e-3))
     ds = nowdl.data.crops(f"tiff:{image}", (1, crop, crop), labels=f"tiff:{mask}", seed=0)
-    sampler = StepSampler(len(ds), batch, seed=0)
+    ahead = TileReadAhead(ds, StepSampler(len(ds), batch, seed=0), stop=steps)  # as `nowdl run` reads
     rows = []
     for step in range(steps):
         t0 = time.perf_counter()
-        x, y = ds.lazy_batch(sampler.indices(step))
+        x, y = ahead.batch(step)
         made = time.perf_counter() - t0
-        read0 = ds.counter.seconds
+        read0, blocked0 = ds.counter.seconds, ahead.blocked
         loss = cm.train_step(x, y)
         torch.distributed.barrier()
-        rows.append({"step_s": time.perf_counter() - t0, "wait_s": made + ds.counter.seconds - read0, "loss": loss})
+        rows.append({"step_s": time.perf_counter() - t0, "wait_s": made + ahead.blocked - blocked0,
+                     "read_s": ds.counter.seconds - read0, "loss": loss})
         if rank == 0:
             log(f"step {step + 1}/{steps}: loss {loss:.4f}, {rows[-1]['step_s']:.1f} s")
+    ahead.close()
     plan = cm._trainer.plan
     return {"rows": rows, "pixels": dict(ds.counter.pixels), "bytes": dict(ds.counter.bytes),
             "tiles": plan.stages[0].tiles() if plan is not None else "?"}
@@ -124,12 +130,14 @@ def main() -> None:
         mk = out["pixels"].get(str(mask), 0)
         per_crop = px / (args.steps * args.batch)
         print(f"| {r} | {px:,} | {px / crops_px:.4f} | {per_crop / img_px:.4f} | {mk:,} |")
-    print("\n| step | step time (slowest rank) | data wait per rank (s) | wait / step |")
-    print("|---:|---:|---|---:|")
+    print("\n| step | step time (slowest rank) | reading per rank (s) | data wait per rank (s) | wait / step |")
+    print("|---:|---:|---|---|---:|")
     for s in range(args.steps):
         step_s = max(out["rows"][s]["step_s"] for out in res)
+        reads = [out["rows"][s]["read_s"] for out in res]
         waits = [out["rows"][s]["wait_s"] for out in res]
-        print(f"| {s + 1} | {step_s:.2f} s | {', '.join(f'{w:.3f}' for w in waits)} | {max(waits) / step_s:.1%} |")
+        print(f"| {s + 1} | {step_s:.2f} s | {', '.join(f'{w:.3f}' for w in reads)} | "
+              f"{', '.join(f'{w:.3f}' for w in waits)} | {max(waits) / step_s:.1%} |")
 
 
 if __name__ == "__main__":

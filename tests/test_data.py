@@ -153,3 +153,26 @@ def test_check_sample() -> None:
         with pytest.raises(NowdlError, match="sample 7 of ds") as e:
             check_sample(bad, 7, "ds", (3, 8, 8), (8, 8))
         assert words in str(e.value)
+
+
+def test_read_ahead(tmp_path: Path, files: dict[str, np.ndarray]) -> None:
+    """Windows read in step 0 are read ahead for the next steps: same tensors, same pixels, none past the end."""
+    from nowdl.runtime.prefetch import TileReadAhead
+
+    ds = nowdl.data.crops(f"tiff:{tmp_path}/img.tif", (3, 32, 32), labels=f"tiff:{tmp_path}/mask.tif")
+    ref = nowdl.data.crops(f"tiff:{tmp_path}/img.tif", (3, 32, 32), labels=f"tiff:{tmp_path}/mask.tif")
+    sampler = StepSampler(len(ds), 2)
+    ahead = TileReadAhead(ds, sampler, stop=3)
+    for step in range(3):
+        x, y = ahead.batch(step)
+        idx = sampler.indices(step)
+        for row in range(2):  # as the engine reads: a micro-batch's tile, then its mask
+            tile = x.rows(row, row + 1).read([(0, 32), (16, 32)])
+            assert torch.equal(tile[0], ref[idx[row]][0][:, :, 16:])
+            assert torch.equal(y.rows(row, row + 1).read()[0], ref[idx[row]][1])
+        if step == 0:
+            assert set(ahead.ahead) == {1}
+    ahead.close()
+    assert ds.counter.pixels[f"{tmp_path}/img.tif"] == 3 * 2 * 3 * 32 * 16  # nothing read for a 4th step
+    assert ds.counter.pixels[f"{tmp_path}/mask.tif"] == 3 * 2 * 32 * 32
+    assert ahead.blocked > 0

@@ -167,19 +167,15 @@ def test_torchrun_tiff_matches_one_process(files: Path, capsys: pytest.CaptureFi
 
 
 def _read_worker(rank: int, world: int, root: str, steps: int) -> dict[str, int]:
-    from nowdl.runtime.feed import label_loss
-    from nowdl.runtime.loader import StepSampler
-
     torch.manual_seed(0)
     model = nowdl.models.unet(depth=2, base_width=4, out_channels=2)
     cm = nowdl.compile(model, gpus=world, stages=1, micro_batches=2, dp=1, replicas=1, spatial_parts=world,
                        spatial_stages=1, slice="vertical", mode="estimate", progress=False, cache=False,
-                       loss_fn=label_loss(torch.nn.CrossEntropyLoss()),
+                       loss_fn=nowdl.data.label_loss(torch.nn.CrossEntropyLoss()),
                        optimizer=lambda p: torch.optim.Adam(p, lr=1e-3))
     ds = nowdl.data.crops(f"tiff:{root}/img.tif", (3, 64, 64), labels=f"tiff:{root}/mask.tif")
-    sampler = StepSampler(len(ds), 2)
-    for step in range(steps):
-        cm.train_step(*ds.lazy_batch(sampler.indices(step)))
+    for x, y in nowdl.data.tile_batches(ds, 2, steps=steps):  # read one step ahead
+        cm.train_step(x, y)
     return dict(ds.counter.pixels)
 
 

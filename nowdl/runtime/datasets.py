@@ -11,18 +11,19 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.readers import ImageArray, ReadCounter, to_tensor
 from nowdl.runtime.tiles import TiledInput
 
-__all__ = ["CropDataset", "check_sample", "dataset_from_callable"]
+__all__ = ["CropDataset", "check_sample", "dataset_from_callable", "label_loss"]
 
 
 class CropDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -132,6 +133,16 @@ class _Labels(TiledInput):
     def read(self, bounds: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
         sp = [(0, s) for s in self.shape[1:]] if bounds is None else list(bounds)
         return self._read((slice(*self._rows), *(slice(a, b) for a, b in sp)))
+
+
+def label_loss(loss: nn.Module) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """``loss`` that first reads a lazy label batch (``lazy_batch``'s y), on the ranks that compute the loss."""
+    def fn(out: torch.Tensor, y: Any) -> torch.Tensor:
+        if isinstance(y, TiledInput):
+            y = y.read().to(out.device)
+        return loss(out, y)
+
+    return fn
 
 
 # ---- user datasets -------------------------------------------------------------------------------

@@ -4,25 +4,23 @@
 ``tiff:`` and ``h5:`` (seeded crops, masks from ``--labels``), or ``package.module:callable``
 returning a torch Dataset (``--data-args JSON``). Datasets load through
 ``nowdl.runtime.loader.loader`` (seeded, ``--workers`` processes); with a spatial plan the
-large-image readers hand each rank a lazy batch, and a rank reads only the window it runs.
+large-image readers hand each rank a lazy batch, and a rank reads only the window it runs
+(one step ahead, ``nowdl.runtime.prefetch``).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
-
-import torch
-from torch import nn
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.data import ImageFolderData, SyntheticData
-from nowdl.runtime.datasets import CropDataset, check_sample, dataset_from_callable
+from nowdl.runtime.datasets import CropDataset, check_sample, dataset_from_callable, label_loss
 from nowdl.runtime.loader import StepSampler, default_workers, loader
+from nowdl.runtime.prefetch import TileReadAhead
 from nowdl.runtime.readers import READERS, ReadCounter, is_reader_spec, open_images
-from nowdl.runtime.tiles import TiledInput
 
 __all__ = ["Feed", "make_feed", "check_data_spec", "label_loss"]
 
@@ -46,16 +44,6 @@ def check_data_spec(spec: str) -> str:
     raise NowdlError(f"--data {spec}: use {_FORMS}")
 
 
-def label_loss(loss: nn.Module) -> Callable[[torch.Tensor, Any], torch.Tensor]:
-    """``loss`` that first reads a lazy label batch (on the ranks that compute the loss only)."""
-    def fn(out: torch.Tensor, y: Any) -> torch.Tensor:
-        if isinstance(y, TiledInput):
-            y = y.read().to(out.device)
-        return loss(out, y)
-
-    return fn
-
-
 class Feed:
     """Global batches of ``nowdl run``, step by step, with the seconds the loop waited for each."""
 
@@ -66,7 +54,7 @@ class Feed:
         self.sample_shape, self.label_shape, self.seed, self.workers = sample_shape, label_shape, seed, workers
         self.lazy = False
         self._it: Iterator[Any] | None = None
-        self._sampler: StepSampler | None = None
+        self._ahead: TileReadAhead | None = None
         self._held: tuple[int, Any, Any] | None = None
         self._batch = 0
 
@@ -76,17 +64,17 @@ class Feed:
         return self.dataset.counter if isinstance(self.dataset, CropDataset) else None
 
     def read_seconds(self) -> float:
-        c = self.counter
-        return c.seconds if c is not None else 0.0
+        """Seconds the loop has waited so far for lazy reads inside its steps (0: batches come whole)."""
+        return self._ahead.blocked if self._ahead is not None else 0.0
 
-    def start(self, step: int, batch: int, *, lazy: bool) -> None:
-        """Serve steps ``step, step + 1, ...`` of ``batch`` samples (lazy: TiledInput batches)."""
+    def start(self, step: int, batch: int, *, lazy: bool, stop: int | None = None) -> None:
+        """Serve steps ``step, .., stop - 1`` of ``batch`` samples (lazy: TiledInput batches, read ahead)."""
         self._batch = batch
         self.lazy = lazy and isinstance(self.dataset, CropDataset)
         if self.dataset is None:
             return
         if self.lazy:
-            self._sampler = StepSampler(len(self.dataset), batch, seed=self.seed, start=step)
+            self._ahead = TileReadAhead(self.dataset, StepSampler(len(self.dataset), batch, seed=self.seed), stop)
             return
         self._it = iter(loader(self.dataset, batch, seed=self.seed, workers=self.workers, start_step=step,
                                sample_shape=self.sample_shape, label_shape=self.label_shape, name=self.name))
@@ -100,9 +88,8 @@ class Feed:
         t0 = time.perf_counter()
         if self.synthetic is not None:
             x, y = self.synthetic.batch(step, self._batch)
-        elif self.lazy:
-            assert self._sampler is not None
-            x, y = self.dataset.lazy_batch(self._sampler.indices(step))
+        elif self._ahead is not None:
+            x, y = self._ahead.batch(step)
         else:
             assert self._it is not None
             try:
@@ -116,6 +103,12 @@ class Feed:
                 raise NowdlError(f"loading step {step + 1} from {self.name} failed: {last.strip()}") from None
         self._held = (step, x, y)
         return x, y, time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (loader workers stop with their iterator)."""
+        if self._ahead is not None:
+            self._ahead.close()
+        self._it = None
 
 
 def make_feed(args: argparse.Namespace, sample_shape: tuple[int, ...], out: tuple[int, ...], model_name: str) -> Feed:

@@ -256,7 +256,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         Path(plan_path).write_text(text)
     cm = nowdl.compile(model, plan=plan_path, **common)
     run_plan = nowdl.Plan.load(plan_path)
-    feed.start(start, batch, lazy=any(st.parts > 1 for st in run_plan.stages))
+    feed.start(start, batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=total)
     log_dir = getattr(args, "log_dir", None)
     metrics = None if log_dir is None else MetricsWriter(
         log_dir, rank=rank, world=world, predicted_bytes=run_plan.ranks[rank].predicted_peak_bytes,
@@ -313,6 +313,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
             bar.close()
         if metrics is not None:
             metrics.close()
+        feed.close()
     if len(times) > 1:
         emit(f"mean: {_rate(batch * (len(times) - 1), sum(times[1:]))} images/s over steps "
              f"{start + 2}..{total} (first step excluded: planning and warm-up)")
