@@ -168,4 +168,4 @@ def make_feed(args: argparse.Namespace, sample_shape: tuple[int, ...], out: tupl
                                                    stacked=any(im.index is not None for im in images))
     ds = CropDataset(images, masks, sample_shape, seed=args.seed)
     return Feed(kind, f"{kind} ({len(images)} image{'s' if len(images) > 1 else ''}, {len(ds)} crops/epoch)",
-                dataset=ds, name=spec, label_shape=label_shape, **common)
+                dataset=ds, name=spec, label_shape=None if args.eval else label_shape, **common)
