@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from nowdl.errors import NowdlError, PlanError
+from nowdl.optimizers import build_optimizer, optimizer_kind
 from nowdl.partitioner.config import PlanRequest
 from nowdl.partitioner.costmodel import Costs, tied_nodes
 from nowdl.partitioner.fusion import check_policy, choose_fusion
@@ -23,6 +23,7 @@ from nowdl.partitioner.search import build_plan, timed_search
 from nowdl.partitioner.spatial import spatial_rules
 from nowdl.profiler import check_precision
 from nowdl.profiler.cost import Profile
+from nowdl.progress import Progress
 from nowdl.trace import Traced, trace
 from nowdl.units import parse_bytes
 
@@ -66,7 +67,7 @@ class CompiledModel:
         self._plans: dict[tuple[tuple[int, ...], ...], Plan] = {}
         self._split: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
         self._trainer: Any = None
-        self.optimizer_factory: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None  # built by compile() over model.parameters()
         self.loss_fn: Any = None
         self.timeout_s = 300.0
         self.backend: str | None = None
@@ -149,7 +150,7 @@ class CompiledModel:
         # time_limit bounds the whole plan() call: the search gets what tracing and profiling
         # left of it (less a second for the MILP's read-back and tie-breaks)
         left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)
-        bar = _Progress("planning", enabled=self.progress)
+        bar = Progress("planning", enabled=self.progress)
         try:
             result, secs = timed_search(costs, dataclasses.replace(req, time_limit=left), progress=bar.update)
         finally:
@@ -181,9 +182,13 @@ class CompiledModel:
         if self._trainer is None:
             from nowdl.runtime.trainer import Trainer
 
-            self._trainer = Trainer(self, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
+            self._trainer = Trainer(self, optimizer=self.optimizer, loss_fn=self.loss_fn,
                                     timeout_s=self.timeout_s, backend=self.backend)
         return self._trainer
+
+    @property
+    def _ready(self) -> bool:
+        return self._trainer is not None and self._trainer.engine is not None
 
     def train_step(self, x: Any, y: Any) -> float:
         """One optimizer step on the global batch ``x``, ``y`` (every rank passes the same batch;
@@ -192,29 +197,48 @@ class CompiledModel:
             raise NowdlError("train_step needs a loss: nowdl.compile(model, ..., loss_fn=torch.nn.CrossEntropyLoss())")
         return float(self._train().train_step(x, y))
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """This rank's optimizer (over the parameters of the stages it holds), for LR schedulers;
-        None before the first step."""
-        tr = self._trainer
-        return None if tr is None or tr.engine is None else tr.engine.optimizer
-
     def eval_step(self, x: Any) -> Any:
         """Inference on the global batch: outputs on the ranks of the last stage (its part 0, whole
         images, when that stage is spatial), None elsewhere."""
         return self._train().eval_step(x)
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters under their original names; after the first step, the ones this
+        rank trains are the live stage parameters (the others are not updated on this rank)."""
+        live = self._train()._named_held() if self._ready else {}
+        for name, p in self.model.named_parameters():
+            yield name, live.get(name, p)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters of :meth:`named_parameters` (what ``cm.optimizer`` steps)."""
+        for _, p in self.named_parameters():
+            yield p
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights under the original names, on rank 0."""
+        """The whole model's weights under the original names: on rank 0 once training started
+        (``{}`` on the other ranks), on every rank before the first step."""
+        if not self._ready:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return dict(self._train().state_dict())
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load original-name weights; before the first step every rank loads them into the model
+        (and into the stages when they are built)."""
+        if not self._ready:
+            self.model.load_state_dict(sd)
+            self._train().pending_state = dict(sd)
+            return
         self._train().load_state_dict(sd)
 
-    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
-        self._train().save_checkpoint(directory)
+    def save_checkpoint(self, directory: str | os.PathLike[str], *, meta: dict[str, Any] | None = None,
+                        keep: int = 1) -> None:
+        """Save weights, optimizer state and RNG state with torch.distributed.checkpoint (collective,
+        atomic; ``meta``: JSON kept beside it; ``keep``: how many steps to keep). Needs a step first."""
+        self._train().save_checkpoint(directory, extra=meta, keep=keep)
 
     def load_checkpoint(self, directory: str | os.PathLike[str], x: Any = None) -> None:
+        """Resume from ``directory``, saved by any plan of this model (resharded by name); ``x`` (a
+        batch) sets the runtime up when no step ran yet."""
         self._train().load_checkpoint(directory, x)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
@@ -227,24 +251,6 @@ class CompiledModel:
         return self._split[key](*inputs)
 
 
-def _optimizer_kind(optimizer: Any) -> str:
-    """The optimizer-state family ("sgd", "momentum", "adam") of a name or a factory."""
-    if isinstance(optimizer, str):
-        return optimizer
-    if not callable(optimizer):
-        raise NowdlError(f"optimizer must be a name ('sgd', 'momentum', 'adam') or a callable "
-                         f"params -> torch.optim.Optimizer, got {type(optimizer).__name__}")
-    probe = optimizer([nn.Parameter(torch.zeros(1))])
-    if not isinstance(probe, torch.optim.Optimizer):
-        raise NowdlError(f"the optimizer factory returned {type(probe).__name__}, not a torch.optim.Optimizer")
-    name = type(probe).__name__.lower()
-    if "adam" in name:
-        return "adam"
-    if any(g.get("momentum", 0) for g in probe.param_groups):
-        return "momentum"
-    return "sgd"
-
-
 def _spec_for_local_gpu() -> Any:
     from nowdl.profiler import get_device_spec
 
@@ -254,29 +260,6 @@ def _spec_for_local_gpu() -> Any:
             if key in name:
                 return get_device_spec(key)
     return get_device_spec("h100")
-
-
-class _Progress:
-    """A tqdm bar on stderr for long searches, silent when not a terminal or disabled."""
-
-    def __init__(self, desc: str, *, enabled: bool) -> None:
-        self.desc = desc
-        self.enabled = enabled and sys.stderr.isatty()
-        self._bar: Any = None
-
-    def update(self, done: int, total: int) -> None:
-        if not self.enabled or total < 8:
-            return
-        if self._bar is None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=self.desc, unit="config", leave=False, file=sys.stderr)
-        self._bar.n = done
-        self._bar.refresh()
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
@@ -372,9 +355,9 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
                               spatial_parts=_parts_arg(spatial_parts),
                               spatial_stages=spatial_stages, slice=slice, gpu_memory=cap, time_limit=time_limit)
     cm = CompiledModel(model, request=request, plan_path=plan_path, mode=mode, device=device,
-                       device_spec=device_spec, optimizer=_optimizer_kind(optimizer), leaf_modules=leaf_modules,
+                       device_spec=device_spec, optimizer=optimizer_kind(optimizer), leaf_modules=leaf_modules,
                        tracer=tracer, cache=cache, progress=progress)
-    cm.optimizer_factory = optimizer if callable(optimizer) else None
+    cm.optimizer = build_optimizer(optimizer, model)
     cm.halo_fusion = check_policy(halo_fusion)
     cm.loss_fn = loss_fn
     cm.timeout_s = timeout_s

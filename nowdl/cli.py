@@ -5,21 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
+import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from nowdl.errors import NowdlError
+from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.models.resolve import resolve_model
 from nowdl.units import parse_bytes, parse_parts, parse_shape
 
 __all__ = ["main", "resolve_model"]
 
 _EPILOG_MODEL = (
-    "MODEL is a built-in name (see `nowdl plan --list-models`) or 'package.module:callable' "
+    "MODEL is a built-in name (see `nowdl models`) or 'package.module:callable' "
     "called with --model-args, e.g. monai.networks.nets:UNet --model-args "
     "'{\"spatial_dims\": 2, \"in_channels\": 1, \"out_channels\": 2, \"channels\": [16, 32, 64], \"strides\": [2, 2]}'"
 )
@@ -54,8 +54,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="nowdl", description="Plan pipeline, spatial and data parallelism for CNNs on very large images.")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    from nowdl import __version__
+
+    ap = _Parser(prog="nowdl", description="Plan pipeline, spatial and data parallelism for CNNs on very large images.")
+    ap.add_argument("--version", action="version", version=f"nowdl {__version__} (torch {torch.__version__})")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.add_parser("models", help="list the built-in models and their default inputs",
+                   description="List the built-in model names MODEL accepts, with their default input shapes.")
 
     pp = sub.add_parser("plan", help="plan MODEL for N GPUs and print the plan", epilog=_EPILOG_MODEL,
                         description="Trace, profile and partition MODEL; print the plan (and save it with --out).")
@@ -83,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                     "gets what tracing and profiling leave (default 30)")
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
     pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
+    pp.add_argument("--plot", metavar="FILE", help="also draw the plan (memory per rank, schedule, stage graph) "
+                    "into FILE (.png, .svg or .pdf; needs pip install 'nowdl[plot]')")
 
     pc = sub.add_parser("codegen", help="write each stage of a saved plan as Python", epilog=_EPILOG_MODEL,
                         description="Rebuild the plan's model, cut it into the plan's stages and write "
@@ -113,6 +120,15 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--nodes", action="store_true", help="list every stage's nodes")
     ps.add_argument("--schedule", action="store_true",
                     help="after the plan, draw its pipeline schedule (ranks x time steps)")
+    ps.add_argument("--plot", metavar="FILE", help="draw the plan (memory per rank, schedule, stage graph) into "
+                    "FILE (.png, .svg or .pdf; needs pip install 'nowdl[plot]'); see docs/pictures.md")
+
+    pg = sub.add_parser("report", help="summarise (and draw) the metrics log of `nowdl run --log-dir DIR`",
+                        description="Read DIR/metrics.jsonl; print steps, images/s, loss and measured against "
+                        "predicted peak memory per rank.")
+    pg.add_argument("dir", metavar="DIR", help="the --log-dir of a `nowdl run`")
+    pg.add_argument("--plot", metavar="FILE", help="draw loss per step and peak memory per rank into FILE "
+                    "(.png, .svg or .pdf; needs pip install 'nowdl[plot]')")
     return ap
 
 
@@ -174,29 +190,54 @@ def _codegen(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_prefix() -> str:
-    """``"[rank N] "`` in a launched job's ranks other than 0 (their lines say who printed them)."""
-    rank = os.environ.get("RANK", "0")
-    return f"[rank {rank}] " if rank.isdigit() and rank != "0" else ""
+def _rank() -> int:
+    """This process's rank as its launcher describes it (0 when alone or unreadable)."""
+    from nowdl.runtime.launch import launch_env
+
+    try:
+        return launch_env().rank
+    except NowdlError:
+        return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors in nowdl's form: one line, on rank 0 only, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        if _rank() == 0:
+            print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _say_error(command: str, e: BaseException, verbose: bool) -> None:
+    """Print ``e`` as one paragraph (rank 0 only): the message first, details with -v."""
+    if _rank() != 0:
+        return
+    print(f"nowdl {command}: error: {error_text(e)}", file=sys.stderr)
+    if verbose:
+        detail = getattr(e, "detail", "") or "".join(traceback.format_exception(e))
+        print(detail, file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `nowdl` console script; returns the exit status."""
+    """Entry point of the `nowdl` console script; returns the exit status (2 on any error)."""
     ap = _parser()
     args = ap.parse_args(argv)
     if args.command is None:
         ap.print_help()
         return 2
-    who = _rank_prefix()
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format=f"{who}nowdl: %(name)s: %(message)s")
-    logging.captureWarnings(bool(who))  # a rank's Python warnings get its prefix too
+    verbose = bool(getattr(args, "verbose", False))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format=f"nowdl[rank {_rank()}]: %(name)s: %(message)s")
+    logging.captureWarnings(_rank() != 0)  # other ranks' Python warnings say which rank printed them
     try:
         return _run(args)
-    except NowdlError as e:
-        print(f"{who}nowdl {args.command}: error: {e}", file=sys.stderr)
-        if e.detail and getattr(args, "verbose", False):
-            print(e.detail, file=sys.stderr)
+    except ReportedError:  # printed once for the whole job (runtime/failure.py)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        _say_error(args.command, e, verbose)
         return 2
 
 
@@ -205,6 +246,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "show":
         plan = nowdl.Plan.load(args.plan)
+        if args.plot:
+            from nowdl.plot.commands import check_plot
+
+            check_plot(args.plot)
         print(plan)
         if args.nodes:
             for s in plan.stages:
@@ -214,6 +259,24 @@ def _run(args: argparse.Namespace) -> int:
 
             print()
             print(format_plan_schedule(plan))
+        if args.plot:
+            from nowdl.plot.commands import draw_plan
+
+            draw_plan(plan, args.plot)
+        return 0
+    if args.command == "report":
+        from nowdl.plot.commands import report_command
+
+        return report_command(args.dir, args.plot)
+    if args.command == "models":
+        from nowdl.models import DEFAULT_INPUTS, MODELS
+
+        for name in sorted(MODELS):
+            shape = DEFAULT_INPUTS.get(name)
+            doc = (MODELS[name].__doc__ or "").strip().splitlines()
+            print(f"{name:<12} input {'x'.join(map(str, shape)) if shape else '-':<16} {doc[0] if doc else ''}")
+        print("or any 'package.module:callable' returning an nn.Module, e.g. monai.networks.nets:UNet "
+              "with --model-args JSON")
         return 0
     if args.command == "codegen":
         return _codegen(args)
@@ -232,6 +295,10 @@ def _run(args: argparse.Namespace) -> int:
             with open(args.out, "w") as f:
                 f.write(prof.to_json())
         return 0
+    if args.plot:
+        from nowdl.plot.commands import check_plot
+
+        check_plot(args.plot)
     x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate")
     cap = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     cm = nowdl.compile(model, gpus=args.gpus, balance=args.balance, stages=args.stages,
@@ -248,6 +315,10 @@ def _run(args: argparse.Namespace) -> int:
     print(plan.to_json() if args.json else plan)
     if args.out and not args.json:
         print(f"saved {args.out}")
+    if args.plot:
+        from nowdl.plot.commands import draw_plan
+
+        draw_plan(plan, args.plot, quiet=args.json)
     return 0
 
 

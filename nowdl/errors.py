@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NowdlError", "TraceError", "PlanError", "InfeasibleError", "ProfileError"]
+__all__ = ["NowdlError", "TraceError", "PlanError", "InfeasibleError", "ProfileError", "ReportedError", "error_text"]
 
 
 class NowdlError(ValueError):
@@ -28,3 +28,20 @@ class PlanError(NowdlError):
 
 class InfeasibleError(NowdlError):
     """No partition fits the memory cap; the message says the smallest cap or GPU count that would."""
+
+
+class ReportedError(NowdlError):
+    """A failure already reported for the whole job (rank 0 printed it); exit 2 quietly."""
+
+
+def error_text(e: BaseException) -> str:
+    """One paragraph for ``e``: a NowdlError's message; anything else as ``Type: message`` with a
+    hint (out of memory: re-plan; otherwise: -v for the traceback)."""
+    if isinstance(e, NowdlError):
+        return str(e)
+    first = (str(e).strip().splitlines() or [""])[0]
+    text = f"{type(e).__name__}: {first}"
+    if "out of memory" in first.lower():
+        return (text + ". This rank needed more memory than it has: re-plan with a smaller --gpu-memory (the "
+                "planner keeps every rank under it) or more GPUs, or pass activation_checkpointing")
+    return text + " (unexpected: run again with -v for the traceback, and please report it)"

@@ -1,4 +1,9 @@
-"""Trace an nn.Module to a torch.fx graph, check it computes what the model computes, fingerprint it."""
+"""Trace an nn.Module to a torch.fx graph, check it computes what the model computes, fingerprint it.
+
+Tracing is :func:`trace` (fx first, then a non-strict torch.export) and :func:`fingerprint`;
+checking the graph against the model lives in :mod:`nowdl.trace_check`, locating the user's
+failing module and line in :mod:`nowdl.trace_where`.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,8 @@ import hashlib
 import io
 import logging
 import math
-import os
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,15 +24,21 @@ from torch import nn
 
 from nowdl.errors import TraceError
 from nowdl.functional import functionalize
+from nowdl.trace_check import (
+    _EXPORT_MAX_ELEMENTS,
+    _full_inputs,
+    _Mismatch,
+    _run,
+    _shrunk_inputs,
+    _validate,
+    check_inputs,
+)
+from nowdl.trace_where import _where
 
 __all__ = ["Traced", "trace", "fingerprint", "check_inputs"]
 
 log = logging.getLogger(__name__)
 
-# Inputs larger than this many elements per sample are validated on a shrunk copy (the fx
-# graph does not depend on the spatial size), so a 16384^2 plan needs no 16384^2 forward.
-_VALIDATE_MAX_ELEMENTS = 3 * 256 * 256
-_SHRINK_SIDES = (64, 128, 256, 32, 512)
 
 
 @dataclass(frozen=True)
@@ -66,249 +76,6 @@ def fingerprint(gm: fx.GraphModule, tracer: str = "fx") -> str:
     for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
     return h.hexdigest()[:32]
-
-
-def check_inputs(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> None:
-    """Raise TraceError if an example input's dtype or rank cannot fit the model.
-
-    Checks what can be known before running: tensors, floating dtype equal to the
-    parameters', and the rank the first convolution or pooling layer expects.
-    """
-    if not example_inputs:
-        raise TraceError("no example input given: pass a tensor such as torch.randn(1, 3, 2048, 2048)")
-    pdtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    for i, x in enumerate(example_inputs):
-        if not isinstance(x, torch.Tensor):
-            raise TraceError(
-                f"example input {i} is a {type(x).__name__}, not a torch.Tensor: pass tensors "
-                "(meta tensors are fine for planning: torch.empty(shape, device='meta'))"
-            )
-        if not x.is_floating_point():
-            raise TraceError(
-                f"example input {i} has dtype {x.dtype}; images must be floating point "
-                f"(the model's parameters are {sorted(str(d) for d in pdtypes) or ['float32']}): "
-                "convert with x.float()"
-            )
-        if pdtypes and x.dtype not in pdtypes:
-            want = sorted(str(d) for d in pdtypes)
-            raise TraceError(
-                f"example input {i} has dtype {x.dtype} but the model's parameters are {want}: "
-                f"convert the input with x.to({want[0]}) or the model with model.to(...)"
-            )
-    first = _first_spatial_module(model)
-    if first is not None:
-        name, mod, dims = first
-        want_rank = dims + 2
-        x0 = example_inputs[0]
-        if x0.dim() != want_rank:
-            raise TraceError(
-                f"example input of shape {list(x0.shape)} has rank {x0.dim()}, but the model's first "
-                f"spatial layer '{name}' ({type(mod).__name__}) takes rank-{want_rank} input "
-                f"(batch, channels, {dims} spatial dims): give e.g. shape "
-                f"{[1, _in_channels(mod)] + [256] * dims}"
-            )
-        c = _in_channels(mod)
-        if c and x0.dim() >= 2 and x0.shape[1] != c:
-            raise TraceError(
-                f"example input of shape {list(x0.shape)} has {x0.shape[1]} channels, but the model's "
-                f"first layer '{name}' ({type(mod).__name__}) expects {c}: use shape "
-                f"{[x0.shape[0], c] + list(x0.shape[2:])}"
-            )
-
-
-def _first_spatial_module(model: nn.Module) -> tuple[str, nn.Module, int] | None:
-    kinds: tuple[tuple[type[nn.Module], int], ...] = (
-        (nn.Conv1d, 1), (nn.Conv2d, 2), (nn.Conv3d, 3),
-        (nn.ConvTranspose1d, 1), (nn.ConvTranspose2d, 2), (nn.ConvTranspose3d, 3),
-    )
-    for name, m in model.named_modules():
-        for cls, dims in kinds:
-            if type(m) is cls:
-                return str(name), m, dims
-    return None
-
-
-def _in_channels(m: nn.Module) -> int:
-    return int(getattr(m, "in_channels", 0) or 0)
-
-
-def _user_frames(exc: BaseException) -> list[tuple[traceback.FrameSummary, object]]:
-    """The traceback's frames outside torch and nowdl, innermost last, with each frame's ``self``."""
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
-    out = []
-    tb = exc.__traceback__
-    while tb is not None:
-        fname = tb.tb_frame.f_code.co_filename
-        if not fname.startswith(torch_dir) and not fname.startswith(here):
-            summary = traceback.extract_tb(tb, limit=1)[0]
-            out.append((summary, tb.tb_frame.f_locals.get("self")))
-        tb = tb.tb_next
-    return out
-
-
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch: where the user's code failed."""
-    frames = _user_frames(exc)
-    if not frames:
-        return ""
-    f = frames[-1][0]
-    line = f" `{f.line.strip()}`" if f.line else ""
-    return f"{f.filename}:{f.lineno} in {f.name}{line}"
-
-
-def _where(exc: BaseException, model: nn.Module) -> str:
-    """Which module of ``model`` and which source line an exception came from, as far as known."""
-    frames = _user_frames(exc)
-    names = {id(m): n for n, m in model.named_modules()}
-    module = ""
-    for _, owner in reversed(frames):
-        if isinstance(owner, nn.Module) and id(owner) in names:
-            q = names[id(owner)]
-            module = f"module {q or '(the model)'!r} ({type(owner).__name__})"
-            break
-    line = _user_frame(exc)
-    return ", ".join(p for p in (module, f"at {line}" if line else "") if p)
-
-
-_EXPORT_MAX_ELEMENTS = 2**26
-
-
-def _full_inputs(example_inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Real tensors of exactly the example's shapes (torch.export specialises on shapes)."""
-    if all(x.device.type != "meta" for x in example_inputs):
-        return tuple(example_inputs)
-    total = sum(math.prod(x.shape) for x in example_inputs)
-    if total > _EXPORT_MAX_ELEMENTS:
-        raise RuntimeError(
-            f"torch.export specialises on the input shape and needs a real input of "
-            f"{[list(x.shape) for x in example_inputs]} ({total} elements), too large to allocate for a check"
-        )
-    g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(x.shape, generator=g, dtype=x.dtype) for x in example_inputs)
-
-
-def _shrunk_inputs(example_inputs: Sequence[torch.Tensor]) -> Iterable[tuple[torch.Tensor, ...]]:
-    """Candidate small inputs of the same rank/dtype for checking the graph by value."""
-    per_sample = max(math.prod(x.shape[1:]) for x in example_inputs)
-    if (per_sample <= _VALIDATE_MAX_ELEMENTS and all(x.device.type != "meta" for x in example_inputs)):
-        yield _full_inputs(example_inputs)
-        return
-    for side in _SHRINK_SIDES:
-        shrunk = []
-        for x in example_inputs:
-            shape = list(x.shape[:2]) + [min(int(d), side) for d in x.shape[2:]]
-            shape[0] = min(shape[0], 2)
-            g = torch.Generator().manual_seed(0)
-            shrunk.append(torch.randn(shape, generator=g, dtype=x.dtype))
-        yield tuple(shrunk)
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run a check on a small input on one thread: on a busy machine, waking torch's pool for
-    each tiny op costs more than the op (a 2,000-node check took 35 s on 2 threads, 1 s on one)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def _run(m: nn.Module, inputs: Sequence[torch.Tensor], seed: int) -> object:
-    small = all(math.prod(x.shape) <= 2 * _VALIDATE_MAX_ELEMENTS for x in inputs)
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), (_one_thread() if small else contextlib.nullcontext()):
-        torch.manual_seed(seed)
-        return m(*inputs)
-
-
-def _flatten(out: object) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, dict):
-        return [t for k in sorted(out, key=str) for t in _flatten(out[k])]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _flatten(o)]
-    return []
-
-
-def _same(a: object, b: object) -> tuple[bool, str]:
-    fa, fb = _flatten(a), _flatten(b)
-    if len(fa) != len(fb):
-        return False, f"{len(fb)} output tensors instead of {len(fa)}"
-    for i, (x, y) in enumerate(zip(fa, fb, strict=True)):
-        if x.shape != y.shape:
-            return False, f"output {i} has shape {list(y.shape)} instead of {list(x.shape)}"
-        if not torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-6, equal_nan=True):
-            diff = (x.float() - y.float()).abs().max().item()
-            return False, f"output {i} differs by up to {diff:.3g}"
-    return True, ""
-
-
-def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Tensor], *,
-              train: bool = False) -> tuple[tuple[int, ...], ...]:
-    """Compare eager and traced outputs under the same RNG state; return the shapes used.
-
-    fx graphs share the model's submodules and are compared in eval mode (dropout off,
-    BatchNorm on running statistics, nothing mutated), on a shrunk input when the example is
-    large (an fx graph does not depend on the input size). Exported graphs specialise on the
-    input shape, so they are compared at the example's own shape, in train mode on copies (so
-    no buffer of the model moves); ``train=True`` callers check eval mode separately.
-    Any exception the graph raises where the model runs is a mismatch: the trace is wrong.
-    """
-    was_training = model.training
-    last_err: Exception | None = None
-    if train:
-        inputs = _full_inputs(example_inputs)
-        for mode in (True, False):  # train mode (batch statistics, dropout), then eval mode
-            m, g = copy.deepcopy(model).train(mode), copy.deepcopy(gm).train(mode)
-            try:
-                ref = _run(m, inputs, seed=1234)
-            except Exception as e:
-                last_err = e
-                break
-            _compare(ref, g, inputs, "train" if mode else "eval")
-        else:
-            return tuple(tuple(x.shape) for x in inputs)
-    else:
-        model.eval()
-        gm.eval()
-        try:
-            for inputs in _shrunk_inputs(example_inputs):
-                try:
-                    ref = _run(model, inputs, seed=1234)
-                except Exception as e:  # this size does not fit the model; try another
-                    last_err = e
-                    continue
-                _compare(ref, gm, inputs, "eval")
-                return tuple(tuple(x.shape) for x in inputs)
-        finally:
-            model.train(was_training)
-            gm.train(was_training)
-    where = _user_frame(last_err) if last_err else ""
-    raise TraceError(
-        f"the model fails on the example input {[list(x.shape) for x in example_inputs]}"
-        f"{' (checked on a smaller copy)' if last_err else ''}: "
-        f"{type(last_err).__name__}: {last_err}{' at ' + where if where else ''}. "
-        "Check the input's shape (batch, channels, spatial...) against the model."
-    )
-
-
-class _Mismatch(Exception):
-    pass
-
-
-def _compare(ref: object, gm: nn.Module, inputs: Sequence[torch.Tensor], mode: str) -> None:
-    """Raise _Mismatch unless ``gm`` runs on ``inputs`` and returns what the model returned."""
-    try:
-        got = _run(gm, inputs, seed=1234)
-    except Exception as e:  # the graph fails where the model runs: the trace is wrong
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise _Mismatch(f"the graph fails in {mode} mode where the model runs ({type(e).__name__}: {first})") from e
-    ok, why = _same(ref, got)
-    if not ok:
-        raise _Mismatch(f"{why} in {mode} mode")
 
 
 def _fx_trace(model: nn.Module, leaf_modules: Sequence[type | str]) -> fx.GraphModule:

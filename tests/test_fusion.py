@@ -19,9 +19,9 @@ import torch
 from distributed import run_workers
 from torch import nn
 
-from nowdl.runtime import fusion, halo
+from nowdl.runtime import fusion
 from nowdl.runtime.fusion import chain_geometry, fusable, fused_forward
-from nowdl.runtime.halo import TileTooSmallError, sum_weight_grads, tile_forward
+from nowdl.runtime.halo import TileTooSmallError, exchange, sum_weight_grads, tile_forward
 from nowdl.runtime.tiles import TileGrid
 
 TOL = 1e-5
@@ -72,7 +72,7 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 def _count_exchanges() -> dict[str, int]:
     """Count fused fetch_window calls and every exchange backward (in this worker only)."""
     calls = {"fwd": 0, "bwd": 0}
-    fetch, backward = fusion.fetch_window, halo._return_grads
+    fetch, backward = fusion.fetch_window, exchange._return_grads
 
     def counting_fetch(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls["fwd"] += 1
@@ -83,7 +83,7 @@ def _count_exchanges() -> dict[str, int]:
         return backward(*args, **kwargs)
 
     fusion.fetch_window = counting_fetch  # type: ignore[assignment]
-    halo._return_grads = counting_backward  # type: ignore[assignment]
+    exchange._return_grads = counting_backward  # type: ignore[assignment]
     return calls
 
 

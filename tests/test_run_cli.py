@@ -38,6 +38,12 @@ def _torchrun(*args: str, n: int = 2) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+def _ckpt_step(ckpt: Path) -> int:
+    record = json.loads((ckpt / (ckpt / "latest").read_text() / "nowdl.json").read_text())
+    assert record["run"]["step"] == record["step"]
+    return int(record["step"])
+
+
 def _steps(out: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(3) for m in STEP.finditer(out)}
 
@@ -65,8 +71,8 @@ def test_torchrun_train_and_resume(tmp_path: Path) -> None:
     first = _torchrun(*PIPE, "--steps", "2", "--checkpoint", str(ckpt))
     assert first.returncode == 0, first.stderr
     assert "resumed" not in first.stdout and f"saved checkpoint at step 2 to {ckpt}" in first.stdout
-    assert json.loads((ckpt / "nowdl-run.json").read_text())["step"] == 2
-    assert (ckpt / "plan.json").exists() and (ckpt / "rank1.pt").exists()
+    assert _ckpt_step(ckpt) == 2
+    assert (ckpt / "plan.json").exists() and (ckpt / "step-00000002" / ".metadata").exists()
 
     second = _torchrun(*PIPE, "--steps", "1", "--checkpoint", str(ckpt))
     assert second.returncode == 0, second.stderr
@@ -76,7 +82,8 @@ def test_torchrun_train_and_resume(tmp_path: Path) -> None:
     assert re.search(r"^step 3/3 ", second.stdout, re.M)
     # weights, Adam state and data stream all resume: the same loss as the uninterrupted run
     assert resumed[3] == losses[3], (second.stdout, plain.stdout)
-    assert json.loads((ckpt / "nowdl-run.json").read_text())["step"] == 3
+    assert _ckpt_step(ckpt) == 3
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "plan.json", "step-00000003"]  # the old step went
 
 
 def test_torchrun_impossible_pins_fail_on_every_rank() -> None:
@@ -164,7 +171,7 @@ def test_errors(single: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "nowdl-checkpoint.json").write_text("{}")
     err = _err([*base, "--batch-size", "2", "--checkpoint", str(tmp_path / "ck")], capsys)
-    assert "nowdl-run.json" in err
+    assert "no 'latest' pointer" in err and str(tmp_path / "ck") in err
 
 
 def test_precision(single: None, capsys: pytest.CaptureFixture[str]) -> None:

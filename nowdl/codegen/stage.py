@@ -29,23 +29,28 @@ every stage that uses them (a parameter is never sent); parameters or buffers us
 stages (tied weights, a module called twice) are refused: their gradients would have to be
 summed across ranks, which nowdl does not do yet. Parameters the forward never uses belong
 to no stage.
+
+This module assigns nodes to stages and builds them; the model's output structure lives in
+:mod:`nowdl.codegen.outputs`, the non-tensor values that cross stages in
+:mod:`nowdl.codegen.scalars`.
 """
 
 from __future__ import annotations
 
-import math
-import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from nowdl.codegen.outputs import OutputSlot, fill_outputs, model_outputs, output_tree
+from nowdl.codegen.scalars import _fold_scalars
 from nowdl.errors import NowdlError, PlanError
 from nowdl.partitioner.plan import Plan
 
-__all__ = ["StageModule", "build_stages", "model_outputs", "output_tree", "fill_outputs", "DATA"]
+# model_outputs, output_tree, fill_outputs and OutputSlot live in nowdl.codegen.outputs
+__all__ = ["StageModule", "build_stages", "model_outputs", "output_tree", "fill_outputs", "OutputSlot", "DATA"]
 
 #: ``producers[v] == DATA``: ``v`` is a model input, fed to the stage by its data loader.
 DATA = -1
@@ -92,83 +97,6 @@ def _who(stage: int) -> str:
     return "the data loader" if stage == DATA else f"stage {stage}"
 
 
-def _flatten_output(arg: Any) -> Iterator[fx.Node]:
-    """The nodes of an output structure in order: tuples/lists in order, dicts in insertion order."""
-    if isinstance(arg, fx.Node):
-        yield arg
-    elif isinstance(arg, (tuple, list)):
-        for a in arg:
-            yield from _flatten_output(a)
-    elif isinstance(arg, dict):
-        for a in arg.values():
-            yield from _flatten_output(a)
-    elif isinstance(arg, slice):
-        for a in (arg.start, arg.stop, arg.step):
-            yield from _flatten_output(a)
-
-
-def model_outputs(gm: fx.GraphModule) -> list[str]:
-    """The value names the model returns, flattened as the last stage returns them (no repeats)."""
-    out = [n for n in gm.graph.nodes if n.op == "output"]
-    if len(out) != 1:
-        raise NowdlError(f"the graph has {len(out)} output nodes, expected 1: re-trace the model")
-    names: list[str] = []
-    for n in _flatten_output(out[0].args[0] if out[0].args else None):
-        if n.name not in names:
-            names.append(n.name)
-    return names
-
-
-@dataclass(frozen=True)
-class OutputSlot:
-    """Where ``output_tree`` holds the model's i-th flattened output tensor."""
-
-    index: int
-
-
-def output_tree(gm: fx.GraphModule) -> Any:
-    """The structure ``gm`` returns (tensor, tuple, list, dict, constants), with every tensor
-    replaced by an :class:`OutputSlot` indexing :func:`model_outputs`; ``fill_outputs`` rebuilds it.
-
-    For a torch.export graph (pytree code generation) the output node holds the flat leaves and
-    the structure is the graph's ``out_spec``.
-    """
-    names = model_outputs(gm)
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-
-    def walk(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return OutputSlot(names.index(a.name))
-        if isinstance(a, (tuple, list)):
-            items = [walk(v) for v in a]
-            return tuple(items) if isinstance(a, tuple) else items
-        if isinstance(a, dict):
-            return {k: walk(v) for k, v in a.items()}
-        return a
-
-    tree = walk(out.args[0] if out.args else None)
-    spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
-    if spec is not None:
-        from torch.utils._pytree import tree_unflatten
-
-        leaves = list(tree) if isinstance(tree, (tuple, list)) else [tree]
-        tree = tree_unflatten(leaves, spec)
-    return tree
-
-
-def fill_outputs(tree: Any, values: list[Any]) -> Any:
-    """``tree`` (from :func:`output_tree`) with each OutputSlot replaced by ``values[slot.index]``."""
-    if isinstance(tree, OutputSlot):
-        return values[tree.index]
-    if isinstance(tree, tuple):
-        return tuple(fill_outputs(v, values) for v in tree)
-    if isinstance(tree, list):
-        return [fill_outputs(v, values) for v in tree]
-    if isinstance(tree, dict):
-        return {k: fill_outputs(v, values) for k, v in tree.items()}
-    return tree
-
-
 def _assign_stages(gm: fx.GraphModule, plan: Plan) -> tuple[dict[str, int], list[fx.Node]]:
     """Stage of every placeholder and compute node (get_attr nodes excluded: they go where used)."""
     where = plan.node_stage()
@@ -210,109 +138,6 @@ def _assign_stages(gm: fx.GraphModule, plan: Plan) -> tuple[dict[str, int], list
 def _env(local: dict[str, Any]) -> Callable[[fx.Node], Any]:
     """Map a node of the original graph to its copy in the stage graph (or a folded constant)."""
     return lambda a: local[a.name]
-
-
-# Attributes and methods that read a tensor's metadata, never its values.
-_META_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout"})
-_META_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "get_device"})
-_SCALAR_FUNCS: frozenset[Any] = frozenset({
-    operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
-    operator.mod, operator.neg, operator.pow, len, int, float, max, min, math.prod, math.floor, math.ceil,
-})
-
-
-def _from_metadata(node: fx.Node, seen: dict[str, bool]) -> bool:
-    """True when ``node``'s value depends on tensors only through their shape, dtype or device."""
-    if node.name in seen:
-        return seen[node.name]
-    if node.op == "call_function" and node.target is getattr:
-        ok = len(node.args) > 1 and node.args[1] in _META_ATTRS
-    elif node.op == "call_method" and node.target in _META_METHODS:
-        ok = True
-    elif node.op == "call_function" and node.target in _SCALAR_FUNCS:
-        ok = all(_from_metadata(a, seen) for a in node.all_input_nodes)
-    else:
-        ok = False
-    seen[node.name] = ok
-    return ok
-
-
-def _fold_scalars(gm: fx.GraphModule, plan: Plan, crossing: list[fx.Node]) -> dict[str, Any]:
-    """The values among ``crossing`` (used by a later stage) that are not tensors, as constants.
-
-    Only tensors travel between ranks. A size read off a tensor (``x.shape[0]``, ``x.size(1)``,
-    ``x.ndim``) is fixed by the plan's input shapes, so the stages that use it get it as a constant:
-    the graph is run once on fake tensors of those shapes (in eval mode: no buffer moves).
-
-    Raises:
-        NowdlError: a non-tensor value that depends on tensor values (``x.item()``) or holds
-            tensors (a tuple a later stage unpacks) crosses stages.
-    """
-    sized = {t.producer: t for t in plan.tensors}
-    maybe = [n for n in crossing if n.op != "placeholder" and (n.name not in sized or not sized[n.name].bytes)]
-    if not maybe:
-        return {}
-    values = _fake_values(gm, plan, {n.name for n in maybe})
-    out: dict[str, Any] = {}
-    seen: dict[str, bool] = {}
-    for n in maybe:
-        v = values.get(n.name)
-        if isinstance(v, torch.Tensor):
-            continue
-        leaves = v if isinstance(v, (tuple, list)) else (v,)
-        if (isinstance(v, _DataDependent) or any(isinstance(t, torch.Tensor) for t in leaves)
-                or not _from_metadata(n, seen)):
-            what = "a value that depends on the tensors' data" if isinstance(v, _DataDependent) else \
-                f"a {type(v).__name__}, not a tensor,"
-            raise NowdlError(
-                f"node {n.name!r} ({n.format_node()}) gives {what} and a later stage uses it: only tensors and "
-                "sizes read off tensors can cross between stages. Re-plan so that it and its users share a "
-                "stage (for instance with fewer stages), or keep the value a tensor inside the model"
-            )
-        out[n.name] = v
-    return out
-
-
-@dataclass(frozen=True)
-class _DataDependent:
-    """A value a fake run cannot know: it depends on the tensors' values."""
-
-    why: str
-
-
-def _fake_values(gm: fx.GraphModule, plan: Plan, wanted: set[str]) -> dict[str, Any]:
-    """Values of the nodes in ``wanted`` when ``gm`` runs on fake inputs of the plan's shapes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    dtype = getattr(torch, str(plan.profile.get("dtype", "float32")).replace("torch.", ""), torch.float32)
-    found: dict[str, Any] = {}
-
-    class _Probe(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            try:
-                value = super().run_node(n)
-            except Exception as e:  # x.item() on a fake tensor: the value depends on the data
-                if n.name not in wanted:
-                    raise
-                found[n.name] = _DataDependent(f"{type(e).__name__}: {e}")
-                return torch.zeros(())
-            if n.name in wanted:
-                found[n.name] = value
-            return value
-
-    modes = [(m, m.training) for m in gm.modules()]  # the model's own modules (fx): put back as they were
-    gm.eval()
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            inputs = [torch.empty(shape, dtype=dtype) for shape in plan.model["inputs"]]
-            _Probe(gm).run(*inputs)
-    except Exception as e:
-        raise NowdlError(f"could not find the sizes that cross between stages ({sorted(wanted)[:3]}) on fake inputs "
-                         f"of shapes {plan.model['inputs']}: {type(e).__name__}: {e}") from e
-    finally:
-        for m, training in modes:
-            m.training = training
-    return found
 
 
 def _owned_tensors(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, torch.Tensor]]:

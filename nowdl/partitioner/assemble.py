@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nowdl.partitioner.breakdown import stage_memory
 from nowdl.partitioner.config import Candidate, PlanRequest
 from nowdl.partitioner.costmodel import Costs, stage_sums
 from nowdl.partitioner.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
@@ -45,6 +46,7 @@ def build_plan(
     rpp = sum(groups)
     group_start = [sum(groups[:j]) for j in range(k)]
     sums = stage_sums(costs, cand, part.stage_of)
+    mem = stage_memory(costs, cand, part.stage_of)  # [Note: memory breakdown]
     sp_dims = max(1, len(prof.input_shapes[0]) - 2) if prof.input_shapes else 2
     stage_nodes: list[list[str]] = [[] for _ in range(k)]
     for i, n in enumerate(prof.nodes):
@@ -63,6 +65,7 @@ def build_plan(
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
                 "comm_s": max(0.0, comm), "time_s": part.stage_time[s],
                 "inflight": float(cand.inflight()[s]),
+                **mem[s],
             },
         ))
     ranks: list[RankPlan] = []

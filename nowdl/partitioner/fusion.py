@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from nowdl.errors import NowdlError
+from nowdl.geometry import chain_geometry, fusable
 from nowdl.partitioner.costmodel import HALO_LATENCY_S, dtype_bytes
 from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, spatial_rules
@@ -38,8 +39,6 @@ def _windowed(m: nn.Module) -> bool:
 
 def fusion_runs(gm: fx.GraphModule, nodes: Sequence[str]) -> list[list[str]]:
     """Maximal fusable runs among ``nodes`` (one stage), each with at least two convs/pools."""
-    from nowdl.runtime.fusion import fusable
-
     mods = dict(gm.named_modules())
     members = set(nodes)
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -100,8 +99,6 @@ class _Graph:
 
 def _gain(g: _Graph, chain: list[str], prof: Profile, grid: Sequence[int], link_bw: float) -> float:
     """Seconds saved per micro-batch by fusing ``chain`` (negative: fusion is slower)."""
-    from nowdl.runtime.fusion import chain_geometry
-
     first = g.source(chain[0])
     if first not in prof or not prof[first].out_shape:
         return -math.inf

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from nowdl.partitioner.chain import ChainCosts, minmax_path, spread_ok
+from nowdl.partitioner.chain import ChainCosts, minmax_path
+from nowdl.partitioner.halves import Halves, rank_value, spread_ok_split
+from nowdl.partitioner.master_exact import exact_levels
 
 __all__ = ["Halves", "descend", "improve", "master_split", "standard_pairing", "rank_value",
            "PAIR_CAP", "spread_ok_split"]
@@ -27,66 +28,6 @@ __all__ = ["Halves", "descend", "improve", "master_split", "standard_pairing", "
 PAIR_CAP = 72  # states up to which ``master_exact.pair_dp`` (exact, O(K S^4)) replaces descent
 
 _MAX_ROUNDS = 40
-
-
-@dataclass(frozen=True)
-class Halves:
-    """Full per-stage load matrices over a chain of states (inf: step not allowed)."""
-
-    obj: Sequence[np.ndarray]  # the quantity minimised (max over ranks of pair sums)
-    limits: Sequence[tuple[Sequence[np.ndarray], float]]  # pair sums of these stay <= bound
-    allowed: Sequence[np.ndarray | None]  # per cut c = 1..K-1: states it may take
-    start: int
-    end: int
-    stagewise: frozenset[int] = frozenset()  # families (0: obj, i: limits[i-1]) taken per
-    # stage (max of the rank's two stages) instead of per rank (their sum)
-    _spans: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, compare=False,
-                                                             repr=False)
-
-    @property
-    def k(self) -> int:
-        return len(self.obj)
-
-    @property
-    def n(self) -> int:
-        """Number of states."""
-        return int(self.obj[0].shape[1])
-
-    def reversed(self) -> Halves:
-        """The same problem with the chain read backwards (stage s becomes K-1-s)."""
-        return Halves(obj=[m.T for m in reversed(self.obj)],
-                      limits=[([m.T for m in reversed(mats)], b) for mats, b in self.limits],
-                      allowed=list(reversed(self.allowed)), start=self.end, end=self.start,
-                      stagewise=self.stagewise)
-
-    def window(self, s: int, rows: np.ndarray) -> tuple[int, int]:
-        """Columns holding every finite step of stage s from ``rows``."""
-        if s not in self._spans:
-            self._spans[s] = _span(self.obj[s])
-        lo, hi = self._spans[s]
-        return int(lo[rows].min()), int(hi[rows].max())
-
-
-def _span(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, the first finite column and one past the last (lo >= hi: none)."""
-    finite = np.isfinite(m)
-    n = m.shape[1]
-    lo = np.argmax(finite, axis=1)
-    hi = n - np.argmax(finite[:, ::-1], axis=1)
-    none = ~finite.any(axis=1)
-    lo[none], hi[none] = n, 0
-    return lo, hi
-
-
-def rank_value(h: Halves, mats: Sequence[np.ndarray], cuts: Sequence[int], *,
-               stagewise: bool = False) -> float:
-    """max over ranks of the pair sum of ``mats`` for the split ``cuts`` (``stagewise``: max
-    over stages)."""
-    k = h.k
-    loads = [float(mats[s][cuts[s], cuts[s + 1]]) for s in range(k)]
-    if stagewise:
-        return max(loads)
-    return max(loads[r] + loads[k - 1 - r] for r in range((k + 1) // 2))
 
 
 def _front(h: Halves, cuts: Sequence[int], bound: float) -> tuple[float, list[int]]:
@@ -258,8 +199,6 @@ def master_split(costs: ChainCosts, *, mem_is_prim: bool, cap: float | None,
         sec.append(q)
         work.append(w)
     if exact and end + 1 <= PAIR_CAP:
-        from nowdl.partitioner.master_exact import exact_levels  # it builds on Halves
-
         return exact_levels(prim, sec, work, mem_is_prim=mem_is_prim, cap=cap, allowed=allowed,
                             start=start, end=end, seed=seed)
     mem = prim if mem_is_prim else sec
@@ -290,8 +229,3 @@ def master_split(costs: ChainCosts, *, mem_is_prim: bool, cap: float | None,
     _, cuts = improve(prim, sec, mem_is_prim=mem_is_prim, cap=cap, allowed=allowed, start=start,
                       end=end, cuts=cuts, work=work)
     return cuts, 0.0
-
-
-def spread_ok_split(work: Sequence[np.ndarray], cuts: Sequence[int]) -> bool:
-    """No stage of the split ``cuts`` idles (see ``chain.spread_ok``)."""
-    return spread_ok([float(work[s][cuts[s], cuts[s + 1]]) for s in range(len(work))])

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from nowdl.partitioner.chain import ChainCosts, minmax_path
-from nowdl.partitioner.master import Halves, rank_value, spread_ok_split
+from nowdl.partitioner.halves import Halves, rank_value, spread_ok_split
 
 __all__ = ["pair_dp", "exact_levels", "lagrangian_bound"]
 

@@ -11,10 +11,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.func import functional_call
 
+from nowdl.profiler.backend import Backend, PhaseResult
 from nowdl.profiler.devices import DeviceSpec
 from nowdl.profiler.flops import OpCostMode
 from nowdl.profiler.memory import AllocTracker
-from nowdl.profiler.runner import Backend, PhaseResult
 
 __all__ = ["EstimateBackend"]
 

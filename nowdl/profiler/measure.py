@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from nowdl.profiler.backend import Backend, PhaseResult
 from nowdl.profiler.flops import OpCostMode
 from nowdl.profiler.memory import AllocTracker
-from nowdl.profiler.runner import Backend, PhaseResult
 
 __all__ = ["MeasureBackend", "resolve_device", "device_label"]
 

@@ -1,4 +1,7 @@
-"""Node-by-node graph walk shared by measure and estimate modes (one accounting routine)."""
+"""Node-by-node graph walk shared by measure and estimate modes (one accounting routine).
+
+The backends it drives implement :class:`nowdl.profiler.backend.Backend` (re-exported here).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,8 @@ import dataclasses
 import operator
 import statistics
 import sys
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Hashable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,7 @@ from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_map
 
 from nowdl.errors import ProfileError
+from nowdl.profiler.backend import Backend, PhaseResult
 from nowdl.profiler.cost import NodeCost
 from nowdl.profiler.memo import Entry, input_tensors, make_entry, memo_key, replay
 from nowdl.profiler.memory import (
@@ -35,53 +38,6 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
                       operator.ior, operator.ixor, operator.ilshift, operator.irshift,
                       operator.imatmul, operator.setitem}
-
-
-@dataclass
-class PhaseResult:
-    """What a backend learned about one forward or backward phase of one run."""
-
-    seconds: float | None = None  # None: this run is not timed
-    flops: int | None = None
-    workspace: int | None = None
-
-
-class Backend(ABC):
-    """How nodes are executed and timed: real tensors (measure) or fake ones (estimate)."""
-
-    device_label: str = ""
-    device_type: str = "cpu"  # where the tensors live (autocast runs for this device type)
-    n_runs: int = 1  # runs per node; the first is the accounting run
-    memoise: bool = False  # reuse identical nodes' costs (see [Note: node memo])
-
-    def context(self) -> AbstractContextManager[Any]:
-        """Context around the whole walk (e.g. FakeTensorMode)."""
-        return nullcontext()
-
-    @abstractmethod
-    def input(self, t: Any) -> Any:
-        """An example input as the backend's tensor."""
-
-    @abstractmethod
-    def attr(self, obj: Any) -> Any:
-        """A get_attr value as the backend's tensor."""
-
-    @abstractmethod
-    def static_tensors(self) -> Iterable[torch.Tensor]:
-        """Parameters and buffers as the backend sees them (excluded from activations)."""
-
-    @abstractmethod
-    def call_module(self, mod: torch.nn.Module, args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Any:
-        """Run a submodule."""
-
-    @abstractmethod
-    def params_of(self, mod: torch.nn.Module) -> list[torch.Tensor]:
-        """The backend's parameter tensors of ``mod`` (their grads are cleared after runs)."""
-
-    @abstractmethod
-    def phase(self, name: str, accounting: bool) -> AbstractContextManager[PhaseResult]:
-        """Context around a node's forward (``name="fwd"``) or backward (``"bwd"``)."""
 
 
 def target_name(node: Node, gm: GraphModule) -> str:

@@ -9,17 +9,8 @@ averages) are exactly the gradient of the global mean loss. The reported loss is
 unscaled micro-batch losses. BatchNorm sees each micro-batch alone, as the single-device
 reference does; running statistics update in micro-batch order.
 
-[Note: gradient sync] After this rank's last backward of a stage, that stage's gradients are
-flattened into one bucket and all-reduced (SUM) asynchronously over every rank holding a copy of
-the stage (MASTER mirror and data-parallel copies), overlapping the rest of the backward; the
-optimizer steps once every bucket has arrived.
-
-[Note: communication] Every rank knows from the plan which values it receives, from whom, with
-which shape: each receive is posted LOOKAHEAD actions before the action that needs it, into a
-buffer from a pool reused across micro-batches and steps (no handshakes; live buffers stay
-bounded by the micro-batches in flight, as 1F1B intends), sends are isend and waited at the end of the step. Every float value sent
-forward gets exactly one gradient back (zeros when the consumer did not need it), so both sides
-agree on the messages without asking. Tags are unique per (value, direction, replica, micro-batch).
+See [Note: gradient sync] in runtime/gradsync.py and [Note: communication] in
+runtime/transfers.py.
 """
 
 from __future__ import annotations
@@ -27,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,84 +29,27 @@ from nowdl.errors import NowdlError
 from nowdl.partitioner.plan import Plan
 from nowdl.profiler import PRECISIONS as AUTOCAST_DTYPES
 from nowdl.profiler import check_precision
-from nowdl.runtime.halo import Window, _intersect
+from nowdl.runtime.gradsync import GradSync
+from nowdl.runtime.halo import Window
 from nowdl.runtime.launch import wait
+from nowdl.runtime.microbatch import detach as _detach
+from nowdl.runtime.microbatch import split_batch
+from nowdl.runtime.placement import Placement
 from nowdl.runtime.schedule import Action, rank_actions
-from nowdl.runtime.spatial_stage import TiledStage, full_grid
+from nowdl.runtime.spatial_stage import TiledStage
 from nowdl.runtime.tiles import TiledInput, TileGrid
+from nowdl.runtime.transfers import Transfers, _Recv, _StepReceives
 
 __all__ = ["PipelineEngine", "Placement", "PRECISIONS", "check_precision"]
-
-
-def _detach(out: Any) -> Any:
-    """``out`` (a tensor or a structure of tensors) detached."""
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, (tuple, list)):
-        return type(out)(_detach(v) for v in out)
-    if isinstance(out, dict):
-        return {k: _detach(v) for k, v in out.items()}
-    return out
 
 
 PRECISIONS = tuple(AUTOCAST_DTYPES)
 
 
-LOOKAHEAD = 1  # receives are posted this many actions ahead of the action that needs them
-
-
-_Recv = tuple[tuple[Any, ...], int, int, str, tuple[int, ...]]  # key, peer, tag, value, shape
-
-
-@dataclass
-class _StepReceives:
-    """The receives of one step: per action, what it needs; what is posted so far."""
-
-    per_action: list[list[_Recv]]
-    next_action: int = 0
-    posted: dict[tuple[Any, ...], tuple[Any, int, torch.Tensor]] = field(default_factory=dict)
-
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where every (dp copy, replica, stage) lives: the global rank of each of its parts (tiles)."""
-
-    k: int
-    replicas: int
-    dp: int
-    where: dict[tuple[int, int, int], list[int]]  # (dp, replica, stage) -> global rank of each part
-
-    @classmethod
-    def from_plan(cls, plan: Plan) -> Placement:
-        parts = {s.index: max(1, int(s.parts)) for s in plan.stages}
-        found: dict[tuple[int, int, int], dict[int, int]] = {}
-        for r in plan.ranks:
-            for h in r.stages:
-                found.setdefault((r.dp, h["replica"], h["stage"]), {})[int(h.get("part", 0))] = r.rank
-        where: dict[tuple[int, int, int], list[int]] = {}
-        for key, by_part in found.items():
-            want = parts.get(key[2], 1)
-            if sorted(by_part) != list(range(want)):
-                raise NowdlError(f"the plan gives stage {key[2]} (replica {key[1]}, dp copy {key[0]}) parts "
-                                 f"{sorted(by_part)} but the stage has {want}: the plan is inconsistent; re-plan")
-            where[key] = [by_part[q] for q in range(want)]
-        return cls(k=len(plan.stages), replicas=int(plan.config["replicas"]), dp=int(plan.config["dp"]), where=where)
-
-    def rank_of(self, d: int, rep: int, stage: int, part: int = 0) -> int:
-        return self.where[(d, rep, stage)][part]
-
-    def part_ranks(self, d: int, rep: int, stage: int) -> list[int]:
-        """The ranks holding the tiles of one copy of ``stage``, in part order."""
-        return self.where[(d, rep, stage)]
-
-    def group_ranks(self, stage: int) -> list[int]:
-        """Every rank holding any part of any copy of ``stage`` (replicas, dp copies), sorted."""
-        return sorted({r for d in range(self.dp) for rep in range(self.replicas) for r in self.where[(d, rep, stage)]})
-
-
-class PipelineEngine:
+class PipelineEngine(Transfers, GradSync):
     """Runs this rank's part of a plan: forward/backward actions, p2p, gradient sync, step.
 
     Args:
@@ -223,169 +156,15 @@ class PipelineEngine:
                     "region ends elsewhere"
                 )
 
-    # ---- set-up --------------------------------------------------------------------------------
-    def _sync_initial_weights(self) -> None:
-        """Every copy of a stage starts from the lowest rank's weights (they must be equal)."""
-        for s, g in self._groups.items():
-            if g is None:
-                continue
-            src = self.place.group_ranks(s)[0]
-            for t in list(self.stages[s].module.parameters()) + list(self.stages[s].module.buffers()):
-                with torch.no_grad():
-                    dist.broadcast(t.data, src=src, group=g)
-
-    def _tag(self, value: str, backward: bool, rep: int, mb: int) -> int:
-        return ((self._value_ids[value] * 2 + int(backward)) * self.place.replicas + rep) * self.m + mb
-
-    def _peer(self, rep: int, stage: int, part: int = 0) -> int:
-        return self.place.rank_of(self.dp_index, rep, stage, part)
-
-    def _index(self, peer: int, kind: str, stage: int, mb: int, rep: int) -> int:
-        """Where (kind, stage, micro-batch, replica) sits in ``peer``'s program for one step."""
-        prog = self._programs.get(peer)
-        if prog is None:
-            prog = {(a.kind, a.stage, a.microbatch, a.replica): i for i, a in enumerate(rank_actions(self.plan, peer))}
-            self._programs[peer] = prog
-        return prog[(kind, stage, mb, rep)]
-
-    # ---- one step ------------------------------------------------------------------------------
-    def _chunks(self, batch: Any, total: int) -> list[Any]:
-        if batch is None:
-            return [None] * total
-        if isinstance(batch, TiledInput):
-            n = batch.shape[0]
-            if n % total:
-                raise NowdlError(f"the global batch of {n} samples does not split into {total} micro-batches: "
-                                 f"give a multiple of {total}")
-            return [batch.rows(i * (n // total), (i + 1) * (n // total)) for i in range(total)]
-        if isinstance(batch, torch.Tensor):
-            if batch.shape[0] % total:
-                raise NowdlError(
-                    f"the global batch of {batch.shape[0]} samples does not split into {total} micro-batches "
-                    f"(dp {self.place.dp} x replicas {self.place.replicas} x micro_batches {self.m}): "
-                    f"give a multiple of {total}"
-                )
-            return list(batch.chunk(total))
-        if isinstance(batch, (list, tuple)):
-            parts = [self._chunks(b, total) for b in batch]
-            return [type(batch)(p[i] for p in parts) for i in range(total)]
-        raise NowdlError(f"cannot split a batch of type {type(batch).__name__} into micro-batches: pass tensors")
-
     def _local_chunks(self, batch: Any) -> dict[tuple[int, int], Any]:
         total = self.place.dp * self.place.replicas * self.m
-        chunks = self._chunks(batch, total)
+        chunks = split_batch(batch, total, f"dp {self.place.dp} x replicas {self.place.replicas} x micro_batches {self.m}")
         out = {}
         for rep in range(self.place.replicas):
             for i in range(self.m):
                 out[(rep, i)] = chunks[(self.dp_index * self.place.replicas + rep) * self.m + i]
         return out
 
-    # ---- receives: posted a few actions ahead into pooled buffers -------------------------------
-    def _expected_recvs(self, train: bool) -> list[list[_Recv]]:
-        """For each action of this rank: every message it receives (one per sending part)."""
-        out: list[list[_Recv]] = []
-        for act in self.actions:
-            st = self.stages[act.stage]
-            me = (act.stage, self.part[(act.replica, act.stage)])
-            mine: list[_Recv] = []
-            if act.kind == "F":
-                for name in st.inputs:
-                    p = st.producers[name]
-                    if p < 0:
-                        continue
-                    for i in range(self.parts[p]):
-                        box = self._piece(name, (p, i), me)
-                        if box is None:
-                            continue
-                        q = self._peer(act.replica, p, i)
-                        key: tuple[Any, ...] = ("F", name, act.replica, act.microbatch, i)
-                        mine.append((key, q, self._tag(name, False, act.replica, act.microbatch), name,
-                                     self._piece_shape(name, box)))
-                        self._sent_at[key] = self._index(q, "F", p, act.microbatch, act.replica)
-            elif train:
-                for name in st.outputs:
-                    if not self._is_float(name):
-                        continue
-                    for c in st.consumers.get(name, []):
-                        if c >= self.k:
-                            continue
-                        for j in range(self.parts[c]):
-                            box = self._piece(name, me, (c, j))
-                            if box is None:
-                                continue
-                            q = self._peer(act.replica, c, j)
-                            key = ("B", name, c, act.replica, act.microbatch, j)
-                            mine.append((key, q, self._tag(name, True, act.replica, act.microbatch), name,
-                                         self._piece_shape(name, box)))
-                            self._sent_at[key] = self._index(q, "B", c, act.microbatch, act.replica)
-            out.append(mine)
-        return out
-
-    # ---- tiles: which part of a value each part of a stage holds -----------------------------------
-    def _box(self, name: str, stage: int, part: int) -> Window:
-        """The region (full-image coords per spatial dim) of ``name`` that ``part`` of ``stage`` holds."""
-        key = (name, stage, part)
-        box = self._boxes.get(key)
-        if box is None:  # fixed by the plan: computed once, looked up on every message
-            sp = self._meta[name][0][2:]
-            if self.parts[stage] == 1:
-                box = tuple((0, n) for n in sp)
-            else:
-                grid = full_grid(self.plan.stages[stage].grid, len(sp))
-                box = TileGrid.for_rank(sp, grid, part, range(self.parts[stage])).tile_bounds()
-            self._boxes[key] = box
-        return box
-
-    def _piece(self, name: str, src: tuple[int, int], dst: tuple[int, int]) -> Window | None:
-        """What (stage, part) ``src`` sends of ``name`` to (stage, part) ``dst``: a box, or None."""
-        if self.parts[src[0]] == 1 and self.parts[dst[0]] == 1:
-            return ()  # the whole tensor
-        return _intersect(self._box(name, *src), self._box(name, *dst))
-
-    def _piece_shape(self, name: str, box: Window) -> tuple[int, ...]:
-        shape = self._meta[name][0]
-        if not box:
-            return shape
-        return tuple(shape[:2]) + tuple(hi - lo for lo, hi in box)
-
-    @staticmethod
-    def _rel(box: Window, origin: Window) -> tuple[slice, ...]:
-        if not box:
-            return ()
-        return (slice(None), slice(None)) + tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=True))
-
-    def _is_float(self, name: str) -> bool:
-        meta = self._meta.get(name)
-        return meta is None or meta[1].is_floating_point
-
-    def _alloc(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        dtype = self._meta[name][1]
-        if dtype.is_floating_point:
-            dtype = self.comm_dtype or dtype
-        free = self._pool.get((shape, dtype))
-        if free:
-            return free.pop()
-        return torch.empty(shape, dtype=dtype, device=self.device)
-
-    def _release(self, buf: torch.Tensor) -> None:
-        self._pool.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
-
-    def _post_upto(self, rx: _StepReceives, idx: int) -> None:
-        """Post the receives of actions up to ``idx + LOOKAHEAD`` (in program order)."""
-        while rx.next_action < len(rx.per_action) and rx.next_action <= idx + LOOKAHEAD:
-            for key, peer, tag, name, shape in rx.per_action[rx.next_action]:
-                buf = self._alloc(name, shape)
-                rx.posted[key] = (dist.irecv(buf, src=peer, tag=tag), peer, buf)
-            rx.next_action += 1
-
-    def _take(self, rx: _StepReceives, key: tuple[Any, ...], what: str) -> torch.Tensor:
-        work, peer, buf = rx.posted.pop(key)
-        wait(work, timeout_s=self.timeout_s, what=what, peer=peer)
-        # the peer has run its program up to the action that sent this message
-        self._peer_done[peer] = max(self._peer_done.get(peer, -1), self._sent_at[key])
-        return buf
-
-    # ---- one step ------------------------------------------------------------------------------
     def run(self, x: Any, y: Any, *, train: bool = True) -> tuple[float, list[Any]]:
         """Run one step (train: forward+backward+sync+step; else forward only).
 
@@ -547,25 +326,6 @@ class PipelineEngine:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return fill_outputs(st.output_tree, [values.get(n) for n in st.outputs])
 
-    def _release_done(self, sends: list[tuple[Any, str, torch.Tensor, int, int]]
-                      ) -> list[tuple[Any, str, torch.Tensor, int, int]]:
-        """Drop sends known to be complete, so their tensors can be freed.
-
-        A gloo send keeps its tensor alive until its Work object goes, and gloo does not mark a
-        send complete until someone waits on it. A send is known complete once a message has
-        arrived that its receiver sent at a later action of its program: the receiver had
-        already passed the action that consumed this send. Waiting on it then returns at once
-        (it cannot deadlock), and live messages stay bounded by the micro-batches in flight.
-        """
-        left = []
-        for item in sends:
-            w, what, _, q, consumed_at = item
-            if consumed_at < self._peer_done.get(q, -1) or (w is not None and w.is_completed()):
-                wait(w, timeout_s=self.timeout_s, what=what, peer=q)
-            else:
-                left.append(item)
-        return left
-
     def _forward(self, st: StageModule, ins: list[torch.Tensor], shapes: list[tuple[int, ...]], train: bool,
                  tiled: TiledStage | None) -> tuple[list[torch.Tensor], list[TileGrid | None]]:
         grids: list[TileGrid | None] = [None] * len(st.outputs)
@@ -624,67 +384,3 @@ class PipelineEngine:
         if train and t.is_floating_point():
             t.requires_grad_(True)
         return t, tuple(self._meta[name][0][2:])
-
-    def _launch_sync(self, stage: int) -> tuple[int, Any, torch.Tensor] | None:
-        """Start the all-reduce (SUM) of one stage's gradients as one flat bucket, asynchronously.
-
-        Called right after this rank's last backward of the stage, so it overlaps the backward
-        of any other stage this rank holds (MASTER) and the remaining sends.
-        """
-        g = self._groups.get(stage)
-        if g is None:
-            return None
-        grads: list[torch.Tensor] = []
-        for p in self.stages[stage].module.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad.reshape(-1))
-        flat = torch.cat(grads) if grads else torch.zeros(0, device=self.device)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g, async_op=True)
-        return stage, work, flat
-
-    def _finish_sync(self, pending: list[tuple[int, Any, torch.Tensor]]) -> None:
-        for stage, work, flat in pending:
-            wait(work, timeout_s=self.timeout_s, what=f"gradient all-reduce of stage {stage}", peer=None)
-            offset = 0
-            for p in self.stages[stage].module.parameters():
-                n = p.numel()
-                if p.grad is not None:  # set by _launch_sync
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
-
-    def _step(self) -> None:
-        """Optimizer step; with fp16 loss scaling, every rank agrees to skip on an overflow."""
-        if self.optimizer is None and not self._scaling:
-            return
-        if self._scaling:
-            bad = torch.tensor([0.0], device=self.device)
-            for p in self.params:
-                if p.grad is not None and not torch.isfinite(p.grad).all():
-                    bad.fill_(1.0)
-                    break
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-            if bad.item() > 0:
-                self.loss_scale /= 2.0
-                self._good_steps = 0
-                log.warning("fp16 overflow: step skipped on every rank, loss scale now %g", self.loss_scale)
-                return
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(self.loss_scale)
-            self._good_steps += 1
-            if self._good_steps % 2000 == 0:
-                self.loss_scale *= 2.0
-        if self.optimizer is not None:
-            self.optimizer.step()
-
-    def _mean_loss(self, local_sum: float) -> float:
-        if self.loss_fn is None:
-            return float("nan")
-        total = self.place.dp * self.place.replicas * self.m
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return local_sum / total
-        t = torch.tensor([local_sum], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t.item()) / total

@@ -45,9 +45,14 @@ Output (rank 0 only; the other ranks print nothing but errors)::
 and a tqdm bar on stderr when stderr is a terminal. Data loading is not timed.
 
 ``--checkpoint DIR``: if ``DIR`` holds a checkpoint written by ``nowdl run`` the run resumes from
-it (weights, optimizer state, RNG state, the plan it ran with and the step number, which rank 0
-keeps in ``DIR/nowdl-run.json``) and runs ``--steps`` MORE steps, numbered on from there; after
-the last step it saves again. ``DIR`` must be visible to every rank (a shared filesystem when the
+it (weights, optimizer state, RNG state, the step number and the plan it ran with) and runs
+``--steps`` MORE steps, numbered on from there. When this job has another number of ranks, or
+pins (``--stages``, ``--dp``, ...) the saved plan disagrees with, rank 0 re-plans and the weights
+and optimizer state are resharded by name. It saves after the last step, every ``--save-every N``
+steps, and when SIGTERM or SIGINT arrives (the step in flight finishes, every rank agrees to stop
+after it, the checkpoint is written, and the run exits with 128 + the signal number; a second
+signal stops at once). Checkpoints are torch.distributed.checkpoint folders, written atomically
+(see docs/checkpoints.md). ``DIR`` must be visible to every rank (a shared filesystem when the
 job spans nodes).
 """
 
@@ -58,9 +63,10 @@ import argparse
 import functools
 import inspect
 import json
-import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -70,46 +76,57 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nowdl.errors import NowdlError
+from nowdl.errors import NowdlError, ReportedError, error_text
+from nowdl.runtime.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from nowdl.runtime.failure import open_channel
 from nowdl.runtime.feed import Feed, check_data_spec, label_loss, make_feed
+from nowdl.runtime.launch import PeerError
 from nowdl.runtime.metrics import MetricsWriter, PeakMeter
-from nowdl.runtime.runspec import RunSource, check_pins, make_optimizer, output_shape, run_source
+from nowdl.runtime.runspec import (
+    RunSource,
+    check_pins,
+    make_optimizer,
+    output_shape,
+    pin_conflicts,
+    run_source,
+)
 
-__all__ = ["run_main", "RUN_STATE", "PLAN_FILE"]
+__all__ = ["run_main", "PLAN_FILE"]
 
-#: File in ``--checkpoint DIR`` holding the step number (written by rank 0).
-RUN_STATE = "nowdl-run.json"
-#: File in ``--checkpoint DIR`` holding the plan the run used (reused on resume).
+#: File in ``--checkpoint DIR`` holding a copy of the latest checkpoint's plan (``nowdl run DIR/plan.json``).
 PLAN_FILE = "plan.json"
-_RUN_FORMAT = "nowdl.run"
 
 
-# ---- checkpoint state ----------------------------------------------------------------------------
-def _read_state(directory: Path) -> dict[str, Any] | None:
-    """The run state in ``directory`` (None: no checkpoint there yet)."""
-    state_file = directory / RUN_STATE
-    if directory.exists() and not directory.is_dir():
-        raise NowdlError(f"--checkpoint {directory} is a file, not a folder")
-    if not state_file.exists():
-        if (directory / "nowdl-checkpoint.json").exists():
-            raise NowdlError(f"--checkpoint {directory} holds a checkpoint without {RUN_STATE} (not written by "
-                             "`nowdl run`, or interrupted while saving): use another folder")
-        return None
-    try:
-        state = json.loads(state_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise NowdlError(f"cannot read {state_file}: {e}") from None
-    if not isinstance(state, dict) or state.get("format") != _RUN_FORMAT or not isinstance(state.get("step"), int):
-        raise NowdlError(f"{state_file} is not a `nowdl run` state file")
-    if not (directory / PLAN_FILE).exists():
-        raise NowdlError(f"--checkpoint {directory} has {RUN_STATE} but no {PLAN_FILE}: use another folder")
-    return state
+# ---- stopping on a signal ------------------------------------------------------------------------
+class _Stop:
+    """SIGTERM/SIGINT ask the run to stop after the current step (a second one stops at once)."""
 
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old: dict[int, Any] = {}
 
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    def __enter__(self) -> _Stop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        for sig, old in self._old.items():  # the next signal acts as it did before
+            signal.signal(sig, old)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def agreed(self, world: int) -> int:
+        """The signal any rank got (0: none); every rank gets the same answer."""
+        if world == 1:
+            return self.signum
+        t = torch.tensor([self.signum], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -136,6 +153,10 @@ def run_main(args: argparse.Namespace) -> int:
         raise NowdlError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if args.num_classes is not None and args.num_classes < 1:
         raise NowdlError(f"--num-classes must be a positive integer, got {args.num_classes}")
+    if args.save_every is not None and args.save_every < 1:
+        raise NowdlError(f"--save-every must be a positive number of steps, got {args.save_every}")
+    if args.save_every is not None and not args.checkpoint:
+        raise NowdlError("--save-every needs --checkpoint DIR (where to save)")
     if not args.timeout > 0:
         raise NowdlError(f"--timeout must be positive seconds, got {args.timeout}")
     import nowdl
@@ -152,10 +173,19 @@ def run_main(args: argparse.Namespace) -> int:
     if world > 1 and not dist.is_initialized():
         init_distributed(timeout_s=args.timeout)
         initialized_here = True
+    channel = open_channel(rank, world, report=lambda m: print(f"nowdl run: error: {m}", file=sys.stderr, flush=True),
+                           timeout_s=args.timeout)
     try:
         with tempfile.TemporaryDirectory(prefix="nowdl-run-") as tmp:
             return _run(args, rank, world, optimizer, data_kind, data_path, compile_params, Path(tmp))
+    except Exception as e:
+        if channel is None:
+            raise
+        channel.fail(error_text(e), consequence=isinstance(e, PeerError))  # rank 0 prints the job's first failure; every rank exits 2
+        raise ReportedError(str(e)) from e
     finally:
+        if channel is not None:
+            channel.close()
         if initialized_here and dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -196,25 +226,21 @@ def _run(args: argparse.Namespace, rank: int, world: int,
 
     say = rank == 0
     ckpt = Path(args.checkpoint) if args.checkpoint else None
-    state: Any = None
-    if ckpt is not None:  # rank 0 decides whether to resume; every rank follows
-        try:
-            state = {"ok": _read_state(ckpt)} if rank == 0 else None
-        except NowdlError as e:
-            state = {"error": str(e)}
-        state = _broadcast(state, world)
-        if "error" in state:
-            raise NowdlError(state["error"])
-        state = state["ok"]
-    resume = state is not None
-    assert ckpt is not None or not resume
-    src = run_source(args, str(ckpt / PLAN_FILE) if resume and ckpt is not None else None)
+    ck = open_checkpoint(ckpt) if ckpt is not None else None  # every rank gets the same answer or error
+    run_state = _run_state(ck, args) if ck is not None else None
+    ckpt_plan = None
+    if ck is not None and _reusable(ck, args, world):
+        ckpt_plan = tmp / "checkpoint-plan.json"
+        ckpt_plan.write_text(json.dumps(ck.record["plan"]))
+    src = run_source(args, str(ckpt_plan) if ckpt_plan is not None else None)
     if src.plan_config is not None:
         check_pins(args, src.plan_config, str(src.plan_path))
         if src.plan_config.get("gpus") != world:
             g = src.plan_config.get("gpus")
             raise NowdlError(f"the plan in {src.plan_path} needs {g} ranks but this job has {world}: launch with "
                              f"torchrun --nproc-per-node {g}")
+    if run_state is not None and args.batch_size is None and src.plan_batch is None:
+        args.batch_size = int(run_state["batch_size"])
     batch = args.batch_size if args.batch_size is not None else src.plan_batch
     if batch is None:
         raise NowdlError("give --batch-size B (the global batch per step; when planning it is micro-batches x "
@@ -242,7 +268,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         extra["precision"] = args.precision
     common: dict[str, Any] = dict(optimizer=optimizer, loss_fn=label_loss(nn.CrossEntropyLoss()), progress=progress,
                                   timeout_s=args.timeout, **extra)
-    start = int(state["step"]) if resume and not args.eval else 0
+    start = ck.step if ck is not None and not args.eval else 0
     total = start + args.steps
     if say:
         what = "inference" if args.eval else f"training ({args.optimizer}, lr {args.lr:g})"
@@ -261,12 +287,14 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     metrics = None if log_dir is None else MetricsWriter(
         log_dir, rank=rank, world=world, predicted_bytes=run_plan.ranks[rank].predicted_peak_bytes,
         meta={"model": src.spec, "world": world, "config": dict(run_plan.config)})
-    if resume and ckpt is not None:
+    if ck is not None and ckpt is not None:
         x0, _, _ = feed.next(start)
         cm.load_checkpoint(ckpt, x0)
         if say:
             what = "loaded the weights of" if args.eval else "resumed from"
-            print(f"{what} {ckpt} at step {state['step']}", flush=True)
+            how = "" if ckpt_plan is not None else (f" (saved by a plan for {ck.record['plan']['config'].get('gpus')} "
+                                                    "GPU(s); re-planned, weights and optimizer state resharded)")
+            print(f"{what} {ckpt} at step {ck.step}{how}", flush=True)
     setup_s = time.perf_counter() - t_plan  # counted in the first step, as when the trainer plans
     meter = PeakMeter(cm, cuda=torch.cuda.is_available())
 
@@ -285,56 +313,91 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         else:
             print(line, flush=True)
 
-    times: list[float] = []
-    try:
-        for step in range(start, total):
-            x, y, wait = feed.next(step)
-            t0, read0 = time.perf_counter(), feed.read_seconds()
-            run_step = functools.partial(cm.eval_step, x) if args.eval else functools.partial(cm.train_step, x, y)
-            loss, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
-            if args.eval:
-                if world > 1:
-                    dist.barrier()
-                loss, loss_text = None, ""
-            else:
-                loss_text = f"  loss {loss:.4f}"
-            dt = time.perf_counter() - t0 + (setup_s if step == start else 0.0)
-            if metrics is not None:  # lazy reads (a rank's tile) happen inside the step: data wait too
-                metrics.step(step + 1, loss=loss, images_per_s=batch / dt if dt > 0 else 0.0, step_s=dt,
-                             data_wait_s=wait + feed.read_seconds() - read0, peak_bytes=peak)
-            times.append(dt)
-            if step == start:
-                emit(_plan_line(cm))
-            emit(f"step {step + 1}/{total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s")
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-        if metrics is not None:
-            metrics.close()
-        feed.close()
-    if len(times) > 1:
-        emit(f"mean: {_rate(batch * (len(times) - 1), sum(times[1:]))} images/s over steps "
-             f"{start + 2}..{total} (first step excluded: planning and warm-up)")
-    else:
-        emit(f"mean: {_rate(batch, times[0])} images/s over step {total} (the only step: includes planning "
-             "and warm-up)")
-
-    if ckpt is not None and not args.eval:
-        cm.save_checkpoint(ckpt)
+    def save(step: int) -> None:
+        assert ckpt is not None
+        run = {"model": src.spec, "model_args": json.loads(src.model_args or "{}"), "batch_size": batch,
+               "seed": args.seed, "data": args.data, "step": step}
+        cm.save_checkpoint(ckpt, meta={"run": run})
         if rank == 0:
             plan = _current_plan(cm)
             if plan is not None:
                 if not isinstance(plan.model.get("source"), dict):  # so `nowdl run DIR/plan.json` works too
                     plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
-                plan.save(ckpt / PLAN_FILE)
-            _write_json(ckpt / RUN_STATE, {"format": _RUN_FORMAT, "step": total, "model": src.spec,
-                                            "batch_size": batch, "seed": args.seed, "data": args.data})
-        if world > 1:
-            dist.barrier()
-        emit(f"saved checkpoint at step {total} to {ckpt}")
+                plan.save(ckpt / PLAN_FILE)  # atomic
+        emit(f"saved checkpoint at step {step} to {ckpt}")
+
+    training = ckpt is not None and not args.eval
+    times: list[float] = []
+    stopped = 0
+    with _Stop() as stop:
+        try:
+            for step in range(start, total):
+                x, y, wait = feed.next(step)
+                t0, read0 = time.perf_counter(), feed.read_seconds()
+                run_step = functools.partial(cm.eval_step, x) if args.eval else functools.partial(cm.train_step, x, y)
+                loss, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
+                if args.eval:
+                    if world > 1:
+                        dist.barrier()
+                    loss, loss_text = None, ""
+                else:
+                    loss_text = f"  loss {loss:.4f}"
+                dt = time.perf_counter() - t0 + (setup_s if step == start else 0.0)
+                if metrics is not None:  # lazy reads (a rank's tile) happen inside the step: data wait too
+                    metrics.step(step + 1, loss=loss, images_per_s=batch / dt if dt > 0 else 0.0, step_s=dt,
+                                 data_wait_s=wait + feed.read_seconds() - read0, peak_bytes=peak)
+                times.append(dt)
+                if step == start:
+                    emit(_plan_line(cm))
+                emit(f"step {step + 1}/{total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s")
+                if bar is not None:
+                    bar.update(1)
+                stopped = stop.agreed(world)
+                if stopped or step + 1 == total:
+                    break
+                if training and args.save_every and (step + 1 - start) % args.save_every == 0:
+                    save(step + 1)
+        finally:
+            if bar is not None:
+                bar.close()
+            if metrics is not None:
+                metrics.close()
+            feed.close()
+        done = start + len(times)
+        if len(times) > 1:
+            emit(f"mean: {_rate(batch * (len(times) - 1), sum(times[1:]))} images/s over steps "
+                 f"{start + 2}..{done} (first step excluded: planning and warm-up)")
+        else:
+            emit(f"mean: {_rate(batch, times[0])} images/s over step {done} (the only step: includes planning "
+                 "and warm-up)")
+        if training:
+            save(done)
+    if stopped:
+        name = signal.Signals(stopped).name
+        emit(f"stopped by {name} after step {done} of {total}"
+             + (f"; resume with the same command and --checkpoint {ckpt}" if training else " (no --checkpoint: "
+                "nothing saved)"))
+        return 128 + stopped
     return 0
+
+
+def _run_state(ck: Checkpoint, args: argparse.Namespace) -> dict[str, Any]:
+    """The ``nowdl run`` state of a checkpoint, checked against this run's model."""
+    run = ck.record.get("run")
+    if not isinstance(run, dict) or not isinstance(run.get("batch_size"), int):
+        raise CheckpointError(f"{ck.dir} was not saved by `nowdl run` (no run state in nowdl.json): load it with "
+                              "CompiledModel.load_checkpoint, or use another --checkpoint folder")
+    spec = str(args.model)
+    if not spec.lower().endswith(".json") and run.get("model") != spec:
+        raise CheckpointError(f"--checkpoint {ck.dir.parent} holds a run of {run.get('model')!r}, not {spec!r}: "
+                              "use another folder for this model")
+    return run
+
+
+def _reusable(ck: Checkpoint, args: argparse.Namespace, world: int) -> bool:
+    """Whether the checkpoint's plan runs this job as asked (else the run re-plans and reshards)."""
+    config = ck.record.get("plan", {}).get("config", {})
+    return bool(config.get("gpus") == world and not pin_conflicts(args, config))
 
 
 def _current_plan(cm: Any) -> Any:

@@ -18,7 +18,8 @@ from torch import nn
 from nowdl.errors import NowdlError
 from nowdl.units import parse_parts
 
-__all__ = ["add_run_arguments", "RunSource", "output_shape", "run_source", "check_pins", "make_optimizer"]
+__all__ = ["add_run_arguments", "RunSource", "output_shape", "run_source", "check_pins", "pin_conflicts",
+           "make_optimizer"]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
@@ -68,7 +69,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="adam (default), adamw, sgd, or momentum (SGD with momentum 0.9)")
     p.add_argument("--precision", choices=_PRECISIONS, default="fp32", help="numeric precision (default fp32)")
     p.add_argument("--checkpoint", metavar="DIR",
-                   help="resume from DIR if it holds a checkpoint; save there after the last step")
+                   help="resume from DIR if it holds a checkpoint (re-planned and resharded when the job has "
+                   "other GPUs or pins); save there after the last step, every --save-every steps, and on "
+                   "SIGTERM/SIGINT")
+    p.add_argument("--save-every", type=int, metavar="N", help="also save the checkpoint every N steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any rank waits for a peer before failing, naming it (default 300)")
@@ -201,14 +205,21 @@ def run_source(args: argparse.Namespace, ckpt_plan: str | None) -> RunSource:
     return RunSource(spec, margs, shape, where, dict(c), per)
 
 
-def check_pins(args: argparse.Namespace, config: dict[str, Any], where: str) -> None:
-    for opt, key in (("stages", "stages"), ("micro_batches", "micro_batches"), ("dp", "dp"),
-                     ("replicas", "replicas"), ("schedule", "schedule")):
+def pin_conflicts(args: argparse.Namespace, config: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(flag, pinned, plan's)`` for every pinned option the plan ``config`` disagrees with."""
+    out = []
+    for opt in ("stages", "micro_batches", "dp", "replicas", "schedule"):
         want = getattr(args, opt)
-        if want is not None and want != config.get(key):
-            flag = "--" + opt.replace("_", "-")
-            raise NowdlError(f"{flag} {want} but the plan in {where} has {key} {config.get(key)}: drop {flag} "
-                             "(the plan fixes it) or use another plan / --checkpoint directory")
+        if want is not None and want != config.get(opt):
+            out.append(("--" + opt.replace("_", "-"), want, config.get(opt)))
+    return out
+
+
+def check_pins(args: argparse.Namespace, config: dict[str, Any], where: str) -> None:
+    """Raise if a pinned option disagrees with the plan in ``where``."""
+    for flag, want, have in pin_conflicts(args, config):
+        raise NowdlError(f"{flag} {want} but the plan in {where} has {flag[2:].replace('-', '_')} {have}: drop {flag} "
+                         "(the plan fixes it) or use another plan")
 
 
 def make_optimizer(name: str, lr: float) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:

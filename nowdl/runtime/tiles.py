@@ -30,21 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from nowdl.geometry import split_bounds  # re-exported: it lives with the other pure geometry
+
 __all__ = ["TileGrid", "TiledInput", "split_bounds", "group_ranks"]
-
-
-def split_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
-    """``[start, stop)`` of tile ``index`` when ``size`` pixels are cut into ``parts`` tiles.
-
-    The first ``size % parts`` tiles get one extra pixel, so tiles differ by at most one.
-    """
-    if parts < 1:
-        raise ValueError(f"cannot cut a dim of size {size} into {parts} tiles (need >= 1)")
-    if not 0 <= index < parts:
-        raise IndexError(f"tile index {index} is outside a dim cut into {parts} tiles")
-    base, rem = divmod(size, parts)
-    start = index * base + min(index, rem)
-    return start, start + base + (1 if index < rem else 0)
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:

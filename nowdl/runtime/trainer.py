@@ -3,31 +3,47 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from nowdl.codegen.stage import StageModule
-from nowdl.errors import NowdlError, PlanError
+from nowdl.errors import NowdlError
 from nowdl.partitioner.plan import Plan
+from nowdl.runtime.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
 from nowdl.runtime.engine import PipelineEngine
+from nowdl.runtime.state import (
+    bind_optimizer,
+    load_optimizer_state,
+    optimizer_groups,
+    optimizer_tensors,
+    stage_tensors,
+    state_names,
+)
 from nowdl.runtime.tiles import TiledInput
 
-if TYPE_CHECKING:
-    from nowdl.api import CompiledModel
-
-__all__ = ["Trainer", "plan_on_rank0"]
+__all__ = ["Trainer", "Compiled", "plan_on_rank0"]
 
 log = logging.getLogger(__name__)
 
-_CKPT_FORMAT = "nowdl.checkpoint"
+
+class Compiled(Protocol):
+    """What the trainer needs of a compiled model (``nowdl.CompiledModel`` is one)."""
+
+    model: nn.Module
+    plan_path: str | None
+    request: Any
+    precision: str
+    device: str | torch.device | None
+    activation_checkpointing: bool | list[int]
+
+    def trace(self, *example_inputs: torch.Tensor) -> Any: ...
+
+    def plan(self, *example_inputs: torch.Tensor) -> Plan: ...
 
 
 def _example(t: Any) -> Any:
@@ -65,45 +81,16 @@ def plan_on_rank0(make: Callable[[], Plan], *, rank: int, world: int) -> Plan:
     return Plan.from_json(str(box[0]), source="plan from rank 0")
 
 
-def state_names(model: nn.Module, stages: Sequence[StageModule]
-                ) -> tuple[dict[str, list[str]], dict[str, torch.Tensor], list[str]]:
-    """What ``model.state_dict()`` holds beyond the stages' own names, so that ``state_dict()``
-    returns the same keys as the model's (and no tensor a graph holds that is not model state,
-    such as the constants torch.export lifts out of ``forward``).
-
-    Returns ``(aliases, unused, order)``: for a stage tensor's original name, the other keys under
-    which the model's state dict holds the same tensor (a module registered twice, as DynUNet's
-    ``skip_layers``); copies of the entries no stage uses (parameters the forward never touches);
-    and the model's key order. Call before the stages move to their device (tensor identity).
-    """
-    names: dict[int, list[str]] = {}
-    full = model.state_dict(keep_vars=True)
-    for key, t in full.items():
-        names.setdefault(id(t), []).append(key)
-    aliases: dict[str, list[str]] = {}
-    owned: set[str] = set()
-    for st in stages:
-        local: dict[str, torch.Tensor] = dict(st.module.named_parameters())
-        local.update(dict(st.module.named_buffers()))
-        for name, orig in st.param_names.items():
-            same = names.get(id(local[name]), [])
-            owned.add(orig)
-            owned.update(same)
-            others = [k for k in same if k != orig]
-            if others:
-                aliases[orig] = others
-    unused = {k: t.detach().cpu().clone() for k, t in full.items() if k not in owned}
-    return aliases, unused, list(full)
-
-
 class Trainer:
     """Owns this rank's engine; set up lazily on the first step (plans if needed)."""
 
-    def __init__(self, cm: CompiledModel, *, optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
+    def __init__(self, cm: Compiled, *, optimizer: torch.optim.Optimizer | None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, timeout_s: float = 300.0,
                  backend: str | None = None) -> None:
         self.cm = cm
-        self.optimizer_factory = optimizer
+        self.optimizer = optimizer  # over the model's parameters; bound to the stages' at set-up
+        self.steps = 0  # optimizer steps taken (restored by load_checkpoint)
+        self.pending_state: dict[str, torch.Tensor] | None = None  # load_state_dict before set-up
         self.loss_fn = loss_fn
         self.timeout_s = timeout_s
         self.backend = backend
@@ -150,9 +137,15 @@ class Trainer:
         self._keys = set(self._order)
         device = self._device()
         self.plan = plan
-        self.engine = PipelineEngine(plan, stages, self.rank, optimizer=self.optimizer_factory, loss_fn=self.loss_fn,
-                                     device=device, timeout_s=self.timeout_s, precision=self.cm.precision,
-                                     checkpointing=self.cm.activation_checkpointing)
+        opt = self.optimizer
+        self.engine = PipelineEngine(plan, stages, self.rank, optimizer=None if opt is None else (lambda _params: opt),
+                                     loss_fn=self.loss_fn, device=device, timeout_s=self.timeout_s,
+                                     precision=self.cm.precision, checkpointing=self.cm.activation_checkpointing)
+        if opt is not None:
+            bind_optimizer(opt, self.cm.model, [self.engine.stages[s] for _, s in self.engine.held])
+        if self.pending_state is not None:
+            sd, self.pending_state = self.pending_state, None
+            self.load_state_dict(sd)
         return self.engine
 
     def _device(self) -> torch.device:
@@ -187,6 +180,7 @@ class Trainer:
     def train_step(self, x: Any, y: Any) -> float:
         eng = self._setup(x)
         loss, _ = eng.run(x, y, train=True)
+        self.steps += 1
         return loss
 
     def eval_step(self, x: Any) -> Any:
@@ -210,23 +204,21 @@ class Trainer:
         """This rank's share of the model under original names (replica 0, dp copy 0 owners)."""
         eng = self._require()
         out: dict[str, torch.Tensor] = {}
-        if eng.dp_index != 0:
-            return out
-        for rep, s in eng.held:
-            if rep != 0 or eng.part[(rep, s)] != 0:  # tiles of a spatial stage hold equal copies
-                continue
-            st = eng.stages[s]
-            local: dict[str, torch.Tensor] = dict(st.module.named_parameters())
-            local.update(dict(st.module.named_buffers()))
-            for name, orig in st.param_names.items():
-                if self._order and orig not in self._keys:  # a graph constant (export's lifted tensors)
-                    continue
-                out[orig] = local[name].detach().cpu().clone()
+        for st in self._owner_stages():
+            for orig, t, _ in stage_tensors(st, self._keys if self._order else None):
+                out[orig] = t.detach().cpu().clone()
                 for alias in self._aliases.get(orig, ()):
                     out[alias] = out[orig]
-        if self.rank == 0:
+        if self.rank == 0 and eng.dp_index == 0:
             out.update(self._unused)
         return out
+
+    def _owner_stages(self) -> list[Any]:
+        """The stages whose state this rank writes: replica 0, dp copy 0, tile 0 of each."""
+        eng = self._require()
+        if eng.dp_index != 0:
+            return []
+        return [eng.stages[s] for rep, s in eng.held if rep == 0 and eng.part[(rep, s)] == 0]
 
     def _require(self) -> PipelineEngine:
         if self.engine is None:
@@ -260,56 +252,103 @@ class Trainer:
             dist.broadcast_object_list(box, src=0)
             sd = box[0]
         for _, s in eng.held:
-            st = eng.stages[s]
-            local: dict[str, torch.Tensor] = dict(st.module.named_parameters())
-            local.update(dict(st.module.named_buffers()))
-            for name, orig in st.param_names.items():
-                if self._order and orig not in self._keys:  # not state: a constant of the graph
-                    continue
+            for orig, t, _ in stage_tensors(eng.stages[s], self._keys if self._order else None):
                 if orig not in sd:
                     raise NowdlError(f"state dict has no entry {orig!r} (stage {s}); it was saved from another model")
                 with torch.no_grad():
-                    local[name].copy_(sd[orig])
+                    t.copy_(sd[orig])
         for key in self._unused:  # parameters no stage uses: kept for state_dict() only
             if key in sd:
                 self._unused[key] = sd[key].detach().cpu().clone()
 
-    def save_checkpoint(self, directory: str | os.PathLike[str]) -> None:
-        """Every rank writes its stages' weights, optimizer state and RNG state (atomically)."""
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def _named_held(self) -> dict[str, nn.Parameter]:
         eng = self._require()
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        state = {
-            "format": _CKPT_FORMAT, "version": 1, "rank": self.rank, "world": self.world,
-            "fingerprint": eng.plan.fingerprint, "plan": eng.plan.to_dict(),
-            "modules": {s: eng.stages[s].module.state_dict() for _, s in eng.held},
-            "optimizer": eng.optimizer.state_dict() if eng.optimizer is not None else None,
-            "rng": torch.get_rng_state(),
-        }
-        tmp = d / f".rank{self.rank}.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, d / f"rank{self.rank}.pt")
-        if self.rank == 0:
-            (d / "nowdl-checkpoint.json").write_text(json.dumps({"format": _CKPT_FORMAT, "world": self.world,
-                                                                 "fingerprint": eng.plan.fingerprint}))
-        if self.world > 1:
-            dist.barrier()
+        named: dict[str, nn.Parameter] = {}
+        for _, s in eng.held:
+            for orig, t, is_param in stage_tensors(eng.stages[s]):
+                if is_param:
+                    named[orig] = t  # type: ignore[assignment]
+        return named
 
-    def load_checkpoint(self, directory: str | os.PathLike[str], x: Any = None) -> None:
-        """Resume from ``save_checkpoint``; ``x`` (a batch) sets the engine up if no step ran yet."""
+    def save_checkpoint(self, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None,
+                        keep: int = 1) -> None:
+        """Every rank writes what it owns (weights, optimizer state, its RNG state) under the model's
+        original names with torch.distributed.checkpoint; ``extra`` (JSON) is kept beside it.
+        Atomic: the previous checkpoint stays valid until this one is complete."""
+        eng = self._require()
+        tensors: dict[str, torch.Tensor] = {}
+        for st in self._owner_stages():
+            for orig, t, _ in stage_tensors(st, self._keys if self._order else None):
+                tensors[f"model/{orig}"] = t.detach()
+        if self.rank == 0 and eng.dp_index == 0:
+            tensors.update({f"model/{k}": v for k, v in self._unused.items()})
+        scalars: list[str] = []
+        groups = None
+        opt = self.optimizer
+        if opt is not None:
+            owned = {orig for st in self._owner_stages() for orig, _, p in stage_tensors(st) if p}
+            named = {k: v for k, v in self._named_held().items() if k in owned}
+            more, scalars = optimizer_tensors(opt, named)
+            tensors.update(more)
+            names = {id(p): n for n, p in self.cm.model.named_parameters()}
+            names.update({id(p): n for n, p in self._named_held().items()})
+            groups = optimizer_groups(opt, names)
+        tensors[f"rng/{self.rank}"] = torch.get_rng_state()
+        gathered: list[Any] = [scalars]
+        if self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, scalars)
+        meta = {"fingerprint": eng.plan.fingerprint, "plan": eng.plan.to_dict(), "steps": self.steps,
+                "optimizer": None if opt is None else {"class": type(opt).__name__, "groups": groups,
+                                                       "scalars": sorted({k for g in gathered for k in g})},
+                **(extra or {})}
+        save_checkpoint(directory, self.steps, tensors, meta, keep=keep)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str], x: Any = None) -> dict[str, Any]:
+        """Resume from the latest checkpoint in ``directory`` (written by any plan of this model:
+        weights and optimizer state are resharded by name). ``x`` (a batch) sets the engine up if no
+        step ran yet. Returns the checkpoint's record (``nowdl.json``)."""
         if self.engine is None:
             if x is None:
                 raise NowdlError("load_checkpoint needs the engine: run a step first or pass a batch as x")
             self._setup(x)
         eng = self._require()
-        f = Path(directory) / f"rank{self.rank}.pt"
-        if not f.exists():
-            raise PlanError(f"checkpoint {str(f)!r} does not exist (saved with another world size?)")
-        state = torch.load(f, weights_only=False)
-        if state.get("format") != _CKPT_FORMAT or state.get("fingerprint") != eng.plan.fingerprint:
-            raise PlanError(f"{str(f)!r} is not a checkpoint of this model and plan")
-        for s, sd in state["modules"].items():
-            eng.stages[int(s)].module.load_state_dict(sd)
-        if eng.optimizer is not None and state["optimizer"] is not None:
-            eng.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+        ck = open_checkpoint(directory)
+        if ck is None:
+            raise CheckpointError(f"no checkpoint in {directory}: save one first (cm.save_checkpoint / nowdl run "
+                                  "--checkpoint), or check the folder")
+        wanted: dict[str, tuple[int, ...] | None] = {}
+        for _, s in eng.held:
+            for orig, t, _ in stage_tensors(eng.stages[s], self._keys if self._order else None):
+                wanted[f"model/{orig}"] = tuple(t.shape)
+        optional = set()
+        if self.rank == 0:
+            for k, v in self._unused.items():
+                wanted[f"model/{k}"] = tuple(v.shape)
+                optional.add(f"model/{k}")
+        index = ck.index()
+        named = self._named_held()
+        saved_opt = ck.record.get("optimizer")
+        if self.optimizer is not None and saved_opt is not None:
+            for name in named:
+                wanted.update({k: None for k in index if k.startswith(f"optim/{name}/")})
+        same_run = ck.world == self.world and ck.record.get("plan", {}).get("config") == eng.plan.config
+        if same_run:
+            wanted[f"rng/{self.rank}"] = None
+            optional.add(f"rng/{self.rank}")
+        got = ck.read(wanted, optional=frozenset(optional))
+        for _, s in eng.held:
+            for orig, t, _ in stage_tensors(eng.stages[s], self._keys if self._order else None):
+                with torch.no_grad():
+                    t.copy_(got[f"model/{orig}"])
+        for k in self._unused:
+            if f"model/{k}" in got:
+                self._unused[k] = got[f"model/{k}"].clone()
+        if self.optimizer is not None and saved_opt is not None:
+            load_optimizer_state(self.optimizer, named, got, saved_opt.get("scalars", []), saved_opt.get("groups"),
+                                 str(ck.dir))
+        if f"rng/{self.rank}" in got:
+            torch.set_rng_state(got[f"rng/{self.rank}"])
+        self.steps = int(ck.record.get("steps", ck.step))
+        return ck.record

@@ -1,0 +1,125 @@
+"""Values that cross stages but are not tensors: sizes read off tensors, folded to constants.
+
+Only tensors travel between ranks. A size read off a tensor (``x.shape[0]``, ``x.size(1)``)
+is fixed by the plan's input shapes, so :func:`_fold_scalars` runs the graph once on fake
+tensors of those shapes (``_fake_values``) and hands each later stage the constant; a value
+that depends on the tensors' data (``x.item()``) is refused with advice.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from nowdl.errors import NowdlError
+from nowdl.partitioner.plan import Plan
+
+__all__: list[str] = []  # private helpers of nowdl.codegen.stage
+
+
+# Attributes and methods that read a tensor's metadata, never its values.
+_META_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout"})
+_META_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "get_device"})
+_SCALAR_FUNCS: frozenset[Any] = frozenset({
+    operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
+    operator.mod, operator.neg, operator.pow, len, int, float, max, min, math.prod, math.floor, math.ceil,
+})
+
+
+def _from_metadata(node: fx.Node, seen: dict[str, bool]) -> bool:
+    """True when ``node``'s value depends on tensors only through their shape, dtype or device."""
+    if node.name in seen:
+        return seen[node.name]
+    if node.op == "call_function" and node.target is getattr:
+        ok = len(node.args) > 1 and node.args[1] in _META_ATTRS
+    elif node.op == "call_method" and node.target in _META_METHODS:
+        ok = True
+    elif node.op == "call_function" and node.target in _SCALAR_FUNCS:
+        ok = all(_from_metadata(a, seen) for a in node.all_input_nodes)
+    else:
+        ok = False
+    seen[node.name] = ok
+    return ok
+
+
+def _fold_scalars(gm: fx.GraphModule, plan: Plan, crossing: list[fx.Node]) -> dict[str, Any]:
+    """The values among ``crossing`` (used by a later stage) that are not tensors, as constants.
+
+    Only tensors travel between ranks. A size read off a tensor (``x.shape[0]``, ``x.size(1)``,
+    ``x.ndim``) is fixed by the plan's input shapes, so the stages that use it get it as a constant:
+    the graph is run once on fake tensors of those shapes (in eval mode: no buffer moves).
+
+    Raises:
+        NowdlError: a non-tensor value that depends on tensor values (``x.item()``) or holds
+            tensors (a tuple a later stage unpacks) crosses stages.
+    """
+    sized = {t.producer: t for t in plan.tensors}
+    maybe = [n for n in crossing if n.op != "placeholder" and (n.name not in sized or not sized[n.name].bytes)]
+    if not maybe:
+        return {}
+    values = _fake_values(gm, plan, {n.name for n in maybe})
+    out: dict[str, Any] = {}
+    seen: dict[str, bool] = {}
+    for n in maybe:
+        v = values.get(n.name)
+        if isinstance(v, torch.Tensor):
+            continue
+        leaves = v if isinstance(v, (tuple, list)) else (v,)
+        if (isinstance(v, _DataDependent) or any(isinstance(t, torch.Tensor) for t in leaves)
+                or not _from_metadata(n, seen)):
+            what = "a value that depends on the tensors' data" if isinstance(v, _DataDependent) else \
+                f"a {type(v).__name__}, not a tensor,"
+            raise NowdlError(
+                f"node {n.name!r} ({n.format_node()}) gives {what} and a later stage uses it: only tensors and "
+                "sizes read off tensors can cross between stages. Re-plan so that it and its users share a "
+                "stage (for instance with fewer stages), or keep the value a tensor inside the model"
+            )
+        out[n.name] = v
+    return out
+
+
+@dataclass(frozen=True)
+class _DataDependent:
+    """A value a fake run cannot know: it depends on the tensors' values."""
+
+    why: str
+
+
+def _fake_values(gm: fx.GraphModule, plan: Plan, wanted: set[str]) -> dict[str, Any]:
+    """Values of the nodes in ``wanted`` when ``gm`` runs on fake inputs of the plan's shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dtype = getattr(torch, str(plan.profile.get("dtype", "float32")).replace("torch.", ""), torch.float32)
+    found: dict[str, Any] = {}
+
+    class _Probe(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            try:
+                value = super().run_node(n)
+            except Exception as e:  # x.item() on a fake tensor: the value depends on the data
+                if n.name not in wanted:
+                    raise
+                found[n.name] = _DataDependent(f"{type(e).__name__}: {e}")
+                return torch.zeros(())
+            if n.name in wanted:
+                found[n.name] = value
+            return value
+
+    modes = [(m, m.training) for m in gm.modules()]  # the model's own modules (fx): put back as they were
+    gm.eval()
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            inputs = [torch.empty(shape, dtype=dtype) for shape in plan.model["inputs"]]
+            _Probe(gm).run(*inputs)
+    except Exception as e:
+        raise NowdlError(f"could not find the sizes that cross between stages ({sorted(wanted)[:3]}) on fake inputs "
+                         f"of shapes {plan.model['inputs']}: {type(e).__name__}: {e}") from e
+    finally:
+        for m, training in modes:
+            m.training = training
+    return found

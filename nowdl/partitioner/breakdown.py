@@ -1,0 +1,54 @@
+"""What each stage's predicted peak memory is made of, term by term of the cost model.
+
+[Note: memory breakdown] :func:`nowdl.partitioner.problem.evaluate` charges a stage
+``static + inflight x (saved + received + sent) + workspace``. :func:`stage_memory` returns the
+same terms separately so a plan can record them (``stages[i].predicted``, docs/plan-format.md)
+and ``nowdl show --plot`` can stack them; their sum is the stage's ``peak_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nowdl.partitioner.config import Candidate
+from nowdl.partitioner.costmodel import Costs, build_problem
+
+__all__ = ["MEMORY_KEYS", "stage_memory"]
+
+MEMORY_KEYS = ("weight_bytes", "grad_bytes", "optim_bytes", "saved_bytes", "recv_bytes", "send_bytes",
+               "workspace_bytes")
+"""Keys :func:`stage_memory` fills (bytes per rank of the stage; the last four per micro-batch but
+``workspace_bytes``, which is held once)."""
+
+
+def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[dict[str, float]]:
+    """Per-stage memory terms (per rank of the stage) for the node-to-stage map ``stage_of``.
+
+    ``weight_bytes`` (parameters and buffers), ``grad_bytes`` and ``optim_bytes`` are held for
+    the whole step; ``saved_bytes`` (activations saved for backward, halo-padded tiles included),
+    ``recv_bytes`` and ``send_bytes`` (boundary tensors) are per micro-batch and held for
+    ``inflight`` micro-batches; ``workspace_bytes`` is the largest transient of one op. So
+    ``weight + grad + optim + inflight x (saved + recv + send) + workspace`` is the stage's peak.
+    """
+    prof = costs.profile
+    problem = build_problem(costs, cand, "memory")
+    k = cand.stages
+    out = [dict.fromkeys(MEMORY_KEYS, 0.0) for _ in range(k)]
+    for v, n in enumerate(prof.nodes):
+        s = stage_of[v]
+        vec = problem.variants[problem.stages[s].variant]
+        out[s]["weight_bytes"] += n.param_bytes + n.buffer_bytes
+        out[s]["grad_bytes"] += n.grad_bytes
+        out[s]["optim_bytes"] += n.optim_bytes
+        out[s]["saved_bytes"] += vec.act[v]
+        out[s]["workspace_bytes"] = max(out[s]["workspace_bytes"], vec.workspace[v])
+    consumers: dict[int, set[int]] = {}
+    for u, v in problem.edges:
+        if stage_of[v] > stage_of[u]:
+            consumers.setdefault(u, set()).add(stage_of[v])
+    for u, dst in consumers.items():
+        src = stage_of[u]
+        for j in dst:
+            out[j]["recv_bytes"] += problem.variants[problem.stages[j].variant].out[u]
+        out[src]["send_bytes"] += problem.variants[problem.stages[src].variant].out[u]
+    return out

@@ -1,0 +1,162 @@
+"""Tile norms: BatchNorm, GroupNorm and InstanceNorm of the whole image, run on its tiles.
+
+Norms reduce their statistics over the tiles (differentiable all-reduce of per-channel sums
+and centred sums of squares, counts from the actual uneven tiles), so training-mode
+BatchNorm equals full-image BatchNorm, running statistics included.
+The statistics are all-reduced over the tile group in forward and the two per-channel sums
+the input gradient needs in backward (``_TileNorm``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["batchnorm_tile", "groupnorm_tile", "instancenorm_tile"]
+
+
+# ------------------------------------------------------------------------------------------
+# norms: statistics reduced over the tiles
+
+
+class _TileNorm(torch.autograd.Function):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` with statistics over ``dims`` of EVERY tile.
+
+    Sums and centred sums of squares are all-reduced over the tile group (counts from the real,
+    uneven tiles). Like ATen's norms it saves only the input and the per-channel statistics, not
+    the normalised tensor; its backward all-reduces the two per-channel sums it needs.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, dims: list[int],  # type: ignore[override]
+                group: dist.ProcessGroup | None, eps: float, stats: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
+        local_n = math.prod(x.shape[i] for i in dims)
+        s = x.sum(dim=dims, keepdim=True)
+        packed = torch.cat([s.reshape(-1), s.new_full((1,), float(local_n))])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        count = packed[-1]
+        mean = packed[:-1].reshape(s.shape) / count
+        y = x - mean
+        sq = (y * y).sum(dim=dims, keepdim=True).reshape(-1)
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        var = sq.reshape(s.shape) / count
+        rstd = torch.rsqrt(var + eps)
+        y.mul_(rstd)
+        if weight is not None:
+            y.mul_(weight)
+        if bias is not None:
+            y.add_(bias)
+        stats.append((mean, var, count))
+        ctx.dims, ctx.group, ctx.count = dims, group, float(count)
+        ctx.has_weight = weight is not None
+        ctx.bias_shape = tuple(bias.shape) if bias is not None else None
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, weight, mean, rstd = ctx.saved_tensors
+        dims = ctx.dims
+        xhat = (x - mean) * rstd
+        gw = (gy * xhat).sum_to_size(weight.shape) if ctx.has_weight and ctx.needs_input_grad[1] else None
+        gb = gy.sum_to_size(ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gxhat = gy * weight if ctx.has_weight else gy
+            a = gxhat.sum(dim=dims, keepdim=True)
+            b = (gxhat * xhat).sum(dim=dims, keepdim=True)
+            packed = torch.cat([a.reshape(-1), b.reshape(-1)])
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=ctx.group)
+            a_all = packed[: a.numel()].reshape(a.shape) / ctx.count
+            b_all = packed[a.numel():].reshape(b.shape) / ctx.count
+            gx = (gxhat - a_all - xhat * b_all) * rstd
+        return gx, gw, gb, None, None, None, None
+
+
+def _tile_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, dims: list[int],
+               group: dist.ProcessGroup | None, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(normalised x, mean, biased var, count); weight and bias broadcast against ``x``."""
+    stats: list[tuple[Tensor, Tensor, Tensor]] = []
+    y: Tensor = _TileNorm.apply(x, weight, bias, dims, group, float(eps), stats)
+    mean, var, count = stats[0]
+    return y, mean, var, count
+
+
+def _bcast(p: Tensor | None, nd: int) -> Tensor | None:
+    """A per-channel parameter viewed as (1, C, 1, ...) for an ``nd``-dim tensor."""
+    return None if p is None else p.view((1, -1) + (1,) * (nd - 2))
+
+
+def _update_running(rm: Tensor, rv: Tensor, mean: Tensor, var: Tensor, count: Tensor, factor: float) -> None:
+    with torch.no_grad():
+        unbiased = var * (count / (count - 1)) if float(count) > 1 else var
+        rm.mul_(1 - factor).add_(mean.to(rm.dtype), alpha=factor)
+        rv.mul_(1 - factor).add_(unbiased.to(rv.dtype), alpha=factor)
+
+
+def batchnorm_tile(x_tile: Tensor, bn: nn.Module, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Full-image BatchNorm on a tile: training statistics are reduced over ALL tiles.
+
+    Output, input gradient and (summed) affine gradients equal BatchNorm of the unsplit
+    tensor; running statistics are updated as the full-image BatchNorm would (unbiased
+    variance with the full count, momentum or cumulative average).
+    """
+    if not isinstance(bn, nn.modules.batchnorm._BatchNorm):
+        raise TypeError(f"batchnorm_tile: {type(bn).__name__} is not a BatchNorm module")
+    if x_tile.shape[1] != bn.num_features:
+        raise ValueError(f"batchnorm_tile: input has {x_tile.shape[1]} channels, {type(bn).__name__} {bn.num_features}")
+    use_batch = bn.training or bn.running_mean is None
+    if not use_batch:  # eval with running stats: a pointwise op
+        return F.batch_norm(x_tile, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    dims = [0] + list(range(2, x_tile.dim()))
+    nd = x_tile.dim()
+    y, mean, var, count = _tile_norm(x_tile, _bcast(bn.weight, nd), _bcast(bn.bias, nd), dims, group, bn.eps)
+    if bn.training and bn.track_running_stats and bn.running_mean is not None:
+        assert bn.running_var is not None and bn.num_batches_tracked is not None
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else float(bn.momentum)
+        _update_running(bn.running_mean, bn.running_var, mean.reshape(-1), var.reshape(-1), count, factor)
+    return y
+
+
+def groupnorm_tile(x_tile: Tensor, gn: nn.Module, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Full-image GroupNorm on a tile (per-sample, per-group statistics over all tiles)."""
+    if not isinstance(gn, nn.GroupNorm):
+        raise TypeError(f"groupnorm_tile: {type(gn).__name__} is not nn.GroupNorm")
+    n, c = x_tile.shape[:2]
+    g = gn.num_groups
+    sp = tuple(x_tile.shape[2:])
+    xr = x_tile.reshape((n, g, c // g) + sp)
+    shape = (1, g, c // g) + (1,) * len(sp)
+    w = None if gn.weight is None else gn.weight.view(shape)
+    b = None if gn.bias is None else gn.bias.view(shape)
+    y, _, _, _ = _tile_norm(xr, w, b, list(range(2, xr.dim())), group, gn.eps)
+    return y.reshape(x_tile.shape)
+
+
+def instancenorm_tile(x_tile: Tensor, inorm: nn.Module, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Full-image InstanceNorm on a tile (per-sample, per-channel statistics over all tiles;
+    running statistics, when tracked, updated as F.instance_norm does)."""
+    if not isinstance(inorm, nn.modules.instancenorm._InstanceNorm):
+        raise TypeError(f"instancenorm_tile: {type(inorm).__name__} is not an InstanceNorm module")
+    use_batch = inorm.training or not inorm.track_running_stats
+    if not use_batch:
+        return F.instance_norm(x_tile, inorm.running_mean, inorm.running_var, inorm.weight, inorm.bias,
+                               False, 0.0, inorm.eps)
+    dims = list(range(2, x_tile.dim()))
+    nd = x_tile.dim()
+    w, b = (_bcast(inorm.weight, nd), _bcast(inorm.bias, nd)) if inorm.affine else (None, None)
+    y, mean, var, count = _tile_norm(x_tile, w, b, dims, group, inorm.eps)
+    if inorm.training and inorm.track_running_stats and inorm.running_mean is not None:
+        assert inorm.running_var is not None
+        unbiased = var * (count / (count - 1)) if float(count) > 1 else var
+        with torch.no_grad():
+            m = float(inorm.momentum) if inorm.momentum is not None else 0.1
+            inorm.running_mean.mul_(1 - m).add_(mean.reshape(mean.shape[:2]).mean(0), alpha=m)
+            inorm.running_var.mul_(1 - m).add_(unbiased.reshape(var.shape[:2]).mean(0), alpha=m)
+    return y

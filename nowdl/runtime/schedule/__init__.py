@@ -1,0 +1,78 @@
+"""Pipeline schedules: which forward and backward each rank runs, in what order.
+
+A *schedule* gives every pipeline slot (a rank of data-parallel copy 0 that holds part 0 of its
+stage) the list of actions it executes during one training step. An action is the forward
+(``F``) or backward (``B``) of one stage on one micro-batch, for replica 0 or (GEMS-MASTER)
+replica 1. Three orders are built:
+
+* **GPipe** (Huang et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+  Parallelism", NeurIPS 2019): every stage runs all ``m`` forwards, then all ``m`` backwards.
+  Peak in-flight micro-batches per stage: ``m``.
+* **1F1B** (PipeDream-Flush; Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
+  Training", ICML 2021): stage ``s`` of ``K`` runs ``min(m, K - s)`` warm-up forwards, then
+  alternates one backward and one forward, then drains the remaining backwards. Peak in-flight
+  micro-batches at stage ``s``: ``min(m, K - s)``.
+* **GEMS-MASTER** (Jain et al., "GEMS: GPU-Enabled Memory-Aware Model-Parallelism System for
+  Distributed DNN Training", SC'20), ``replicas=2``: a second, mirrored replica whose stage ``s``
+  lives on the ranks of replica 0's stage ``K-1-s`` (``K`` odd: the middle rank holds both
+  copies of the middle stage). Replica 1 trains on its own ``m`` micro-batches (micro-batches
+  ``m .. 2m-1`` of the global batch; :attr:`Action.microbatch` is the index *within* the
+  replica). A rank's two lists (each a GPipe or 1F1B list) are merged by the time step at which
+  each action runs in its own replica's schedule, replica 0 first on ties. Each replica keeps
+  its own program order, so its in-flight bound is unchanged.
+
+:func:`simulate` runs a schedule in unit time steps under blocking-receive semantics (an action
+runs once every action it depends on ran at an earlier step, and only after the actions before
+it on its rank); :func:`format_grid` draws the result, rows = ranks, columns = steps, like
+``torch.distributed.pipelining``'s schedule printouts.
+
+Example:
+    >>> print(format_grid(simulate(one_f_one_b(4, 4), chain_deps(4))))
+
+The package holds one module per concern: :mod:`~nowdl.runtime.schedule.deps` (actions and
+the stage DAG), :mod:`~nowdl.runtime.schedule.build` (the orders, the MASTER merge, a plan's
+per-rank lists), :mod:`~nowdl.runtime.schedule.simulate` (validation, simulation, in-flight
+peaks) and :mod:`~nowdl.runtime.schedule.display` (the grid); this module only re-exports.
+"""
+
+from nowdl.runtime.schedule.build import (
+    build_schedule,
+    gpipe,
+    one_f_one_b,
+    rank_actions,
+    stage_actions,
+)
+from nowdl.runtime.schedule.deps import (
+    SCHEDULES,
+    Action,
+    Deps,
+    Schedule,
+    ScheduleError,
+    chain_deps,
+    dag_deps,
+    stage_deps,
+)
+from nowdl.runtime.schedule.display import LEGEND, format_grid, format_plan_schedule
+from nowdl.runtime.schedule.simulate import inflight_peaks, simulate, validate_schedule
+
+__all__ = [
+    "Action",
+    "Schedule",
+    "Deps",
+    "ScheduleError",
+    "SCHEDULES",
+    "LEGEND",
+    "stage_deps",
+    "chain_deps",
+    "dag_deps",
+    "stage_actions",
+    "gpipe",
+    "one_f_one_b",
+    "build_schedule",
+    "rank_actions",
+    "validate_schedule",
+    "simulate",
+    "inflight_peaks",
+    "format_grid",
+    "format_plan_schedule",
+]
