@@ -92,8 +92,9 @@ def test_torchrun_impossible_pins_fail_on_every_rank() -> None:
     res = _torchrun(*argv, "--steps", "1")
     assert res.returncode != 0
     assert "nowdl run: error: no configuration of 2 GPUs matches the pinned settings" in res.stderr  # rank 0
-    assert "nowdl run: error: rank 0 could not plan: no configuration" in res.stderr  # rank 1
-    assert "exitcode  : 2" in res.stderr  # both ranks exit 2, torchrun reports it
+    assert res.stderr.count("nowdl run: error:") == 1, res.stderr  # rank 1 prints nothing of it
+    assert "nowdl/cli.py" not in res.stderr and "nowdl/runtime" not in res.stderr  # no worker traceback
+    assert res.stderr.count("exitcode  : 2") >= 1  # the ranks exit 2, torchrun's summary reports it
     assert not STEP.search(res.stdout)
 
 
