@@ -81,6 +81,7 @@ import nowdl  # noqa: E402
 from nowdl.codegen import StageModule, build_stages  # noqa: E402
 from nowdl.partitioner.plan import Plan, format_bytes  # noqa: E402
 from nowdl.profiler.memory import AllocTracker  # noqa: E402
+from nowdl.runtime.metrics import peak_of  # noqa: E402
 from nowdl.trace import trace  # noqa: E402
 
 SEED = 0
@@ -151,35 +152,6 @@ def _barrier_timed(fn: Callable[[], Any]) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - t0
-
-
-def _static_bytes(modules: Sequence[nn.Module], opt: torch.optim.Optimizer | None) -> int:
-    """Parameters, buffers and optimizer state that live across steps (storages counted once)."""
-    seen: set[int] = set()
-    total = 0
-    tensors: list[torch.Tensor] = []
-    for mod in modules:
-        tensors += list(mod.parameters()) + list(mod.buffers())
-    if opt is not None:
-        for st in opt.state.values():
-            tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        key = int(t.untyped_storage()._cdata)
-        if key not in seen:
-            seen.add(key)
-            total += int(t.untyped_storage().nbytes())
-    return total
-
-
-def _peak_of(step: Callable[[], Any], modules: Sequence[nn.Module], opt: torch.optim.Optimizer | None) -> int:
-    """Static bytes before the step + peak of tensor storages allocated during it."""
-    if opt is not None:
-        opt.zero_grad(set_to_none=True)
-    gc.collect()
-    static = _static_bytes(modules, opt)
-    with AllocTracker() as tracker:
-        step()
-    return static + tracker.peak
 
 
 def _stage_inputs(stages: Sequence[StageModule], s: int, x: torch.Tensor) -> list[torch.Tensor]:
@@ -330,9 +302,9 @@ def worker(rank: int, world: int, plan_path: str, case: Case, cfg: Settings) -> 
     # them again, so the tracker cannot see them; count the pooled bytes as persistent memory
     pooled = sum(b.numel() * b.element_size() for bufs in eng._pool.values() for b in bufs)
     res["pool_nowdl"] = pooled
-    res["peak_nowdl"] = _peak_of(lambda: cm.train_step(x, y), held, eng.optimizer) + pooled
+    res["peak_nowdl"] = peak_of(lambda: cm.train_step(x, y), held, eng.optimizer)[1] + pooled
     dist.barrier()
-    res["peak_pipelining"] = _peak_of(lambda: pp_step(x, y), [wrapped], popt)
+    res["peak_pipelining"] = peak_of(lambda: pp_step(x, y), [wrapped], popt)[1]
     dist.barrier()
 
     # time per stage and micro-batch, one rank at a time

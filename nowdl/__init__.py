@@ -6,7 +6,7 @@ Example:
     >>> print(cm.plan(torch.empty(1, 3, 2048, 2048, device="meta")))
 """
 
-from nowdl import models
+from nowdl import data, models
 from nowdl.api import CompiledModel, compile
 from nowdl.api import profile_model as profile
 from nowdl.errors import InfeasibleError, NowdlError, PlanError, ProfileError, TraceError
@@ -16,6 +16,6 @@ from nowdl.runtime.tiles import TiledInput
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "CompiledModel", "Plan", "TiledInput", "profile", "models",
+    "compile", "CompiledModel", "Plan", "TiledInput", "profile", "models", "data",
     "NowdlError", "TraceError", "ProfileError", "PlanError", "InfeasibleError", "__version__",
 ]

@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from nowdl.runtime.runspec import add_run_arguments
 
-    prun = sub.add_parser("run", help="train (or evaluate) MODEL on synthetic or image-folder data",
+    prun = sub.add_parser("run", help="train (or evaluate) MODEL on synthetic, image-folder, large-image or Dataset data",
                           epilog=_EPILOG_MODEL + ". Launch with torchrun --nproc-per-node N -m nowdl run ...",
                           description="Plan (or load a plan), then train or run inference for --steps steps on "
                           "every rank of the job; rank 0 prints the loss and images/s of each step.")
@@ -232,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verbose = bool(getattr(args, "verbose", False))
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format=f"nowdl[rank {_rank()}]: %(name)s: %(message)s")
+    logging.captureWarnings(_rank() != 0)  # other ranks' Python warnings say which rank printed them
     try:
         return _run(args)
     except ReportedError:  # printed once for the whole job (runtime/failure.py)

@@ -50,6 +50,7 @@ LAYERS = {
     "nowdl.api": 5,
     "nowdl.plot": 5,  # pictures of plans and runs: reads plans and schedules, used by the cli
     "nowdl.report": 5,
+    "nowdl.data": 5,  # nowdl.data: the public data API over runtime's readers, datasets and loader
     "nowdl.optimizers": 5,  # the compiled model's optimizer, by name or factory
     "nowdl.progress": 5,
     "nowdl.cli": 5,

@@ -100,6 +100,10 @@ class ImageFolderData:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        """``(sample, class index)``: a map-style Dataset for ``nowdl.runtime.loader``."""
+        return self.sample(index), self.samples[index][1]
+
     def sample(self, index: int) -> torch.Tensor:
         """Sample ``index`` as a float tensor shaped ``sample_shape`` in ``[0, 1]`` (uint8 inputs)."""
         path, _ = self.samples[index]

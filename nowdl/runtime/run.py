@@ -30,6 +30,12 @@ Data (``--data``):
   pillow``; it is not a dependency of nowdl). Samples are scaled to ``[0, 1]`` (uint8 / 255),
   resized so that they cover ``--input`` and centre-cropped to it; the order is a seeded
   shuffle per epoch. Per-image labels only fit classification models.
+* ``zarr:PATH[:ARRAY]``, ``tiff:PATH[:level=N]``, ``h5:PATH:DATASET``: seeded ``--input`` crops of
+  large images, masks from ``--labels`` (``nowdl.runtime.feed``); with a spatial plan each rank
+  reads only its tile. ``package.module:callable`` (``--data-args JSON``): a torch Dataset.
+  Datasets load through ``nowdl.data.loader`` with ``--workers`` processes.
+
+``--log-dir DIR``: ``DIR/metrics.jsonl`` and TensorBoard events (``nowdl.runtime.metrics``).
 
 Output (rank 0 only; the other ranks print nothing but errors)::
 
@@ -54,6 +60,7 @@ job spans nodes).
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import signal
@@ -71,9 +78,10 @@ from torch import nn
 
 from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.runtime.checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from nowdl.runtime.data import Batches, ImageFolderData, SyntheticData
 from nowdl.runtime.failure import open_channel
+from nowdl.runtime.feed import Feed, check_data_spec, label_loss, make_feed
 from nowdl.runtime.launch import PeerError
+from nowdl.runtime.metrics import MetricsWriter, PeakMeter
 from nowdl.runtime.runspec import (
     RunSource,
     check_pins,
@@ -157,9 +165,7 @@ def run_main(args: argparse.Namespace) -> int:
     if args.precision != "fp32" and "precision" not in compile_params:
         raise NowdlError(f"--precision {args.precision} is not supported yet: nowdl trains in fp32 for now "
                          "(use --precision fp32)")
-    data_kind, _, data_path = str(args.data).partition(":")
-    if data_kind not in ("synthetic", "imagefolder") or (data_kind == "imagefolder") != bool(data_path):
-        raise NowdlError(f"--data {args.data}: use 'synthetic' or 'imagefolder:PATH' (a folder of class subfolders)")
+    data_kind, data_path = check_data_spec(str(args.data)), str(args.data).partition(":")[2]
     optimizer = make_optimizer(args.optimizer, args.lr)
 
     world, rank = env.world_size, env.rank
@@ -265,37 +271,19 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     out = output_shape(model, src.sample_shape)
     if len(out) < 2:
         raise NowdlError(f"{name} returns shape {out}: nowdl run needs (N, C) logits or dense (N, C, ...) outputs")
-    channels, label_shape = out[1], tuple(out[2:])
-    data: Batches
-    if data_kind == "imagefolder":
-        folder = ImageFolderData(data_path, src.sample_shape, seed=args.seed)
-        if label_shape and not args.eval:
-            raise NowdlError(f"{name} has dense outputs {out} (segmentation) but imagefolder gives one label per "
-                             "image: train it with --data synthetic, or use --eval")
-        classes = len(folder.classes)
-        if classes > channels:
-            raise NowdlError(f"{data_path} has {classes} classes but {name} outputs {channels}: build it with "
-                             f"num_classes={classes} (--model-args / --num-classes)")
-        data = folder
-    else:
-        classes = args.num_classes if args.num_classes is not None else channels
-        if classes > channels:
-            raise NowdlError(f"--num-classes {classes} but {name} outputs {channels} classes: build it with more "
-                             f"(--model-args '{{\"num_classes\": {classes}}}')")
-        data = SyntheticData(src.sample_shape, label_shape, classes, seed=args.seed)
-
+    feed: Feed = make_feed(args, src.sample_shape, out, name)  # checks the data before anything is written
     progress = say and sys.stderr.isatty()
     extra: dict[str, Any] = {}
     if "precision" in compile_params:
         extra["precision"] = args.precision
-    common: dict[str, Any] = dict(optimizer=optimizer, loss_fn=nn.CrossEntropyLoss(), progress=progress,
+    common: dict[str, Any] = dict(optimizer=optimizer, loss_fn=label_loss(nn.CrossEntropyLoss()), progress=progress,
                                   timeout_s=args.timeout, **extra)
     start = ck.step if ck is not None and not args.eval else 0
     total = start + args.steps
     if say:
         what = "inference" if args.eval else f"training ({args.optimizer}, lr {args.lr:g})"
         print(f"nowdl run: {name} on {world} rank{'s' if world > 1 else ''}, global batch {batch} of "
-              f"{'x'.join(map(str, src.sample_shape))}, {data_kind} data, {what}", flush=True)
+              f"{'x'.join(map(str, src.sample_shape))}, {feed.label} data, {what}", flush=True)
     t_plan = time.perf_counter()
     plan_path = src.plan_path
     if plan_path is None:  # rank 0 plans, every rank runs what it planned
@@ -303,8 +291,14 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         text = _plan_on_rank0(model, args, rank, world, batch, micro_batch, src, optimizer, progress)
         Path(plan_path).write_text(text)
     cm = nowdl.compile(model, plan=plan_path, **common)
+    run_plan = nowdl.Plan.load(plan_path)
+    feed.start(start, batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=total)
+    log_dir = getattr(args, "log_dir", None)
+    metrics = None if log_dir is None else MetricsWriter(
+        log_dir, rank=rank, world=world, predicted_bytes=run_plan.ranks[rank].predicted_peak_bytes,
+        meta={"model": src.spec, "world": world, "config": dict(run_plan.config)})
     if ck is not None and ckpt is not None:
-        x0, _ = data.batch(start, batch)
+        x0, _, _ = feed.next(start)
         cm.load_checkpoint(ckpt, x0)
         if say:
             what = "loaded the weights of" if args.eval else "resumed from"
@@ -312,6 +306,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
                                                     "GPU(s); re-planned, weights and optimizer state resharded)")
             print(f"{what} {ckpt} at step {ck.step}{how}", flush=True)
     setup_s = time.perf_counter() - t_plan  # counted in the first step, as when the trainer plans
+    meter = PeakMeter(cm, cuda=torch.cuda.is_available())
 
     bar: Any = None
     if progress:
@@ -347,17 +342,20 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     with _Stop() as stop:
         try:
             for step in range(start, total):
-                x, y = data.batch(step, batch)
-                t0 = time.perf_counter()
+                x, y, wait = feed.next(step)
+                t0, read0 = time.perf_counter(), feed.read_seconds()
+                run_step = functools.partial(cm.eval_step, x) if args.eval else functools.partial(cm.train_step, x, y)
+                loss, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
                 if args.eval:
-                    cm.eval_step(x)
                     if world > 1:
                         dist.barrier()
-                    loss_text = ""
+                    loss, loss_text = None, ""
                 else:
-                    loss = cm.train_step(x, y)
                     loss_text = f"  loss {loss:.4f}"
                 dt = time.perf_counter() - t0 + (setup_s if step == start else 0.0)
+                if metrics is not None:  # lazy reads (a rank's tile) happen inside the step: data wait too
+                    metrics.step(step + 1, loss=loss, images_per_s=batch / dt if dt > 0 else 0.0, step_s=dt,
+                                 data_wait_s=wait + feed.read_seconds() - read0, peak_bytes=peak)
                 times.append(dt)
                 if step == start:
                     emit(_plan_line(cm))
@@ -372,6 +370,9 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         finally:
             if bar is not None:
                 bar.close()
+            if metrics is not None:
+                metrics.close()
+            feed.close()
         done = start + len(times)
         if len(times) > 1:
             emit(f"mean: {_rate(batch * (len(times) - 1), sum(times[1:]))} images/s over steps "

@@ -52,8 +52,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-classes", type=int, metavar="C",
                    help="label classes (default: the model's output channels; built-in models are built "
                    "with it unless --model-args says otherwise)")
-    p.add_argument("--data", default="synthetic", metavar="synthetic|imagefolder:PATH",
-                   help="synthetic (seeded random, default) or imagefolder:PATH (PATH/<class>/<image or .npy>)")
+    p.add_argument("--data", default="synthetic", metavar="SOURCE",
+                   help="synthetic (seeded random, default), imagefolder:PATH (PATH/<class>/<image or .npy>), "
+                   "zarr:PATH[:ARRAY], tiff:PATH[:level=N] (a file or a folder of them), h5:PATH:DATASET "
+                   "(seeded --input crops of large images), or package.module:callable returning a torch Dataset")
+    p.add_argument("--data-args", metavar="JSON", help="keyword arguments for --data package.module:callable")
+    p.add_argument("--labels", metavar="SOURCE",
+                   help="masks for zarr:/tiff:/h5: data, same layout and shape as the images (segmentation)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="DataLoader worker processes per rank (default min(4, CPU cores); 0: load in the loop)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="write DIR/metrics.jsonl (rank 0; one line per step) and TensorBoard events if installed")
     p.add_argument("--eval", action="store_true", help="inference steps (eval_step) instead of training")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adam",

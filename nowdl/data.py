@@ -1,0 +1,72 @@
+"""Data for training with nowdl: a seeded DataLoader every rank agrees on, and large-image crops.
+
+Every rank builds the same loader and gets the same global batch at each step, which
+``CompiledModel.train_step(x, y)`` takes as it is::
+
+    ds = nowdl.data.crops("tiff:slide.tif", (3, 1024, 1024), labels="tiff:mask.tif")
+    for x, y in nowdl.data.loader(ds, batch_size=8, seed=0, workers=4, steps=100):
+        cm.train_step(x, y)
+
+Any map-style ``torch.utils.data.Dataset`` of ``(x, y)`` works with ``loader``. With a spatial
+plan, ``tile_batches`` hands lazy batches instead, of which each rank reads only the tile it
+runs (one step ahead); the loss then takes ``label_loss(...)``::
+
+    cm = nowdl.compile(model, plan="plan.json", loss_fn=nowdl.data.label_loss(nn.CrossEntropyLoss()), ...)
+    for x, y in nowdl.data.tile_batches(ds, batch_size=8, seed=0, steps=100):
+        cm.train_step(x, y)
+
+The large-image readers need ``pip install 'nowdl[data]'`` (tifffile, zarr, h5py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from nowdl.runtime.datasets import CropDataset, label_loss
+from nowdl.runtime.loader import StepSampler, default_workers, loader
+from nowdl.runtime.prefetch import TileReadAhead
+from nowdl.runtime.readers import ImageArray, open_images
+from nowdl.runtime.tiles import TiledInput
+
+__all__ = ["loader", "crops", "tile_batches", "label_loss", "CropDataset", "StepSampler", "ImageArray",
+           "open_images", "default_workers"]
+
+
+def crops(spec: str, sample_shape: Sequence[int], *, labels: str | None = None, seed: int = 0,
+          per_image: int | None = None) -> CropDataset:
+    """Seeded random crops of ``sample_shape`` (C, *spatial) from the images of ``spec``.
+
+    Args:
+        spec: ``zarr:PATH[:ARRAY]``, ``tiff:PATH[:level=N]`` (a file or a folder) or ``h5:PATH:DATASET``.
+        sample_shape: one crop's shape, channels first (the model's input without the batch).
+        labels: masks of the same layout and shape, one per image (a spec as ``spec``).
+        seed: crop origins are a function of ``(seed, index)``.
+        per_image: crops per image per epoch (default: as many as would tile it).
+
+    Raises:
+        NowdlError: a missing or unreadable file, level or dataset; a mask whose shape differs.
+    """
+    shape = tuple(int(d) for d in sample_shape)
+    images = open_images(spec, shape[0], len(shape) - 1)
+    masks = None if labels is None else open_images(labels, 1, len(shape) - 1, label=True,
+                                                stacked=any(im.index is not None for im in images))
+    return CropDataset(images, masks, shape, seed=seed, crops=per_image)
+
+
+def tile_batches(dataset: CropDataset, batch_size: int, *, seed: int = 0, start_step: int = 0,
+                 steps: int | None = None) -> Iterator[tuple[TiledInput, TiledInput]]:
+    """Lazy ``(x, y)`` batches of ``dataset`` (the same crops as ``loader``): each rank reads only its windows.
+
+    The first step learns which windows the engine reads on this rank; later steps' windows are
+    read on a background thread one step ahead. Train with ``loss_fn=label_loss(loss)``.
+    """
+    sampler = StepSampler(len(dataset), batch_size, seed=seed)
+    stop = None if steps is None else start_step + steps
+    ahead = TileReadAhead(dataset, sampler, stop)
+    try:
+        step = start_step
+        while stop is None or step < stop:
+            yield ahead.batch(step)
+            step += 1
+    finally:
+        ahead.close()
