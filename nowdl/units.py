@@ -6,7 +6,7 @@ import re
 
 from nowdl.errors import NowdlError
 
-__all__ = ["parse_bytes", "parse_shape", "parse_parts"]
+__all__ = ["parse_bytes", "parse_shape", "parse_parts", "format_bytes"]
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -63,3 +63,12 @@ def parse_parts(text: str) -> int | tuple[int, ...]:
     if any(v < 1 for v in vals):
         raise NowdlError(f"spatial parts {text!r} must be positive")
     return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover

@@ -16,20 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from nowdl.errors import PlanError
+from nowdl.units import format_bytes
 
 __all__ = ["Plan", "StagePlan", "TensorPlan", "RankPlan", "PLAN_VERSION", "format_bytes"]
 
 PLAN_FORMAT = "nowdl.plan"
 PLAN_VERSION = 2  # 2: "topology" (nodes, links, rank -> node map); ranks may be placed out of order
-
-
-def format_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def _format_time(s: float) -> str:

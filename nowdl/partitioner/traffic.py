@@ -15,14 +15,33 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nowdl.partitioner.config import Candidate
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid
+from nowdl.units import format_bytes
 
 if TYPE_CHECKING:
     from nowdl.partitioner.costmodel import Costs
-    from nowdl.partitioner.plan import Plan
+
+
+class PlanView(Protocol):
+    """What this module reads of a :class:`~nowdl.partitioner.plan.Plan` (which imports it)."""
+
+    @property
+    def config(self) -> dict[str, Any]: ...
+
+    @property
+    def ranks(self) -> Sequence[Any]: ...
+
+    @property
+    def stages(self) -> Sequence[Any]: ...
+
+    @property
+    def tensors(self) -> Sequence[Any]: ...
+
+    @property
+    def topology(self) -> dict[str, Any]: ...
 
 __all__ = ["halo_bytes", "cross_node_bytes", "node_of_rank", "format_node_map", "together_groups", "check_topology"]
 
@@ -53,7 +72,7 @@ def halo_bytes(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[f
     return out
 
 
-def node_of_rank(plan: Plan) -> list[int]:
+def node_of_rank(plan: PlanView) -> list[int]:
     """The node of every rank: the plan's map, or one node for plans made before topologies."""
     topo = plan.topology or {}
     got = topo.get("node_of_rank")
@@ -62,7 +81,7 @@ def node_of_rank(plan: Plan) -> list[int]:
     return [0] * int(plan.config["gpus"])
 
 
-def _where(plan: Plan) -> dict[tuple[int, int, int], list[int]]:
+def _where(plan: PlanView) -> dict[tuple[int, int, int], list[int]]:
     found: dict[tuple[int, int, int], dict[int, int]] = {}
     for r in plan.ranks:
         for h in r.stages:
@@ -70,7 +89,7 @@ def _where(plan: Plan) -> dict[tuple[int, int, int], list[int]]:
     return {key: [v[q] for q in sorted(v)] for key, v in found.items()}
 
 
-def together_groups(plan: Plan) -> list[list[int]]:
+def together_groups(plan: PlanView) -> list[list[int]]:
     """Tile groups and MASTER pairs that the plan keeps inside one node (its costs assume so)."""
     node = node_of_rank(plan)
     where = _where(plan)
@@ -98,7 +117,7 @@ def _neighbour_share(ranks: Sequence[int], grid: Sequence[int], node: Sequence[i
     return cross / pairs if pairs else 0.0
 
 
-def cross_node_bytes(plan: Plan, halo: Sequence[float] | None = None) -> dict[str, float]:
+def cross_node_bytes(plan: PlanView, halo: Sequence[float] | None = None) -> dict[str, float]:
     """Bytes per step sent across node boundaries, by kind (halo, boundary, dp_allreduce, master, total).
 
     ``halo``: per-stage halo bytes per rank and micro-batch (default: the plan's
@@ -141,9 +160,8 @@ def _span(ranks: Sequence[int]) -> str:
     return ",".join(map(str, rs))
 
 
-def format_node_map(plan: Plan, *, max_nodes: int = 64) -> str:
+def format_node_map(plan: PlanView, *, max_nodes: int = 64) -> str:
     """The rank -> node map and the bytes per step that cross node boundaries, as text."""
-    from nowdl.partitioner.plan import format_bytes
 
     topo: dict[str, Any] = plan.topology or {}
     node = node_of_rank(plan)
@@ -176,7 +194,7 @@ def format_node_map(plan: Plan, *, max_nodes: int = 64) -> str:
     return "\n".join(lines)
 
 
-def check_topology(plan: Plan, *, source: str = "plan") -> None:
+def check_topology(plan: PlanView, *, source: str = "plan") -> None:
     """Check ``plan.topology``: nodes x gpus_per_node = gpus, and a node map that numbers ranks
     node by node (as launchers do) and keeps every group in ``topology.together`` on one node.
 
