@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -203,12 +204,17 @@ def _rank() -> int:
         return 0
 
 
+#: Seconds a rank other than 0 waits before exiting on an error every rank hit alike.
+_QUIET_EXIT_S = 3.0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with errors in nowdl's form: one line, on rank 0 only, exit 2."""
 
     def error(self, message: str) -> NoReturn:
         if _rank() == 0:
             print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        _let_rank0_speak()
         sys.exit(2)
 
 
@@ -220,6 +226,19 @@ def _say_error(command: str, e: BaseException, verbose: bool) -> None:
     if verbose:
         detail = getattr(e, "detail", "") or "".join(traceback.format_exception(e))
         print(detail, file=sys.stderr)
+
+
+def _let_rank0_speak() -> None:
+    """On ranks other than 0 of a launched job, wait a moment before exiting with an error that
+    every rank hit alike (a bad option), so the launcher does not kill rank 0 before it prints."""
+    from nowdl.runtime.launch import launch_env
+
+    try:
+        env = launch_env()
+    except NowdlError:
+        return
+    if env.rank != 0 and env.world_size > 1:
+        time.sleep(_QUIET_EXIT_S)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -241,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as e:
         _say_error(args.command, e, verbose)
+        _let_rank0_speak()
         return 2
 
 
@@ -287,7 +307,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "codegen":
         return _codegen(args)
     if args.command == "run":
-        from nowdl.runtime.run import run_main
+        from nowdl.run_cli import run_main
 
         return run_main(args)
     model, default, name = resolve_model(args.model, args.model_args)

@@ -66,7 +66,6 @@ import json
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -77,17 +76,17 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.errors import NowdlError, ReportedError, error_text
-from nowdl.runtime.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from nowdl.runtime.checkpoint import open_checkpoint
 from nowdl.runtime.failure import open_channel
 from nowdl.runtime.feed import Feed, check_data_spec, label_loss, make_feed
 from nowdl.runtime.launch import PeerError
 from nowdl.runtime.metrics import MetricsWriter, PeakMeter
+from nowdl.runtime.resume import StopSignal, reusable_plan, run_state
 from nowdl.runtime.runspec import (
     RunSource,
     check_pins,
     make_optimizer,
     output_shape,
-    pin_conflicts,
     run_source,
 )
 
@@ -95,38 +94,6 @@ __all__ = ["run_main", "PLAN_FILE"]
 
 #: File in ``--checkpoint DIR`` holding a copy of the latest checkpoint's plan (``nowdl run DIR/plan.json``).
 PLAN_FILE = "plan.json"
-
-
-# ---- stopping on a signal ------------------------------------------------------------------------
-class _Stop:
-    """SIGTERM/SIGINT ask the run to stop after the current step (a second one stops at once)."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> _Stop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-        for sig, old in self._old.items():  # the next signal acts as it did before
-            signal.signal(sig, old)
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-    def agreed(self, world: int) -> int:
-        """The signal any rank got (0: none); every rank gets the same answer."""
-        if world == 1:
-            return self.signum
-        t = torch.tensor([self.signum], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -237,9 +204,9 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     say = rank == 0
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     ck = open_checkpoint(ckpt) if ckpt is not None else None  # every rank gets the same answer or error
-    run_state = _run_state(ck, args) if ck is not None else None
+    saved_run = run_state(ck, args) if ck is not None else None
     ckpt_plan = None
-    if ck is not None and _reusable(ck, args, world):
+    if ck is not None and reusable_plan(ck, args, world):
         ckpt_plan = tmp / "checkpoint-plan.json"
         ckpt_plan.write_text(json.dumps(ck.record["plan"]))
     src = run_source(args, str(ckpt_plan) if ckpt_plan is not None else None)
@@ -249,8 +216,8 @@ def _run(args: argparse.Namespace, rank: int, world: int,
             g = src.plan_config.get("gpus")
             raise NowdlError(f"the plan in {src.plan_path} needs {g} ranks but this job has {world}: launch with "
                              f"torchrun --nproc-per-node {g}")
-    if run_state is not None and args.batch_size is None and src.plan_batch is None:
-        args.batch_size = int(run_state["batch_size"])
+    if saved_run is not None and args.batch_size is None and src.plan_batch is None:
+        args.batch_size = int(saved_run["batch_size"])
     batch = args.batch_size if args.batch_size is not None else src.plan_batch
     if batch is None:
         raise NowdlError("give --batch-size B (the global batch per step; when planning it is micro-batches x "
@@ -339,7 +306,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     training = ckpt is not None and not args.eval
     times: list[float] = []
     stopped = 0
-    with _Stop() as stop:
+    with StopSignal() as stop:
         try:
             for step in range(start, total):
                 x, y, wait = feed.next(step)
@@ -389,25 +356,6 @@ def _run(args: argparse.Namespace, rank: int, world: int,
                 "nothing saved)"))
         return 128 + stopped
     return 0
-
-
-def _run_state(ck: Checkpoint, args: argparse.Namespace) -> dict[str, Any]:
-    """The ``nowdl run`` state of a checkpoint, checked against this run's model."""
-    run = ck.record.get("run")
-    if not isinstance(run, dict) or not isinstance(run.get("batch_size"), int):
-        raise CheckpointError(f"{ck.dir} was not saved by `nowdl run` (no run state in nowdl.json): load it with "
-                              "CompiledModel.load_checkpoint, or use another --checkpoint folder")
-    spec = str(args.model)
-    if not spec.lower().endswith(".json") and run.get("model") != spec:
-        raise CheckpointError(f"--checkpoint {ck.dir.parent} holds a run of {run.get('model')!r}, not {spec!r}: "
-                              "use another folder for this model")
-    return run
-
-
-def _reusable(ck: Checkpoint, args: argparse.Namespace, world: int) -> bool:
-    """Whether the checkpoint's plan runs this job as asked (else the run re-plans and reshards)."""
-    config = ck.record.get("plan", {}).get("config", {})
-    return bool(config.get("gpus") == world and not pin_conflicts(args, config))
 
 
 def _current_plan(cm: Any) -> Any:
