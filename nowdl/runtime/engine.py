@@ -89,7 +89,6 @@ class PipelineEngine(Transfers, GradSync):
             if bad:
                 raise NowdlError(f"activation_checkpointing names stages {bad}, but the plan has stages 0..{k - 1}")
             self.checkpointed = set(checkpointing)
-        self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
         self._sent_at: dict[tuple[Any, ...], int] = {}  # receive key -> sender's action index
         self._boxes: dict[tuple[str, int, int], Window] = {}
         self._recv_plans: dict[bool, list[list[_Recv]]] = {}
@@ -248,8 +247,7 @@ class PipelineEngine(Transfers, GradSync):
                 if not train:
                     inputs.pop(key)
                     outputs.pop(key)
-                    for b in held_bufs.pop(key):
-                        self._release(b)
+                    held_bufs.pop(key)
             else:
                 part = self.part[(act.replica, act.stage)]
                 me = (act.stage, part)
@@ -288,8 +286,8 @@ class PipelineEngine(Transfers, GradSync):
                 if roots:
                     torch.autograd.backward(roots, grads)
                 del grads
-                for b in grad_bufs + held_bufs.pop(key, []):  # consumed: back to the pool
-                    self._release(b)
+                del grad_bufs  # consumed: freed when nothing else holds their storage
+                held_bufs.pop(key, None)
                 for name, t in zip(st.inputs, ins, strict=True):
                     p = st.producers[name]
                     if p < 0 or not t.is_floating_point():
@@ -372,10 +370,10 @@ class PipelineEngine(Transfers, GradSync):
             if box is None:
                 continue
             buf = self._take(rx, ("F", name, act.replica, act.microbatch, i), f"{name} from stage {p}")
-            bufs.append(buf)  # back to the pool after this micro-batch's backward
+            bufs.append(buf)  # held until this micro-batch's backward
             pieces.append((box, buf))
         if len(pieces) == 1 and pieces[0][0] == mine:
-            t = pieces[0][1].detach()  # shares the pooled buffer
+            t = pieces[0][1].detach()  # shares the receive buffer
         else:  # tiles of another grid (or the whole image): assemble this part's region
             shape = self._piece_shape(name, mine)
             t = pieces[0][1].new_empty(shape)

@@ -1,9 +1,10 @@
-"""Point-to-point transfers of one rank: which messages it expects, pooled buffers, tiles' boxes.
+"""Point-to-point transfers of one rank: which messages it expects, receive buffers, tiles' boxes.
 
 [Note: communication] Every rank knows from the plan which values it receives, from whom, with
 which shape: each receive is posted LOOKAHEAD actions before the action that needs it, into a
-buffer from a pool reused across micro-batches and steps (no handshakes; live buffers stay
-bounded by the micro-batches in flight, as 1F1B intends), sends are isend and waited at the end of the step. Every float value sent
+fresh buffer (no handshakes; live buffers stay bounded by the micro-batches in flight, as 1F1B
+intends; see [Note: no buffer pool]); sends are isend, waited once known complete or at the end
+of the step. Every float value sent
 forward gets exactly one gradient back (zeros when the consumer did not need it), so both sides
 agree on the messages without asking. Tags are unique per (value, direction, replica, micro-batch).
 """
@@ -63,7 +64,6 @@ class Transfers:
     _programs: dict[int, dict[tuple[str, int, int, int], int]]
     _sent_at: dict[tuple[Any, ...], int]
     _boxes: dict[tuple[str, int, int], Window]
-    _pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]]
     _peer_done: dict[int, int]
 
     def _tag(self, value: str, backward: bool, rep: int, mb: int) -> int:
@@ -157,16 +157,16 @@ class Transfers:
         return meta is None or meta[1].is_floating_point
 
     def _alloc(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A fresh receive buffer. [Note: no buffer pool] Buffers are not recycled by hand: a
+        received tensor's storage can outlive its micro-batch (autograd's AccumulateGrad steals
+        an incoming gradient into ``.grad`` through a view, which is then sent on; a pass-through
+        stage returns its input), and reusing it for the next receive corrupted those tensors
+        (4-stage MASTER, GPipe). The allocator (CUDA's caching allocator, malloc on CPU) reuses
+        memory once the last reference goes."""
         dtype = self._meta[name][1]
         if dtype.is_floating_point:
             dtype = self.comm_dtype or dtype
-        free = self._pool.get((shape, dtype))
-        if free:
-            return free.pop()
         return torch.empty(shape, dtype=dtype, device=self.device)
-
-    def _release(self, buf: torch.Tensor) -> None:
-        self._pool.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
 
     def _post_upto(self, rx: _StepReceives, idx: int) -> None:
         """Post the receives of actions up to ``idx + LOOKAHEAD`` (in program order)."""
