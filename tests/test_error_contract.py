@@ -271,3 +271,27 @@ def test_signal_saves_and_resumes_exactly(tmp_path: Path, sig: signal.Signals) -
     want = {k: v for k, v in _losses(plain.stdout).items() if k > stopped}
     assert _losses(resumed.stdout) == want, (resumed.stdout, plain.stdout)
 
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "openmpi"])
+def test_srun_and_mpirun_bad_input_prints_once(tmp_path: Path, launcher: str) -> None:
+    """Two processes described as srun or mpirun would: rank 0 prints the paragraph, rank 1
+    nothing, both exit 2 (bad input found before the process group forms)."""
+    from test_run_cli import _free_port
+
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in _env().items() if not k.startswith(("SLURM", "OMPI", "PMI", "MV2"))}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(ROOT))
+        if launcher == "slurm":
+            env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank))
+        else:
+            env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK=str(rank))
+        procs.append(subprocess.Popen([sys.executable, "-m", "nowdl", *RUN[:-1], "0"], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert outs[0][1] == "nowdl run: error: --steps must be a positive integer, got 0\n", outs[0]
+    assert outs[1] == ("", ""), outs[1]
+    assert list(tmp_path.iterdir()) == []
