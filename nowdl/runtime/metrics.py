@@ -9,8 +9,8 @@ one line per step::
 
 ``peak_bytes`` is ``torch.cuda.max_memory_allocated`` over the step on CUDA; on CPU it is the
 measure of ``benchmarks/bench_runtime.py``: the bytes of parameters, buffers and optimizer state
-before the step, plus the peak of live storages the step allocates (``AllocTracker``), plus the
-engine's pooled receive buffers, taken on sampled steps (see :class:`PeakMeter`).
+before the step, plus the peak of live storages the step allocates (``AllocTracker``; receive
+buffers included: they are allocated fresh each step), taken on sampled steps (see :class:`PeakMeter`).
 ``predicted_bytes`` is the plan's ``predicted_peak_bytes``.
 """
 
@@ -99,9 +99,8 @@ class PeakMeter:
             return out, self.last
         if (self.steps - 2) % TRACK_EVERY:
             return step(), self.last
-        pooled = sum(b.numel() * b.element_size() for bufs in eng._pool.values() for b in bufs)
         out, peak = peak_of(step, [eng.stages[s].module for _, s in eng.held], eng.optimizer)
-        self.last = peak + pooled
+        self.last = peak
         return out, self.last
 
 
