@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from nowdl.partitioner.config import Candidate
+from nowdl.partitioner.held import backward_grad_bytes, held_buffers
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid
 from nowdl.profiler.cost import Profile
@@ -60,7 +61,8 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str) -> NodeVectors:
     for u, v in prof.edges:
         producers.setdefault(v, u)
     act, time, ws, out = [], [], [], []
-    for n in prof.nodes:
+    grads = _grad_workspace(prof)
+    for n, g in zip(prof.nodes, grads, strict=True):
         rule = costs.rules.get(n.name)
         a = n.act_bytes / parts
         t = n.time_s / parts
@@ -74,9 +76,18 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str) -> NodeVectors:
                 t += 2 * hb / costs.link_bw + 2 * HALO_LATENCY_S
         act.append(a)
         time.append(t)
-        ws.append(n.workspace_bytes / parts)
+        ws.append(max(n.workspace_bytes, g) / parts)
         out.append(n.out_bytes / parts)
     return NodeVectors(act=act, time=time, workspace=ws, out=out)
+
+
+def _grad_workspace(prof: Profile) -> list[float]:
+    """Gradients alive during each node's backward ([Note: held buffers])."""
+    index = {n.name: i for i, n in enumerate(prof.nodes)}
+    edges = [(index[u], index[v]) for u, v in prof.edges if u in index and v in index]
+    floating = [n.out_dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
+                for n in prof.nodes]
+    return backward_grad_bytes([n.op for n in prof.nodes], [n.out_bytes for n in prof.nodes], floating, edges)
 
 
 def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
@@ -89,7 +100,7 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
         "plain": NodeVectors(
             act=[n.act_bytes for n in prof.nodes],
             time=[n.time_s for n in prof.nodes],
-            workspace=[n.workspace_bytes for n in prof.nodes],
+            workspace=[max(n.workspace_bytes, g) for n, g in zip(prof.nodes, _grad_workspace(prof), strict=True)],
             out=[n.out_bytes for n in prof.nodes],
         )
     }
@@ -98,9 +109,10 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
         variants[f"tiled{p}"] = _tiled_vectors(costs, p, cand.slice)
     link = 2.0 / costs.link_bw  # activation forward + gradient backward
     inflight = cand.inflight()
+    held = [held_buffers(cand.schedule, cand.micro_batches, n) for n in inflight]  # [Note: held buffers]
     stages = [
         StageSpec(inflight=inflight[s], variant=f"tiled{parts[s]}" if parts[s] > 1 else "plain",
-                  spatial=parts[s] > 1, link_s_per_byte=link)
+                  spatial=parts[s] > 1, link_s_per_byte=link, recv_held=held[s][0], send_held=held[s][1])
         for s in range(cand.stages)
     ]
     k = cand.stages
