@@ -35,8 +35,10 @@ parameters, buffers and Adam state that exist before the step (the gradients are
 None first, as the step itself does) + the tracker's peak of live new storages (activations,
 gradients, received buffers, optimizer temporaries). It is NOT the process RSS (the tracker
 does not see the allocator's caching, oneDNN scratch or Python objects). Compared with
-``plan.ranks[r].predicted_peak_bytes``; target within +-10%. The same measurement for the
-pipelining step is shown for context.
+``plan.ranks[r].predicted_peak_bytes``; target within +-10%. The same measurement is made for
+the pipelining step, adding its receive buffers (one per micro-batch and tensor, allocated at its
+first step and reused, so invisible to the tracker, as nowdl's pooled buffers are added to
+nowdl's); target nowdl <= pipelining on every rank. The run ends with one summary line.
 
 Table 3 (time per stage and micro-batch): on each rank in turn (the other ranks wait at a
 barrier, so no oversubscription), the engine's own stage module runs forward and backward
@@ -592,12 +594,11 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
                             f"{format_bytes(max(0.0, ws))}); static + {sp['inflight']:g} x kept + backward "
                             f"peak = {format_bytes(recon)}")
     if over:
-        print("- measured above predicted (" + "; ".join(over) + "): the plan's activation bytes are what "
-              "autograd saves, but a stage also keeps its outputs (the cut tensors, which no op of the stage "
-              "saves) until their backward, and while one micro-batch runs backward the gradients of its "
-              "activations coexist with the other in-flight micro-batches' activations; the cost model's "
-              "workspace term (the largest single-node transient) does not cover that. "
-              "torch.distributed.pipelining's peak on the same split is above the prediction as well.")
+        print("- measured above predicted (" + "; ".join(over) + "): the cost model charges static + "
+              "inflight x saved + recv_held x received + send_held x sent + workspace, where the workspace "
+              "is the largest gradient set of one node's backward (its output's and its inputs' gradients, "
+              "[Note: held buffers] in nowdl/partitioner/held.py); gradients that wait longer (a skip's, "
+              "until its block's branch is done) are not in it.")
     under = []
     for r in results:
         for rk in r.ranks:
@@ -612,10 +613,10 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
                              f"{format_bytes(recon)}, while the plan adds {sp['inflight']:g} x "
                              f"{format_bytes(_bytes_in(r.plan, s))} received on top")
     if under:
-        print("- measured below predicted (" + "; ".join(under) + "): the cost model adds the received "
-              "buffers (in flight x received bytes) on top of the activations, but the stage's first ops "
-              "save those very tensors for backward, so they are counted twice; GPipe's M in flight "
-              "multiplies the double count.")
+        print("- measured below predicted (" + "; ".join(under) + "): the cost model's backward "
+              "workspace (one node's output and input gradients, on top of every in-flight micro-batch's "
+              "activations) is an upper bound: by the time a node's backward runs, the activations of the "
+              "nodes after it in the oldest micro-batch are already freed.")
     t_miss = []
     for r in results:
         for rk in r.ranks:
