@@ -24,7 +24,62 @@ def test_breakdown_sums_to_peak(kw: dict[str, object]) -> None:
         assert set(MEMORY_KEYS) <= set(q)
         static = q["weight_bytes"] + q["grad_bytes"] + q["optim_bytes"]
         assert static == pytest.approx(q["static_bytes"])
-        held = q["inflight"] * (q["saved_bytes"] + q["recv_bytes"] + q["send_bytes"])
+        held = (q["inflight"] * q["saved_bytes"] + q["recv_held"] * q["recv_bytes"]
+                + q["send_held"] * q["send_bytes"])
         assert static + held + q["workspace_bytes"] == pytest.approx(q["peak_bytes"], rel=1e-9)
     again = nowdl.Plan.from_json(plan.to_json())
     assert again.stages[0].predicted["saved_bytes"] == plan.stages[0].predicted["saved_bytes"]
+
+
+def test_held_buffers_by_hand() -> None:
+    """[Note: held buffers]: what a stage holds at its peak, counted by hand."""
+    from nowdl.partitioner.held import held_buffers
+
+    # 1F1B, K=2, M=4, last stage (F0 B0 F1 B1 ...): 1 in flight + F1's input posted during B0;
+    # output gradients: B3's buffer posted during B2 (cool-down), and the pool keeps both
+    assert held_buffers("1f1b", 4, 1) == (2.0, 2.0)
+    # 1F1B, K=2, M=4, stage 0 (F0 F1 B0 F2 ...): 2 in flight + F2's input posted during B0
+    assert held_buffers("1f1b", 4, 2) == (3.0, 2.0)
+    # 1F1B with M <= K - s runs all forwards first: like GPipe
+    assert held_buffers("1f1b", 2, 2) == (2.0, 2.0)
+    # GPipe: all M in flight; B1's output gradients posted during B0
+    assert held_buffers("gpipe", 4, 4) == (4.0, 2.0)
+    # one micro-batch: nothing is posted ahead
+    assert held_buffers("gpipe", 1, 1) == (1.0, 1.0)
+
+
+def test_held_factors_in_a_tiny_plan() -> None:
+    """The stage memory of a 3-node chain split in two, with the runtime's factors, by hand."""
+    from nowdl.partitioner.held import held_buffers
+    from nowdl.partitioner.problem import NodeVectors, Problem, StageSpec, evaluate
+
+    # a -> b -> c; b's output (out=10 bytes) crosses from stage 0 to stage 1
+    vec = NodeVectors(act=[100.0, 50.0, 30.0], time=[1.0, 1.0, 1.0], workspace=[0.0, 7.0, 3.0],
+                      out=[0.0, 10.0, 0.0])
+    specs = []
+    for n in (2, 1):  # 1F1B, K=2, M=4: inflight 2 and 1
+        r, s = held_buffers("1f1b", 4, n)
+        specs.append(StageSpec(inflight=n, recv_held=r, send_held=s))
+    problem = Problem(names=["a", "b", "c"], edges=[(0, 1), (1, 2)], static=[5.0, 6.0, 7.0],
+                      variants={"plain": vec}, stages=specs)
+    mem, _ = evaluate(problem, [0, 0, 1])
+    # stage 0: static 11 + 2 x saved 150 + 2 x sent 10 (gradient buffers) + workspace 7
+    # stage 1: static 7 + 1 x saved 30 + 2 x received 10 + workspace 3
+    assert mem == [11 + 300 + 20 + 7, 7 + 30 + 20 + 3]
+    # without the factors every boundary tensor is held inflight times (the older model)
+    old = Problem(names=["a", "b", "c"], edges=[(0, 1), (1, 2)], static=[5.0, 6.0, 7.0],
+                  variants={"plain": vec}, stages=[StageSpec(inflight=2), StageSpec(inflight=1)])
+    assert evaluate(old, [0, 0, 1])[0] == [11 + 300 + 20 + 7, 7 + 30 + 10 + 3]
+
+
+def test_backward_grad_bytes_by_hand() -> None:
+    """Gradients alive during each node's backward, for x -> conv -> relu -> add(conv, relu) -> out."""
+    from nowdl.partitioner.held import backward_grad_bytes
+
+    ops = ["placeholder", "call_module", "call_function", "call_function", "output"]
+    out = [12, 40, 40, 40, 0]
+    edges = [(0, 1), (1, 2), (1, 3), (2, 3), (3, 4)]
+    # conv: its output's gradient only (x gets none); relu: output + conv's; add: output + conv's +
+    # relu's; integer outputs get no gradient
+    assert backward_grad_bytes(ops, out, [True] * 5, edges) == [0.0, 40.0, 80.0, 120.0, 0.0]
+    assert backward_grad_bytes(ops, out, [True, True, False, True, True], edges) == [0.0, 40.0, 0.0, 80.0, 0.0]

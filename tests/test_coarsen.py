@@ -46,8 +46,9 @@ def chain_heavy(rng: random.Random, n: int, k: int, *, objective: str = "memory"
         edges=sorted(edges),
         static=static,
         variants={"plain": NodeVectors(act=act, time=tim, workspace=ws, out=out)},
-        stages=[StageSpec(inflight=rng.randint(1, 3), link_s_per_byte=rng.choice([0.0, 0.05]))
-                for _ in range(k)],
+        stages=[StageSpec(inflight=rng.randint(1, 3), link_s_per_byte=rng.choice([0.0, 0.05]),
+                          recv_held=None if s % 2 == 0 else 2.0, send_held=None if s % 2 == 0 else 1.0)
+                for s in range(k)],
         objective=objective,
     )
 

@@ -51,6 +51,9 @@ def random_problem(
         StageSpec(inflight=rng.randint(1, 3), link_s_per_byte=rng.choice([0.0, 0.1]))
         for _ in range(k)
     ]
+    # odd stages hold boundary tensors as the runtime does ([Note: held buffers]), not inflight times
+    stages = [st if s % 2 == 0 else dataclasses.replace(st, recv_held=st.inflight + 1.0, send_held=1.0)
+              for s, st in enumerate(stages)]
     tileable: list[bool] = []
     if spatial:
         variants["tile2"] = NodeVectors(act=vec(), time=vec(), workspace=vec(), out=vec())

@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from nowdl.partitioner.config import Candidate
+from nowdl.partitioner.held import backward_grad_bytes, held_buffers
 from nowdl.partitioner.placement import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid
@@ -81,7 +82,8 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
     for u, v in prof.edges:
         producers.setdefault(v, u)
     act, time, ws, out = [], [], [], []
-    for n in prof.nodes:
+    grads = _grad_workspace(prof)
+    for n, g in zip(prof.nodes, grads, strict=True):
         rule = costs.rules.get(n.name)
         a = n.act_bytes / parts
         t = n.time_s / parts
@@ -95,9 +97,18 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
                 t += 2 * hb / (link_bw or costs.link_bw) + 2 * latency_s
         act.append(a)
         time.append(t)
-        ws.append(n.workspace_bytes / parts)
+        ws.append(max(n.workspace_bytes, g) / parts)
         out.append(n.out_bytes / parts)
     return NodeVectors(act=act, time=time, workspace=ws, out=out)
+
+
+def _grad_workspace(prof: Profile) -> list[float]:
+    """Gradients alive during each node's backward ([Note: held buffers])."""
+    index = {n.name: i for i, n in enumerate(prof.nodes)}
+    edges = [(index[u], index[v]) for u, v in prof.edges if u in index and v in index]
+    floating = [n.out_dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
+                for n in prof.nodes]
+    return backward_grad_bytes([n.op for n in prof.nodes], [n.out_bytes for n in prof.nodes], floating, edges)
 
 
 def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
@@ -110,7 +121,7 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
         "plain": NodeVectors(
             act=[n.act_bytes for n in prof.nodes],
             time=[n.time_s for n in prof.nodes],
-            workspace=[n.workspace_bytes for n in prof.nodes],
+            workspace=[max(n.workspace_bytes, g) for n, g in zip(prof.nodes, _grad_workspace(prof), strict=True)],
             out=[n.out_bytes for n in prof.nodes],
         )
     }
@@ -125,11 +136,13 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
             inter = lay.topo.inter
             variants[f"tiled{p}-inter"] = _tiled_vectors(costs, p, cand.slice, inter.bw, inter.latency_s)
     inflight = cand.inflight()
+    held = [held_buffers(cand.schedule, cand.micro_batches, n) for n in inflight]  # [Note: held buffers]
     stages = [  # activation forward + gradient backward, at the link each stage's boundaries cross
         StageSpec(inflight=inflight[s],
                   variant=(f"tiled{parts[s]}" + ("-inter" if cross_tiles[s] else "")) if parts[s] > 1 else "plain",
                   spatial=parts[s] > 1,
-                  link_s_per_byte=2.0 / (lay.topo.inter.bw if cross_edge[s] else costs.link_bw))
+                  link_s_per_byte=2.0 / (lay.topo.inter.bw if cross_edge[s] else costs.link_bw),
+                  recv_held=held[s][0], send_held=held[s][1])
         for s in range(cand.stages)
     ]
     k = cand.stages

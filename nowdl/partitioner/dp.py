@@ -66,7 +66,7 @@ class _SegmentCosts:
         self.order = list(order)
         self.lower = np.tril(np.ones((n + 1, n + 1), dtype=bool), k=-1)  # a > b
         self._var: dict[str, tuple[np.ndarray, ...]] = {}
-        self._kind: dict[tuple[str, int, float, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._kind: dict[tuple[str, int, float, float, float, bool], tuple[np.ndarray, np.ndarray]] = {}
 
     def prefix_bounds(self) -> tuple[list[int], list[int]]:
         """For each s, the range of b such that the prefix [0, b) can be stages 0..s."""
@@ -136,15 +136,15 @@ class _SegmentCosts:
         """(memory, time) of stage s for every segment [a, b): inf where a > b or the
         segment holds a non-tileable node and s is spatial (pins: ``prefix_bounds``)."""
         spec = self.problem.stages[s]
-        key = (spec.variant, spec.inflight, spec.link_s_per_byte, spec.spatial)
+        key = (spec.variant, spec.inflight, spec.recv_factor, spec.send_factor, spec.link_s_per_byte, spec.spatial)
         if key in self._kind:
             return self._kind[key]
         act, tim, wmax, recv, sent = self.variant(spec.variant)
         st = self.static
         mem = np.subtract.outer(act, act).T
-        mem += recv
-        mem += sent  # a buffer for the gradient of every tensor sent, per micro-batch in flight
         mem *= spec.inflight
+        mem += spec.recv_factor * recv
+        mem += spec.send_factor * sent  # buffers for the gradients of the tensors sent
         mem += st[None, :]
         mem -= st[:, None]
         mem += wmax

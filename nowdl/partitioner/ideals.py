@@ -57,6 +57,7 @@ class _Base:
         for j, front in enumerate(lat.frontier):  # sent: the frontier of the end ideal
             if front:
                 rs[:, j] = (~lat.members[:, front]) @ out[front]
+        self.sent = rs.copy()
         seen: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         for i, front in enumerate(lat.frontier):  # received: the frontier of the start ideal
             for u in front:
@@ -156,7 +157,9 @@ class IdealCosts:
             tm = b.time[None, cols] - b.time[a][:, None]
             rs = b.rs[a, cols]
             m = b.static[None, cols] - b.static[a][:, None]
-            m += spec.inflight * (b.act[None, cols] - b.act[a][:, None] + rs)
+            sent = b.sent[a, cols]
+            m += spec.inflight * (b.act[None, cols] - b.act[a][:, None])
+            m += spec.recv_factor * (rs - sent) + spec.send_factor * sent
             if b.wmax is not None:
                 m += b.wmax[a, cols]
             t = tm + spec.link_s_per_byte * rs

@@ -165,7 +165,8 @@ def _scales(problem: Problem) -> tuple[float, float]:
         outs = float(sum(vec.out))
         ms = max(
             ms,
-            tot_static + spec.inflight * (float(sum(vec.act)) + outs) + max(vec.workspace),
+            tot_static + spec.inflight * float(sum(vec.act)) + max(spec.recv_factor, spec.send_factor) * outs
+            + max(vec.workspace),
         )
         ts = max(ts, float(sum(vec.time)) + spec.link_s_per_byte * 2 * outs)
     # divided by K: the bottleneck is then of order 1 and so are the solver's tolerances
@@ -294,7 +295,7 @@ def build_ilp(
         # received tensors
         for u in range(n):
             out = vec.out[u]
-            cm = spec.inflight * out / mem_scale
+            cm = spec.recv_factor * out / mem_scale
             ct = link * out / time_scale
             if out <= 0 or s == 0 or lo[u] > s - 1:
                 continue
@@ -332,7 +333,7 @@ def build_ilp(
                 )
             if link > 0:
                 time_lin[s][q] = time_lin[s].get(q, 0.0) + link * out / time_scale
-            mem_lin[s][q] = mem_lin[s].get(q, 0.0) + spec.inflight * out / mem_scale
+            mem_lin[s][q] = mem_lin[s].get(q, 0.0) + spec.send_factor * out / mem_scale
         # workspace
         ws_nodes = [v for v in range(n) if vec.workspace[v] > 0 and can_be(v, s)]
         if ws_nodes:

@@ -1,9 +1,11 @@
 """The partitioning problem as plain numbers, and its solution (no torch needed).
 
 [Note: cost model] A stage's memory for one rank is
-    sum(static) + inflight * (sum(act) + received bytes + sent bytes) + max(workspace)
+    sum(static) + inflight * sum(act) + recv_factor * received bytes + send_factor * sent bytes
+    + max(workspace)
 (received: the activations that arrive; sent: the buffers that receive the gradients of the
-tensors it sends, once per tensor however many stages use it)
+tensors it sends, once per tensor however many stages use it; both factors default to inflight,
+the runtime's own counts come from :func:`nowdl.partitioner.held.held_buffers`)
 and its time for one micro-batch is
     sum(time) + link_s_per_byte * (received bytes + sent bytes).
 A stage with ``parts`` > 1 is a spatial stage: the caller hands it per-node vectors that are
@@ -37,6 +39,16 @@ class StageSpec:
     variant: str = "plain"  # key into Problem.variants
     spatial: bool = False  # only tileable nodes may be placed here
     link_s_per_byte: float = 0.0  # seconds per byte sent or received (fwd + bwd together)
+    recv_held: float | None = None  # received bytes held at the peak, per micro-batch (None: inflight)
+    send_held: float | None = None  # gradient buffers of sent tensors held at the peak (None: inflight)
+
+    @property
+    def recv_factor(self) -> float:
+        return float(self.inflight if self.recv_held is None else self.recv_held)
+
+    @property
+    def send_factor(self) -> float:
+        return float(self.inflight if self.send_held is None else self.send_held)
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,7 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> tuple[list[float], li
     mem = []
     tim = []
     for s, spec in enumerate(problem.stages):
-        mem.append(mem_static[s] + spec.inflight * (act[s] + recv_bytes[s] + send_bytes[s]) + ws[s])
+        mem.append(mem_static[s] + spec.inflight * act[s] + spec.recv_factor * recv_bytes[s]
+                   + spec.send_factor * send_bytes[s] + ws[s])
         tim.append(time[s] + spec.link_s_per_byte * (recv_bytes[s] + send_bytes[s]))
     return mem, tim

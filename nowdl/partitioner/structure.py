@@ -68,10 +68,12 @@ def check_problem(problem: Problem) -> None:
             raise ValueError(
                 f"stage {s} uses variant {spec.variant!r}, not one of {sorted(problem.variants)}"
             )
-        if spec.inflight < 0 or not math.isfinite(spec.link_s_per_byte) or spec.link_s_per_byte < 0:
+        if (spec.inflight < 0 or not math.isfinite(spec.link_s_per_byte) or spec.link_s_per_byte < 0
+                or not (math.isfinite(spec.recv_factor) and spec.recv_factor >= 0)
+                or not (math.isfinite(spec.send_factor) and spec.send_factor >= 0)):
             raise ValueError(
-                f"stage {s}: inflight ({spec.inflight}) and link_s_per_byte "
-                f"({spec.link_s_per_byte}) must be >= 0"
+                f"stage {s}: inflight ({spec.inflight}), link_s_per_byte ({spec.link_s_per_byte}), "
+                f"recv_held ({spec.recv_held}) and send_held ({spec.send_held}) must be >= 0"
             )
     for u, v in problem.edges:
         if not (0 <= u < n and 0 <= v < n):

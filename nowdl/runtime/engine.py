@@ -280,7 +280,10 @@ class PipelineEngine(Transfers, GradSync):
                         roots.append(t)
                         grads.append(g)
                 loss_t = losses.pop((act.replica, act.microbatch)) if (act.replica, act.microbatch) in losses else None
-                if loss_t is not None:
+                if loss_t is not None and loss_t.numel() == 1:  # seeded with the scale: no scaled copy
+                    roots.append(loss_t)
+                    grads.append(torch.full_like(loss_t, scale * loss_scale))
+                elif loss_t is not None:  # not a scalar: backward refuses it, as it should
                     roots.append(loss_t * (scale * loss_scale))
                     grads.append(None)
                 if roots:

@@ -3,10 +3,11 @@
 [Note: communication] Every rank knows from the plan which values it receives, from whom, with
 which shape: each receive is posted LOOKAHEAD actions before the action that needs it, into a
 fresh buffer (no handshakes; live buffers stay bounded by the micro-batches in flight, as 1F1B
-intends; see [Note: no buffer pool]); sends are isend, waited once known complete or at the end
-of the step. Every float value sent
-forward gets exactly one gradient back (zeros when the consumer did not need it), so both sides
-agree on the messages without asking. Tags are unique per (value, direction, replica, micro-batch).
+intends; see [Note: no buffer pool]); sends are isend, waited as soon as the receiver is known
+to have posted the receive (``_release_done``: their tensors are freed then), the rest at the end
+of the step. Every float value sent forward gets exactly one gradient back (zeros when the
+consumer did not need it), so both sides agree on the messages without asking. Tags are unique
+per (value, direction, replica, micro-batch).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nowdl.codegen.stage import StageModule
+from nowdl.partitioner.held import RECV_LOOKAHEAD
 from nowdl.partitioner.plan import Plan
 from nowdl.runtime.halo import Window, _intersect
 from nowdl.runtime.launch import wait
@@ -28,7 +30,7 @@ from nowdl.runtime.tiles import TileGrid
 
 __all__ = ["Transfers", "LOOKAHEAD"]
 
-LOOKAHEAD = 1  # receives are posted this many actions ahead of the action that needs them
+LOOKAHEAD = RECV_LOOKAHEAD  # receives are posted this many actions ahead ([Note: held buffers])
 
 
 _Recv = tuple[tuple[Any, ...], int, int, str, tuple[int, ...]]  # key, peer, tag, value, shape
@@ -185,18 +187,21 @@ class Transfers:
 
     def _release_done(self, sends: list[tuple[Any, str, torch.Tensor, int, int]]
                       ) -> list[tuple[Any, str, torch.Tensor, int, int]]:
-        """Drop sends known to be complete, so their tensors can be freed.
+        """Wait for and drop the sends whose receive is known to be posted, freeing their tensors.
 
         A gloo send keeps its tensor alive until its Work object goes, and gloo does not mark a
-        send complete until someone waits on it. A send is known complete once a message has
-        arrived that its receiver sent at a later action of its program: the receiver had
-        already passed the action that consumed this send. Waiting on it then returns at once
-        (it cannot deadlock), and live messages stay bounded by the micro-batches in flight.
+        send complete until someone waits on it. The receiver posts the receive of action ``a``
+        when it starts action ``a - LOOKAHEAD``; once a message has arrived that it sent at
+        action ``d`` or later, every receive up to ``d + LOOKAHEAD`` is posted, so waiting on a
+        send it consumes at or before that only waits for the bytes to move (the receiver's
+        transport thread takes them; it cannot deadlock). Sent tensors (the input gradients of a
+        backward, tile pieces) are then freed one action after the receiver is ready for them,
+        not when it has consumed them.
         """
         left = []
         for item in sends:
             w, what, _, q, consumed_at = item
-            if consumed_at < self._peer_done.get(q, -1) or (w is not None and w.is_completed()):
+            if consumed_at <= self._peer_done.get(q, -1) + LOOKAHEAD or (w is not None and w.is_completed()):
                 wait(w, timeout_s=self.timeout_s, what=what, peer=q)
             else:
                 left.append(item)

@@ -1,0 +1,87 @@
+"""What the runtime holds of a stage's boundary tensors at its peak, per micro-batch of bytes.
+
+[Note: held buffers] The engine (runtime/engine.py, runtime/transfers.py) posts each receive
+``RECV_LOOKAHEAD`` action ahead into a fresh buffer, keeps a micro-batch's received activations
+until its backward has run, receives the gradients of its outputs into buffers freed after that
+backward, and waits a send (freeing its tensor) as soon as the receiver is known to have posted
+the matching receive. The activations peak during the backward of the oldest micro-batch in
+flight, with ``inflight`` micro-batches' activations alive. So a stage holds:
+
+* received activations: one buffer per micro-batch in flight, plus the next forward's, posted
+  ahead during a backward followed by a forward (1F1B's steady state);
+* gradients of its outputs: one backward's buffer, plus the next one's, posted ahead during a
+  backward followed by a backward (GPipe; 1F1B's cool-down: every schedule with M > 1);
+* the input gradients the backward sends are made at its end, when its saved activations are
+  gone, and are freed before the next backward: they do not add to the peak;
+* while autograd runs a node's backward, the gradient of its output and the new gradients of
+  its inputs are alive together on top of the activations still saved
+  (:func:`backward_grad_bytes`, which the cost model takes as a node's workspace when larger).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["RECV_LOOKAHEAD", "held_buffers", "backward_grad_bytes"]
+
+_NO_GRAD_OPS = ("placeholder", "get_attr", "output")
+
+RECV_LOOKAHEAD = 1
+"""Receives are posted this many actions ahead of the action that needs them (the runtime's)."""
+
+
+def held_buffers(schedule: str, micro_batches: int, inflight: int) -> tuple[float, float]:
+    """(received, sent) bytes factors: how many micro-batches' worth of each a stage holds at its peak.
+
+    Args:
+        schedule: "gpipe" or "1f1b".
+        micro_batches: M, micro-batches per step.
+        inflight: micro-batches whose activations the stage holds at once (GPipe M;
+            1F1B min(M, K - s)).
+
+    Returns:
+        Multipliers of the stage's received bytes and of its sent bytes (whose gradients it
+        receives) in its peak memory.
+
+    >>> held_buffers("1f1b", 4, 1)  # last stage: F0 B0 F1 B1 ...; F1's input posted during B0
+    (2.0, 2.0)
+    >>> held_buffers("gpipe", 4, 4)  # B1's output gradients posted during B0
+    (4.0, 2.0)
+    """
+    n = max(1, min(inflight, micro_batches))
+    forward_after_backward = schedule == "1f1b" and n < micro_batches
+    backward_after_backward = micro_batches > 1  # the last two backwards of any schedule
+    ahead = 1 if RECV_LOOKAHEAD > 0 else 0
+    return float(n + ahead * forward_after_backward), float(1 + ahead * backward_after_backward)
+
+
+def backward_grad_bytes(ops: Sequence[str], out_bytes: Sequence[float], floating: Sequence[bool],
+                        edges: Sequence[tuple[int, int]]) -> list[float]:
+    """Per node: bytes of gradients alive while autograd runs its backward.
+
+    The gradient of the node's output plus one gradient per distinct producer of its inputs
+    (each the size of that producer's output); inputs that get no gradient (model inputs,
+    constants, integer tensors) count nothing, nor does the graph's ``output`` node.
+
+    Args:
+        ops: fx op of each node ("placeholder", "call_module", ...).
+        out_bytes: bytes of each node's output.
+        floating: whether each node's output is a floating-point tensor.
+        edges: (producer, consumer) node indices.
+
+    >>> backward_grad_bytes(["placeholder", "call_module", "call_function", "output"],
+    ...                     [8, 16, 16, 0], [True] * 4, [(0, 1), (1, 2), (1, 2), (2, 3)])
+    [0.0, 16.0, 32.0, 0.0]
+    """
+    producers: list[set[int]] = [set() for _ in ops]
+    for u, v in edges:
+        producers[v].add(u)
+    out = []
+    for v, op in enumerate(ops):
+        if op in _NO_GRAD_OPS or not floating[v]:
+            out.append(0.0)
+            continue
+        g = float(out_bytes[v])
+        g += sum(float(out_bytes[u]) for u in producers[v] if ops[u] not in _NO_GRAD_OPS and floating[u])
+        out.append(g)
+    return out
