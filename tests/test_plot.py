@@ -20,7 +20,7 @@ PLANS = {
     "master": ROOT / "experiments" / "resnet110v2_1024_4gpu_master.json",
     "spatial": ROOT / "experiments" / "unet_8192_sp4x2.json",
 }
-OLD_PLAN = ROOT / "experiments" / "amoebanet_2048_sp4.json"  # written before the memory breakdown
+OLD_PLAN = ROOT / "experiments" / "amoebanet_2048_sp4.json"  # its breakdown keys are removed below
 
 
 @pytest.fixture(params=sorted(PLANS))
@@ -45,6 +45,11 @@ def test_memory_bars_are_the_plans_numbers(plan: Plan) -> None:
 
 def test_memory_bars_of_an_older_plan() -> None:
     plan = Plan.load(OLD_PLAN)
+    breakdown = ("weight_bytes", "grad_bytes", "optim_bytes", "saved_bytes", "recv_bytes", "send_bytes",
+                 "workspace_bytes", "recv_held", "send_held")
+    for st in plan.stages:  # as a plan written before the breakdown existed
+        for key in breakdown:
+            st.predicted.pop(key, None)
     for b in memory_bars(plan):
         assert set(b.parts) == {"weights, gradients, optimizer", "saved activations", "boundary tensors, workspace"}
         assert sum(b.parts.values()) == pytest.approx(b.peak, rel=1e-9)
