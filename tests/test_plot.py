@@ -79,7 +79,7 @@ def test_stage_graph_edges_carry_the_tensors(plan: Plan) -> None:
     want = {(t.from_stage, j) for t in plan.tensors for j in t.to_stages if j > t.from_stage + 1}
     assert skips == want
     if plan.config["stages"] == 8:
-        assert (1, 6) in skips  # the UNet's long skip, sent directly
+        assert any(dst - src >= 3 for src, dst in skips)  # a UNet long skip, sent directly
 
 
 def test_main_layers() -> None:
