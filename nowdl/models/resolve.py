@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -11,7 +12,7 @@ from torch import nn
 from nowdl.errors import NowdlError
 from nowdl.models import DEFAULT_INPUTS, MODELS
 
-__all__ = ["resolve_model"]
+__all__ = ["resolve_model", "import_callable"]
 
 
 def resolve_model(spec: str, model_args: str | None) -> tuple[nn.Module, list[int] | None, str]:
@@ -38,18 +39,7 @@ def resolve_model(spec: str, model_args: str | None) -> tuple[nn.Module, list[in
             raise NowdlError(f"built-in model {spec!r} does not take these --model-args: {e}") from None
         default = DEFAULT_INPUTS.get(spec)
         return model, list(default) if default else None, spec
-    mod_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise NowdlError(f"cannot import {mod_name!r} for model {spec!r}: {e}. Is the package installed?") from None
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise NowdlError(f"{mod_name!r} has no attribute {attr!r} (model {spec!r})")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise NowdlError(f"{spec!r} is not callable")
+    fn = import_callable(spec, f"model {spec!r}", f"{spec!r} is not callable")
     try:
         model = fn(**kwargs)
     except Exception as e:
@@ -57,3 +47,24 @@ def resolve_model(spec: str, model_args: str | None) -> tuple[nn.Module, list[in
     if not isinstance(model, nn.Module):
         raise NowdlError(f"{spec} returned a {type(model).__name__}, not an nn.Module")
     return model, None, spec
+
+
+def import_callable(spec: str, what: str, not_callable: str) -> Callable[..., Any]:
+    """The callable named by ``package.module:attr[.attr]``; ``what`` names it in errors.
+
+    Raises:
+        NowdlError: the module does not import, has no such attribute, or it is not callable
+            (then ``not_callable`` is the message).
+    """
+    mod_name, _, attr = spec.partition(":")
+    try:
+        fn: Any = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise NowdlError(f"cannot import {mod_name!r} for {what}: {e}. Is it installed (or on PYTHONPATH)?") from None
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise NowdlError(f"{mod_name!r} has no attribute {attr!r} ({what})")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise NowdlError(not_callable)
+    return fn  # type: ignore[no-any-return]

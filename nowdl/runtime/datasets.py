@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -20,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from nowdl.errors import NowdlError
+from nowdl.models.resolve import import_callable
 from nowdl.runtime.readers import ImageArray, ReadCounter, to_tensor
 from nowdl.runtime.tiles import TiledInput
 
@@ -159,17 +159,8 @@ def dataset_from_callable(spec: str, args_json: str | None) -> Any:
                          "'{\"root\": \"/data\"}'") from None
     if not isinstance(kwargs, dict):
         raise NowdlError(f"--data-args must be a JSON object of keyword arguments, got {type(kwargs).__name__}")
-    mod_name, _, attr = spec.partition(":")
-    try:
-        fn: Any = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise NowdlError(f"cannot import {mod_name!r} for --data {spec}: {e}. Is it on PYTHONPATH?") from None
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise NowdlError(f"{mod_name!r} has no attribute {attr!r} (--data {spec})")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise NowdlError(f"--data {spec} is not callable: name a function or class that returns a Dataset")
+    fn = import_callable(spec, f"--data {spec}",
+                         f"--data {spec} is not callable: name a function or class that returns a Dataset")
     try:
         ds = fn(**kwargs)
     except Exception as e:
