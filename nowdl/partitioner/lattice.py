@@ -24,7 +24,7 @@ import numpy as np
 
 from nowdl.partitioner.problem import Problem
 
-__all__ = ["Lattice", "enumerate_ideals", "beam_ideals", "IDEAL_CAP", "BEAM_CAP"]
+__all__ = ["Lattice", "enumerate_ideals", "beam_ideals", "near_ideals", "IDEAL_CAP", "BEAM_CAP"]
 
 IDEAL_CAP = 3000  # more ideals than this: the ideal DP is not used (~32 * cap^2 bytes of matrices)
 BEAM_CAP = 1500  # ideals a beam keeps at most (about)
@@ -169,3 +169,47 @@ def beam_ideals(problem: Problem, cap: int = BEAM_CAP) -> Lattice:
             info.extend(level.values())
             chain.append(chain_d)
     return _lattice(n, ideals, info, succs, complete=False, chain_sets=chain)
+
+
+def _info(graph: tuple[list[int], list[int], list[list[int]], list[list[int]]], d: int, n: int) -> _Info:
+    """(addable, frontier, maximal nodes) of the ideal ``d`` (a bit mask), from scratch."""
+    preds, succ_mask, succs, _ = graph
+    inside = [v for v in range(n) if d >> v & 1]
+    add = tuple(v for v in range(n) if not d >> v & 1 and not preds[v] & ~d)
+    front = tuple(u for u in inside if succ_mask[u] & ~d)
+    top = tuple(u for u in inside if not succ_mask[u] & d)
+    return add, front, top
+
+
+def _reversed(graph: tuple[list[int], list[int], list[list[int]], list[list[int]]]
+              ) -> tuple[list[int], list[int], list[list[int]], list[list[int]]]:
+    preds, succ_mask, succs, pred_list = graph
+    return succ_mask, preds, pred_list, succs
+
+
+def _ball(graph: tuple[list[int], list[int], list[list[int]], list[list[int]]], d: int, n: int,
+          cap: int, out: np.ndarray) -> list[int]:
+    """Ideals reached from ``d`` by adding nodes one at a time, breadth first, about ``cap``;
+    a level that would pass the cap keeps its ideals with the fewest frontier bytes."""
+    level = {d: _info(graph, d, n)}
+    found: list[int] = []
+    while level and len(found) < cap:
+        nxt = _expansions(level, graph)
+        keep = sorted(nxt, key=lambda e: (float(out[list(nxt[e][1])].sum()), e))[: cap - len(found)]
+        found.extend(keep)
+        level = {e: nxt[e] for e in keep}
+    return found
+
+
+def near_ideals(problem: Problem, cut: int, per_side: int) -> list[int]:
+    """The ideals a few nodes larger and a few nodes smaller than ``cut`` (a bit mask), about
+    ``per_side`` each way, breadth first, ``cut`` first (see [Note: local ideals] in
+    :mod:`nowdl.partitioner.localsearch`). Deterministic."""
+    n = problem.n
+    graph = _graph(problem)
+    full = (1 << n) - 1
+    out = np.zeros(n)
+    for vec in problem.variants.values():  # the largest size a tensor has in any kind of stage
+        out = np.maximum(out, np.asarray(vec.out, dtype=np.float64))
+    found = [cut] + _ball(graph, cut, n, per_side, out)
+    return found + [full & ~e for e in _ball(_reversed(graph), full & ~cut, n, per_side, out)]

@@ -9,8 +9,9 @@ Order of attack for one problem (one candidate configuration):
    Lagrangian lower bound (status "feasible" with its gap). Done, no MILP: on these graphs
    HiGHS neither improved the descent's split nor its bound in 30 s (ResNet-140, K = 8);
 3. otherwise the better of the DP over a beam of ideals with thin frontiers ([Note: ideal
-   beam]) and the DP over one topological order (MASTER descent for paired ranks) is the
-   MILP's start, bound and fallback (``ilp``).
+   beam]) and the DP over one topological order (MASTER descent for paired ranks), walked
+   downhill by the DP over the ideals near its cuts ([Note: local ideals], at most
+   ``LOCAL_SHARE`` of the time limit), is the MILP's start, bound and fallback (``ilp``).
 
 ``SolveCache`` keeps the lattice and pair matrices between the candidates of one search
 (they share the graph and, for plain stages, the cost vectors).
@@ -37,6 +38,7 @@ from nowdl.partitioner.ideals import (
     solve_ideals,
 )
 from nowdl.partitioner.ilp import solve_ilp
+from nowdl.partitioner.localsearch import improve_split
 from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.structure import (
     check_problem,
@@ -46,9 +48,11 @@ from nowdl.partitioner.structure import (
     stage_ranges,
 )
 
-__all__ = ["solve", "SolveCache", "final_split", "proven"]
+__all__ = ["solve", "SolveCache", "final_split", "proven", "LOCAL_SHARE"]
 
 log = logging.getLogger(__name__)
+
+LOCAL_SHARE = 0.25  # of a MILP-bound solve's time limit, at most, for the local search first
 
 
 @dataclass
@@ -145,7 +149,7 @@ def solve(
 
     Args:
         problem: the problem.
-        time_limit: seconds for the MILP (model building and solves).
+        time_limit: seconds for the local search and the MILP (model building and solves).
         solver: "auto" (HiGHS, else CBC), "highs" or "cbc".
         coarsen: merge nodes first where that provably loses nothing.
         max_nodes: if given, also merge greedily down to this many nodes (faster, not
@@ -215,6 +219,10 @@ def solve(
     if known is not None and (final_split(known) or not ilp):
         part = known
     else:
+        if known is not None:  # a better start also narrows the MILP ([Note: local ideals])
+            t1 = time.perf_counter()
+            known = improve_split(work, known, budget_s=LOCAL_SHARE * time_limit)
+            time_limit = max(0.05, time_limit - (time.perf_counter() - t1))
         part = solve_ilp(work, time_limit=time_limit, solver=solver, threads=threads, start=known,
                          explain=ilp)  # screening (ilp=False): the caller explains a failure
     if work is not problem:

@@ -1,0 +1,74 @@
+"""The local search over a split's cuts ([Note: local ideals]) against brute force."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from test_ilp import all_splits, check_valid, close, lex_reference, random_problem
+
+from nowdl.partitioner.localsearch import _Graph, _masks, _step, improve_split
+from nowdl.partitioner.problem import Problem
+from nowdl.partitioner.structure import make_partition, objective_values
+
+
+def _problem(seed: int) -> Problem:
+    rng = random.Random(seed)
+    n, k = rng.randint(4, 8), rng.randint(2, 4)
+    p = random_problem(rng, n, min(k, n), spatial=seed % 3 == 0, objective=rng.choice(["memory", "compute"]))
+    if seed % 4 == 1:  # a node pinned to the last stage, as build_problem pins the output
+        p = dataclasses.replace(p, pinned={p.n - 1: p.k - 1})
+    return p
+
+
+def _worst(problem: Problem) -> tuple[int, ...] | None:
+    splits = all_splits(problem)
+    if not splits:
+        return None
+    return max(splits, key=lambda a: objective_values(problem, make_partition(problem, a)))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_step_over_all_ideals_is_the_lexicographic_optimum(seed: int) -> None:
+    """With neighbourhoods holding every ideal, one step is levels 1 and 2 exactly: the load
+    matrices agree with evaluate() on every stage."""
+    problem = _problem(seed)
+    start = _worst(problem)
+    if start is None:
+        pytest.skip("no feasible split")
+    ref = lex_reference(problem, all_splits(problem))
+    assert ref is not None
+    cuts = _step(_Graph(problem), problem, _masks(list(start), problem.k), per_side=10_000)
+    assert cuts is not None
+    stage_of = [next(s for s in range(problem.k) if cuts[s + 1] >> v & 1) for v in range(problem.n)]
+    prim, sec = objective_values(problem, make_partition(problem, stage_of))
+    assert close(prim, ref.primary) and close(sec, ref.secondary), (prim, sec, ref)
+
+
+@pytest.mark.parametrize("seed", range(40, 70))
+def test_improve_never_worse_and_valid(seed: int) -> None:
+    problem = _problem(seed)
+    start = _worst(problem)
+    if start is None:
+        pytest.skip("no feasible split")
+    part = make_partition(problem, list(start), solver="beam", status="heuristic")
+    got = improve_split(problem, part, budget_s=5.0, per_side=2)
+    check_valid(problem, got)
+    assert objective_values(problem, got) <= objective_values(problem, part)
+    if got is not part:
+        assert got.solver == "beam+local" and got.status == "heuristic"
+
+
+def test_master_and_zero_budget_leave_the_split() -> None:
+    rng = random.Random(3)
+    problem = random_problem(rng, 7, 4, master=True)
+    start = _worst(problem)
+    assert start is not None
+    part = make_partition(problem, list(start), solver="dp", status="heuristic")
+    assert improve_split(problem, part, budget_s=5.0) is part
+    plain = random_problem(random.Random(4), 7, 3)
+    start = _worst(plain)
+    assert start is not None
+    part = make_partition(plain, list(start), solver="dp", status="heuristic")
+    assert improve_split(plain, part, budget_s=0.0) is part
