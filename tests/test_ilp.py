@@ -18,7 +18,7 @@ from nowdl.partitioner.dp import solve_dp
 from nowdl.partitioner.ilp import available_solvers, build_ilp, solve_ilp
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
 from nowdl.partitioner.spread import stage_work
-from nowdl.partitioner.structure import make_partition, objective_values
+from nowdl.partitioner.structure import make_partition, objective_values, simple_lower_bound
 
 log = logging.getLogger(__name__)
 
@@ -407,4 +407,19 @@ def test_no_better_split_in_time_keeps_the_start_with_the_solvers_bound(
 
     monkeypatch.setattr(ilp_mod, "run_model", no_bound)
     part = solve_ilp(p, time_limit=5, start=start)
-    assert part.status == "feasible" and math.isnan(part.gap)
+    # no bound from the solver: the nodes' own costs bound the optimum (never an unknown gap)
+    lower = simple_lower_bound(p)
+    assert 0 < lower <= value
+    assert part.status == "feasible" and part.gap == pytest.approx(1 - lower / value)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_simple_lower_bound_is_below_every_split(seed: int) -> None:
+    rng = random.Random(seed)
+    p = random_problem(rng, rng.randint(3, 7), rng.randint(2, 3), master=seed % 3 == 0,
+                       spatial=seed % 4 == 0, objective=rng.choice(["memory", "compute"]))
+    splits = all_splits(p)
+    if not splits:
+        pytest.skip("no feasible split")
+    best = min(objective_values(p, make_partition(p, a))[0] for a in splits)
+    assert simple_lower_bound(p) <= best * (1 + 1e-12)

@@ -29,6 +29,7 @@ from nowdl.partitioner.structure import (
     check_problem,
     make_partition,
     objective_values,
+    simple_lower_bound,
     stage_ranges,
 )
 
@@ -140,7 +141,8 @@ def solve_ilp(
     Returns:
         The Partition (evaluated with ``evaluate()``): status "optimal" when the solver
         proved the primary optimum (within ``mip_gap``), "feasible" when it stopped at the
-        time limit (``gap`` then holds its relative gap, NaN when unknown); solver "highs" or
+        time limit (``gap`` then holds its relative gap, against ``simple_lower_bound`` when
+        the solver has no bound yet); solver "highs" or
         "cbc", or "dp (fallback ...)" when the MILP found nothing.
 
     Raises:
@@ -209,11 +211,12 @@ def solve_ilp(
                 "Give the solver more time, raise the cap, or use more GPUs/stages."
             )
         # nothing better than the start within its narrowed bound: the start, with the gap
-        # to the solver's lower bound (NaN when it has none)
+        # to the solver's lower bound (or the nodes' own costs', ``simple_lower_bound``)
         scale = model.mem_scale if problem.objective == "memory" else model.time_scale
         value, _ = objective_values(problem, dp_part)
         lower = run.bound * scale
-        gap = max(0.0, (value - lower) / value) if math.isfinite(lower) and value > 0 else math.nan
+        lower = max(lower, simple_lower_bound(problem)) if math.isfinite(lower) else simple_lower_bound(problem)
+        gap = max(0.0, (value - lower) / value) if value > 0 else 0.0
         log.info("ilp: %s found no split better than the %s one in its time (%s); lower bound "
                  "%.6g, gap %.3g", name, dp_part.solver or "known", run.detail, lower, gap)
         return dataclasses.replace(
@@ -236,6 +239,10 @@ def solve_ilp(
         part = dataclasses.replace(part, stage_of=dp_part.stage_of, stage_mem=dp_part.stage_mem,
                                    stage_time=dp_part.stage_time, rank_mem=dp_part.rank_mem,
                                    rank_time=dp_part.rank_time)
+    if part.status == "feasible" and not math.isfinite(part.gap):  # no bound from the solver
+        value, _ = objective_values(problem, part)
+        part = dataclasses.replace(part, gap=max(0.0, 1 - simple_lower_bound(problem) / value)
+                                   if value > 0 else 0.0)
     # the tie-break gets at most half as long as the primary solve took (at least 0.5 s)
     left = min(time_limit - (time.perf_counter() - t0), max(0.5, 0.5 * run.seconds))
     if run.state == "optimal" and left > 0.05:

@@ -199,11 +199,12 @@ def improve_split(problem: Problem, part: Partition, *, budget_s: float,
     g = _Graph(problem)
     best, best_val = part, objective_values(problem, part)
     idle_ok = spread_ok(stage_work(problem, part.stage_of))
-    rounds = 0
-    while time.perf_counter() - t0 < budget_s:
+    rounds, last = 0, 0.0
+    while time.perf_counter() - t0 + last <= budget_s:  # stop before a round would overrun
+        t1 = time.perf_counter()
         cuts = _masks(best.stage_of, problem.k)
         got = _step(g, problem, cuts, per_side)
-        rounds += 1
+        rounds, last = rounds + 1, time.perf_counter() - t1
         if got is None or got == cuts:
             break
         stage_of = [0] * problem.n

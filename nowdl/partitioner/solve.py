@@ -11,7 +11,8 @@ Order of attack for one problem (one candidate configuration):
 3. otherwise the better of the DP over a beam of ideals with thin frontiers ([Note: ideal
    beam]) and the DP over one topological order (MASTER descent for paired ranks), walked
    downhill by the DP over the ideals near its cuts ([Note: local ideals], at most
-   ``LOCAL_SHARE`` of the time limit), is the MILP's start, bound and fallback (``ilp``).
+   ``LOCAL_SHARE`` of a time limit of ``LOCAL_MIN_S`` or more), is the MILP's start, bound and
+   fallback (``ilp``).
 
 ``SolveCache`` keeps the lattice and pair matrices between the candidates of one search
 (they share the graph and, for plain stages, the cost vectors).
@@ -48,11 +49,12 @@ from nowdl.partitioner.structure import (
     stage_ranges,
 )
 
-__all__ = ["solve", "SolveCache", "final_split", "proven", "LOCAL_SHARE"]
+__all__ = ["solve", "SolveCache", "final_split", "proven", "LOCAL_SHARE", "LOCAL_MIN_S"]
 
 log = logging.getLogger(__name__)
 
 LOCAL_SHARE = 0.25  # of a MILP-bound solve's time limit, at most, for the local search first
+LOCAL_MIN_S = 8.0  # below this time limit the MILP gets it all (a round takes 1-2 s on 1,000 nodes)
 
 
 @dataclass
@@ -219,7 +221,7 @@ def solve(
     if known is not None and (final_split(known) or not ilp):
         part = known
     else:
-        if known is not None:  # a better start also narrows the MILP ([Note: local ideals])
+        if known is not None and time_limit >= LOCAL_MIN_S:  # a better start also narrows the MILP
             t1 = time.perf_counter()
             known = improve_split(work, known, budget_s=LOCAL_SHARE * time_limit)
             time_limit = max(0.05, time_limit - (time.perf_counter() - t1))

@@ -11,6 +11,8 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from nowdl.errors import InfeasibleError
 from nowdl.partitioner.problem import Partition, Problem, evaluate
 
@@ -23,6 +25,7 @@ __all__ = [
     "rank_loads",
     "one_to_one",
     "tileable_mask",
+    "simple_lower_bound",
 ]
 
 def check_problem(problem: Problem) -> None:
@@ -326,3 +329,26 @@ def objective_values(problem: Problem, part: Partition) -> tuple[float, float]:
 def one_to_one(problem: Problem) -> bool:
     """Every rank holds exactly one stage (no MASTER pairing)."""
     return sorted(len(set(st)) for st in problem.rank_stages()) == [1] * problem.k
+
+
+def simple_lower_bound(problem: Problem) -> float:
+    """A lower bound on the primary bottleneck of every split, from the nodes' own costs.
+
+    A node costs at least its cheapest load over the stages it may use (static + inflight x
+    activations, or time: boundary tensors and workspace only add). The ranks' loads add up to
+    sum_s mult_s x load_s >= min(mult) x sum of the cheapest costs (mult_s: ranks holding
+    stage s), so the largest rank's is at least that over R, and at least the costliest node's
+    (the bound of [Note: candidate bounds] in ``bounds``, for one problem).
+    """
+    _, _, allowed = stage_ranges(problem)
+    static = np.asarray(problem.static, dtype=np.float64)
+    rows = []
+    for spec in problem.stages:
+        vec = problem.variants[spec.variant]
+        rows.append(static + spec.inflight * np.asarray(vec.act, dtype=np.float64)
+                    if problem.objective == "memory" else np.asarray(vec.time, dtype=np.float64))
+    cost = np.where(np.array(allowed, dtype=bool).T, np.vstack(rows), np.inf).min(axis=0)
+    ranks = problem.rank_stages()
+    mult = [sum(r.count(s) for r in ranks) for s in range(problem.k)]
+    return max(min(mult) * float(cost.sum()) / len(ranks), float(cost.max(initial=0.0)))
+
