@@ -106,29 +106,42 @@ class _Graph:
         static = np.asarray(p.static, dtype=np.float64)
         act, tim = np.asarray(vec.act, dtype=np.float64), np.asarray(vec.time, dtype=np.float64)
         ws, out = np.asarray(vec.workspace, dtype=np.float64), np.asarray(vec.out, dtype=np.float64)
-        af, bf = a.astype(np.float64), b.astype(np.float64)
+        # only the columns where some row differs need matrix products; the others add the
+        # same amount to every pair (taken from the first rows)
+        def varies(m: np.ndarray) -> np.ndarray:
+            return m.any(axis=0) & ~m.all(axis=0)
+
+        w = varies(a) | varies(b) | varies(fa) | varies(fb)
+        r = ~w
+        af, bf = a[:, w].astype(np.float64), b[:, w].astype(np.float64)
 
         def diff(x: np.ndarray) -> np.ndarray:
-            return (bf @ x)[None, :] - (af @ x)[:, None]
+            const = float(b[0, r] @ x[r]) - float(a[0, r] @ x[r])
+            return (bf @ x[w])[None, :] - (af @ x[w])[:, None] + const
 
-        ok = (af @ (~b).astype(np.float64).T == 0) & (diff(np.ones(p.n)) > 0)
+        ok = (af @ (~b[:, w]).astype(np.float64).T == 0) & (diff(np.ones(p.n)) > 0)
+        if (a[0, r] & ~b[0, r]).any():
+            ok[:] = False
         if spec.spatial:
             ok &= diff((~self.tile).astype(np.float64)) == 0
-        sent = (fb.astype(np.float64) @ out)[None, :] - af @ (fb * out).T
+        sent = ((fb[:, w].astype(np.float64) @ out[w])[None, :] - af @ (fb[:, w] * out[w]).T
+                + float((fb[0, r] & ~a[0, r]) @ out[r]))
         # received: u in the start ideal with a consumer in the stage (one matrix product for
         # the tensors with one consumer, a loop over the others)
-        one = self.single
+        front = fa.any(axis=0)
+        one = self.single[front[self.single]]
         c1 = self.first[one]
-        recv = ((fa[:, one] & ~a[:, c1]) * out[one]) @ bf[:, c1].T
-        for u in np.flatnonzero(fa.any(axis=0) & (self.ncons > 1)):
+        recv = ((fa[:, one] & ~a[:, c1]) * out[one]) @ b[:, c1].T.astype(np.float64)
+        for u in np.flatnonzero(front & (self.ncons > 1)):
             c = self.cons[u]
-            hit = ((fa[:, u, None] & ~a[:, c]).astype(np.float64) @ bf[:, c].T) > 0
+            hit = ((fa[:, u, None] & ~a[:, c]).astype(np.float64) @ b[:, c].T.astype(np.float64)) > 0
             recv += out[u] * hit
         wmax = np.zeros_like(sent)
         levels = np.unique(ws[ws > 0])
         if levels.size:  # the largest level the stage holds a node of
             above = (ws[:, None] >= levels[None, :]).astype(np.float64)
-            more = (bf @ above)[None, :, :] > (af @ above)[:, None, :]  # a x b x levels
+            const = b[0, r].astype(np.float64) @ above[r] - a[0, r].astype(np.float64) @ above[r]
+            more = ((bf @ above[w])[None, :, :] - (af @ above[w])[:, None, :] + const) > 0.5
             top = more.shape[2] - 1 - np.argmax(more[:, :, ::-1], axis=2)
             wmax = np.where(more.any(axis=2), levels[top], 0.0)
         work = diff(tim)
