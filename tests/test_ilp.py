@@ -423,3 +423,26 @@ def test_simple_lower_bound_is_below_every_split(seed: int) -> None:
         pytest.skip("no feasible split")
     best = min(objective_values(p, make_partition(p, a))[0] for a in splits)
     assert simple_lower_bound(p) <= best * (1 + 1e-12)
+
+
+def test_time_limited_gap_uses_the_better_of_the_solvers_and_the_simple_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stopped with a split reports its gap against max(solver's bound, simple bound):
+    a solver that has not finished its root LP says ~100%, the nodes' own costs say less."""
+    import nowdl.partitioner.ilp as ilp_mod
+    from nowdl.partitioner.ilp_run import Run
+
+    p = resnet_like(blocks=6, k=3, seed=1)
+    start = solve_dp(p)
+    value = objective_values(p, start)[0]
+    lower = simple_lower_bound(p)
+    for bound_rel, want in ((0.0, 1 - lower / value), (0.99, 0.01)):
+        def stopped(name: str, model: object, left: float, threads: int, gap: float, warm: bool,
+                    rel: float = bound_rel) -> Run:
+            scale = model.mem_scale if p.objective == "memory" else model.time_scale  # type: ignore[attr-defined]
+            return Run("feasible", 0.99, 0.01, "Time limit reached", bound=rel * value / scale)
+
+        monkeypatch.setattr(ilp_mod, "run_model", stopped)
+        part = solve_ilp(p, time_limit=5, start=start)
+        assert part.stage_of == start.stage_of and part.status == "feasible"
+        assert part.gap == pytest.approx(want), (bound_rel, part.gap, want)

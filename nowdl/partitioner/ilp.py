@@ -239,10 +239,12 @@ def solve_ilp(
         part = dataclasses.replace(part, stage_of=dp_part.stage_of, stage_mem=dp_part.stage_mem,
                                    stage_time=dp_part.stage_time, rank_mem=dp_part.rank_mem,
                                    rank_time=dp_part.rank_time)
-    if part.status == "feasible" and not math.isfinite(part.gap):  # no bound from the solver
+    if part.status == "feasible":  # the gap of the split kept, to the better of two bounds
         value, _ = objective_values(problem, part)
-        part = dataclasses.replace(part, gap=max(0.0, 1 - simple_lower_bound(problem) / value)
-                                   if value > 0 else 0.0)
+        lower = simple_lower_bound(problem)
+        if math.isfinite(run.bound):
+            lower = max(lower, run.bound * scale)
+        part = dataclasses.replace(part, gap=max(0.0, 1 - lower / value) if value > 0 else 0.0)
     # the tie-break gets at most half as long as the primary solve took (at least 0.5 s)
     left = min(time_limit - (time.perf_counter() - t0), max(0.5, 0.5 * run.seconds))
     if run.state == "optimal" and left > 0.05:

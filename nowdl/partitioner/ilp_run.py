@@ -95,7 +95,8 @@ def _run_highs(model: IlpModel, time_limit: float, threads: int, gap: float, war
         return Run("infeasible", math.nan, seconds, detail)
     if has_solution:
         g = float(info.mip_gap)
-        return Run("feasible", g if math.isfinite(g) else math.nan, seconds, detail)
+        return Run("feasible", g if math.isfinite(g) else math.nan, seconds, detail,
+                   bound=bound if math.isfinite(bound) else math.nan)
     return Run("none", math.nan, seconds, detail, bound=bound if math.isfinite(bound) else math.nan)
 
 

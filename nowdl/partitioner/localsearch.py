@@ -109,7 +109,7 @@ class _Graph:
         # only the columns where some row differs need matrix products; the others add the
         # same amount to every pair (taken from the first rows)
         def varies(m: np.ndarray) -> np.ndarray:
-            return m.any(axis=0) & ~m.all(axis=0)
+            return np.asarray(m.any(axis=0) & ~m.all(axis=0), dtype=bool)
 
         w = varies(a) | varies(b) | varies(fa) | varies(fb)
         r = ~w
@@ -128,7 +128,7 @@ class _Graph:
                 + float((fb[0, r] & ~a[0, r]) @ out[r]))
         # received: u in the start ideal with a consumer in the stage (one matrix product for
         # the tensors with one consumer, a loop over the others)
-        front = fa.any(axis=0)
+        front = np.asarray(fa.any(axis=0), dtype=bool)
         one = self.single[front[self.single]]
         c1 = self.first[one]
         recv = ((fa[:, one] & ~a[:, c1]) * out[one]) @ b[:, c1].T.astype(np.float64)
