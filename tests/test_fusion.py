@@ -72,7 +72,7 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 def _count_exchanges() -> dict[str, int]:
     """Count fused fetch_window calls and every exchange backward (in this worker only)."""
     calls = {"fwd": 0, "bwd": 0}
-    fetch, backward = fusion.fetch_window, exchange._return_grads
+    fetch, backward = fusion.fetch_window, exchange._post_return
 
     def counting_fetch(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls["fwd"] += 1
@@ -83,7 +83,7 @@ def _count_exchanges() -> dict[str, int]:
         return backward(*args, **kwargs)
 
     fusion.fetch_window = counting_fetch  # type: ignore[assignment]
-    exchange._return_grads = counting_backward  # type: ignore[assignment]
+    exchange._post_return = counting_backward  # type: ignore[assignment]
     return calls
 
 
