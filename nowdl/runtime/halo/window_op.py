@@ -117,19 +117,19 @@ class _WindowOp(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, grid: TileGrid,
         windows: tuple[Window, ...], group: dist.ProcessGroup | None, fill: float, tag: int,
-        op: Callable[..., Tensor], conv: tuple[Any, ...] | None, geom: Geom,
+        op: Callable[..., Tensor], conv: tuple[Any, ...] | None, geom: Geom | None,
     ) -> Tensor:
         plan = _plan(grid, windows)
         win = windows[grid.index]
         pending = _ex._post_exchange(x, grid, plan, group, tag)
-        split = border_boxes(grid, win, geom) if halo_overlap() and plan[0] else None
+        split = border_boxes(grid, win, geom) if halo_overlap() and plan[0] and geom is not None else None
         if split is not None:
             xw = _ex._local_window(x, grid, win, plan, fill)
             y = op(xw, weight, bias)  # interior final; the border is recomputed below
             pending.wait()
             _ex._put_received(xw, pending.bufs, win, plan)
             for box in split[1]:
-                y[_out_slices(box)] = op(xw[_in_slices(box, geom)], weight, bias)
+                y[_out_slices(box)] = op(xw[_in_slices(box, geom)], weight, bias)  # type: ignore[arg-type]
         elif halo_overlap() and not plan[0]:  # nothing to receive: the sends overlap the op
             y = op(_ex._local_window(x, grid, win, plan, fill), weight, bias)
             pending.wait()
@@ -184,12 +184,12 @@ def _conv_backward(ctx: Any, gy: Tensor, xw: Tensor, weight: Tensor, mask: list[
 
 
 def _window_op(x_tile: Tensor, grid: TileGrid, windows: Sequence[Window], group: dist.ProcessGroup | None,
-               op: Callable[..., Tensor], geom: Geom, *, weight: Tensor | None = None, bias: Tensor | None = None,
+               op: Callable[..., Tensor], geom: Geom | None, *, weight: Tensor | None = None, bias: Tensor | None = None,
                fill: float = 0.0, conv: tuple[Any, ...] | None = None) -> Tensor:
     """``op(window, weight, bias)`` over this rank's fetched window, saving no window copy.
 
     ``op`` runs unpadded with the kernel, stride and dilation of ``geom`` (its window geometry,
-    used to find the outputs that need no halo: [Note: halo overlap]).
+    used to find the outputs that need no halo: [Note: halo overlap]; None: no overlap).
     """
     _check_tile(x_tile, grid, "window op")
     out: Tensor = _WindowOp.apply(x_tile, weight, bias, grid, tuple(tuple(w) for w in windows), group, float(fill),
