@@ -157,17 +157,29 @@ def fused_forward(
         win = [p[j][0] for p in mine]
         out_region = [p[j + 1][1] for p in mine] if j + 1 < len(steps) else list(out_grid.tile_bounds())
         if j == first:
-            x = _first_op(st, x, grid, wins, group, win, out_region)
+            x = _window_step(st, x, grid, wins, group, win, out_region)
             continue
-        x = _pad_to(x, [p[j][1] for p in mine], win, _fill(st))
-        x = _apply(st, x, win, out_region)
+        region = [p[j][1] for p in mine]
+        if any(b <= a for a, b in region) or any(b <= a for a, b in out_region):
+            x = _apply(st, _pad_to(x, region, win, _fill(st)), win, out_region)
+            continue
+        # padding the recomputed region as a window op: the op saves ``x`` (its producer saved it
+        # already), not a padded copy; the "exchange" of a one-tile grid is the padding only
+        local = TileGrid(tuple(b - a for a, b in region), (1,) * len(region), (0,) * len(region), (_me(),))
+        shifted = (tuple((w0 - r0, w1 - r0) for (w0, w1), (r0, _) in zip(win, region, strict=True)),)
+        x = _window_step(st, x, local, shifted, None, win, out_region)
     return x, out_grid
 
 
-def _first_op(st: _Step, x: Tensor, grid: TileGrid, wins: Sequence[Window], group: dist.ProcessGroup | None,
+def _me() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _window_step(st: _Step, x: Tensor, grid: TileGrid, wins: Sequence[Window], group: dist.ProcessGroup | None,
               win: Sequence[Span], out_region: Sequence[Span]) -> Tensor:
-    """The chain's first windowed op on the deep window it fetches: a window op (saves the tile
-    and the halo slabs, not the window; overlaps the exchange: [Note: halo overlap])."""
+    """A windowed op of the chain as a window op over ``wins`` of ``grid``: the first on the deep
+    window it fetches (saves the tile and the halo slabs, not the window; overlaps the
+    exchange: [Note: halo overlap]), later ones on their padded region (a one-tile grid)."""
     m: Any = st.module
     empty = any(b <= a for a, b in out_region)
     if empty:  # this rank computes nothing of the chain: keep the exchange in the graph

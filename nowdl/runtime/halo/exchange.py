@@ -170,15 +170,23 @@ def _put_received(out: Tensor, bufs: Sequence[Tensor], window: Window, plan: Any
 
 
 def _post_return(grad: Tensor, x_shape: Sequence[int], grid: TileGrid, window: Window, plan: Any,
-                 group: dist.ProcessGroup | None, tag: int) -> tuple[Tensor, Pending]:
+                 group: dist.ProcessGroup | None, tag: int, own: bool = False) -> tuple[Tensor, Pending]:
     """First half of :func:`_return_grads`: post the sends of each received slab's gradient to its
     owner and the receives of my sent slabs' gradients; add the local part. Finish with
-    :func:`_finish_return` (in between, compute what does not need the returned gradients)."""
+    :func:`_finish_return` (in between, compute what does not need the returned gradients).
+
+    ``own``: ``grad`` is the caller's fresh tensor, free to change; when the window covers my whole
+    tile the tile's gradient is then a view of it (no tile-sized buffer at the backward peak).
+    """
     recv, send, local = plan
     origin = [lo for lo, _ in window]
     mine = [lo for lo, _ in grid.tile_bounds()]
     lead = tuple(grad.shape[:2])
-    gx = grad.new_zeros(tuple(x_shape))
+    if own and local == grid.tile_bounds():
+        gx = grad[_rel(local, origin)]
+        local = None
+    else:
+        gx = grad.new_zeros(tuple(x_shape))
     reqs = []
     bufs: list[tuple[Window, Tensor]] = []
     for q, box in send:  # I sent them this slab: its gradient comes back to me
@@ -205,10 +213,10 @@ def _finish_return(gx: Tensor, pending: Pending, grid: TileGrid) -> Tensor:
 
 
 def _return_grads(grad: Tensor, x_shape: Sequence[int], grid: TileGrid, window: Window, plan: Any,
-                  group: dist.ProcessGroup | None, tag: int) -> Tensor:
+                  group: dist.ProcessGroup | None, tag: int, own: bool = False) -> Tensor:
     """Adjoint of :func:`_exchange` + :func:`_assemble`: send each received slab's gradient to its
     owner, and add what comes back (gradients of the slabs I sent) into my tile's gradient."""
-    gx, pending = _post_return(grad, x_shape, grid, window, plan, group, tag)
+    gx, pending = _post_return(grad, x_shape, grid, window, plan, group, tag, own)
     return _finish_return(gx, pending, grid)
 
 

@@ -153,7 +153,8 @@ class _WindowOp(torch.autograd.Function):
         if ctx.conv is not None and halo_overlap() and need[0]:
             gy = gy.contiguous()
             (gxw, _, _) = _conv_backward(ctx, gy, xw, weight, [True, False, False])
-            gx, pending = _ex._post_return(gxw, x.shape, ctx.grid, ctx.window, ctx.plan, ctx.group, ctx.tag + 1)
+            gx, pending = _ex._post_return(gxw, x.shape, ctx.grid, ctx.window, ctx.plan, ctx.group, ctx.tag + 1,
+                                           own=True)
             del gxw
             if need[1] or need[2]:  # the weight gradient overlaps the halo gradients' return
                 _, gw, gb = _conv_backward(ctx, gy, xw, weight, [False, need[1], need[2]])
@@ -170,7 +171,7 @@ class _WindowOp(torch.autograd.Function):
         del xw
         # no input gradient (the input is data): every rank of the group skips the exchange alike
         gxt = None if gxw is None else _ex._return_grads(gxw, x.shape, ctx.grid, ctx.window, ctx.plan, ctx.group,
-                                                         ctx.tag + 1)
+                                                         ctx.tag + 1, own=True)
         return gxt, gw, gb, None, None, None, None, None, None, None, None
 
 
