@@ -373,11 +373,11 @@ class PipelineEngine(Transfers, GradSync):
             if box is None:
                 continue
             buf = self._take(rx, ("F", name, act.replica, act.microbatch, i), f"{name} from stage {p}")
-            bufs.append(buf)  # held until this micro-batch's backward
             pieces.append((box, buf))
         if len(pieces) == 1 and pieces[0][0] == mine:
             t = pieces[0][1].detach()  # shares the receive buffer
-        else:  # tiles of another grid (or the whole image): assemble this part's region
+            bufs.append(pieces[0][1])  # held until this micro-batch's backward
+        else:  # tiles of another grid (or the whole image): assemble this part's region (the pieces die here)
             shape = self._piece_shape(name, mine)
             t = pieces[0][1].new_empty(shape)
             for box, buf in pieces:
