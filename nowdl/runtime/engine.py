@@ -305,6 +305,8 @@ class PipelineEngine(Transfers, GradSync):
                         w = dist.isend(piece, dst=q, tag=self._tag(name, True, act.replica, act.microbatch))
                         sends.append((w, f"gradient of {name} to stage {p}", piece, q,
                                       self._index(q, "B", p, act.microbatch, act.replica)))
+                    t.grad = None  # sent: the pieces cut from it live until their sends complete
+                ins, g = [], None  # this micro-batch's inputs die here, not at the next forward
                 b_left[act.stage] -= 1
                 if b_left[act.stage] == 0:  # this stage's gradients are final here: reduce them now
                     bucket = self._launch_sync(act.stage)
