@@ -88,9 +88,10 @@ How to run
 ----------
     .venv/bin/python benchmarks/bench_spatial.py [--quick] [--cap-mib 48] [--repeats 10]
 
-``--quick`` (small images, a 12 MiB cap, few repeats) takes under a minute on 2 CPU cores
-(``--quick --cap-mib 48``, the full run's search, about 70 s); the full run should take a few
-minutes. Tables go to stdout as Markdown, progress to stderr.
+``--quick`` (small images, a 12 MiB cap, few repeats) took about 6 minutes and the full run
+about 12 on 2 CPU cores shared with other jobs (load average 12-14); Tables 1-3 alone took
+under a minute (quick) and 44 s (full) on the idle machine. Tables go to stdout as Markdown,
+progress to stderr.
 Nothing is asserted; rows are marked against the targets.
 
 Limitations: CPU only here, and gloo over TCP loopback with 4 ranks on 2 cores, so halo times
