@@ -74,13 +74,13 @@ def _count_exchanges() -> dict[str, int]:
     forward, backward = exchange._post_exchange, exchange._post_return
 
     # one-tile grids are a fused run's padding of its recomputed regions: no messages
-    def counting_fetch(x: Any, grid: TileGrid, *args: Any) -> Any:  # every exchange's forward
+    def counting_fetch(x: Any, grid: TileGrid, *args: Any, **kwargs: Any) -> Any:  # every exchange's forward
         calls["fwd"] += len(grid.ranks) > 1
-        return forward(x, grid, *args)
+        return forward(x, grid, *args, **kwargs)
 
-    def counting_backward(g: Any, shape: Any, grid: TileGrid, *args: Any) -> Any:  # every exchange's backward
+    def counting_backward(g: Any, shape: Any, grid: TileGrid, *args: Any, **kwargs: Any) -> Any:  # every backward
         calls["bwd"] += len(grid.ranks) > 1
-        return backward(g, shape, grid, *args)
+        return backward(g, shape, grid, *args, **kwargs)
 
     exchange._post_exchange = counting_fetch  # type: ignore[assignment]
     exchange._post_return = counting_backward  # type: ignore[assignment]
