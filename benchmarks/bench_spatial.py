@@ -58,13 +58,40 @@ stage plus the replicated loss on the gathered output (what nowdl's engine holds
 found sides one full training step (forward, backward through the halo exchanges,
 ``sum_weight_grads``, Adam) is run as a check that it trains; its loss is shown.
 
+Tables 4-6 (issue 10: halo overlap and the memory model; code in ``spatial_measures.py``):
+
+* Table 4, per conv layer (the layer of Table 1, same sides and P), forward + backward with
+  input and weight gradients, all ranks at once, a barrier before every repeat, the three
+  variants alternating: ``compute`` = the unpadded conv on an already assembled window (no
+  communication); ``off`` = the tiled conv (``tile_forward``) with ``set_halo_overlap(False)``:
+  the halo exchange completes before the op; ``on`` = the same with overlap ([Note: halo
+  overlap] in ``nowdl/runtime/halo/window_op.py``: forward posts the exchange, computes the
+  interior, then the border frame; backward posts the halo gradients' return, then computes the
+  weight gradient). halo = off - compute (what the exchange costs when nothing hides it);
+  exposed = on - compute; hidden = 1 - exposed / halo. Slowest rank of each. Target: >= 50%
+  hidden at 512², P = 2.
+* Table 5, the step (forward + backward) of a whole spatial stage with overlap on vs off, at the
+  Table 2 side: a stack of 4 of those layers (``tile_forward``), and the planned stages of Table 2
+  (``TiledStage``). Target: on / off <= 0.85.
+* Table 6, measured peak vs predicted per rank: nowdl's UNet (depth 2, width 8, long skips,
+  transposed convs) planned in estimate mode with 2 spatial parts, M = 2, 1F1B, Adam, MSE, at
+  256² (``--quick``: 128²): one spatial stage on 2 ranks, and a spatial stage on 2 ranks followed
+  by a plain stage, each with ``halo_fusion="off"`` and ``"auto"`` (fused runs). Measured as
+  bench_runtime does (``nowdl.runtime.metrics.peak_of`` on the third ``train_step``: parameters,
+  buffers and Adam state + the peak of the storages aten ops allocate during the step, via
+  ``AllocTracker``; not RSS). Target: within ±10% of ``plan.ranks[r].predicted_peak_bytes``.
+
+The run ends with two summary lines: ``halo hidden: min–max%; overlap step ratio: min–max``
+(over every row of Tables 4 and 5) and ``memory within 10%: X/Y rows`` (Table 6).
+
 How to run
 ----------
     .venv/bin/python benchmarks/bench_spatial.py [--quick] [--cap-mib 48] [--repeats 10]
 
-``--quick`` (small images, a 12 MiB cap, few repeats) takes under a minute on 2 CPU cores
-(``--quick --cap-mib 48``, the full run's search, about 70 s); the full run should take a few
-minutes. Tables go to stdout as Markdown, progress to stderr.
+``--quick`` (small images, a 12 MiB cap, few repeats) took about 6 minutes and the full run
+about 12 on 2 CPU cores shared with other jobs (load average 12-14); Tables 1-3 alone took
+under a minute (quick) and 44 s (full) on the idle machine. Tables go to stdout as Markdown,
+progress to stderr.
 Nothing is asserted; rows are marked against the targets.
 
 Limitations: CPU only here, and gloo over TCP loopback with 4 ranks on 2 cores, so halo times
@@ -84,6 +111,7 @@ import pickle
 import queue
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -104,6 +132,9 @@ from nowdl.runtime.halo import halo_exchange, sum_weight_grads
 from nowdl.runtime.spatial_stage import TiledStage, full_grid
 from nowdl.runtime.tiles import TileGrid
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import spatial_measures as sm  # noqa: E402
+
 SEED = 0
 CHANNELS = 16
 TARGET_MEM = 1.15
@@ -121,6 +152,7 @@ def log(msg: str) -> None:
 class Settings:
     halo_sides: tuple[int, ...]
     mem_side: int
+    peak_side: int  # Table 6's image side
     cap_bytes: int
     warmup: int
     repeats: int
@@ -509,6 +541,15 @@ def worker(rank: int, world: int, cfg: Settings, do_search: bool) -> dict[str, A
         if rank == 0:
             log(f"P={world}: halo vs compute at {side}x{side}")
         out["halo"].append(_halo_case(side, world, cfg))
+        if rank == 0:
+            log(f"P={world}: halo overlap per conv layer at {side}x{side}")
+        out.setdefault("overlap", []).append(sm.overlap_case(side, world, cfg.warmup, cfg.repeats))
+    out["step"] = {}
+    for name in ("conv_stack", *MODELS):
+        if rank == 0:
+            log(f"P={world}: stage step with and without overlap, {name} at {cfg.mem_side}x{cfg.mem_side}")
+        run = sm.conv_stack_stage(cfg.mem_side, world) if name == "conv_stack" else _stage_run(name, world, cfg.mem_side)
+        out["step"][name] = sm.step_case(run, cfg.warmup, cfg.repeats)
     for name in MODELS:
         if rank == 0:
             log(f"P={world}: activation memory of {name} at {cfg.mem_side}x{cfg.mem_side}")
@@ -522,6 +563,42 @@ def worker(rank: int, world: int, cfg: Settings, do_search: bool) -> dict[str, A
             log(f"P={world}: largest side under {cfg.cap_bytes / MiB:g} MiB")
         out["search"] = run_search(world, cfg.cap_bytes)
     return out
+
+
+def _stage_run(name: str, p: int, side: int) -> Callable[[], Tensor]:
+    """Forward of the planned spatial stage of ``name`` on this rank's tile (for Table 5)."""
+    b = build(name, p, side)
+    mod = b.stage.module.to(_device()).train()
+    tiled = TiledStage(b.stage, b.grid, tuple(range(p)), dist.get_rank(), None, fused=b.fused)
+    x, _ = batch(name, side)
+    tile = tiled.grid_of((side, side)).split(x).clone().to(_device())
+
+    def run() -> Tensor:
+        mod.zero_grad(set_to_none=True)
+        return tiled([tile], [(side, side)])[0][0]
+
+    return run
+
+
+def peak_rows(cfg: Settings, tmp: str) -> list[dict[str, Any]]:
+    """Table 6: plan each case, run it on its ranks, measured vs predicted peak per rank."""
+    rows = []
+    m = 2
+    for i, (label, opts, fusion) in enumerate(sm.MEMORY_CASES):
+        log(f"peak memory: {label}, halo_fusion={fusion}, {cfg.peak_side}x{cfg.peak_side}")
+        cm = nowdl.compile(sm.memory_model(), spatial_parts=2, slice="square", mode="estimate", micro_batches=m,
+                           dp=1, replicas=1, schedule="1f1b", optimizer="adam", loss_fn=nn.MSELoss(), cache=False,
+                           progress=False, halo_fusion=fusion, **opts)
+        plan = cm.plan(sm.memory_batch(1, cfg.peak_side)[0])
+        path = os.path.join(tmp, f"plan{i}.json")
+        plan.save(path)
+        res = spawn(sm.memory_case, opts["gpus"], path, m, cfg.peak_side, timeout_s=cfg.timeout_s)
+        for r in res:
+            rp = plan.ranks[r["rank"]]
+            kind = "tile" if any(plan.stages[h["stage"]].parts > 1 for h in rp.stages) else "plain"
+            rows.append({"label": label, "fusion": fusion, "rank": f"{r['rank']} ({kind})", "peak": r["peak"],
+                         "pred": rp.predicted_peak_bytes, "fused": sum(len(s.fused) for s in plan.stages)})
+    return rows
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -548,6 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = Settings(
         halo_sides=(64, 128) if args.quick else (256, 512),
         mem_side=128 if args.quick else 512,
+        peak_side=128 if args.quick else 256,
         cap_bytes=int((args.cap_mib or (12 if args.quick else 48)) * MiB),
         warmup=2 if args.quick else 3,
         repeats=args.repeats or (5 if args.quick else 15),
@@ -570,6 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in ps:
         log(f"spawning {p} ranks")
         runs[p] = spawn(worker, p, cfg, p == 4, timeout_s=cfg.timeout_s)
+    with tempfile.TemporaryDirectory() as tmp:
+        peaks = peak_rows(cfg, tmp)
     wall = time.perf_counter() - t0
 
     cuda_note = (f"CUDA ({torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} GPU(s)): ranks on GPUs "
@@ -657,11 +737,56 @@ def main(argv: Sequence[str] | None = None) -> int:
           "sqrt(A1 / A_P); the 2x target needs A_P <= A1/4, i.e. no overhead at all: each 1% of activation "
           "overhead at that size costs about 0.5% of the side.")
     print("- targets missed: " + ("; ".join(misses) if misses else "none") + ".")
-    # the summary line a script reads: halo exchanges run synchronously inside each op (docs/spatial.md),
-    # so there is no overlap of halo and interior compute to measure yet
+    hidden, ratios, mem_ok = print_overlap_tables(cfg, ps, runs, peaks)
     print()
-    print("halo hidden: not measured (no overlap yet); overlap step ratio: not measured (no overlap yet)")
+    print(f"halo hidden: {min(hidden):.0f}–{max(hidden):.0f}%; overlap step ratio: {min(ratios):.2f}–{max(ratios):.2f}")
+    print(f"memory within 10%: {mem_ok}/{len(peaks)} rows")
     return 0
+
+
+def print_overlap_tables(cfg: Settings, ps: Sequence[int], runs: dict[int, list[dict[str, Any]]],
+                         peaks: list[dict[str, Any]]) -> tuple[list[float], list[float], int]:
+    """Tables 4-6; returns the hidden percentages, the step ratios and the rows within 10%."""
+    print("\n## 4. Halo overlap per Conv2d(16, 16, 3, padding=1) + ReLU layer, fwd+bwd (target: >= 50% hidden "
+          "at 512², P = 2)\n")
+    print("| side | P | grid | compute ms (no comm) | op ms, overlap off | op ms, overlap on | halo ms off "
+          "(off - compute) | exposed ms on (on - compute) | hidden | target |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    hidden: list[float] = []
+    for p in ps:
+        for i, side in enumerate(cfg.halo_sides):
+            rows = [r["overlap"][i] for r in runs[p]]
+            c = max(r["compute"] for r in rows)
+            off = max(r["off"] for r in rows)
+            on = max(r["on"] for r in rows)
+            total, exposed = max(0.0, off - c), max(0.0, on - c)
+            h = 100.0 * (1 - exposed / total) if total > 0 else 0.0
+            hidden.append(h)
+            tgt = mark(h >= 50) if (side, p) == (512, 2) else "(info)"
+            print(f"| {side} | {p} | {'x'.join(map(str, rows[0]['grid']))} | {ms(c)} | {ms(off)} | {ms(on)} "
+                  f"| {ms(total)} | {ms(exposed)} | {h:.0f}% | {tgt} |")
+    print(f"\n## 5. Spatial stage forward + backward, overlap on vs off ({cfg.mem_side}x{cfg.mem_side}, batch 1; "
+          "target on / off <= 0.85)\n")
+    print("| stage | P | off ms | on ms | on / off | target |")
+    print("|---|---|---|---|---|---|")
+    ratios: list[float] = []
+    for p in ps:
+        for name in runs[p][0]["step"]:
+            off = max(r["step"][name]["off"] for r in runs[p])
+            on = max(r["step"][name]["on"] for r in runs[p])
+            ratios.append(on / off)
+            print(f"| {name} | {p} | {ms(off)} | {ms(on)} | {on / off:.2f} | {mark(on / off <= 0.85)} |")
+    print(f"\n## 6. Peak memory per rank vs the plan's prediction (nowdl UNet depth 2 width 8, "
+          f"{cfg.peak_side}x{cfg.peak_side}, M=2, 1F1B, Adam, MSE; target within ±10%)\n")
+    print("| plan | halo_fusion (fused runs) | rank | predicted MiB | measured MiB | measured / predicted | target |")
+    print("|---|---|---|---|---|---|---|")
+    ok = 0
+    for r in peaks:
+        q = r["peak"] / r["pred"]
+        ok += abs(q - 1) <= 0.10
+        print(f"| {r['label']} | {r['fusion']} ({r['fused']}) | {r['rank']} | {mib(r['pred'])} | {mib(r['peak'])} "
+              f"| {q:.3f} | {mark(abs(q - 1) <= 0.10)} |")
+    return hidden, ratios, ok
 
 
 def build_grid(p: int) -> tuple[int, ...]:

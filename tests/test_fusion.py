@@ -19,7 +19,6 @@ import torch
 from distributed import run_workers
 from torch import nn
 
-from nowdl.runtime import fusion
 from nowdl.runtime.fusion import chain_geometry, fusable, fused_forward
 from nowdl.runtime.halo import TileTooSmallError, exchange, sum_weight_grads, tile_forward
 from nowdl.runtime.tiles import TileGrid
@@ -70,20 +69,21 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 
 
 def _count_exchanges() -> dict[str, int]:
-    """Count fused fetch_window calls and every exchange backward (in this worker only)."""
+    """Count every halo exchange forward and backward (in this worker only)."""
     calls = {"fwd": 0, "bwd": 0}
-    fetch, backward = fusion.fetch_window, exchange._return_grads
+    forward, backward = exchange._post_exchange, exchange._post_return
 
-    def counting_fetch(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls["fwd"] += 1
-        return fetch(*args, **kwargs)
+    # one-tile grids are a fused run's padding of its recomputed regions: no messages
+    def counting_fetch(x: Any, grid: TileGrid, *args: Any, **kwargs: Any) -> Any:  # every exchange's forward
+        calls["fwd"] += len(grid.ranks) > 1
+        return forward(x, grid, *args, **kwargs)
 
-    def counting_backward(*args: Any, **kwargs: Any) -> torch.Tensor:  # every exchange's backward
-        calls["bwd"] += 1
-        return backward(*args, **kwargs)
+    def counting_backward(g: Any, shape: Any, grid: TileGrid, *args: Any, **kwargs: Any) -> Any:  # every backward
+        calls["bwd"] += len(grid.ranks) > 1
+        return backward(g, shape, grid, *args, **kwargs)
 
-    fusion.fetch_window = counting_fetch  # type: ignore[assignment]
-    exchange._return_grads = counting_backward  # type: ignore[assignment]
+    exchange._post_exchange = counting_fetch  # type: ignore[assignment]
+    exchange._post_return = counting_backward  # type: ignore[assignment]
     return calls
 
 

@@ -239,3 +239,93 @@ def test_tilegrid_neighbours_and_split() -> None:
     assert torch.equal(grid.split(x), x[:, :, 0:9, 8:16])
     with pytest.raises(ValueError, match="ranks"):
         TileGrid((17, 23), (2, 2), (0, 0), (0, 1, 2))
+
+
+# ------------------------------------------------------------------------------------------
+# halo overlap ([Note: halo overlap]): the same results with overlap on and off
+
+
+_OVERLAP_CASES = ("conv_k3", "conv_k5", "conv_k3_nopad", "conv_k3_s2", "conv_k4_s2_even", "conv_k3_d2",
+                  "conv_groups2_s2_d2", "conv_rect_k", "conv_same_k4", "maxpool_3s2p1", "avgpool_3s2p1_incl",
+                  "avgpool_3s2p1_excl_ceil", "chain")
+
+
+def _overlap_worker(rank: int, world: int, methods: list[str]) -> dict[str, float]:
+    """Every case with overlap off and on (float64, uneven tiles); counts the ops that took the
+    overlapped path (a border frame recomputed after an interior computed before the wait)."""
+    from nowdl.runtime.halo import set_halo_overlap, window_op
+
+    split = {"n": 0}
+    boxes = window_op.border_boxes
+
+    def counting(*args: Any) -> Any:
+        r = boxes(*args)
+        split["n"] += r is not None
+        return r
+
+    window_op.border_boxes = counting  # type: ignore[assignment]
+    out: dict[str, float] = {}
+    by_name = {c[0]: (i, c) for i, c in enumerate(CASES_2D)}
+    for on in (False, True):
+        set_halo_overlap(on)
+        for method in methods:
+            grid_dims = slice_grid(method, world, 2)
+            for name in _OVERLAP_CASES:
+                i, case = by_name[name]
+                split["n"] = 0
+                out[f"overlap={on}/{method}{grid_dims}/{name}"] = _run_case(case, grid_dims, 4000 + i, D64)
+                if on:
+                    out[f"ops overlapped/{method}{grid_dims}/{name}"] = float(split["n"])
+    set_halo_overlap(True)
+    return out
+
+
+def _check_overlap(results: list[dict[str, float]]) -> None:
+    counted = [k for k in results[0] if k.startswith("ops overlapped/")]
+    # a rank whose window needs nothing from the others (stride 2 on an even tile) has no
+    # halo to wait for; some rank of every case must have run the overlapped path
+    missing = [k for k in counted if sum(r[k] for r in results) == 0]
+    assert counted and not missing, f"no rank overlapped the halo exchange: {missing}"
+    _check([{k: v for k, v in r.items() if not k.startswith("ops overlapped/")} for r in results])
+
+
+def test_halo_overlap_on_and_off_equal_the_unsplit_op() -> None:
+    _check_overlap(run_workers(_overlap_worker, 2, ["vertical", "horizontal"], timeout_s=120))
+
+
+def test_halo_overlap_square_grid_four_ranks() -> None:
+    _check_overlap(run_workers(_overlap_worker, 4, ["square"], timeout_s=180))
+
+
+@pytest.mark.parametrize("k,s,d,pad,size,parts", [
+    (3, 1, 1, 1, 23, 2), (3, 2, 1, 1, 17, 3), (5, 1, 2, 4, 40, 4), (4, 2, 1, 1, 20, 2), (3, 1, 1, 0, 9, 2),
+    (2, 2, 1, 0, 16, 2), (7, 3, 1, 3, 50, 5), (3, 1, 1, 1, 4, 4),
+])
+def test_border_boxes_partition_the_output_tile(k: int, s: int, d: int, pad: int, size: int, parts: int) -> None:
+    """Interior + border boxes cover each output pixel once; interior pixels read only this
+    tile or padding (so they are final before the halo arrives)."""
+    from nowdl.runtime.halo.tiled_ops import _out_grid, _strided_windows
+    from nowdl.runtime.halo.window_op import border_boxes
+
+    shape = (size, size + 3)
+    out_shape = [(n + 2 * pad - d * (k - 1) - 1) // s + 1 for n in shape]
+    for coords in [(a, b) for a in range(parts) for b in range(2)]:
+        grid = TileGrid(shape, (parts, 2), coords, tuple(range(2 * parts)))
+        og = _out_grid(grid, out_shape, "test")
+        wins = _strided_windows(grid, og, (k, k), (s, s), (d, d), (pad, pad))
+        win = wins[grid.index]
+        split = border_boxes(grid, win, ((k, k), (s, s), (d, d)))
+        tile_out = og.tile_shape()
+        if split is None:  # only when the tile is too thin for any interior output
+            assert min(grid.tile_shape()) < d * (k - 1) + 1
+            continue
+        interior, boxes = split
+        cover = torch.zeros(tile_out, dtype=torch.int64)
+        for box in [interior, *boxes]:
+            cover[box[0][0]:box[0][1], box[1][0]:box[1][1]] += 1
+        assert bool((cover == 1).all()), (coords, interior, boxes)
+        for dim in range(2):  # the inputs interior outputs read: inside my tile or the padding
+            (j0, j1), (w0, _), (t0, t1) = interior[dim], win[dim], grid.tile_bounds()[dim]
+            first, last = w0 + j0 * s, w0 + (j1 - 1) * s + d * (k - 1)
+            assert first >= t0 or first < 0 or t0 == 0, (coords, dim)
+            assert last < t1 or t1 == shape[dim], (coords, dim)

@@ -28,7 +28,7 @@ from nowdl.partitioner.config import Candidate
 from nowdl.partitioner.held import backward_grad_bytes, held_buffers
 from nowdl.partitioner.placement import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
-from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid
+from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid, tile_shape
 from nowdl.profiler.cost import Profile
 from nowdl.profiler.topology import Topology
 
@@ -94,12 +94,40 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
                 hb = halo_elements(shape, grid, rule.halo) * dtype_bytes(prof[src].out_dtype)
                 if n.saved_bytes:
                     a += hb  # the padded input tile is what the op saves
-                t += 2 * hb / (link_bw or costs.link_bw) + 2 * latency_s
+                one_way = hb / (link_bw or costs.link_bw) + latency_s
+                t += _exposed_halo_s(rule, one_way, n.fwd_s / parts, n.bwd_s / parts, n.param_bytes > 0,
+                                     _border_fraction(shape, grid, rule.halo))
         act.append(a)
         time.append(t)
         ws.append(max(n.workspace_bytes, g) / parts)
         out.append(n.out_bytes / parts)
     return NodeVectors(act=act, time=time, workspace=ws, out=out)
+
+
+def _exposed_halo_s(rule: SpatialRule, one_way_s: float, fwd_s: float, bwd_s: float, has_weight: bool,
+                    border: float) -> float:
+    """[Note: halo overlap cost] Halo time a tile rank waits for per micro-batch.
+
+    Convs and pools overlap the exchange ([Note: halo overlap] in
+    ``nowdl.runtime.halo.window_op``): forward, ``max(0, halo - op compute)`` plus the border
+    frame computed again after the wait (``border`` x forward compute); backward, the halo
+    gradients' return against the weight gradient (half the backward, convs only). Other ops
+    (transposed convs, upsampling) wait for the whole exchange each way. ``one_way_s`` is one
+    direction's ``bytes / link + latency``.
+    """
+    if rule.kind not in ("conv", "pool"):
+        return 2 * one_way_s
+    hidden_bwd = bwd_s / 2 if has_weight else 0.0
+    return max(0.0, one_way_s - fwd_s) + border * fwd_s + max(0.0, one_way_s - hidden_bwd)
+
+
+def _border_fraction(shape: Sequence[int], grid: Sequence[int], halo: Sequence[int]) -> float:
+    """Share of an op's output tile that reads the halo (recomputed after the wait): about
+    ``2 x halo / tile side`` per cut dim."""
+    sp = list(tile_shape(shape, grid)[2:])
+    g = [1] * (len(sp) - len(grid)) + list(grid)[-len(sp):]
+    h = list(halo) + [halo[-1]] * (len(sp) - len(halo))
+    return min(1.0, sum(2 * hi / max(1, side) for side, hi, gi in zip(sp, h, g, strict=True) if gi > 1))
 
 
 def _grad_workspace(prof: Profile) -> list[float]:

@@ -305,6 +305,8 @@ class PipelineEngine(Transfers, GradSync):
                         w = dist.isend(piece, dst=q, tag=self._tag(name, True, act.replica, act.microbatch))
                         sends.append((w, f"gradient of {name} to stage {p}", piece, q,
                                       self._index(q, "B", p, act.microbatch, act.replica)))
+                    t.grad = None  # sent: the pieces cut from it live until their sends complete
+                ins, g = [], None  # this micro-batch's inputs die here, not at the next forward
                 b_left[act.stage] -= 1
                 if b_left[act.stage] == 0:  # this stage's gradients are final here: reduce them now
                     bucket = self._launch_sync(act.stage)
@@ -373,11 +375,11 @@ class PipelineEngine(Transfers, GradSync):
             if box is None:
                 continue
             buf = self._take(rx, ("F", name, act.replica, act.microbatch, i), f"{name} from stage {p}")
-            bufs.append(buf)  # held until this micro-batch's backward
             pieces.append((box, buf))
         if len(pieces) == 1 and pieces[0][0] == mine:
             t = pieces[0][1].detach()  # shares the receive buffer
-        else:  # tiles of another grid (or the whole image): assemble this part's region
+            bufs.append(pieces[0][1])  # held until this micro-batch's backward
+        else:  # tiles of another grid (or the whole image): assemble this part's region (the pieces die here)
             shape = self._piece_shape(name, mine)
             t = pieces[0][1].new_empty(shape)
             for box, buf in pieces:

@@ -9,8 +9,9 @@ the overlap of the intermediates locally. Along each spatial dim, from the last 
                                      op j-1 output region = W clipped to [0, size of that tensor)
 
 Outside the intermediate image the window is op j's padding (zeros, or -inf for max
-pooling), added with ``F.pad``; inside it is recomputed by op j-1. The first windowed op's
-unclipped window is fetched with :func:`nowdl.runtime.halo.exchange.fetch_window`. Pointwise ops keep
+pooling), added with ``F.pad``; inside it is recomputed by op j-1. The first windowed op runs
+on its unclipped window as a window op (``nowdl.runtime.halo.window_op``: it saves the tile and
+the halo slabs, not the window, and overlaps the exchange with its interior). Pointwise ops keep
 the region (they only ever see computed in-image values); those before the first windowed op
 run on the exact tile before the fetch.
 
@@ -41,8 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nowdl.geometry import Span, _flatten, _plans, _Step, _steps, chain_geometry, fusable
-from nowdl.runtime.halo.exchange import _check_tile, _windows, fetch_window
+from nowdl.runtime.halo.exchange import Window, _check_tile, _windows
 from nowdl.runtime.halo.tiled_ops import _CONV_FN, _MAXPOOL_FN, _sum_pool
+from nowdl.runtime.halo.window_op import _window_op
 from nowdl.runtime.tiles import TileGrid
 
 __all__ = ["fusable", "fused_forward", "chain_geometry"]
@@ -69,12 +71,30 @@ def _apply(step: _Step, x: Tensor, win: Sequence[Span], out_region: Sequence[Spa
         return _CONV_FN[n](x, m.weight, m.bias, step.s, 0, step.d, m.groups)
     if step.kind == "max":
         return _MAXPOOL_FN[n](x, step.k, step.s, 0, step.d)
-    total = _sum_pool(x, step.k, step.s)
+    return _avg_divide(step, _sum_pool(x, step.k, step.s), win)
+
+
+def _window_fn(step: _Step) -> Any:
+    """``op(window, weight, bias)`` of a windowed step, unpadded (average pools: the sum)."""
+    m: Any = step.module
+    n = len(step.k)
+    if step.kind == "conv":
+        return lambda xw, w, b: _CONV_FN[n](xw, w, b, step.s, 0, step.d, m.groups)
+    if step.kind == "max":
+        return lambda xw, w, b: _MAXPOOL_FN[n](xw, step.k, step.s, 0, step.d)
+    return lambda xw, w, b: _sum_pool(xw, step.k, step.s)
+
+
+def _avg_divide(step: _Step, total: Tensor, win: Sequence[Span]) -> Tensor:
+    """An average pool's window sums divided by the count of pixels each averages."""
+    m: Any = step.module
+    n = len(win)
     div_override = getattr(m, "divisor_override", None)
     if div_override:
         return total / div_override
     incl = bool(m.count_include_pad)
-    mask = x.new_ones((1, 1) + tuple(x.shape[2:]))
+    x = total
+    mask = x.new_ones((1, 1) + tuple(b - a for a, b in win))
     for i in range(n):
         lo_b = -step.pad[i] if incl else 0
         hi_b = step.in_shape[i] + (step.pad[i] if incl else 0)
@@ -128,7 +148,6 @@ def fused_forward(
         x = m(x)
     plans = _plans(steps, out_grid.shape, out_grid.grid)
     wins = _windows(grid, lambda i, c: plans[i][c][first][0])
-    x = fetch_window(x, grid, wins, group, fill=_fill(steps[first]))
     mine = [plans[i][out_grid.coords[i]] for i in range(grid.ndim)]
     for j in range(first, len(steps)):
         st = steps[j]
@@ -136,8 +155,41 @@ def fused_forward(
             x = st.module(x)
             continue
         win = [p[j][0] for p in mine]
-        if j > first:
-            x = _pad_to(x, [p[j][1] for p in mine], win, _fill(st))
         out_region = [p[j + 1][1] for p in mine] if j + 1 < len(steps) else list(out_grid.tile_bounds())
-        x = _apply(st, x, win, out_region)
+        if j == first:
+            x = _window_step(st, x, grid, wins, group, win, out_region)
+            continue
+        region = [p[j][1] for p in mine]
+        if any(b <= a for a, b in region) or any(b <= a for a, b in out_region):
+            x = _apply(st, _pad_to(x, region, win, _fill(st)), win, out_region)
+            continue
+        # padding the recomputed region as a window op: the op saves ``x`` (its producer saved it
+        # already), not a padded copy; the "exchange" of a one-tile grid is the padding only
+        local = TileGrid(tuple(b - a for a, b in region), (1,) * len(region), (0,) * len(region), (_me(),))
+        shifted = (tuple((w0 - r0, w1 - r0) for (w0, w1), (r0, _) in zip(win, region, strict=True)),)
+        x = _window_step(st, x, local, shifted, None, win, out_region)
     return x, out_grid
+
+
+def _me() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _window_step(st: _Step, x: Tensor, grid: TileGrid, wins: Sequence[Window], group: dist.ProcessGroup | None,
+              win: Sequence[Span], out_region: Sequence[Span]) -> Tensor:
+    """A windowed op of the chain as a window op over ``wins`` of ``grid``: the first on the deep
+    window it fetches (saves the tile and the halo slabs, not the window; overlaps the
+    exchange: [Note: halo overlap]), later ones on their padded region (a one-tile grid)."""
+    m: Any = st.module
+    empty = any(b <= a for a, b in out_region)
+    if empty:  # this rank computes nothing of the chain: keep the exchange in the graph
+        ch = m.out_channels if st.kind == "conv" else x.shape[1]
+        shape = (x.shape[0], ch) + tuple(b - a for a, b in out_region)
+        return _window_op(x, grid, wins, group, lambda xw, w, b: xw.new_zeros(shape) + xw.sum() * 0, None,
+                          fill=_fill(st))
+    geom = (st.k, st.s, st.d)
+    if st.kind == "conv":
+        return _window_op(x, grid, wins, group, _window_fn(st), geom, weight=m.weight, bias=m.bias,
+                          conv=(tuple(st.s), tuple(st.d), m.groups))
+    y = _window_op(x, grid, wins, group, _window_fn(st), geom, fill=_fill(st))
+    return y if st.kind == "max" else _avg_divide(st, y, win)

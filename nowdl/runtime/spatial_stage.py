@@ -151,28 +151,16 @@ class TiledStage:
                                  f"expected spatial {g.tile_shape()} (tile {g.coords} of {g.shape} cut {g.grid})")
             grids[ph.name] = g
         out: Any = None
+        last = self._last_uses()
         for node in gm.graph.nodes:
             if node.op == "placeholder" or node.name in self._skip:
                 continue
             if node.op == "output":
                 out = node.args[0]
                 break
-            args = fx.node.map_arg(node.args, lambda a: env[a.name])
-            kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a.name])
-            tiled = [grids[a.name] for a in node.all_input_nodes if grids.get(a.name) is not None]
-            if node.op == "get_attr":
-                env[node.name] = _fetch_attr(gm, str(node.target))
-                grids[node.name] = None
-                continue
-            if node.name in self._chains:
-                from nowdl.runtime.fusion import fused_forward
-
-                chain = self._chains[node.name]
-                mods = [self._mods[str(n.target)] for n in chain]
-                yf, gf = fused_forward(mods, args[0], _one(tiled, node), self.group)
-                env[chain[-1].name], grids[chain[-1].name] = yf, gf
-                continue
-            env[node.name], grids[node.name] = self._run(node, args, kwargs, tiled)
+            self._run_node(node, env, grids)
+            for name in last.get(node.name, ()):  # free what no later node reads (as fx's codegen does)
+                env.pop(name, None)
         names = [a.name for a in (out if isinstance(out, (tuple, list)) else (out,))]
         outs, ogrids = [], []
         for nm in names:
@@ -183,6 +171,45 @@ class TiledStage:
             outs.append(env[nm])
             ogrids.append(og)
         return outs, ogrids
+
+    def _last_uses(self) -> dict[str, list[str]]:
+        """Per node (a fused chain: its head), the values read for the last time there.
+
+        Values the output returns are never freed; a fused chain's inner values live only
+        inside :func:`nowdl.runtime.fusion.fused_forward`.
+        """
+        head = {n.name: h for h, chain in self._chains.items() for n in chain}
+        last: dict[str, str] = {}
+        for node in self.stage.module.graph.nodes:
+            if node.op == "output":
+                for a in node.all_input_nodes:
+                    last.pop(a.name, None)
+                continue
+            for a in node.all_input_nodes:
+                last[a.name] = head.get(node.name, node.name)
+        out: dict[str, list[str]] = {}
+        for value, user in last.items():
+            out.setdefault(user, []).append(value)
+        return out
+
+    def _run_node(self, node: fx.Node, env: dict[str, Any], grids: dict[str, TileGrid | None]) -> None:
+        """Run one node (a fused chain's head: the whole chain) into ``env`` and ``grids``."""
+        args: Any = fx.node.map_arg(node.args, lambda a: env[a.name])
+        kwargs: Any = fx.node.map_arg(node.kwargs, lambda a: env[a.name])
+        tiled = [grids[a.name] for a in node.all_input_nodes if grids.get(a.name) is not None]
+        if node.op == "get_attr":
+            env[node.name] = _fetch_attr(self.stage.module, str(node.target))
+            grids[node.name] = None
+            return
+        if node.name in self._chains:
+            from nowdl.runtime.fusion import fused_forward
+
+            chain = self._chains[node.name]
+            mods = [self._mods[str(n.target)] for n in chain]
+            yf, gf = fused_forward(mods, args[0], _one(tiled, node), self.group)
+            env[chain[-1].name], grids[chain[-1].name] = yf, gf
+            return
+        env[node.name], grids[node.name] = self._run(node, args, kwargs, tiled)
 
     def _run(self, node: fx.Node, args: Any, kwargs: dict[str, Any],
              tiled: list[TileGrid | None]) -> tuple[Any, TileGrid | None]:

@@ -100,8 +100,27 @@ def _plan(grid: TileGrid, windows: Sequence[Window]) -> tuple[list[tuple[int, Wi
     return recv, send, _intersect(windows[me], owned[me])
 
 
-def _exchange(x: Tensor, grid: TileGrid, plan: Any, group: dist.ProcessGroup | None, tag: int) -> list[Tensor]:
-    """Send my slabs of the others' windows; receive the slabs of mine they own (in ``recv`` order)."""
+class Pending:
+    """Posted non-blocking sends and receives: :meth:`wait` completes them all.
+
+    ``bufs`` are the receive buffers (in plan order); ``keep`` holds the sent slabs until the
+    sends complete. Between posting and waiting the caller may compute anything that does not
+    read ``bufs`` (gloo and NCCL progress the transfers in the background).
+    """
+
+    def __init__(self, reqs: list[Any], bufs: list[Any], keep: list[Tensor]) -> None:
+        self.reqs, self.bufs, self.keep = reqs, bufs, keep
+
+    def wait(self) -> None:
+        for r in self.reqs:
+            if r is not None:
+                r.wait()
+        self.reqs, self.keep = [], []
+
+
+def _post_exchange(x: Tensor, grid: TileGrid, plan: Any, group: dist.ProcessGroup | None, tag: int) -> Pending:
+    """Post the sends of my slabs of the others' windows and the receives of the slabs of mine
+    they own (``Pending.bufs`` in ``recv`` order); returns before they complete."""
     recv, send, _ = plan
     mine = [lo for lo, _ in grid.tile_bounds()]
     lead = tuple(x.shape[:2])
@@ -116,34 +135,58 @@ def _exchange(x: Tensor, grid: TileGrid, plan: Any, group: dist.ProcessGroup | N
         t = x[_rel(box, mine)].contiguous()
         keep.append(t)
         reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
-    for r in reqs:
-        if r is not None:
-            r.wait()
-    return bufs
+    return Pending(reqs, bufs, keep)
+
+
+def _exchange(x: Tensor, grid: TileGrid, plan: Any, group: dist.ProcessGroup | None, tag: int) -> list[Tensor]:
+    """Send my slabs of the others' windows; receive the slabs of mine they own (in ``recv`` order)."""
+    pending = _post_exchange(x, grid, plan, group, tag)
+    pending.wait()
+    return pending.bufs
 
 
 def _assemble(x: Tensor, bufs: Sequence[Tensor], grid: TileGrid, window: Window, plan: Any, fill: float) -> Tensor:
     """The window from my tile and the received slabs; ``fill`` outside the image."""
-    recv, _, local = plan
+    return _put_received(_local_window(x, grid, window, plan, fill), bufs, window, plan)
+
+
+def _local_window(x: Tensor, grid: TileGrid, window: Window, plan: Any, fill: float) -> Tensor:
+    """The window with my tile's part copied in and ``fill`` everywhere else (halo not yet in)."""
+    local = plan[2]
     origin = [lo for lo, _ in window]
     mine = [lo for lo, _ in grid.tile_bounds()]
     out = x.new_full(tuple(x.shape[:2]) + tuple(hi - lo for lo, hi in window), fill)
     if local is not None:
         out[_rel(local, origin)] = x[_rel(local, mine)]
-    for (_, box), buf in zip(recv, bufs, strict=True):
+    return out
+
+
+def _put_received(out: Tensor, bufs: Sequence[Tensor], window: Window, plan: Any) -> Tensor:
+    """Copy the received slabs into the window ``out`` (in place); returns it."""
+    origin = [lo for lo, _ in window]
+    for (_, box), buf in zip(plan[0], bufs, strict=True):
         out[_rel(box, origin)] = buf
     return out
 
 
-def _return_grads(grad: Tensor, x_shape: Sequence[int], grid: TileGrid, window: Window, plan: Any,
-                  group: dist.ProcessGroup | None, tag: int) -> Tensor:
-    """Adjoint of :func:`_exchange` + :func:`_assemble`: send each received slab's gradient to its
-    owner, and add what comes back (gradients of the slabs I sent) into my tile's gradient."""
+def _post_return(grad: Tensor, x_shape: Sequence[int], grid: TileGrid, window: Window, plan: Any,
+                 group: dist.ProcessGroup | None, tag: int, own: bool = False) -> tuple[Tensor, Pending]:
+    """First half of :func:`_return_grads`: post the sends of each received slab's gradient to its
+    owner and the receives of my sent slabs' gradients; add the local part. Finish with
+    :func:`_finish_return` (in between, compute what does not need the returned gradients).
+
+    ``own``: ``grad`` is the caller's fresh tensor, free to change; when the window covers my whole
+    tile the tile's gradient is then a view of it (no tile-sized buffer at the backward peak).
+    """
     recv, send, local = plan
     origin = [lo for lo, _ in window]
     mine = [lo for lo, _ in grid.tile_bounds()]
     lead = tuple(grad.shape[:2])
-    gx = grad.new_zeros(tuple(x_shape))
+    if own and local == grid.tile_bounds():
+        gx = grad[_rel(local, origin)]
+        local = None
+    else:
+        gx = grad.new_zeros(tuple(x_shape))
     reqs = []
     bufs: list[tuple[Window, Tensor]] = []
     for q, box in send:  # I sent them this slab: its gradient comes back to me
@@ -157,12 +200,24 @@ def _return_grads(grad: Tensor, x_shape: Sequence[int], grid: TileGrid, window: 
         reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
     if local is not None:
         gx[_rel(local, mine)] += grad[_rel(local, origin)]
-    for r in reqs:
-        if r is not None:
-            r.wait()
-    for box, buf in bufs:
+    return gx, Pending(reqs, bufs, keep)
+
+
+def _finish_return(gx: Tensor, pending: Pending, grid: TileGrid) -> Tensor:
+    """Second half of :func:`_return_grads`: wait, then add the returned gradients into ``gx``."""
+    pending.wait()
+    mine = [lo for lo, _ in grid.tile_bounds()]
+    for box, buf in pending.bufs:
         gx[_rel(box, mine)] += buf
     return gx
+
+
+def _return_grads(grad: Tensor, x_shape: Sequence[int], grid: TileGrid, window: Window, plan: Any,
+                  group: dist.ProcessGroup | None, tag: int, own: bool = False) -> Tensor:
+    """Adjoint of :func:`_exchange` + :func:`_assemble`: send each received slab's gradient to its
+    owner, and add what comes back (gradients of the slabs I sent) into my tile's gradient."""
+    gx, pending = _post_return(grad, x_shape, grid, window, plan, group, tag, own)
+    return _finish_return(gx, pending, grid)
 
 
 class _FetchWindow(torch.autograd.Function):
@@ -185,67 +240,6 @@ class _FetchWindow(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:  # type: ignore[override]
         gx = _return_grads(grad, ctx.x_shape, ctx.grid, ctx.window, ctx.plan, ctx.group, ctx.tag + 1)
         return gx, None, None, None, None, None
-
-
-class _WindowOp(torch.autograd.Function):
-    """``op(window)`` that saves only the tile and the received halo slabs, not the window.
-
-    A conv or pool on the fetched window would save the window: a second copy of the tile (the
-    op before usually saved the tile already) plus the halo. This function rebuilds the window
-    in backward from what it saved (a copy, no communication). Convolutions then run ATen's
-    ``convolution_backward`` on it (no recomputation); other ops are recomputed on the window
-    (pooling: cheap).
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, grid: TileGrid,
-        windows: tuple[Window, ...], group: dist.ProcessGroup | None, fill: float, tag: int,
-        op: Callable[..., Tensor], conv: tuple[Any, ...] | None,
-    ) -> Tensor:
-        plan = _plan(grid, windows)
-        bufs = _exchange(x, grid, plan, group, tag)
-        win = windows[grid.index]
-        xw = _assemble(x, bufs, grid, win, plan, fill)
-        y = op(xw, weight, bias)
-        ctx.grid, ctx.window, ctx.group, ctx.tag, ctx.plan, ctx.fill = grid, win, group, tag, plan, fill
-        ctx.op, ctx.conv, ctx.nbufs, ctx.has_bias = op, conv, len(bufs), bias is not None
-        ctx.bias_shape = tuple(bias.shape) if bias is not None else None
-        ctx.save_for_backward(x, weight, *bufs)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, gy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x, weight, *bufs = ctx.saved_tensors
-        xw = _assemble(x, bufs, ctx.grid, ctx.window, ctx.plan, ctx.fill)
-        gw = gb = None
-        if ctx.conv is not None:
-            stride, dilation, groups = ctx.conv
-            n = xw.dim() - 2
-            mask = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]), bool(ctx.needs_input_grad[2])]
-            gxw, gw, gb = torch.ops.aten.convolution_backward(
-                gy.contiguous(), xw, weight, list(ctx.bias_shape) if ctx.has_bias else None, list(stride), [0] * n,
-                list(dilation), False, [0] * n, groups, mask)
-        elif not ctx.needs_input_grad[0]:
-            gxw = None
-        else:
-            with torch.enable_grad():
-                xr = xw.detach().requires_grad_(True)
-                (gxw,) = torch.autograd.grad(ctx.op(xr, weight, None), xr, gy)
-        # no input gradient (the input is data): every rank of the group skips the exchange alike
-        gx = None if gxw is None else _return_grads(gxw, x.shape, ctx.grid, ctx.window, ctx.plan, ctx.group,
-                                                    ctx.tag + 1)
-        return gx, gw, gb, None, None, None, None, None, None, None
-
-
-def _window_op(x_tile: Tensor, grid: TileGrid, windows: Sequence[Window], group: dist.ProcessGroup | None,
-               op: Callable[..., Tensor], *, weight: Tensor | None = None, bias: Tensor | None = None,
-               fill: float = 0.0, conv: tuple[Any, ...] | None = None) -> Tensor:
-    """``op(window, weight, bias)`` over this rank's fetched window, saving no window copy."""
-    _check_tile(x_tile, grid, "window op")
-    out: Tensor = _WindowOp.apply(x_tile, weight, bias, grid, tuple(tuple(w) for w in windows), group, float(fill),
-                                  _next_tag(grid), op, conv)
-    return out
 
 
 def _check_tile(x: Tensor, grid: TileGrid, op: str) -> None:
@@ -283,6 +277,9 @@ def fetch_window(
     if len(windows) != len(grid.ranks):
         raise ValueError(f"fetch_window: got {len(windows)} windows for {len(grid.ranks)} tiles")
     tag = _next_tag(grid)
+    owned = [grid.tile_bounds(grid.coords_of(q)) for q in range(len(grid.ranks))]
+    if all(tuple(w) == o for w, o in zip(windows, owned, strict=True)):
+        return x_tile  # every window is its own tile (a stride-2 upsampling, say): no exchange, no copy
     out: Tensor = _FetchWindow.apply(x_tile, grid, tuple(tuple(w) for w in windows), group, float(fill), tag)
     return out
 

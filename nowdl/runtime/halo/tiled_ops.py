@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nowdl.geometry import TileTooSmallError, _conv_pads, _pool_out, _tup
-from nowdl.runtime.halo.exchange import Window, _check_tile, _window_op, _windows, fetch_window
+from nowdl.runtime.halo.exchange import Window, _check_tile, _windows, fetch_window
+from nowdl.runtime.halo.window_op import _window_op
 from nowdl.runtime.tiles import TileGrid
 
 __all__ = ["conv_tile", "conv_transpose_tile", "pool_tile", "upsample_tile"]
@@ -74,7 +75,7 @@ def _conv(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGr
     wins = _strided_windows(grid, og, k, s, d, [p[0] for p in pads])
     fn = _CONV_FN[n]
     groups = conv.groups
-    y = _window_op(x_tile, grid, wins, group, lambda xw, w, b: fn(xw, w, b, s, 0, d, groups),
+    y = _window_op(x_tile, grid, wins, group, lambda xw, w, b: fn(xw, w, b, s, 0, d, groups), (k, s, d),
                    weight=conv.weight, bias=conv.bias, conv=(s, d, groups))
     return y, og
 
@@ -162,8 +163,9 @@ def _pool(x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGr
     wins = _strided_windows(grid, og, k, s, d, p)
     if is_max:
         mp = _MAXPOOL_FN[n]
-        return _window_op(x_tile, grid, wins, group, lambda xw, w, b: mp(xw, k, s, 0, d), fill=-math.inf), og
-    total = _window_op(x_tile, grid, wins, group, lambda xw, w, b: _sum_pool(xw, k, s))
+        return _window_op(x_tile, grid, wins, group, lambda xw, w, b: mp(xw, k, s, 0, d), (k, s, d),
+                          fill=-math.inf), og
+    total = _window_op(x_tile, grid, wins, group, lambda xw, w, b: _sum_pool(xw, k, s), (k, s, d))
     div_override = getattr(pool, "divisor_override", None)
     if div_override:
         return total / div_override, og

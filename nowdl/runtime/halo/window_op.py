@@ -1,0 +1,198 @@
+"""Convs and pools on a fetched window, with the halo exchange overlapped by compute.
+
+[Note: halo overlap] A tiled conv or pool (:func:`_window_op`) needs this rank's input
+*window*: its tile plus halo slabs owned by the neighbours. With overlap on (the default)::
+
+    forward:  post the halo isend/irecv
+              window := my tile, ``fill`` where the halo goes          (no communication)
+              y := op(window)        interior outputs are final; border outputs read ``fill``
+              wait; copy the received slabs into the window
+              y[border box] := op(window[box's input])   for each border box (a thin frame)
+
+    backward: g_window := input gradient of the op (conv: ATen's convolution_backward)
+              post the return of the halo slabs' gradients to their owners
+              weight and bias gradients                                 (no communication)
+              wait; add the returned gradients into my tile's gradient
+
+An output pixel is *interior* when every input it reads is in this rank's tile or outside
+the image (padding): along each dim the outputs ``[j_lo, j_hi)`` whose input span lies in
+the local part of the window. The border boxes cover the rest of the output tile (per dim,
+the part below ``j_lo`` and above ``j_hi``, crossed with the interior ranges of the dims
+before it and the full ranges after), and are recomputed on the complete window: every
+output pixel is computed by the same op on the same inputs as without overlap, so the result
+is exact. The extra compute is the border frame (one kernel extent deep) only. Pooling has no
+weight gradient: its backward returns the halo gradients without overlap.
+
+:func:`set_halo_overlap` (or ``NOWDL_HALO_OVERLAP=0`` in the environment) turns it off: the
+exchange then completes before the op, as before (for benchmarks and debugging). Ranks may
+differ in the setting: the messages are the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nowdl.runtime.halo import exchange as _ex
+from nowdl.runtime.halo.exchange import Window, _check_tile, _next_tag, _plan
+from nowdl.runtime.tiles import TileGrid
+
+__all__ = ["set_halo_overlap", "halo_overlap", "border_boxes"]
+
+Geom = tuple[Sequence[int], Sequence[int], Sequence[int]]
+"""(kernel, stride, dilation) per spatial dim of an op run unpadded on its window."""
+Box = list[tuple[int, int]]
+
+_OVERLAP = [os.environ.get("NOWDL_HALO_OVERLAP", "1").strip() not in ("0", "off", "false")]
+
+
+def set_halo_overlap(on: bool) -> bool:
+    """Overlap halo exchanges with compute (True, the default) or not; returns the old setting."""
+    old = _OVERLAP[0]
+    _OVERLAP[0] = bool(on)
+    return old
+
+
+def halo_overlap() -> bool:
+    """Whether tiled convs and pools overlap their halo exchange with compute."""
+    return _OVERLAP[0]
+
+
+def border_boxes(grid: TileGrid, window: Window, geom: Geom) -> tuple[Box, list[Box]] | None:
+    """The interior output box of this rank's tile and the border boxes around it.
+
+    Boxes are per-dim ``[start, stop)`` in output-tile coordinates. None when no output pixel
+    is interior (a tile narrower than the kernel): the op must then wait for the halo.
+    """
+    k, s, d = geom
+    interior: Box = []
+    out_shape: list[int] = []
+    for i, ((t0, t1), (w0, w1)) in enumerate(zip(grid.tile_bounds(), window, strict=True)):
+        ext = d[i] * (k[i] - 1) + 1
+        n_out = (w1 - w0 - ext) // s[i] + 1
+        a = max(w0 if t0 == 0 else t0, w0) - w0  # local part of the window: my tile or padding
+        b = min(w1 if t1 == grid.shape[i] else t1, w1) - w0
+        j_lo = min(n_out, max(0, -(-a // s[i])))
+        j_hi = max(0, min(n_out, (b - ext) // s[i] + 1))
+        if j_hi <= j_lo:
+            return None
+        interior.append((j_lo, j_hi))
+        out_shape.append(n_out)
+    boxes: list[Box] = []
+    for i in range(len(interior)):
+        for j0, j1 in ((0, interior[i][0]), (interior[i][1], out_shape[i])):
+            if j1 > j0:
+                box = [interior[m] if m < i else (0, out_shape[m]) for m in range(len(interior))]
+                box[i] = (j0, j1)
+                boxes.append(box)
+    return interior, boxes
+
+
+def _out_slices(box: Box) -> tuple[slice, ...]:
+    return (slice(None), slice(None)) + tuple(slice(a, b) for a, b in box)
+
+
+def _in_slices(box: Box, geom: Geom) -> tuple[slice, ...]:
+    k, s, d = geom
+    return (slice(None), slice(None)) + tuple(
+        slice(a * s[i], (b - 1) * s[i] + d[i] * (k[i] - 1) + 1) for i, (a, b) in enumerate(box))
+
+
+class _WindowOp(torch.autograd.Function):
+    """``op(window)`` that saves only the tile and the received halo slabs, not the window.
+
+    A conv or pool on the fetched window would save the window: a second copy of the tile (the
+    op before usually saved the tile already) plus the halo. This function rebuilds the window
+    in backward from what it saved (a copy, no communication). Convolutions then run ATen's
+    ``convolution_backward`` on it (no recomputation); other ops are recomputed on the window
+    (pooling: cheap). The exchange overlaps compute: [Note: halo overlap].
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, grid: TileGrid,
+        windows: tuple[Window, ...], group: dist.ProcessGroup | None, fill: float, tag: int,
+        op: Callable[..., Tensor], conv: tuple[Any, ...] | None, geom: Geom | None,
+    ) -> Tensor:
+        plan = _plan(grid, windows)
+        win = windows[grid.index]
+        pending = _ex._post_exchange(x, grid, plan, group, tag)
+        split = border_boxes(grid, win, geom) if halo_overlap() and plan[0] and geom is not None else None
+        if split is not None:
+            xw = _ex._local_window(x, grid, win, plan, fill)
+            y = op(xw, weight, bias)  # interior final; the border is recomputed below
+            pending.wait()
+            _ex._put_received(xw, pending.bufs, win, plan)
+            for box in split[1]:
+                y[_out_slices(box)] = op(xw[_in_slices(box, geom)], weight, bias)  # type: ignore[arg-type]
+        elif halo_overlap() and not plan[0]:  # nothing to receive: the sends overlap the op
+            y = op(_ex._local_window(x, grid, win, plan, fill), weight, bias)
+            pending.wait()
+        else:
+            pending.wait()
+            y = op(_ex._assemble(x, pending.bufs, grid, win, plan, fill), weight, bias)
+        bufs = pending.bufs
+        del pending
+        ctx.grid, ctx.window, ctx.group, ctx.tag, ctx.plan, ctx.fill = grid, win, group, tag, plan, fill
+        ctx.op, ctx.conv, ctx.nbufs, ctx.has_bias = op, conv, len(bufs), bias is not None
+        ctx.bias_shape = tuple(bias.shape) if bias is not None else None
+        ctx.save_for_backward(x, weight, *bufs)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, weight, *bufs = ctx.saved_tensors
+        xw = _ex._assemble(x, bufs, ctx.grid, ctx.window, ctx.plan, ctx.fill)
+        need = [bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]), bool(ctx.needs_input_grad[2])]
+        gw = gb = None
+        if ctx.conv is not None and halo_overlap() and need[0]:
+            gy = gy.contiguous()
+            (gxw, _, _) = _conv_backward(ctx, gy, xw, weight, [True, False, False])
+            gx, pending = _ex._post_return(gxw, x.shape, ctx.grid, ctx.window, ctx.plan, ctx.group, ctx.tag + 1,
+                                           own=True)
+            del gxw
+            if need[1] or need[2]:  # the weight gradient overlaps the halo gradients' return
+                _, gw, gb = _conv_backward(ctx, gy, xw, weight, [False, need[1], need[2]])
+            del xw
+            return _ex._finish_return(gx, pending, ctx.grid), gw, gb, None, None, None, None, None, None, None, None
+        if ctx.conv is not None:
+            gxw, gw, gb = _conv_backward(ctx, gy.contiguous(), xw, weight, need)
+        elif not need[0]:
+            gxw = None
+        else:
+            with torch.enable_grad():
+                xr = xw.detach().requires_grad_(True)
+                (gxw,) = torch.autograd.grad(ctx.op(xr, weight, None), xr, gy)
+        del xw
+        # no input gradient (the input is data): every rank of the group skips the exchange alike
+        gxt = None if gxw is None else _ex._return_grads(gxw, x.shape, ctx.grid, ctx.window, ctx.plan, ctx.group,
+                                                         ctx.tag + 1, own=True)
+        return gxt, gw, gb, None, None, None, None, None, None, None, None
+
+
+def _conv_backward(ctx: Any, gy: Tensor, xw: Tensor, weight: Tensor, mask: list[bool]) -> tuple[Any, Any, Any]:
+    stride, dilation, groups = ctx.conv
+    n = xw.dim() - 2
+    out: tuple[Any, Any, Any] = torch.ops.aten.convolution_backward(
+        gy, xw, weight, list(ctx.bias_shape) if ctx.has_bias else None, list(stride), [0] * n,
+        list(dilation), False, [0] * n, groups, mask)
+    return out
+
+
+def _window_op(x_tile: Tensor, grid: TileGrid, windows: Sequence[Window], group: dist.ProcessGroup | None,
+               op: Callable[..., Tensor], geom: Geom | None, *, weight: Tensor | None = None, bias: Tensor | None = None,
+               fill: float = 0.0, conv: tuple[Any, ...] | None = None) -> Tensor:
+    """``op(window, weight, bias)`` over this rank's fetched window, saving no window copy.
+
+    ``op`` runs unpadded with the kernel, stride and dilation of ``geom`` (its window geometry,
+    used to find the outputs that need no halo: [Note: halo overlap]; None: no overlap).
+    """
+    _check_tile(x_tile, grid, "window op")
+    out: Tensor = _WindowOp.apply(x_tile, weight, bias, grid, tuple(tuple(w) for w in windows), group, float(fill),
+                                  _next_tag(grid), op, conv, geom)
+    return out
