@@ -30,7 +30,7 @@ import torch.distributed as dist
 from nowdl.profiler.devices import DeviceSpec
 
 __all__ = ["LinkFit", "fit_line", "link_device", "measure_p2p", "measure_allreduce", "measure_links",
-           "links_to_spec", "probe_links", "PROBE_SIZES", "QUICK_SIZES", "FULL_SIZES"]
+           "links_to_spec", "probe_links", "with_links_file", "PROBE_SIZES", "QUICK_SIZES", "FULL_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -226,3 +226,25 @@ def probe_links(cache_dir: str | os.PathLike[str] | None, sizes: Sequence[int] =
         except OSError as e:
             log.warning("could not cache the link probe at %s: %s", path, e)
     return links, "measured"
+
+
+def with_links_file(device_spec: str | None, links: dict[str, LinkFit | None], path: str | os.PathLike[str], *,
+                    allreduce: bool = True) -> tuple[str, str]:
+    """Write ``device_spec`` (a name or JSON path; None: h100) with the measured ``links`` to
+    ``path`` (its node description kept), for the planner; returns the path and a one-line summary."""
+    from nowdl.profiler.cache import atomic_write_text
+    from nowdl.profiler.devices import get_device_spec
+    from nowdl.profiler.topology import node_spec_for
+
+    arg = device_spec or "h100"
+    spec = get_device_spec(arg)
+    node = node_spec_for(arg, spec.name)
+    d = links_to_spec(spec, links, allreduce=allreduce).to_dict()
+    if node is not None:
+        d["node"] = dataclasses.asdict(node)
+    atomic_write_text(path, json.dumps(d, indent=2))
+    p2p, ar = links.get("p2p"), links.get("allreduce") if allreduce else None
+    parts = [f"point-to-point {p2p.bw / 1e9:.2f} GB/s + {p2p.latency_s * 1e6:.0f} us"] if p2p else []
+    if ar is not None:
+        parts.append(f"all-reduce {ar.bw / 1e9:.2f} GB/s + {ar.latency_s * 1e6:.0f} us")
+    return str(path), ", ".join(parts)
