@@ -153,3 +153,18 @@ def test_run_probe_is_cached_and_a_corrupt_cache_is_measured_again(tmp_path: Pat
     assert r0["same"] and r1["same"] and r0["p2p"] == r1["p2p"]  # every rank plans with rank 0's figures
     assert r0["p2p"].bw > 0 and r0["p2p"].latency_s >= 0
     assert any("ignoring corrupt link cache" in m for m in r0["warned"]), r0["warned"]
+
+
+def _in_job_worker(rank: int, world: int) -> dict[str, Any]:
+    from nowdl.profiler.calibrate import calibrate
+
+    return calibrate(quick=True, repeats=2).to_dict()
+
+
+def test_calibrate_inside_a_job_uses_its_group() -> None:
+    """Under torchrun every rank measures the job's links; rank 0's compute rates reach every rank."""
+    r0, r1 = run_workers(_in_job_worker, 2, timeout_s=90)
+    assert r0 == r1
+    assert r0["calibration"]["ranks"] == 2 and r0["calibration"]["backend"] == "gloo"
+    assert r0["link_bw"] > 0 and set(r0["op_throughput"]["float32"]) == {"conv2d", "conv3d", "matmul", "elementwise",
+                                                                          "norm"}

@@ -157,11 +157,14 @@ def calibrate(ranks: int = 2, *, backend: str | None = None, quick: bool = False
             ops = measure_ops(device, dtypes, quick=quick, repeats=repeats, say=say)
         finally:
             torch.set_num_threads(before)
-    if in_job:
-        box = [ops]
+    spec = _spec(device, ranks, str(backend), ops, links, quick, nthreads, link_s, time.perf_counter() - t0) \
+        if ops else None
+    if in_job:  # rank 0's spec, on every rank
+        box = [spec]
         dist.broadcast_object_list(box, src=0)
-        ops = box[0]
-    return _spec(device, ranks, str(backend), ops, links, quick, nthreads, link_s, time.perf_counter() - t0)
+        spec = box[0]
+    assert spec is not None
+    return spec
 
 
 def _spec(device: torch.device, ranks: int, backend: str, ops: dict[str, dict[str, float]],
