@@ -326,10 +326,15 @@ def _run(args: argparse.Namespace) -> int:
         from nowdl.profiler.calibrate import calibrate_command
         from nowdl.runtime.launch import init_distributed, launch_env
 
-        if launch_env().world_size > 1:  # under torchrun: measure the job's own links
+        in_job = launch_env().world_size > 1  # under torchrun: measure the job's own links
+        if in_job:
             init_distributed()
-        return calibrate_command(args.out, ranks=args.ranks, backend=args.backend, threads=args.threads,
-                                 repeats=args.repeats, quick=args.quick)
+        try:
+            return calibrate_command(args.out, ranks=args.ranks, backend=args.backend, threads=args.threads,
+                                     repeats=args.repeats, quick=args.quick)
+        finally:
+            if in_job:
+                torch.distributed.destroy_process_group()
     model, default, name = resolve_model(args.model, args.model_args)
     cache = not args.no_cache
     if args.command == "profile":

@@ -243,6 +243,9 @@ def calibrate_command(out: str | os.PathLike[str], **kwargs: Any) -> int:
     spec = calibrate(say=say, **kwargs)
     if rank0:
         atomic_write_text(path, spec.to_json() + "\n")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(path, 0o666 & ~mask)  # an ordinary file for the user, not the temp file's 0600
         print(format_spec(spec))
         print(f"wrote {path}: plan with --device-spec {path}")
     return 0
