@@ -16,6 +16,7 @@ from distributed import run_workers
 import nowdl
 from nowdl.cli import main
 from nowdl.partitioner.placement import allreduce_s
+from nowdl.partitioner.traffic import format_node_map
 from nowdl.profiler import BUILTIN_SPECS, DeviceSpec
 from nowdl.profiler.calibrate_links import fit_line, probe_links
 from nowdl.profiler.flops import OpCostMode
@@ -55,6 +56,7 @@ def test_calibrate_quick_writes_a_spec_the_planner_takes(alone: Path, capsys: py
     assert plan.topology["intra"] == {"bw": spec.link_bw, "latency_s": spec.link_latency_s}
     assert plan.topology["allreduce"] == {"bw": spec.allreduce_bw, "latency_s": spec.allreduce_latency_s}
     assert plan.profile["device_spec"] == spec.name
+    assert "measured all-reduce" in format_node_map(plan)  # `nowdl show` says which links priced the plan
     assert main(["plan", "resnet", "--model-args", json.dumps(TINY), "--input", "1x3x32x32", "--gpus", "2",
                  "--device-spec", str(out)]) == 0
     assert "stage" in capsys.readouterr().out
