@@ -5,8 +5,9 @@ Launched like any torch.distributed job, every rank runs the same command::
     torchrun --nproc-per-node 4 -m nowdl run resnet --input 3x1024x1024 --batch-size 8 --steps 10
 
 Every rank seeds torch with ``--seed`` before building the model (so the weights agree) and trains
-on the same global batch. Rank 0 plans (``nowdl.compile(model, gpus=WORLD_SIZE, <the pinned
-options>, mode="estimate")``) and broadcasts the plan JSON, which every rank then
+on the same global batch. The ranks probe their links (cached; ``--no-link-probe``: not, see
+docs/calibrate.md), then rank 0 plans (``nowdl.compile(model, gpus=WORLD_SIZE, <the pinned options>,
+mode="estimate")`` on the device spec with those links) and broadcasts the plan JSON, which every rank then
 runs (``nowdl.compile(model, plan=...)``); a planning error is reported by every rank. Given a plan
 JSON as MODEL, every rank loads it and rebuilds the model from the plan's recorded source.
 
