@@ -163,12 +163,15 @@ def calibrate(ranks: int = 2, *, backend: str | None = None, quick: bool = False
         box = [spec]
         dist.broadcast_object_list(box, src=0)
         spec = box[0]
-    assert spec is not None
+    if spec is None:
+        raise NowdlError("calibration produced no spec on rank 0 (no compute rates were measured)")
     return spec
 
 
 def _spec(device: torch.device, ranks: int, backend: str, ops: dict[str, dict[str, float]],
           links: dict[str, LinkFit | None], quick: bool, threads: int, link_s: float, total_s: float) -> DeviceSpec:
+    if links.get("p2p") is None:
+        raise NowdlError(f"no point-to-point figures were measured between {ranks} ranks: calibrate needs 2 or more")
     f32 = ops["float32"]
     fp32 = max(f32["conv2d"], f32["conv3d"], f32["matmul"])
 
@@ -182,7 +185,8 @@ def _spec(device: torch.device, ranks: int, backend: str, ops: dict[str, dict[st
     else:
         label = f"cpu ({threads} thread{'s' if threads != 1 else ''})"
         name = f"cpu-{threads}t-calibrated"
-    base = DeviceSpec(name, fp32, low("bfloat16"), low("float16"), f32["elementwise"], 1.0, _memory_bytes(device),
+    base = DeviceSpec(name, fp32, low("bfloat16"), low("float16"), f32["elementwise"], 1.0,  # link_bw: below
+                      _memory_bytes(device),
                       op_throughput=ops,
                       calibration={"host": socket.gethostname(), "device": label, "backend": backend, "ranks": ranks,
                                    "threads": threads if device.type == "cpu" else None, "quick": quick,
