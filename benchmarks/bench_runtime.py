@@ -7,9 +7,11 @@ num_classes=10, conv_bias=False)``) on 3x128x128 inputs, cross-entropy loss, Ada
 nowdl plans a micro-batch of one sample (its runtime always plans per sample) for K = 2 and
 4 pipeline stages (``gpus=K, stages=K, dp=1, replicas=1, spatial_parts=1``), M micro-batches
 (global batch = M), the GPipe and the 1F1B schedule, in ``mode="measure"`` (real CPU timings,
-one thread, as the workers run) with ``device_spec="cpu"`` (link bandwidth = this machine's
-memory copy bandwidth) and ``balance="compute"``. The plan is made once in the parent process
-and handed to the workers as a plan file.
+one thread, as the workers run) with a calibrated device spec (``nowdl calibrate``'s
+``calibrate(2)`` run once in the parent: gloo point-to-point bandwidth and latency and the
+all-reduce between two local processes, so the plan prices boundary bytes at the measured
+link; or ``--device-spec FILE``) and ``balance="compute"``. The plan is made once in the
+parent process and handed to the workers as a plan file.
 
 For every (K, M, schedule) K gloo CPU processes are spawned (``tests/distributed.py``'s
 ``run_workers``; ``OMP_NUM_THREADS=1`` in every worker). Each rank builds two copies of the
@@ -37,8 +39,8 @@ gradients, received buffers, optimizer temporaries). It is NOT the process RSS (
 does not see the allocator's caching, oneDNN scratch or Python objects). Compared with
 ``plan.ranks[r].predicted_peak_bytes``; target within +-10%. The same measurement is made for
 the pipelining step, adding its receive buffers (one per micro-batch and tensor, allocated at its
-first step and reused, so invisible to the tracker, as nowdl's pooled buffers are added to
-nowdl's); target nowdl <= pipelining on every rank. The run ends with one summary line.
+first step and reused, so invisible to the tracker; nowdl's receive buffers are allocated fresh
+every step, so the tracker sees them); target nowdl <= pipelining on every rank. The run ends with one summary line.
 
 Table 3 (time per stage and micro-batch): on each rank in turn (the other ranks wait at a
 barrier, so no oversubscription), the engine's own stage module runs forward and backward
@@ -50,7 +52,7 @@ the total.
 
 How to run
 ----------
-    .venv/bin/python benchmarks/bench_runtime.py [--quick] [--size 128] [--repeats 5]
+    .venv/bin/python benchmarks/bench_runtime.py [--quick] [--size 128] [--repeats 5] [--device-spec FILE]
 
 ``--quick`` runs K=2, M=4 only with fewer repeats (about a minute). The full run (K = 2, 4;
 M = 4, 8; both schedules) takes about 5 minutes on 2 CPU cores. Tables go to stdout as
@@ -131,6 +133,8 @@ class Settings:
     repeats: int
     stage_repeats: int
     comm_repeats: int
+    device_spec: str = "cpu"  # what the plans are made with: a spec JSON path (calibrated) or a name
+    spec_label: str = "cpu"
 
 
 # ---- worker side ----------------------------------------------------------------------------
@@ -363,19 +367,19 @@ class Result:
     wall_s: float = 0.0
 
 
-def make_plan(case: Case, size: int, balance: str, cache: Path) -> Plan:
+def make_plan(case: Case, size: int, balance: str, cache: Path, spec: str) -> Plan:
     """nowdl's plan; the measured profile is cached in ``cache``, so every case shares one."""
     torch.set_num_threads(1)
     cm = nowdl.compile(make_model(), gpus=case.k, stages=case.k, dp=1, replicas=1, spatial_parts=1,
                        micro_batches=case.m, schedule=case.schedule, balance=balance, mode="measure",
-                       device_spec="cpu", optimizer="adam", cache=cache, progress=False)
+                       device_spec=spec, optimizer="adam", cache=cache, progress=False)
     return cm.plan(torch.randn(1, 3, size, size))
 
 
 def run_case(case: Case, cfg: Settings, balance: str, tmp: Path, profiles: Path | None = None) -> Result:
     t0 = time.perf_counter()
     log(f"{case.label}: planning (measure mode)")
-    plan = make_plan(case, cfg.size, balance, profiles or tmp / "profiles")
+    plan = make_plan(case, cfg.size, balance, profiles or tmp / "profiles", cfg.device_spec)
     path = tmp / f"plan-k{case.k}-m{case.m}-{case.schedule}.json"
     plan.save(path)
     log(f"{case.label}: running {case.k} workers")
@@ -406,16 +410,16 @@ def print_tables(results: list[Result], cfg: Settings, balance: str, wall: float
     print(f"- model: nowdl ResNet-20 v1 (width 16, 10 classes, conv_bias=False), input 3x{cfg.size}x{cfg.size}, "
           "micro-batch 1 sample (global batch = M), CrossEntropyLoss, Adam lr 1e-3")
     print(f"- plans: nowdl.compile(gpus=K, stages=K, dp=1, replicas=1, spatial_parts=1, micro_batches=M, "
-          f"schedule=S, balance={balance!r}, mode='measure', device_spec='cpu'), made once in the parent "
-          "(1 thread); both frameworks run the split of that plan")
+          f"schedule=S, balance={balance!r}, mode='measure', device_spec=<{cfg.spec_label}>), made once in the "
+          "parent (1 thread); both frameworks run the split of that plan")
     print(f"- step time: {cfg.warmup} warm-up steps each, median of {cfg.repeats} steps each, frameworks "
           "alternating; each step timed on rank 0 between two barriers")
     print("- peak memory: params + buffers + Adam state before the step, plus the peak of storages that "
-          "aten ops allocate during one train step (nowdl's AllocTracker dispatch mode); not RSS. For nowdl "
-          "the receive buffers held in its pool (allocated once, reused every step, so invisible to the "
-          "tracker after warm-up) are added, and so are torch.distributed.pipelining's receive buffers "
-          "(one per micro-batch and input, and per micro-batch and output for the gradients, allocated "
-          "at its first step and reused)")
+          "aten ops allocate during one train step (nowdl's AllocTracker dispatch mode); not RSS. nowdl "
+          "allocates its receive buffers fresh every step, so the tracker sees them; "
+          "torch.distributed.pipelining's receive buffers (one per micro-batch and input, and per "
+          "micro-batch and output for the gradients, allocated at its first step and reused, so invisible "
+          "to the tracker) are added to its peak")
     print(f"- stage time: the engine's stage module, fwd+bwd of one micro-batch, median of {cfg.stage_repeats}, "
           "one rank at a time; comm = gloo round trip of the boundary tensors with each neighbour "
           f"(median of {cfg.comm_repeats})")
@@ -604,8 +608,9 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
         s = rk["rank"]
         nbytes = 2 * (_bytes_in(r.plan, s) + _bytes_out(r.plan, s))
         bw = r.plan.profile.get("link_bw", 0.0)
-        print(f"- comm: the plan charges boundary bytes at link_bw = {bw / 1e9:.1f} GB/s (the 'cpu' device "
-              f"spec takes this machine's memory-copy bandwidth), but gloo sends over TCP loopback: e.g. "
+        print(f"- comm: the plan charges boundary bytes at link_bw = {bw / 1e9:.2f} GB/s (the device spec's "
+              "link bandwidth; the plan charges no per-message latency on boundaries), while gloo sends over "
+              "TCP loopback: e.g. "
               f"{r.case.label} stage {s} moves {format_bytes(nbytes)} per micro-batch (both directions) in "
               f"{rk['stage']['comm'] * 1e3:.2f} ms measured = {nbytes / rk['stage']['comm'] / 1e9:.2f} GB/s "
               "including per-message latency.")
@@ -623,6 +628,20 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
         print("- every target met.")
 
 
+def device_spec(given: str | None, tmp: Path, quick: bool) -> tuple[str, str]:
+    """The spec file the plans use, and a label for the tables: ``given``, else calibrated here."""
+    if given is not None:
+        return given, given
+    from nowdl.profiler.calibrate import calibrate
+
+    log("calibrating links (2 gloo processes) and compute (1 thread)")
+    spec = calibrate(2, quick=quick, say=log)
+    path = tmp / "device-spec.json"
+    path.write_text(spec.to_json())
+    return str(path), (f"calibrated here: {spec.name}, link {spec.link_bw / 1e9:.2f} GB/s + "
+                       f"{(spec.link_latency_s or 0) * 1e6:.0f} us")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="K=2, M=4 only, fewer repeats")
@@ -630,6 +649,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per framework (default 5)")
     ap.add_argument("--balance", default="compute", choices=["compute", "memory"],
                     help="the planner's objective (default compute)")
+    ap.add_argument("--device-spec", metavar="FILE", default=None,
+                    help="plan with this device spec JSON (default: calibrate the links once here, 2 gloo ranks)")
     ap.add_argument("--profile-cache", type=Path, default=None,
                     help="keep the measured profile here and reuse it (same split across runs)")
     args = ap.parse_args(argv)
@@ -643,6 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="nowdl-bench-") as tmp:
+        cfg.device_spec, cfg.spec_label = device_spec(args.device_spec, Path(tmp), args.quick)
         for case in cases:
             results.append(run_case(case, cfg, args.balance, Path(tmp), args.profile_cache))
     print_tables(results, cfg, args.balance, time.perf_counter() - t0, (load0, os.getloadavg()[0]))

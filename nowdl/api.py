@@ -169,7 +169,7 @@ class CompiledModel:
             solver_seconds=secs, created_by=f"nowdl {__version__}",
             params_per_node=_params_per_node(t.gm),
         )
-        choose_fusion(t.gm, plan, prof, float(spec.link_bw), self.halo_fusion)
+        choose_fusion(t.gm, plan, prof, float(spec.link_bw), self.halo_fusion, costs.topo(req.gpus).intra.latency_s)
         plan.config["halo_fusion"] = self.halo_fusion
         plan.config["precision"] = self.precision
         # where plan() spent its time (trace includes the eager check; 0 when cached)

@@ -1,4 +1,4 @@
-"""The nowdl command line: profile | plan | show | codegen | run."""
+"""The nowdl command line: profile | plan | show | codegen | run | calibrate | report."""
 
 from __future__ import annotations
 
@@ -126,6 +126,18 @@ def _parser() -> argparse.ArgumentParser:
                     help="after the plan, draw its pipeline schedule (ranks x time steps)")
     ps.add_argument("--plot", metavar="FILE", help="draw the plan (memory per rank, schedule, stage graph) into "
                     "FILE (.png, .svg or .pdf; needs pip install 'nowdl[plot]'); see docs/pictures.md")
+
+    pk = sub.add_parser("calibrate", help="measure links and compute here; write a device spec JSON",
+                        description="Measure point-to-point latency and bandwidth and the all-reduce between "
+                        "--ranks local processes (or the ranks of a torchrun job), and per-op compute rates on "
+                        "this device; write a device spec for --device-spec FILE (docs/calibrate.md).")
+    pk.add_argument("--out", metavar="FILE", default="device-spec.json", help="where to write (default device-spec.json)")
+    pk.add_argument("--ranks", type=int, default=2, help="local processes to spawn (default 2; ignored under torchrun)")
+    pk.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with that many CUDA devices, else gloo")
+    pk.add_argument("--threads", type=int, help="CPU threads for the compute measurement (default 1, as torchrun gives a rank)")
+    pk.add_argument("--repeats", type=int, help="timed repeats per measurement (default: 7 links / 3 ops with --quick)")
+    pk.add_argument("--quick", action="store_true", help="fewer sizes, smaller ops (about 15 s on 2 CPU cores)")
+    pk.add_argument("-v", "--verbose", action="store_true", help="log what nowdl does")
 
     pg = sub.add_parser("report", help="summarise (and draw) the metrics log of `nowdl run --log-dir DIR`",
                         description="Read DIR/metrics.jsonl; print steps, images/s, loss and measured against "
@@ -310,6 +322,19 @@ def _run(args: argparse.Namespace) -> int:
         from nowdl.run_cli import run_main
 
         return run_main(args)
+    if args.command == "calibrate":
+        from nowdl.profiler.calibrate import calibrate_command
+        from nowdl.runtime.launch import init_distributed, launch_env
+
+        in_job = launch_env().world_size > 1  # under torchrun: measure the job's own links
+        if in_job:
+            init_distributed()
+        try:
+            return calibrate_command(args.out, ranks=args.ranks, backend=args.backend, threads=args.threads,
+                                     repeats=args.repeats, quick=args.quick)
+        finally:
+            if in_job:
+                torch.distributed.destroy_process_group()
     model, default, name = resolve_model(args.model, args.model_args)
     cache = not args.no_cache
     if args.command == "profile":

@@ -5,8 +5,9 @@ Launched like any torch.distributed job, every rank runs the same command::
     torchrun --nproc-per-node 4 -m nowdl run resnet --input 3x1024x1024 --batch-size 8 --steps 10
 
 Every rank seeds torch with ``--seed`` before building the model (so the weights agree) and trains
-on the same global batch. Rank 0 plans (``nowdl.compile(model, gpus=WORLD_SIZE, <the pinned
-options>, mode="estimate")``) and broadcasts the plan JSON, which every rank then
+on the same global batch. The ranks probe their links (cached; ``--no-link-probe``: not, see
+docs/calibrate.md), then rank 0 plans (``nowdl.compile(model, gpus=WORLD_SIZE, <the pinned options>,
+mode="estimate")`` on the device spec with those links) and broadcasts the plan JSON, which every rank then
 runs (``nowdl.compile(model, plan=...)``); a planning error is reported by every rank. Given a plan
 JSON as MODEL, every rank loads it and rebuilds the model from the plan's recorded source.
 
@@ -187,6 +188,23 @@ def _plan_on_rank0(model: nn.Module, args: argparse.Namespace, rank: int, world:
     return plan_on_rank0(make, rank=rank, world=world).to_json()
 
 
+def _probe_links(args: argparse.Namespace, world: int, tmp: Path, say: bool) -> None:
+    """Measure this job's links (or reuse rank 0's cache) and plan with them (docs/calibrate.md):
+    ``args.device_spec`` becomes a spec file with the measured figures. Collective."""
+    nodes, per = _job_nodes(world)
+    if world < 2 or getattr(args, "no_link_probe", False) or per == 1:  # per == 1: ranks 0 and 1 sit on different nodes
+        return
+    from nowdl.profiler.cache import default_cache_dir
+    from nowdl.profiler.calibrate_links import probe_links, with_links_file
+
+    links, where = probe_links(default_cache_dir() / "links")
+    args.device_spec, text = with_links_file(args.device_spec, links, tmp / "device-spec.json",
+                                             allreduce=nodes in (None, 1))
+    if say:
+        print(f"links: {text} ({'measured now' if where == 'measured' else 'cached in ' + where}; "
+              "--no-link-probe plans without them)", flush=True)
+
+
 def _job_nodes(world: int) -> tuple[int | None, int | None]:
     """The launched job's (nodes, processes per node) for the planner (torchrun --nnodes, srun)."""
     from nowdl.runtime.nodes import job_topology
@@ -255,6 +273,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     plan_path = src.plan_path
     if plan_path is None:  # rank 0 plans, every rank runs what it planned
         plan_path = str(tmp / PLAN_FILE)
+        _probe_links(args, world, tmp, say)
         text = _plan_on_rank0(model, args, rank, world, batch, micro_batch, src, optimizer, progress)
         Path(plan_path).write_text(text)
     cm = nowdl.compile(model, plan=plan_path, **common)

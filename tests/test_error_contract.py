@@ -53,8 +53,11 @@ def _fixtures(d: Path) -> dict[str, str]:
     (d / "ck_nojson" / "step-00000001").mkdir()
     (d / "ck_nojson" / "latest").write_text("step-00000001")
     (d / "empty").mkdir()
+    spec = {"name": "x", "fp32_flops": 1e12, "bf16_flops": 1e12, "fp16_flops": 1e12, "mem_bw": 1e11,
+            "link_bw": 1e10, "memory_bytes": 2**30, "link_latency_s": -1}
+    (d / "badspec.json").write_text(json.dumps(spec))
     return {k: str(d / k) for k in ("afile", "notjson.json", "future.json", "ck_nopointer", "ck_badpointer",
-                                    "ck_nojson", "empty")}
+                                    "ck_nojson", "empty", "badspec.json")}
 
 
 CLI_CASES: list[tuple[str, list[str], str]] = [
@@ -72,11 +75,18 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
     ("bad memory size", [*PLAN, "--gpu-memory", "12 parsecs"], "parsecs"),
     ("more stages than gpus", [*PLAN[:-2], "--gpus", "2", "--stages", "5"], "no configuration of 2 GPUs"),
     ("unknown device spec", [*PLAN, "--device-spec", "tpu9"], "tpu9"),
+    ("device spec bad calibrated field", [*PLAN, "--device-spec", "<badspec.json>"], "'link_latency_s' must be"),
     ("zero spatial parts", [*PLAN, "--spatial-parts", "0"], "--spatial-parts"),
     ("negative time limit", [*PLAN, "--time-limit", "-1"], "time_limit must be positive"),
     ("unknown option", [*PLAN, "--bogus"], "unrecognized arguments: --bogus"),
     ("plan out under a file", [*PLAN, "--out", "<afile>/plan.json"], "afile"),
     ("plot of unknown format", [*PLAN, "--plot", "picture.xyz"], "unknown picture format '.xyz'"),
+    ("calibrate one rank", ["calibrate", "--ranks", "1"], "--ranks must be an integer >= 2"),
+    ("calibrate out under a file", ["calibrate", "--out", "<afile>/spec.json"], "afile is a file"),
+    ("calibrate out is a folder", ["calibrate", "--out", "<empty>"], "is a folder"),
+    ("calibrate zero threads", ["calibrate", "--threads", "0"], "--threads must be a positive integer"),
+    ("calibrate zero repeats", ["calibrate", "--repeats", "0"], "--repeats must be a positive integer"),
+    ("calibrate unknown backend", ["calibrate", "--backend", "mpi"], "invalid choice: 'mpi'"),
     ("show missing plan", ["show", "missing.json"], "missing.json"),
     ("show not JSON", ["show", "<notjson.json>"], "not valid JSON"),
     ("show plan from the future", ["show", "<future.json>"], "future.json"),

@@ -66,6 +66,7 @@ def test_torchrun_train_and_resume(tmp_path: Path) -> None:
     mean = MEAN.search(plain.stdout)
     assert mean is not None and mean.groups() == ("2", "3"), plain.stdout
     assert "plan: 2 stage(s) x 2 micro-batch(es)" in plain.stdout
+    assert re.search(r"^links: point-to-point [\d.]+ GB/s \+ \d+ us, all-reduce", plain.stdout, re.M), plain.stdout
 
     ckpt = tmp_path / "ckpt"
     first = _torchrun(*PIPE, "--steps", "2", "--checkpoint", str(ckpt))

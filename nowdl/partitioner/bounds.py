@@ -70,7 +70,8 @@ def candidate_bounds(costs: Costs, cand: Candidate, problem: Problem, batch: int
     sync = 0.0
     if cand.dp > 1:
         per_rank = max(share * float(params.sum()), float(params.max(initial=0.0)))
-        sync += 2 * (cand.dp - 1) / cand.dp * per_rank / costs.link_bw
+        ar = costs.topology.allreduce if costs.topology is not None else None  # a measured all-reduce
+        sync += 2 * (cand.dp - 1) / cand.dp * per_rank / max(costs.link_bw, ar.bw if ar is not None else 0.0)
     if cand.replicas == 2:
         sync += max(float(params.sum()) / cand.stages, float(params.max(initial=0.0))) / costs.link_bw
     step = (cand.micro_batches + cand.stages - 1) * time_lb + sync

@@ -159,7 +159,7 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
     cross_tiles = [multi and parts[s] > 1 and lay.tiles_cross(s) for s in range(cand.stages)]
     cross_edge = [multi and lay.boundary_cross(s) for s in range(cand.stages)]
     for p in sorted(set(parts) - {1}):
-        variants[f"tiled{p}"] = _tiled_vectors(costs, p, cand.slice)
+        variants[f"tiled{p}"] = _tiled_vectors(costs, p, cand.slice, None, lay.topo.intra.latency_s)
         if any(c for s, c in enumerate(cross_tiles) if parts[s] == p):
             inter = lay.topo.inter
             variants[f"tiled{p}-inter"] = _tiled_vectors(costs, p, cand.slice, inter.bw, inter.latency_s)

@@ -97,7 +97,8 @@ class _Graph:
         return self.nodes[name].all_input_nodes[0].name
 
 
-def _gain(g: _Graph, chain: list[str], prof: Profile, grid: Sequence[int], link_bw: float) -> float:
+def _gain(g: _Graph, chain: list[str], prof: Profile, grid: Sequence[int], link_bw: float,
+          latency_s: float = HALO_LATENCY_S) -> float:
     """Seconds saved per micro-batch by fusing ``chain`` (negative: fusion is slower)."""
     first = g.source(chain[0])
     if first not in prof or not prof[first].out_shape:
@@ -115,11 +116,11 @@ def _gain(g: _Graph, chain: list[str], prof: Profile, grid: Sequence[int], link_
         src = g.source(c)
         sshape = prof[src].out_shape if src in prof else None
         nbytes = halo_elements(sshape, grid, g.rules[c].halo) * item if sshape else 0
-        unfused += 2 * (HALO_LATENCY_S + nbytes / link_bw)
+        unfused += 2 * (latency_s + nbytes / link_bw)
     deep = tuple(max(lo, hi) for lo, hi in geo["halo"])
     fused_bytes = halo_elements(shape, grid, deep) * item
     compute = sum(prof[c].time_s for c in chain if c in prof) / math.prod(grid)
-    fused = 2 * (HALO_LATENCY_S + fused_bytes / link_bw) + float(geo["extra_fraction"]) * compute
+    fused = 2 * (latency_s + fused_bytes / link_bw) + float(geo["extra_fraction"]) * compute
     return unfused - fused
 
 
@@ -133,8 +134,10 @@ def check_policy(policy: object) -> str | int:
     return policy  # type: ignore[return-value]
 
 
-def choose_fusion(gm: fx.GraphModule, plan: Plan, prof: Profile, link_bw: float, policy: str | int) -> None:
-    """Fill ``plan.stages[i].fused`` for every spatial stage, following ``policy``.
+def choose_fusion(gm: fx.GraphModule, plan: Plan, prof: Profile, link_bw: float, policy: str | int,
+                  latency_s: float = HALO_LATENCY_S) -> None:
+    """Fill ``plan.stages[i].fused`` for every spatial stage, following ``policy``; a halo
+    exchange costs ``latency_s`` plus its bytes at ``link_bw`` (a calibrated spec's figures).
 
     Raises:
         NowdlError: an unknown policy.
@@ -154,7 +157,7 @@ def choose_fusion(gm: fx.GraphModule, plan: Plan, prof: Profile, link_bw: float,
             best_gain = 0.0
             for most in range(2, len(run) + 1):
                 chains = _split(run, windowed, most)
-                gain = sum(_gain(g, c, prof, st.grid, link_bw) for c in chains)
+                gain = sum(_gain(g, c, prof, st.grid, link_bw, latency_s) for c in chains)
                 if gain > best_gain:
                     best, best_gain = chains, gain
             st.fused.extend(best)

@@ -45,8 +45,11 @@ def flat_topology(gpus: int, link_bw: float) -> Topology:
 
 def request_topology(req: PlanRequest, device_spec: Any, spec: Any) -> Topology:
     """The topology of a plan request: its --nodes/--gpus-per-node, else the device spec's node."""
+    ar_bw = getattr(spec, "allreduce_bw", None)
+    allreduce = Link(float(ar_bw), float(getattr(spec, "allreduce_latency_s", None) or 0.0)) if ar_bw else None
     return make_topology(req.gpus, nodes=req.nodes, gpus_per_node=req.gpus_per_node,
-                         node=node_spec_for(device_spec, getattr(spec, "name", None)), link_bw=float(spec.link_bw))
+                         node=node_spec_for(device_spec, getattr(spec, "name", None)), link_bw=float(spec.link_bw),
+                         link_latency_s=getattr(spec, "link_latency_s", None), allreduce=allreduce)
 
 
 def _slot_order(cand: Candidate, topo: Topology) -> list[int]:
@@ -201,13 +204,16 @@ def allreduce_s(nbytes: float, members: Sequence[int], topo: Topology) -> float:
     hierarchical, reduce-scatter inside each node, a ring across nodes on the 1/L shard that
     each rank owns (2(N-1)/N x bytes/L at the inter-node bandwidth, plus 2(N-1) latencies),
     then all-gather inside each node. The fullest node sets the intra part, the emptiest
-    (largest shard) the inter part.
+    (largest shard) the inter part. A measured ``topo.allreduce`` (``nowdl calibrate``) prices
+    the intra part at its bus bandwidth plus its per-call latency.
     """
     total = sum(members)
     if total <= 1 or nbytes <= 0:
         return 0.0
     lmax, lmin, n = max(members), min(members), len(members)
-    t = 2 * (lmax - 1) / lmax * nbytes / topo.intra.bw
+    ar = topo.allreduce
+    t = 2 * (lmax - 1) / lmax * nbytes / topo.intra.bw if ar is None else \
+        (2 * (lmax - 1) / lmax * nbytes / ar.bw + ar.latency_s if lmax > 1 else 0.0)
     if n > 1:
         t += 2 * (n - 1) / n * (nbytes / lmin) / topo.inter.bw + 2 * (n - 1) * topo.inter.latency_s
     return t

@@ -167,7 +167,10 @@ def format_node_map(plan: PlanView, *, max_nodes: int = 64) -> str:
     node = node_of_rank(plan)
     n_nodes = max(node) + 1
     head = (f"topology: {topo.get('nodes', 1)} node(s) x {topo.get('gpus_per_node', len(node))} GPUs"
-            + (f" ({topo.get('name')}; intra {topo['intra']['bw'] / 1e9:.0f} GB/s, inter {topo['inter']['bw'] / 1e9:.0f} GB/s)"
+            + (f" ({topo.get('name')}; intra {topo['intra']['bw'] / 1e9:.3g} GB/s, inter {topo['inter']['bw'] / 1e9:.3g} GB/s"
+               + (f"; measured all-reduce {topo['allreduce']['bw'] / 1e9:.3g} GB/s + "
+                  f"{topo['allreduce']['latency_s'] * 1e6:.0f} us, halo latency {topo['intra']['latency_s'] * 1e6:.0f} us"
+                  if "allreduce" in topo else "") + ")"
                if "intra" in topo else " (plan made before topologies: one node holds every rank)"))
     lines = [head]
     held: dict[int, list[str]] = {}

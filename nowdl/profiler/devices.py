@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["DeviceSpec", "BUILTIN_SPECS", "get_device_spec", "measure_cpu_spec"]
+__all__ = ["DeviceSpec", "BUILTIN_SPECS", "get_device_spec", "measure_cpu_spec", "OP_CLASSES"]
 
 log = logging.getLogger(__name__)
 
 _GIB = 2**30
 _MIB = 2**20
+
+#: op classes of ``DeviceSpec.op_throughput``: FLOP/s for conv2d/conv3d/matmul, bytes/s for the rest
+OP_CLASSES = {"conv2d": "flops", "conv3d": "flops", "matmul": "flops", "elementwise": "bytes", "norm": "bytes"}
+_OPTIONAL = ("link_latency_s", "allreduce_bw", "allreduce_latency_s", "op_throughput", "calibration")
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,13 @@ class DeviceSpec:
     ``link_bw`` is the one-direction GPU-to-GPU bandwidth (NVLink) the planner charges
     for boundary tensors inside a node. A spec JSON may also hold a ``"node"`` object (GPUs
     per node, inter-node bandwidth and latency: see ``nowdl.profiler.topology``). ``memory_bytes`` is the device memory as reported by the driver.
+
+    Optional, measured by ``nowdl calibrate`` (docs/calibrate.md; None: not measured):
+    ``link_latency_s`` (seconds per point-to-point message, used for halo exchanges),
+    ``allreduce_bw``/``allreduce_latency_s`` (ring bus bandwidth and per-call latency of the
+    all-reduce inside a node), ``op_throughput`` (``{dtype: {op class: rate}}``, the achieved
+    FLOP/s or bytes/s per class of :data:`OP_CLASSES`, which the estimate-mode roofline uses
+    in place of the peaks) and ``calibration`` (where and how it was measured).
     """
 
     name: str
@@ -39,6 +52,16 @@ class DeviceSpec:
     link_bw: float
     memory_bytes: int
     tf32_flops: float | None = None
+    link_latency_s: float | None = None
+    allreduce_bw: float | None = None
+    allreduce_latency_s: float | None = None
+    op_throughput: dict[str, dict[str, float]] | None = field(default=None, hash=False)
+    calibration: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+
+    def achieved(self, op_class: str, dtype: torch.dtype | str) -> float | None:
+        """The calibrated rate of ``op_class`` in ``dtype`` (FLOP/s or bytes/s), None if not measured."""
+        rates = (self.op_throughput or {}).get(_dtype_name(dtype))
+        return None if rates is None else rates.get(op_class)
 
     def flops_for(self, dtype: torch.dtype | str, *, tf32: bool = False) -> float:
         """Peak FLOP/s for ``dtype``; ``tf32`` selects the TF32 tensor-core rate for float32.
@@ -57,8 +80,9 @@ class DeviceSpec:
         return self.fp32_flops
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (JSON-ready)."""
-        return asdict(self)
+        """Plain-dict form (JSON-ready); optional calibrated fields only when set."""
+        d = asdict(self)
+        return {k: v for k, v in d.items() if not (k in _OPTIONAL and v is None)}
 
     def to_json(self) -> str:
         """JSON text of this spec (what :meth:`from_json` reads back)."""
@@ -89,6 +113,15 @@ class DeviceSpec:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"device spec field {k!r} must be a positive number, got {v!r}")
+        for k in ("link_latency_s", "allreduce_bw", "allreduce_latency_s"):
+            v = d.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v < 0 or (k == "allreduce_bw" and v == 0)):
+                raise ValueError(f"device spec field {k!r} must be a {'positive' if k == 'allreduce_bw' else 'non-negative'} "
+                                 f"number (or absent), got {v!r}")
+        calib = d.get("calibration")
+        if calib is not None and not isinstance(calib, dict):
+            raise ValueError(f"device spec field 'calibration' must be a JSON object (or absent), got {calib!r}")
         return cls(
             name=d["name"],
             fp32_flops=float(d["fp32_flops"]),
@@ -98,6 +131,11 @@ class DeviceSpec:
             link_bw=float(d["link_bw"]),
             memory_bytes=int(d["memory_bytes"]),
             tf32_flops=None if d.get("tf32_flops") is None else float(d["tf32_flops"]),
+            link_latency_s=_opt_float(d.get("link_latency_s")),
+            allreduce_bw=_opt_float(d.get("allreduce_bw")),
+            allreduce_latency_s=_opt_float(d.get("allreduce_latency_s")),
+            op_throughput=_op_throughput(d.get("op_throughput")),
+            calibration=calib,
         )
 
     @classmethod
@@ -125,6 +163,31 @@ class DeviceSpec:
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _op_throughput(v: Any) -> dict[str, dict[str, float]] | None:
+    """Validate ``op_throughput``: ``{dtype: {op class: positive rate}}`` (errors name the entry)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"device spec field 'op_throughput' must be an object {{dtype: {{op class: rate}}}}, got {v!r}")
+    out: dict[str, dict[str, float]] = {}
+    for dt, rates in v.items():
+        if dt not in _DTYPES or not isinstance(rates, dict):
+            raise ValueError(f"device spec field 'op_throughput' has entry {dt!r}: keys must be dtypes {list(_DTYPES)} "
+                             "mapping to objects {op class: rate}")
+        for cls_, r in rates.items():
+            if cls_ not in OP_CLASSES:
+                raise ValueError(f"device spec field 'op_throughput.{dt}' has unknown op class {cls_!r}; "
+                                 f"valid classes: {sorted(OP_CLASSES)}")
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
+                raise ValueError(f"device spec field 'op_throughput.{dt}.{cls_}' must be a positive number, got {r!r}")
+        out[dt] = {c: float(r) for c, r in rates.items()}
+    return out
 
 
 # Public datasheet numbers, dense. link_bw = NVLink bandwidth per GPU, one direction.

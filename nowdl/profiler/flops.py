@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from nowdl.profiler.devices import DeviceSpec
+from nowdl.profiler.devices import OP_CLASSES, DeviceSpec
 
 __all__ = ["OpCostMode", "count_flops", "op_flops", "op_bytes"]
 
@@ -178,12 +178,33 @@ def _tensor_core(packet: Any) -> bool | None:
     return None
 
 
+_NORM_ALL = _BN | _BN_EVAL | _NORM_OTHER | _NORM_BWD_OPS
+
+
+def _op_class(func: Any, args: tuple[Any, ...]) -> str | None:
+    """The calibrated op class (``DeviceSpec.op_throughput``) of an aten op, None for the others."""
+    packet = func.overloadpacket
+    if packet in _CONV_OPS:
+        w = args[2] if packet is aten.convolution_backward and len(args) > 2 else args[1] if len(args) > 1 else None
+        return "conv3d" if isinstance(w, torch.Tensor) and w.dim() == 5 else "conv2d"
+    if packet in _MM_OPS:
+        return "matmul"
+    if packet in _NORM_ALL:
+        return "norm"
+    if torch.Tag.pointwise in func.tags:
+        return "elementwise"
+    return None
+
+
 class OpCostMode(TorchDispatchMode):
     """Counts FLOPs, bytes moved and (given a DeviceSpec) roofline seconds of every aten op.
 
     Roofline time of one op = max(flops / peak, bytes / mem_bw), summed over ops; matmul and
     convolution ops use the spec's rate for their dtype (TF32 for float32 when torch allows
-    TF32 for that op kind), every other op the float32 CUDA-core rate.
+    TF32 for that op kind), every other op the float32 CUDA-core rate. When the spec holds a
+    calibrated rate for the op's class and dtype (``op_throughput``, from ``nowdl calibrate``),
+    that rate replaces the peak: FLOP/s for conv2d/conv3d/matmul, bytes/s (in place of
+    ``mem_bw``) for elementwise and norm ops.
     """
 
     def __init__(self, spec: DeviceSpec | None = None) -> None:
@@ -215,7 +236,14 @@ class OpCostMode(TorchDispatchMode):
                 peak = self.spec.fp32_flops
             else:
                 peak = self.spec.flops_for(dtype, tf32=tc)
-            self.seconds += max(f / peak, b / self.spec.mem_bw)
+            op_class = _op_class(func, args)
+            rate = self.spec.achieved(op_class, dtype) if op_class is not None else None
+            if rate is not None and op_class is not None and OP_CLASSES[op_class] == "flops":
+                self.seconds += max(f / rate, b / self.spec.mem_bw)
+            elif rate is not None:
+                self.seconds += max(f / self.spec.fp32_flops, b / rate)
+            else:
+                self.seconds += max(f / peak, b / self.spec.mem_bw)
         return out
 
 

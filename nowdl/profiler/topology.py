@@ -93,6 +93,7 @@ class Topology:
     intra: Link
     inter: Link
     name: str = "custom"
+    allreduce: Link | None = None  # measured all-reduce inside a node (bus bw, latency); None: ring at intra.bw
 
     @property
     def gpus(self) -> int:
@@ -110,8 +111,11 @@ class Topology:
         return self.intra if len({self.node_of(r) for r in ranks}) <= 1 else self.inter
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
-                "intra": self.intra.to_dict(), "inter": self.inter.to_dict()}
+        d = {"name": self.name, "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+             "intra": self.intra.to_dict(), "inter": self.inter.to_dict()}
+        if self.allreduce is not None:
+            d["allreduce"] = self.allreduce.to_dict()
+        return d
 
     def describe(self) -> str:
         """'8 nodes x 8 GPUs (dgx-h100; intra 450 GB/s 10 us, inter 50 GB/s 20 us)'."""
@@ -125,14 +129,15 @@ class Topology:
         if not isinstance(d, dict):
             raise NowdlError(f"{source}: 'topology' must be an object, got {type(d).__name__}")
         try:
-            links = {k: Link(float(d[k]["bw"]), float(d[k]["latency_s"])) for k in ("intra", "inter")}
+            links = {k: Link(float(d[k]["bw"]), float(d[k]["latency_s"])) for k in ("intra", "inter", "allreduce")
+                     if k in d or k != "allreduce"}
             nodes, g = d["nodes"], d["gpus_per_node"]
         except (KeyError, TypeError, ValueError) as e:
             raise NowdlError(f"{source}: topology needs nodes, gpus_per_node, intra/inter {{bw, latency_s}} ({e})") from None
         for k, v in (("nodes", nodes), ("gpus_per_node", g)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise NowdlError(f"{source}: topology.{k} must be a positive integer, got {v!r}")
-        return cls(nodes, g, links["intra"], links["inter"], str(d.get("name", "custom")))
+        return cls(nodes, g, links["intra"], links["inter"], str(d.get("name", "custom")), links.get("allreduce"))
 
 
 def node_spec_for(device_spec: Any, spec_name: str | None) -> NodeSpec | None:
@@ -156,12 +161,15 @@ def node_spec_for(device_spec: Any, spec_name: str | None) -> NodeSpec | None:
 
 
 def make_topology(gpus: int, *, nodes: int | None = None, gpus_per_node: int | None = None,
-                  node: NodeSpec | None = None, link_bw: float) -> Topology:
+                  node: NodeSpec | None = None, link_bw: float, link_latency_s: float | None = None,
+                  allreduce: Link | None = None) -> Topology:
     """The topology of a ``gpus``-rank job.
 
     ``nodes``/``gpus_per_node`` (the --nodes/--gpus-per-node flags) win; otherwise the node
     spec's GPUs per node applies when it divides ``gpus`` (a job of fewer GPUs fits one node);
-    otherwise one node holds every rank. ``link_bw`` is the device spec's NVLink bandwidth.
+    otherwise one node holds every rank. ``link_bw`` is the device spec's NVLink bandwidth;
+    ``link_latency_s`` (measured, ``nowdl calibrate``) replaces the intra-node latency and
+    ``allreduce`` (measured bus bandwidth and latency) prices the all-reduce inside a node.
 
     Raises:
         NowdlError: nodes x gpus_per_node != gpus, or gpus not a multiple of gpus_per_node.
@@ -189,6 +197,8 @@ def make_topology(gpus: int, *, nodes: int | None = None, gpus_per_node: int | N
         nodes, gpus_per_node = gpus // node.gpus_per_node, node.gpus_per_node
     else:
         nodes, gpus_per_node = 1, gpus
-    n = node or NodeSpec(gpus_per_node, link_bw, INTRA_LATENCY_S)
-    intra = Link(n.intra_bw if n.intra_bw is not None else link_bw, n.intra_latency_s)
-    return Topology(nodes, gpus_per_node, intra, Link(n.inter_bw, n.inter_latency_s), n.name if node else "flat")
+    n = node or NodeSpec(gpus_per_node, link_bw, INTRA_LATENCY_S if link_latency_s is None else link_latency_s)
+    intra = Link(n.intra_bw if n.intra_bw is not None else link_bw,
+                 n.intra_latency_s if link_latency_s is None else link_latency_s)
+    return Topology(nodes, gpus_per_node, intra, Link(n.inter_bw, n.inter_latency_s), n.name if node else "flat",
+                    allreduce)

@@ -78,6 +78,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds any rank waits for a peer before failing, naming it (default 300)")
     p.add_argument("--gpu-memory", metavar="SIZE", help="per-GPU memory cap for planning, e.g. 80GiB")
     p.add_argument("--device-spec", help="device spec the planner estimates with (default h100)")
+    p.add_argument("--no-link-probe", action="store_true",
+                   help="when planning, keep the device spec's link figures instead of measuring this job's "
+                   "point-to-point and all-reduce links first (cached per host, backend, world size and device)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what nowdl does")
 
 
