@@ -127,6 +127,10 @@ def run_main(args: argparse.Namespace) -> int:
         raise NowdlError("--save-every needs --checkpoint DIR (where to save)")
     if not args.timeout > 0:
         raise NowdlError(f"--timeout must be positive seconds, got {args.timeout}")
+    if args.device_spec is not None and str(args.device_spec).strip().lower() != "cpu":
+        from nowdl.profiler.devices import get_device_spec
+
+        get_device_spec(args.device_spec)  # a bad name or file is refused before anything runs
     import nowdl
 
     compile_params = inspect.signature(nowdl.compile).parameters

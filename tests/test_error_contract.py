@@ -97,6 +97,7 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
     ("run batch zero", [*RUN[:6], "--batch-size", "0", "--steps", "1"], "--batch-size must be a positive integer"),
     ("run negative lr", [*RUN, "--lr", "-1"], "--lr -1.0 must be a positive number"),
     ("run timeout zero", [*RUN, "--timeout", "0"], "--timeout must be positive"),
+    ("run unknown device spec", [*RUN, "--device-spec", "tpu9"], "unknown device spec 'tpu9'"),
     ("run save-every zero", [*RUN, "--checkpoint", "ck", "--save-every", "0"], "--save-every must be a positive"),
     ("run save-every without checkpoint", [*RUN, "--save-every", "2"], "--save-every needs --checkpoint"),
     ("run unknown data kind", [*RUN, "--data", "ftp://x"], "--data ftp://x"),

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from nowdl.errors import NowdlError
+
 __all__ = ["DeviceSpec", "BUILTIN_SPECS", "get_device_spec", "measure_cpu_spec", "OP_CLASSES"]
 
 log = logging.getLogger(__name__)
@@ -92,36 +94,36 @@ class DeviceSpec:
     def from_dict(cls, d: dict[str, Any]) -> DeviceSpec:
         """Build a spec from a dict, validating every field (errors name the bad field)."""
         if not isinstance(d, dict):
-            raise ValueError(f"device spec must be a JSON object, got {type(d).__name__}")
+            raise NowdlError(f"device spec must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known - {"node"})  # "node": the cluster's nodes (profiler/topology.py)
         if unknown:
-            raise ValueError(
+            raise NowdlError(
                 f"device spec has unknown field(s) {unknown}; valid fields: {sorted(known)}"
             )
         required = ("name", "fp32_flops", "bf16_flops", "fp16_flops", "mem_bw", "link_bw",
                     "memory_bytes")
         missing = [k for k in required if k not in d]
         if missing:
-            raise ValueError(f"device spec is missing field(s) {missing}")
+            raise NowdlError(f"device spec is missing field(s) {missing}")
         if not isinstance(d["name"], str) or not d["name"]:
-            raise ValueError(f"device spec field 'name' must be a non-empty string, got {d['name']!r}")
+            raise NowdlError(f"device spec field 'name' must be a non-empty string, got {d['name']!r}")
         for k in ("fp32_flops", "bf16_flops", "fp16_flops", "mem_bw", "link_bw", "memory_bytes",
                   "tf32_flops"):
             v = d.get(k)
             if k == "tf32_flops" and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"device spec field {k!r} must be a positive number, got {v!r}")
+                raise NowdlError(f"device spec field {k!r} must be a positive number, got {v!r}")
         for k in ("link_latency_s", "allreduce_bw", "allreduce_latency_s"):
             v = d.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                   or v < 0 or (k == "allreduce_bw" and v == 0)):
-                raise ValueError(f"device spec field {k!r} must be a {'positive' if k == 'allreduce_bw' else 'non-negative'} "
+                raise NowdlError(f"device spec field {k!r} must be a {'positive' if k == 'allreduce_bw' else 'non-negative'} "
                                  f"number (or absent), got {v!r}")
         calib = d.get("calibration")
         if calib is not None and not isinstance(calib, dict):
-            raise ValueError(f"device spec field 'calibration' must be a JSON object (or absent), got {calib!r}")
+            raise NowdlError(f"device spec field 'calibration' must be a JSON object (or absent), got {calib!r}")
         return cls(
             name=d["name"],
             fp32_flops=float(d["fp32_flops"]),
@@ -144,7 +146,7 @@ class DeviceSpec:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"device spec is not valid JSON: {e}") from e
+            raise NowdlError(f"device spec is not valid JSON: {e}") from e
         return cls.from_dict(d)
 
     @classmethod
@@ -154,11 +156,11 @@ class DeviceSpec:
         try:
             text = p.read_text()
         except OSError as e:
-            raise ValueError(f"cannot read device spec file {p}: {e}") from e
+            raise NowdlError(f"cannot read device spec file {p}: {e}") from e
         try:
             return cls.from_json(text)
         except ValueError as e:
-            raise ValueError(f"{p}: {e}") from e
+            raise NowdlError(f"{p}: {e}") from e
 
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
@@ -174,18 +176,18 @@ def _op_throughput(v: Any) -> dict[str, dict[str, float]] | None:
     if v is None:
         return None
     if not isinstance(v, dict):
-        raise ValueError(f"device spec field 'op_throughput' must be an object {{dtype: {{op class: rate}}}}, got {v!r}")
+        raise NowdlError(f"device spec field 'op_throughput' must be an object {{dtype: {{op class: rate}}}}, got {v!r}")
     out: dict[str, dict[str, float]] = {}
     for dt, rates in v.items():
         if dt not in _DTYPES or not isinstance(rates, dict):
-            raise ValueError(f"device spec field 'op_throughput' has entry {dt!r}: keys must be dtypes {list(_DTYPES)} "
+            raise NowdlError(f"device spec field 'op_throughput' has entry {dt!r}: keys must be dtypes {list(_DTYPES)} "
                              "mapping to objects {op class: rate}")
         for cls_, r in rates.items():
             if cls_ not in OP_CLASSES:
-                raise ValueError(f"device spec field 'op_throughput.{dt}' has unknown op class {cls_!r}; "
+                raise NowdlError(f"device spec field 'op_throughput.{dt}' has unknown op class {cls_!r}; "
                                  f"valid classes: {sorted(OP_CLASSES)}")
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
-                raise ValueError(f"device spec field 'op_throughput.{dt}.{cls_}' must be a positive number, got {r!r}")
+                raise NowdlError(f"device spec field 'op_throughput.{dt}.{cls_}' must be a positive number, got {r!r}")
         out[dt] = {c: float(r) for c, r in rates.items()}
     return out
 
@@ -270,7 +272,7 @@ def get_device_spec(
     if isinstance(name_or_path, os.PathLike) or str(name_or_path).endswith(".json"):
         return DeviceSpec.load(name_or_path)
     if not isinstance(name_or_path, str):
-        raise ValueError(f"device_spec must be a name, a JSON path or a DeviceSpec, "
+        raise NowdlError(f"device_spec must be a name, a JSON path or a DeviceSpec, "
                          f"got {type(name_or_path).__name__}")
     key = name_or_path.strip().lower()
     if key in BUILTIN_SPECS:
@@ -280,7 +282,7 @@ def get_device_spec(
     if os.path.isfile(name_or_path):
         return DeviceSpec.load(name_or_path)
     names = sorted([*BUILTIN_SPECS, "cpu"])
-    raise ValueError(
+    raise NowdlError(
         f"unknown device spec {name_or_path!r}; built-in names are {names}, "
         f"or pass the path of a JSON file with the DeviceSpec fields"
     )
