@@ -91,6 +91,7 @@ LR = 1e-3
 NUM_CLASSES = 10
 MEM_TOL = 0.10
 TIME_TOL = 0.15
+STEP_TARGET = 0.9  # nowdl's step / the best of pipelining's on the same split
 
 
 def log(msg: str) -> None:
@@ -122,6 +123,12 @@ class Case:
     @property
     def label(self) -> str:
         return f"K={self.k} M={self.m} {self.schedule}"
+
+    @property
+    def peer(self) -> str:
+        """pipelining's schedule in the ratio columns: the same one; for zb its 1F1B (same memory
+        bound on the first stage; its GPipe runs too and the best of both is reported)."""
+        return "1f1b" if self.schedule == "zb" else self.schedule
 
 
 @dataclass
@@ -274,36 +281,47 @@ def worker(rank: int, world: int, plan_path: str, case: Case, cfg: Settings) -> 
                            "torch.distributed.pipelining cannot run this split")
     if rank > 0:
         assert mine.inputs == pp_stages[rank - 1].outputs, (mine.inputs, pp_stages[rank - 1].outputs)
-    wrapped = SingleStage(mine.module)
-    pstage = PipelineStage(wrapped, rank, world, device=torch.device("cpu"))
-    sched_cls = ScheduleGPipe if case.schedule == "gpipe" else Schedule1F1B
-    sched = sched_cls(pstage, n_microbatches=case.m, loss_fn=loss_fn)
-    popt = adam(wrapped.parameters())
     res["io"] = (len(mine.inputs), len(mine.outputs))
 
-    def pp_step(x: torch.Tensor, y: torch.Tensor) -> float:
-        popt.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            sched.step(x)
-        elif rank == world - 1:
-            sched.step(target=y, losses=losses)
-        else:
-            sched.step()
-        popt.step()
-        return float(torch.stack(losses).detach().mean()) if losses else float("nan")
+    def make_pp(kind: str, module: nn.Module) -> tuple[Callable[[torch.Tensor, torch.Tensor], float], Any, Any, Any]:
+        """pipelining's ``kind`` schedule on ``module`` (this rank's stage): step, wrapper, stage, optimizer."""
+        wrapped = SingleStage(module)
+        pstage = PipelineStage(wrapped, rank, world, device=torch.device("cpu"))
+        sched = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(pstage, n_microbatches=case.m, loss_fn=loss_fn)
+        popt = adam(wrapped.parameters())
 
-    times: dict[str, list[float]] = {"nowdl": [], "pipelining": []}
+        def pp_step(x: torch.Tensor, y: torch.Tensor) -> float:
+            popt.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            if rank == 0:
+                sched.step(x)
+            elif rank == world - 1:
+                sched.step(target=y, losses=losses)
+            else:
+                sched.step()
+            popt.step()
+            return float(torch.stack(losses).detach().mean()) if losses else float("nan")
+
+        return pp_step, wrapped, pstage, popt
+
+    # the peer schedule on the same split: the same name, or for zb both of pipelining's
+    runners = {"pipelining": make_pp(case.peer, mine.module)}
+    if case.schedule == "zb":  # GPipe too, from a third copy with the same weights
+        runners["pipelining gpipe"] = make_pp("gpipe", build_stages(trace(make_model(), (x_mb,)).gm, plan)[rank].module)
+
+    names = ["nowdl", *runners]
+    times: dict[str, list[float]] = {n: [] for n in names}
     first_loss: dict[str, float] = {}
     for step in range(cfg.warmup + cfg.repeats):
         x, y = batch(step, case.m, cfg.size)
-        order = ["nowdl", "pipelining"] if step % 2 == 0 else ["pipelining", "nowdl"]
+        order = names if step % 2 == 0 else names[::-1]
         for name in order:
             box: list[float] = []
             if name == "nowdl":
                 t = _barrier_timed(lambda x=x, y=y, box=box: box.append(cm.train_step(x, y)))
             else:
-                t = _barrier_timed(lambda x=x, y=y, box=box: box.append(pp_step(x, y)))
+                fn = runners[name][0]
+                t = _barrier_timed(lambda x=x, y=y, box=box, fn=fn: box.append(fn(x, y)))
             if step == 0:
                 first_loss[name] = box[0]
             if step >= cfg.warmup:
@@ -318,11 +336,13 @@ def worker(rank: int, world: int, plan_path: str, case: Case, cfg: Settings) -> 
     dist.barrier()
     # receive buffers are allocated fresh every step (no pool), so the tracker sees them
     res["peak_nowdl"] = peak_of(lambda: cm.train_step(x, y), held, eng.optimizer)[1]
-    dist.barrier()
     # pipelining allocates one receive buffer per micro-batch and input (activations) and per
     # output (their gradients) at its first step and reuses them: invisible to the tracker
-    res["pool_pipelining"] = _recv_buffer_bytes(pstage)
-    res["peak_pipelining"] = peak_of(lambda: pp_step(x, y), [wrapped], popt)[1] + res["pool_pipelining"]
+    for name, (fn, wrapped, pstage, popt) in runners.items():
+        dist.barrier()
+        pool = _recv_buffer_bytes(pstage)
+        res[f"pool_{name}"] = pool
+        res[f"peak_{name}"] = peak_of(lambda fn=fn: fn(x, y), [wrapped], popt)[1] + pool
     dist.barrier()
 
     # time per stage and micro-batch, one rank at a time
@@ -421,31 +441,34 @@ def print_tables(results: list[Result], cfg: Settings, balance: str, wall: float
           f"(median of {cfg.comm_repeats})")
     print(f"- total wall time of the benchmark: {wall:.0f} s\n")
 
-    print("## 1. Step time (target: nowdl / pipelining <= 1)\n")
-    print("| K | M | schedule | cut (tensors per boundary) | nowdl ms | pipelining ms | ratio | target "
-          "| plan step_s ms | loss step 0 nowdl / pipelining |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"## 1. Step time (target: nowdl / best of pipelining <= {STEP_TARGET})\n")
+    print("| K | M | schedule | cut (tensors per boundary) | nowdl ms | pipelining ms (its schedule) | ratio "
+          "| best pipelining ms | ratio vs best | target | plan step_s ms | loss step 0 nowdl / pipelining |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         r0 = r.ranks[0]
         nd = statistics.median(r0["times"]["nowdl"])
         pp = statistics.median(r0["times"]["pipelining"])
+        best_name, best = pp_best(r)
         nl = r0["first_loss"]["nowdl"]
         pl = r.ranks[-1]["first_loss"]["pipelining"]
         cuts = ",".join(str(rk["io"][1]) for rk in r.ranks[:-1])
-        print(f"| {r.case.k} | {r.case.m} | {r.case.schedule} | {cuts} | {ms(nd)} | {ms(pp)} | {nd / pp:.2f} "
-              f"| {mark(nd <= pp)} | {ms(r.plan.predicted['step_s'])} | {nl:.6f} / {pl:.6f} |")
+        print(f"| {r.case.k} | {r.case.m} | {r.case.schedule} | {cuts} | {ms(nd)} | {ms(pp)} ({r.case.peer}) "
+              f"| {nd / pp:.2f} | {ms(best)} ({best_name}) | {nd / best:.2f} | {mark(nd / best <= STEP_TARGET)} "
+              f"| {ms(r.plan.predicted['step_s'])} | {nl:.6f} / {pl:.6f} |")
 
     print("\n## 2. Peak memory per rank (target: measured within ±10% of predicted)\n")
     print("| K | M | schedule | rank | predicted MiB | nowdl measured MiB | measured/predicted | target "
-          "| pipelining measured MiB | nowdl <= pipelining |")
+          "| pipelining measured MiB (its schedule) | nowdl <= pipelining |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for rk in r.ranks:
             pred = r.plan.ranks[rk["rank"]].predicted_peak_bytes
             meas = rk["peak_nowdl"]
             q = meas / pred
+            extra = "".join(f"; {k.split()[-1]} {mib(v)}" for k, v in rk.items() if k.startswith("peak_pipelining "))
             print(f"| {r.case.k} | {r.case.m} | {r.case.schedule} | {rk['rank']} | {mib(pred)} | {mib(meas)} "
-                  f"| {q:.2f} | {mark(abs(q - 1) <= MEM_TOL)} | {mib(rk['peak_pipelining'])} "
+                  f"| {q:.2f} | {mark(abs(q - 1) <= MEM_TOL)} | {mib(rk['peak_pipelining'])} ({r.case.peer}{extra}) "
                   f"| {mark(meas <= rk['peak_pipelining'])} |")
 
     print("\n## 3. Time per stage and micro-batch (target: measured total within ±15% of predicted)\n")
@@ -468,13 +491,21 @@ def print_tables(results: list[Result], cfg: Settings, balance: str, wall: float
     print(summary(results))
 
 
+def pp_best(r: Result) -> tuple[str, float]:
+    """pipelining's fastest schedule on this row's split: (its name, median step seconds)."""
+    got = {(r.case.peer if k == "pipelining" else k.split()[-1]): statistics.median(v)
+           for k, v in r.ranks[0]["times"].items() if k.startswith("pipelining")}
+    name = min(got, key=lambda n: got[n])
+    return name, got[name]
+
+
 def summary(results: list[Result]) -> str:
-    """One line a script can read: how many rows met each target, and the step-time ratios."""
+    """One line a script can read: how many rows met each target, and the step-time ratios
+    (nowdl / the best of pipelining's schedules run on the row's split)."""
     mem_ok = time_ok = le_ok = rows = 0
     ratios = []
     for r in results:
-        ratios.append(statistics.median(r.ranks[0]["times"]["nowdl"])
-                      / statistics.median(r.ranks[0]["times"]["pipelining"]))
+        ratios.append(statistics.median(r.ranks[0]["times"]["nowdl"]) / pp_best(r)[1])
         for rk in r.ranks:
             rows += 1
             meas = rk["peak_nowdl"]
@@ -517,11 +548,15 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
     slow = []
     for r in results:
         nd = statistics.median(r.ranks[0]["times"]["nowdl"])
-        pp = statistics.median(r.ranks[0]["times"]["pipelining"])
-        if nd > pp:
-            slow.append(f"{r.case.label} ({ms(nd)} vs {ms(pp)} ms, {nd / pp:.2f}x)")
+        best_name, pp = pp_best(r)
+        if nd > STEP_TARGET * pp:
+            slow.append(f"{r.case.label} ({ms(nd)} vs {ms(pp)} ms with pipelining's {best_name}, {nd / pp:.2f}x)")
     if slow:
-        print("- step time target missed: " + "; ".join(slow) + ".")
+        print(f"- step time target (<= {STEP_TARGET}x the best of pipelining's schedules run on the same split) "
+              "missed: " + "; ".join(slow) + ". GPipe and 1F1B rows run the same schedule in both frameworks on "
+              "the same fx modules: only overheads differ, so a ratio near 1 is expected there; the zb rows "
+              "run a schedule with a smaller bubble (its ideal at F = B = W: (3M + K - 1) / 3(M + K - 1) of "
+              "1F1B's step).")
     mem_miss = []
     held = []
     for r in results:
@@ -638,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    stage_repeats=5 if args.quick else 15, comm_repeats=10 if args.quick else 30)
     ks = [2] if args.quick else [2, 4]
     ms_ = [4] if args.quick else [4, 8]
-    cases = [Case(k, m, s) for k in ks for m in ms_ for s in ("gpipe", "1f1b")]
+    cases = [Case(k, m, s) for k in ks for m in ms_ for s in ("gpipe", "1f1b", "zb")]
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     results: list[Result] = []
