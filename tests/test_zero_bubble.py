@@ -7,18 +7,19 @@ and compare losses and every parameter with one process running the same micro-b
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
-from test_runtime import _adam, _compare, _data, _loss, _make, _reference
+from test_runtime import _adam, _compare, _data, _loss, _make, _reference, _worker
 from torch import nn
 
 import nowdl
+from nowdl.partitioner.zborder import zb_slots
 from nowdl.runtime import zerobubble
 from nowdl.runtime.schedule import (
     chain_deps,
     inflight_peaks,
-    one_f_one_b,
     simulate,
     validate_schedule,
     zero_bubble,
@@ -41,12 +42,15 @@ def test_order_is_complete_runs_and_bounds_inflight(k: int, m: int, replicas: in
             assert when[type(a)(a.kind, a.stage, a.microbatch - 1, a.replica)] < t
 
 
-def test_fewer_steps_than_1f1b_with_the_weight_pass_counted() -> None:
-    """In time units F = B = W = 1, 1F1B (B+W fused) takes 3 (m + K - 1); ZB-H1 3m + K - 1."""
-    for k, m in [(2, 4), (4, 4), (4, 8)]:
-        zb = len(simulate(zero_bubble(k, m), chain_deps(k)))
-        f1 = len(simulate(one_f_one_b(k, m), chain_deps(k)))  # one step per action: B counts 1, not 2
-        assert zb < 3 * (m + k - 1) and f1 == 2 * (m + k - 1), (k, m, zb, f1)
+def test_zb_h1_step_length() -> None:
+    """In time units F = B = W = 1: 1F1B (B and W fused) takes 3(m + K - 1), ZB-H1 3m + K - 1; with
+    other proportions the step model keeps only the forwards in the bubble."""
+    for k in range(2, 9):
+        for m in range(k, 2 * k + 1):
+            steps = len(simulate(zero_bubble(k, m), chain_deps(k)))
+            assert steps == 3 * m + k - 1, (k, m, steps)
+            assert zb_slots(k, m, 1 / 3) == pytest.approx(m + (k - 1) / 3), (k, m)
+            assert m <= zb_slots(k, m, 0.25) < m + k - 1
 
 
 def test_deferred_weight_gradients_equal_autograd() -> None:
@@ -109,3 +113,18 @@ def test_one_process_defers_and_matches() -> None:
     for k, ref in ref_sd.items():
         if ref.is_floating_point():
             torch.testing.assert_close(sd[k], ref, rtol=1e-5, atol=1e-6, msg=lambda s, k=k: f"{k}: {s}")
+
+
+def _small_buckets_worker(*args: Any) -> Any:
+    """test_runtime's worker with 512-byte gradient buckets: many all-reduces per stage, each
+    launched from inside the last backward (or W) as its parameters' gradients become final."""
+    from nowdl.runtime import gradsync
+
+    gradsync.BUCKET_BYTES = 512
+    return _worker(*args)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_bucketed_allreduce_dp_is_exact(schedule: str) -> None:
+    _compare("resnet_bn", 4, {"stages": 2, "dp": 2, "replicas": 1, "micro_batches": 2, "schedule": schedule},
+             worker=_small_buckets_worker)

@@ -15,7 +15,12 @@ actions over the chain ``0 -> 1 -> ... -> K-1`` (so they hold for any forward-ed
 2. its next ``F``, once the stage before ran it, if fewer than ``min(m, K)`` micro-batches are
    in flight on the stage (forward ran, ``W`` not yet): ZB-H1's memory rule, which keeps every
    stage at or below the peak of 1F1B's first stage (later stages hold more than under 1F1B);
+   ``F`` goes before ``B`` while fewer than ``min(m, K - s)`` forwards await their ``B`` (1F1B's
+   warm-up), which feeds the later stages sooner;
 3. its next ``W`` (micro-batch order), once that micro-batch's ``B`` ran.
+
+With F = B = W this reaches ZB-H1's step, ``3m + K - 1`` units against 1F1B's ``3(m + K - 1)``,
+for every (K, m) tried (K = 2..8, m = K..2K; ``tests/test_zero_bubble.py``).
 
 Both ``B`` and ``W`` keep micro-batch order, so the gradients accumulate in the order of a
 single process. :func:`zb_slots` replays the orders with real proportions of F, B and W (the
@@ -58,17 +63,25 @@ def zb_orders(k: int, m: int) -> Order:
     while any(w < m for w in nw):
         for s in range(k):
             i = nb[s]
-            if i < nf[s] and f_at[(s, i)] < t and (s == k - 1 or b_at.get((s + 1, i), t) < t):
-                out[s].append(("B", s, i))
+            can = {
+                "B": i < nf[s] and f_at[(s, i)] < t and (s == k - 1 or b_at.get((s + 1, i), t) < t),
+                "F": nf[s] < m and nf[s] - nw[s] < limit and (s == 0 or f_at.get((s - 1, nf[s]), t) < t),
+                "W": nw[s] < nb[s] and b_at.get((s, nw[s]), t) < t,
+            }
+            warm = nf[s] - nb[s] < min(m, k - s)  # 1F1B's warm-up: forwards first
+            kind = next((x for x in ("FBW" if warm else "BFW") if can[x]), None)
+            if kind == "B":
                 b_at[(s, i)] = t
                 nb[s] += 1
-            elif nf[s] < m and nf[s] - nw[s] < limit and (s == 0 or f_at.get((s - 1, nf[s]), t) < t):
-                out[s].append(("F", s, nf[s]))
+            elif kind == "F":
                 f_at[(s, nf[s])] = t
+                i = nf[s]
                 nf[s] += 1
-            elif nw[s] < nb[s] and b_at[(s, nw[s])] < t:
-                out[s].append(("W", s, nw[s]))
+            elif kind == "W":
+                i = nw[s]
                 nw[s] += 1
+            if kind is not None:
+                out[s].append((kind, s, i))
         t += 1
         if t > 4 * k * m + 4 * k:  # a chain always progresses; a guard, not a rule
             raise NowdlError(f"zero-bubble order for K={k}, m={m} made no progress by step {t}")

@@ -192,7 +192,7 @@ class PipelineEngine(Transfers, GradSync):
             if a.kind == last:
                 b_left[a.stage] = b_left.get(a.stage, 0) + 1
         wq: dict[tuple[int, int, int], list[WeightGrad]] = {}
-        pending: list[tuple[int, Any, torch.Tensor]] = []
+        pending: list[Any] = []  # launched gradient buckets
         inputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         losses: dict[tuple[int, int], torch.Tensor] = {}
@@ -207,6 +207,7 @@ class PipelineEngine(Transfers, GradSync):
             sends = self._release_done(sends)
             key = (act.replica, act.stage, act.microbatch)
             st = self.stages[act.stage]
+            bk = self._open_buckets(act.stage) if act.kind == last and b_left[act.stage] == 1 else None
             if act.kind == "F":
                 bufs: list[torch.Tensor] = []
                 part = self.part[(act.replica, act.stage)]
@@ -256,7 +257,7 @@ class PipelineEngine(Transfers, GradSync):
                     outputs.pop(key)
                     held_bufs.pop(key)
             elif act.kind == "W":
-                run_weight_grads(wq.pop(key, []))
+                run_weight_grads(wq.pop(key, []), None if bk is None else bk.ready)
             else:
                 part = self.part[(act.replica, act.stage)]
                 me = (act.stage, part)
@@ -317,10 +318,8 @@ class PipelineEngine(Transfers, GradSync):
                                       self._index(q, "B", p, act.microbatch, act.replica)))
             if act.kind == last:
                 b_left[act.stage] -= 1
-                if b_left[act.stage] == 0:  # this stage's gradients are final here: reduce them now
-                    bucket = self._launch_sync(act.stage)
-                    if bucket is not None:
-                        pending.append(bucket)
+            if bk is not None:  # this stage's gradients are final here ([Note: gradient sync])
+                pending += self._close_buckets(bk)
         for w, what, _, q, _ in sends:
             wait(w, timeout_s=self.timeout_s, what=what, peer=q)
         if train:

@@ -208,8 +208,13 @@ def enable(module: nn.Module) -> int:
     return n
 
 
-def run_weight_grads(queue: list[WeightGrad]) -> None:
-    """Compute the queued weight gradients and add them to ``.grad`` (one sum per parameter)."""
+def run_weight_grads(queue: list[WeightGrad], on_final: Callable[[Tensor], None] | None = None) -> None:
+    """Compute the queued weight gradients and add them to ``.grad`` (one sum per parameter).
+
+    Args:
+        on_final: called with each parameter once its gradient is added (the gradient sync's
+            buckets, when this is the stage's last ``W`` of the step).
+    """
     total: dict[int, tuple[nn.Parameter, Tensor]] = {}
     for item in queue:
         for p, g in zip(item.params, item.compute(), strict=True):
@@ -224,3 +229,5 @@ def run_weight_grads(queue: list[WeightGrad]) -> None:
                 p.grad = g.detach()
             else:
                 p.grad += g
+            if on_final is not None:
+                on_final(p)
