@@ -208,6 +208,17 @@ def _recv_buffer_bytes(stage: Any) -> int:
     return total
 
 
+def _returns_input(wrapped: SingleStage, stages: Sequence[StageModule], x: torch.Tensor) -> bool:
+    """Whether the pipelining stage returns one of its inputs unchanged (a relay, a cut-off shortcut)."""
+    values: dict[str, torch.Tensor] = {stages[0].inputs[0]: x}
+    with torch.no_grad():
+        for st in stages[:wrapped.st.index]:
+            values.update(st.run(values))
+        args = [values[n] for n in wrapped.inputs]
+        outs = wrapped(*args)
+    return any(o is a for o in (outs if isinstance(outs, tuple) else (outs,)) for a in args)
+
+
 def _stage_inputs(stages: Sequence[StageModule], s: int, x: torch.Tensor) -> list[torch.Tensor]:
     """Inputs of stage ``s`` for micro-batch ``x``, computed by running the stages before it."""
     values: dict[str, torch.Tensor] = {stages[0].inputs[0]: x}
@@ -337,10 +348,13 @@ def worker(rank: int, world: int, plan_path: str, case: Case, cfg: Settings) -> 
         return pp_step, wrapped, pstage, popt
 
     # the same schedule on the same split (for zb also pipelining's 1F1B and GPipe). Its zero
-    # bubble fails on relayed skips (stage_backward_weight: "Trying to use a saved tensor that has
-    # been detached in-place", torch 2.13): there its 1F1B stands in as the row's peer.
-    relays = any(SingleStage(st, pp_stages).relayed for st in pp_stages)
-    peer = "1f1b" if case.schedule == "zb" and relays else case.schedule
+    # bubble fails when a stage returns one of its inputs unchanged (a relayed skip, or a residual
+    # block's input cut off as its shortcut): stage_backward_weight raises "Trying to use a saved
+    # tensor that has been detached in-place" (torch 2.13). There its 1F1B stands in as the peer.
+    flag = torch.tensor([float(_returns_input(mine, pp_stages, x_mb))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    res["passthrough"] = bool(flag.item())
+    peer = "1f1b" if case.schedule == "zb" and res["passthrough"] else case.schedule
     res["peer"] = peer
     runners = {"pipelining": make_pp(peer, mine)}
     if case.schedule == "zb":  # its other schedules too, each from another copy with the same weights
@@ -594,14 +608,18 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
     relays = [f"{r.case.label}: " + ", ".join(f"rank {rk['rank']} relays {len(rk['relayed'])}" for rk in r.ranks
                                                  if rk.get("relayed"))
               for r in results if any(rk.get("relayed") for rk in r.ranks)]
+    passthrough = [r.case.label for r in results if r.case.schedule == "zb" and r.ranks[0].get("passthrough")]
+    if passthrough:
+        print("- pipelining's zero bubble (ScheduleInterleavedZeroBubble, torch 2.13) fails when a stage returns one "
+              "of its inputs unchanged (a relayed skip, or a residual block's input cut off as its shortcut): "
+              "stage_backward_weight raises 'Trying to use a saved tensor that has been detached in-place'. "
+              "In those zb rows (" + "; ".join(passthrough) + ") its 1F1B is the peer (ratio, memory) and its "
+              "GPipe runs too.")
     if relays:
         print("- long skips: nowdl sends each skip straight from its producer's stage to its consumer's; "
               "torch.distributed.pipelining's PipelineStage sends only to the next stage, so its stages "
               "relay the skips that pass them (received, returned unchanged, sent on; their gradients back "
-              "the same way): " + "; ".join(relays) + ". Its GPipe and 1F1B run these relays; its zero-bubble "
-              "schedule (ScheduleInterleavedZeroBubble, torch 2.13) fails on them in stage_backward_weight "
-              "('Trying to use a saved tensor that has been detached in-place'), so zb rows with relays are "
-              "compared with its 1F1B (memory, ratio) and its GPipe.")
+              "the same way): " + "; ".join(relays) + ". Its GPipe and 1F1B run these relays.")
     slow = []
     for r in results:
         nd = statistics.median(r.ranks[0]["times"]["nowdl"])
