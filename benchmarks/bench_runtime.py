@@ -2,16 +2,18 @@
 
 What is measured
 ----------------
-Model: nowdl's CIFAR-style ResNet-20 v1 (``resnet(depth=20, version=1, width=16,
-num_classes=10, conv_bias=False)``) on 3x128x128 inputs, cross-entropy loss, Adam (lr 1e-3).
-nowdl plans a micro-batch of one sample (its runtime always plans per sample) for K = 2 and
-4 pipeline stages (``gpus=K, stages=K, dp=1, replicas=1, spatial_parts=1``), M micro-batches
-(global batch = M), the GPipe and the 1F1B schedule, in ``mode="measure"`` (real CPU timings,
-one thread, as the workers run) with a calibrated device spec (``nowdl calibrate``'s
-``calibrate(2)`` run once in the parent: gloo point-to-point bandwidth and latency and the
-all-reduce between two local processes, so the plan prices boundary bytes at the measured
-link; or ``--device-spec FILE``) and ``balance="compute"``. The plan is made once in the
-parent process and handed to the workers as a plan file.
+Models: nowdl's CIFAR-style ResNet-20 v1 (``resnet(depth=20, version=1, width=16,
+num_classes=10, conv_bias=False)``) on 3x128x128 inputs, and MONAI's UNet (``UNET`` below:
+encoder-to-decoder skips that cross several stages) on 1x128x128 inputs with per-pixel labels;
+cross-entropy loss, Adam (lr 1e-3). nowdl plans a micro-batch of one sample (its runtime always
+plans per sample) for K = 2 and 4 pipeline stages (``gpus=K, stages=K, dp=1, replicas=1,
+spatial_parts=1``), M micro-batches (global batch = M), the GPipe, 1F1B and zero-bubble
+(``zb``, ZB-H1) schedules, in ``mode="measure"`` (real CPU timings, one thread, as the workers
+run) with a calibrated device spec (``nowdl calibrate``'s ``calibrate(2)`` run once in the
+parent: gloo point-to-point bandwidth and latency and the all-reduce between two local
+processes, so the plan prices boundary bytes at the measured link; or ``--device-spec FILE``)
+and ``balance="compute"``. The plan is made once in the parent process and handed to the
+workers as a plan file.
 
 For every (K, M, schedule) K gloo CPU processes are spawned (``tests/distributed.py``'s
 ``run_workers``; ``OMP_NUM_THREADS=1`` in every worker). Each rank builds two copies of the
@@ -19,15 +21,19 @@ model from the same seed (same weights) and runs, from the same global batches:
 
 * nowdl: ``nowdl.compile(model, plan=<file>, optimizer=Adam, loss_fn=CE).train_step(x, y)``;
 * torch.distributed.pipelining: the SAME split (nowdl's ``build_stages`` for the same plan);
-  rank r wraps stage r's fx module into an ``nn.Module`` (one tensor in/out where the stage
-  has one, else a tuple: the plan's cut points can fall inside a residual block, where two
-  tensors cross, which ``PipelineStage`` passes as a tuple between adjacent stages) and runs
-  ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` (``n_microbatches=M``, same loss),
-  ``zero_grad``, ``schedule.step(...)``, ``Adam.step()`` on the stage's parameters.
+  rank r wraps stage r's fx module into an ``nn.Module`` that takes the values crossing the
+  boundary before it and returns those crossing the boundary after it (one tensor, or a tuple:
+  cut points can fall inside a residual block, where two tensors cross; a UNet skip that
+  passes a stage is relayed through it unchanged, since ``PipelineStage`` talks to its
+  neighbours only) and runs ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` (zb rows:
+  ``ScheduleInterleavedZeroBubble`` with one stage per rank, i.e. ZB-H1, and also its GPipe and
+  1F1B, each on its own copy of the weights) (``n_microbatches=M``, same loss), ``zero_grad``,
+  ``schedule.step(...)``, ``Adam.step()`` on the stage's parameters.
 
-Table 1 (step time): 2 warm-up steps each, then the median of 5 steps each (the two
-frameworks alternate step by step); a step is timed on rank 0 between two barriers. Ratio =
-nowdl / pipelining; target <= 1. The first step's loss of both is printed as a check that
+Table 1 (step time): 2 warm-up steps each, then the median of 5 steps each (the frameworks
+alternate step by step); a step is timed on rank 0 between two barriers. Ratio = nowdl /
+pipelining with the same schedule, and nowdl / the fastest pipelining schedule run in the row;
+target <= 0.9 against the fastest. The first step's loss of both is printed as a check that
 both compute the same thing.
 
 Table 2 (peak memory per rank): one more nowdl ``train_step`` under nowdl's aten-level
@@ -54,8 +60,9 @@ How to run
 ----------
     .venv/bin/python benchmarks/bench_runtime.py [--quick] [--size 128] [--repeats 5] [--device-spec FILE]
 
-``--quick`` runs K=2, M=4 only with fewer repeats (about a minute). The full run (K = 2, 4;
-M = 4, 8; both schedules) takes about 5 minutes on 2 CPU cores. Tables go to stdout as
+``--quick`` runs the ResNet at K=2, M=4 only with fewer repeats (a few minutes). The full run
+(both models, K = 2, 4; M = 4, 8; three schedules) takes about half an hour on 2 CPU cores.
+``--models`` and ``--schedules`` pick a subset. Tables go to stdout as
 Markdown, progress to stderr. Nothing is asserted.
 """
 
@@ -93,14 +100,24 @@ LR = 1e-3
 NUM_CLASSES = 10
 MEM_TOL = 0.10
 TIME_TOL = 0.15
+STEP_TARGET = 0.9  # nowdl's step / the best of pipelining's on the same split
 
 
 def log(msg: str) -> None:
     print(f"[bench_runtime {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def make_model() -> nn.Module:
+UNET = {"spatial_dims": 2, "in_channels": 1, "out_channels": 2, "channels": (8, 16, 32, 64), "strides": (2, 2, 2),
+        "num_res_units": 1}
+"""MONAI UNet at a small width: three encoder-to-decoder skips (long skips across stages)."""
+
+
+def make_model(model: str = "resnet") -> nn.Module:
     torch.manual_seed(SEED)
+    if model == "unet":
+        from monai.networks.nets import UNet
+
+        return UNet(**UNET)  # type: ignore[arg-type]
     return nowdl.models.resnet(depth=20, version=1, width=16, num_classes=NUM_CLASSES, conv_bias=False)
 
 
@@ -108,9 +125,11 @@ def adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=LR)
 
 
-def batch(step: int, m: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, m: int, size: int, model: str = "resnet") -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step`` (m samples), identical on every rank."""
     g = torch.Generator().manual_seed(1000 + step)
+    if model == "unet":  # a 2-class segmentation: per-pixel labels
+        return torch.randn(m, 1, size, size, generator=g), torch.randint(0, 2, (m, size, size), generator=g)
     return (torch.randn(m, 3, size, size, generator=g),
             torch.randint(0, NUM_CLASSES, (m,), generator=g))
 
@@ -120,10 +139,12 @@ class Case:
     k: int
     m: int
     schedule: str
+    model: str = "resnet"
 
     @property
     def label(self) -> str:
-        return f"K={self.k} M={self.m} {self.schedule}"
+        return f"{self.model} K={self.k} M={self.m} {self.schedule}"
+
 
 
 @dataclass
@@ -140,15 +161,30 @@ class Settings:
 # ---- worker side ----------------------------------------------------------------------------
 
 
-class SingleStage(nn.Module):
-    """A nowdl stage's fx module as a pipelining stage: returns one tensor, or a tuple of them."""
+def boundary(stages: Sequence[StageModule], b: int) -> list[str]:
+    """Values crossing from stages <= b (or the data) to stages > b, sorted by name."""
+    made = {n: s.index for s in stages for n in s.outputs}
+    return sorted({n for s in stages[b + 1:] for n in s.inputs if made.get(n, -1) <= b})
 
-    def __init__(self, gm: nn.Module) -> None:
+
+class SingleStage(nn.Module):
+    """A nowdl stage's fx module as a pipelining stage, which talks to its neighbours only: it
+    takes the values crossing the boundary before it and returns those crossing the one after
+    it (one tensor, or a tuple), relaying long skips through unchanged (the last stage returns
+    the model output)."""
+
+    def __init__(self, st: StageModule, stages: Sequence[StageModule]) -> None:
         super().__init__()
-        self.gm = gm
+        self.gm = st.module
+        self.st = st
+        self.inputs = boundary(stages, st.index - 1) if st.index > 0 else list(st.inputs)
+        self.outputs = boundary(stages, st.index) if st.index < len(stages) - 1 else list(st.outputs)
+        self.relayed = [n for n in self.outputs if n not in st.outputs]
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        out = self.gm(*args)
+        env = dict(zip(self.inputs, args, strict=True))
+        env.update(zip(self.st.outputs, self.gm(*[env[n] for n in self.st.inputs]), strict=True))
+        out = [env[n] for n in self.outputs]
         return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -178,7 +214,7 @@ def _recv_buffer_bytes(stage: Any) -> int:
 
 def _stage_inputs(stages: Sequence[StageModule], s: int, x: torch.Tensor) -> list[torch.Tensor]:
     """Inputs of stage ``s`` for micro-batch ``x``, computed by running the stages before it."""
-    values: dict[str, torch.Tensor] = {"x": x}
+    values: dict[str, torch.Tensor] = {stages[0].inputs[0]: x}
     with torch.no_grad():
         for st in stages[:s]:
             values.update(st.run(values))
@@ -255,59 +291,82 @@ def _round_trip(tensors: list[torch.Tensor], sender: bool, peer: int, repeats: i
 
 def worker(rank: int, world: int, plan_path: str, case: Case, cfg: Settings) -> dict[str, Any]:
     torch.set_num_threads(1)
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+    )
 
     plan = Plan.load(plan_path)
     loss_fn = nn.CrossEntropyLoss()
     res: dict[str, Any] = {"rank": rank}
 
     # nowdl
-    cm = nowdl.compile(make_model(), plan=plan_path, optimizer=adam, loss_fn=loss_fn, cache=False,
+    cm = nowdl.compile(make_model(case.model), plan=plan_path, optimizer=adam, loss_fn=loss_fn, cache=False,
                        progress=False, timeout_s=300, backend="gloo")
 
     # torch.distributed.pipelining on the same split, from a second copy with the same weights
-    x_mb = batch(0, case.m, cfg.size)[0][:1]
-    gm = trace(make_model(), (x_mb,)).gm
-    pp_stages = build_stages(gm, plan)
-    mine = pp_stages[rank]
-    ok = all(mine.producers[v] == rank - 1 for v in mine.inputs) if rank > 0 else mine.inputs == ["x"]
-    if rank < world - 1:
-        ok = ok and all(c == [rank + 1] for c in mine.consumers.values())
-    if not ok:
-        raise RuntimeError(f"stage {rank} talks to a non-adjacent stage: {mine.producers} {mine.consumers}; "
-                           "torch.distributed.pipelining cannot run this split")
-    if rank > 0:
-        assert mine.inputs == pp_stages[rank - 1].outputs, (mine.inputs, pp_stages[rank - 1].outputs)
-    wrapped = SingleStage(mine.module)
-    pstage = PipelineStage(wrapped, rank, world, device=torch.device("cpu"))
-    sched_cls = ScheduleGPipe if case.schedule == "gpipe" else Schedule1F1B
-    sched = sched_cls(pstage, n_microbatches=case.m, loss_fn=loss_fn)
-    popt = adam(wrapped.parameters())
+    x_mb = batch(0, case.m, cfg.size, case.model)[0][:1]
+
+    def split() -> list[StageModule]:
+        return build_stages(trace(make_model(case.model), (x_mb,)).gm, plan)
+
+    pp_stages = split()
+    mine = SingleStage(pp_stages[rank], pp_stages)
     res["io"] = (len(mine.inputs), len(mine.outputs))
+    res["relayed"] = mine.relayed
 
-    def pp_step(x: torch.Tensor, y: torch.Tensor) -> float:
-        popt.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        if rank == 0:
-            sched.step(x)
-        elif rank == world - 1:
-            sched.step(target=y, losses=losses)
+    def make_pp(kind: str, wrapped: SingleStage) -> tuple[Callable[[torch.Tensor, torch.Tensor], float], Any, Any, Any]:
+        """pipelining's ``kind`` schedule on ``wrapped`` (this rank's stage): step, wrapper, stage, optimizer."""
+        pstage = PipelineStage(wrapped, rank, world, device=torch.device("cpu"))
+        if kind == "zb":  # its ZB1P with one stage per rank: ZB-H1
+            sched: Any = ScheduleInterleavedZeroBubble([pstage], n_microbatches=case.m, loss_fn=loss_fn)
         else:
-            sched.step()
-        popt.step()
-        return float(torch.stack(losses).detach().mean()) if losses else float("nan")
+            sched = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(pstage, n_microbatches=case.m, loss_fn=loss_fn)
+        popt = adam(wrapped.parameters())
 
-    times: dict[str, list[float]] = {"nowdl": [], "pipelining": []}
+        def pp_step(x: torch.Tensor, y: torch.Tensor) -> float:
+            popt.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            if rank == 0:
+                sched.step(x)
+            elif rank == world - 1:
+                sched.step(target=y, losses=losses)
+            else:
+                sched.step()
+            popt.step()
+            return float(torch.stack(losses).detach().mean()) if losses else float("nan")
+
+        return pp_step, wrapped, pstage, popt
+
+    # the same schedule on the same split (for zb also pipelining's 1F1B and GPipe). Its zero
+    # bubble ran on the K=2 splits of both models but failed on every K=4 split tried, in
+    # stage_backward_weight: "Trying to use a saved tensor that has been detached in-place" (torch
+    # 2.13; cause not analysed). For K > 2 its 1F1B stands in as the peer.
+    res["passthrough"] = world > 2
+    peer = "1f1b" if case.schedule == "zb" and world > 2 else case.schedule
+    res["peer"] = peer
+    runners = {"pipelining": make_pp(peer, mine)}
+    if case.schedule == "zb":  # its other schedules too, each from another copy with the same weights
+        for other in ("1f1b", "gpipe"):
+            if other != peer:
+                copy = split()
+                runners[f"pipelining {other}"] = make_pp(other, SingleStage(copy[rank], copy))
+
+    names = ["nowdl", *runners]
+    times: dict[str, list[float]] = {n: [] for n in names}
     first_loss: dict[str, float] = {}
     for step in range(cfg.warmup + cfg.repeats):
-        x, y = batch(step, case.m, cfg.size)
-        order = ["nowdl", "pipelining"] if step % 2 == 0 else ["pipelining", "nowdl"]
+        x, y = batch(step, case.m, cfg.size, case.model)
+        order = names if step % 2 == 0 else names[::-1]
         for name in order:
             box: list[float] = []
             if name == "nowdl":
                 t = _barrier_timed(lambda x=x, y=y, box=box: box.append(cm.train_step(x, y)))
             else:
-                t = _barrier_timed(lambda x=x, y=y, box=box: box.append(pp_step(x, y)))
+                fn = runners[name][0]
+                t = _barrier_timed(lambda x=x, y=y, box=box, fn=fn: box.append(fn(x, y)))
             if step == 0:
                 first_loss[name] = box[0]
             if step >= cfg.warmup:
@@ -317,21 +376,23 @@ def worker(rank: int, world: int, plan_path: str, case: Case, cfg: Settings) -> 
 
     # peak memory of one more step of each
     eng = cm._trainer.engine
-    x, y = batch(cfg.warmup + cfg.repeats, case.m, cfg.size)
+    x, y = batch(cfg.warmup + cfg.repeats, case.m, cfg.size, case.model)
     held = [eng.stages[s].module for _, s in eng.held]
     dist.barrier()
     # receive buffers are allocated fresh every step (no pool), so the tracker sees them
     res["peak_nowdl"] = peak_of(lambda: cm.train_step(x, y), held, eng.optimizer)[1]
-    dist.barrier()
     # pipelining allocates one receive buffer per micro-batch and input (activations) and per
     # output (their gradients) at its first step and reuses them: invisible to the tracker
-    res["pool_pipelining"] = _recv_buffer_bytes(pstage)
-    res["peak_pipelining"] = peak_of(lambda: pp_step(x, y), [wrapped], popt)[1] + res["pool_pipelining"]
+    for name, (fn, wrapped, pstage, popt) in runners.items():
+        dist.barrier()
+        pool = _recv_buffer_bytes(pstage)
+        res[f"pool_{name}"] = pool
+        res[f"peak_{name}"] = peak_of(lambda fn=fn: fn(x, y), [wrapped], popt)[1] + pool
     dist.barrier()
 
     # time per stage and micro-batch, one rank at a time
-    ref_stages = build_stages(trace(make_model(), (x_mb,)).gm, plan)
-    xs, ys = batch(0, case.m, cfg.size)
+    ref_stages = split()
+    xs, ys = batch(0, case.m, cfg.size, case.model)
     ins = _stage_inputs(ref_stages, rank, xs[:1])
     st = eng.stages[rank]
     fwd = bwd = 0.0
@@ -340,17 +401,15 @@ def worker(rank: int, world: int, plan_path: str, case: Case, cfg: Settings) -> 
         if s == rank:
             fwd, bwd = _time_stage(st, ins, ys[:1], rank == world - 1, loss_fn, case.m, cfg.stage_repeats)
             res["one_mb"] = _stage_memory(st, ins, ys[:1], rank == world - 1, loss_fn, case.m)
-    # boundary round trips, one boundary at a time
-    outs_example = [t.detach() for t in ref_stages[rank](*ins)] if rank < world - 1 else []
+    # round trips of the values each pair of stages exchanges (long skips included), one pair at a time
     comm = 0.0
-    for b in range(world - 1):
+    pairs = sorted({(tp.from_stage, c) for tp in plan.tensors for c in tp.to_stages if 0 <= tp.from_stage < c < world})
+    for a, c in pairs:
         dist.barrier()
-        if rank == b:
-            comm += _round_trip(outs_example, True, b + 1, cfg.comm_repeats)
-        elif rank == b + 1:
-            shapes = [torch.empty(tp.shape, dtype=getattr(torch, tp.dtype.replace("torch.", "")))
-                      for name in st.inputs for tp in plan.tensors if tp.producer == name]
-            comm += _round_trip(shapes, False, b, cfg.comm_repeats)
+        if rank in (a, c):
+            bufs = [torch.empty(tp.shape, dtype=getattr(torch, tp.dtype.replace("torch.", "")))
+                    for tp in sorted(plan.tensors, key=lambda t: t.producer) if tp.from_stage == a and c in tp.to_stages]
+            comm += _round_trip(bufs, rank == a, c if rank == a else a, cfg.comm_repeats)
     dist.barrier()
     res["stage"] = {"fwd": fwd, "bwd": bwd, "comm": comm}
     return res
@@ -370,17 +429,17 @@ class Result:
 def make_plan(case: Case, size: int, balance: str, cache: Path, spec: str) -> Plan:
     """nowdl's plan; the measured profile is cached in ``cache``, so every case shares one."""
     torch.set_num_threads(1)
-    cm = nowdl.compile(make_model(), gpus=case.k, stages=case.k, dp=1, replicas=1, spatial_parts=1,
+    cm = nowdl.compile(make_model(case.model), gpus=case.k, stages=case.k, dp=1, replicas=1, spatial_parts=1,
                        micro_batches=case.m, schedule=case.schedule, balance=balance, mode="measure",
-                       device_spec=spec, optimizer="adam", cache=cache, progress=False)
-    return cm.plan(torch.randn(1, 3, size, size))
+                       device_spec=spec, optimizer="adam", cache=cache / case.model, progress=False)
+    return cm.plan(batch(0, 1, size, case.model)[0])
 
 
 def run_case(case: Case, cfg: Settings, balance: str, tmp: Path, profiles: Path | None = None) -> Result:
     t0 = time.perf_counter()
     log(f"{case.label}: planning (measure mode)")
     plan = make_plan(case, cfg.size, balance, profiles or tmp / "profiles", cfg.device_spec)
-    path = tmp / f"plan-k{case.k}-m{case.m}-{case.schedule}.json"
+    path = tmp / f"plan-{case.model}-k{case.k}-m{case.m}-{case.schedule}.json"
     plan.save(path)
     log(f"{case.label}: running {case.k} workers")
     ranks = run_workers(worker, case.k, str(path), case, cfg, timeout_s=900)
@@ -407,8 +466,16 @@ def print_tables(results: list[Result], cfg: Settings, balance: str, wall: float
     print("## Setup\n")
     print(f"- torch {torch.__version__}, {os.cpu_count()} CPU cores, gloo backend, "
           "OMP_NUM_THREADS=1 and torch.set_num_threads(1) in every rank")
-    print(f"- model: nowdl ResNet-20 v1 (width 16, 10 classes, conv_bias=False), input 3x{cfg.size}x{cfg.size}, "
-          "micro-batch 1 sample (global batch = M), CrossEntropyLoss, Adam lr 1e-3")
+    print(f"- models: resnet = nowdl ResNet-20 v1 (width 16, 10 classes, conv_bias=False), input 3x{cfg.size}x{cfg.size}; "
+          f"unet = MONAI UNet {UNET} (long encoder-to-decoder skips), input 1x{cfg.size}x{cfg.size}, 2-class "
+          "per-pixel labels; micro-batch 1 sample (global batch = M), CrossEntropyLoss, Adam lr 1e-3")
+    print("- torch.distributed.pipelining gets each stage's fx module wrapped to take the values crossing the "
+          "boundary before it and return those crossing the one after it: a long skip (stage i to j > i + 1), "
+          "which its PipelineStage cannot send past a neighbour, is relayed through the stages between, "
+          "unchanged (nowdl sends it straight from i to j). zb rows: nowdl's zero-bubble schedule (ZB-H1) "
+          "against pipelining's ScheduleInterleavedZeroBubble given one stage per rank (its ZB1P, i.e. ZB-H1), "
+          "and its 1F1B and GPipe, all on the same split; 'best' is the fastest of the pipelining schedules "
+          "run in the row")
     print(f"- plans: nowdl.compile(gpus=K, stages=K, dp=1, replicas=1, spatial_parts=1, micro_batches=M, "
           f"schedule=S, balance={balance!r}, mode='measure', device_spec=<{cfg.spec_label}>), made once in the "
           "parent (1 thread); both frameworks run the split of that plan")
@@ -425,44 +492,47 @@ def print_tables(results: list[Result], cfg: Settings, balance: str, wall: float
           f"(median of {cfg.comm_repeats})")
     print(f"- total wall time of the benchmark: {wall:.0f} s\n")
 
-    print("## 1. Step time (target: nowdl / pipelining <= 1)\n")
-    print("| K | M | schedule | cut (tensors per boundary) | nowdl ms | pipelining ms | ratio | target "
-          "| plan step_s ms | loss step 0 nowdl / pipelining |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"## 1. Step time (target: nowdl / best of pipelining <= {STEP_TARGET})\n")
+    print("| model | K | M | schedule | cut (tensors per boundary) | nowdl ms | pipelining ms (its schedule) | ratio "
+          "| best pipelining ms | ratio vs best | target | plan step_s ms | loss step 0 nowdl / pipelining |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         r0 = r.ranks[0]
         nd = statistics.median(r0["times"]["nowdl"])
         pp = statistics.median(r0["times"]["pipelining"])
+        best_name, best = pp_best(r)
         nl = r0["first_loss"]["nowdl"]
         pl = r.ranks[-1]["first_loss"]["pipelining"]
         cuts = ",".join(str(rk["io"][1]) for rk in r.ranks[:-1])
-        print(f"| {r.case.k} | {r.case.m} | {r.case.schedule} | {cuts} | {ms(nd)} | {ms(pp)} | {nd / pp:.2f} "
-              f"| {mark(nd <= pp)} | {ms(r.plan.predicted['step_s'])} | {nl:.6f} / {pl:.6f} |")
+        print(f"| {r.case.model} | {r.case.k} | {r.case.m} | {r.case.schedule} | {cuts} | {ms(nd)} | {ms(pp)} ({r.ranks[0]['peer']}) "
+              f"| {nd / pp:.2f} | {ms(best)} ({best_name}) | {nd / best:.2f} | {mark(nd / best <= STEP_TARGET)} "
+              f"| {ms(r.plan.predicted['step_s'])} | {nl:.6f} / {pl:.6f} |")
 
     print("\n## 2. Peak memory per rank (target: measured within ±10% of predicted)\n")
-    print("| K | M | schedule | rank | predicted MiB | nowdl measured MiB | measured/predicted | target "
-          "| pipelining measured MiB | nowdl <= pipelining |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | K | M | schedule | rank | predicted MiB | nowdl measured MiB | measured/predicted | target "
+          "| pipelining measured MiB (its schedule) | nowdl <= pipelining |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for rk in r.ranks:
             pred = r.plan.ranks[rk["rank"]].predicted_peak_bytes
             meas = rk["peak_nowdl"]
             q = meas / pred
-            print(f"| {r.case.k} | {r.case.m} | {r.case.schedule} | {rk['rank']} | {mib(pred)} | {mib(meas)} "
-                  f"| {q:.2f} | {mark(abs(q - 1) <= MEM_TOL)} | {mib(rk['peak_pipelining'])} "
+            extra = "".join(f"; {k.split()[-1]} {mib(v)}" for k, v in rk.items() if k.startswith("peak_pipelining "))
+            print(f"| {r.case.model} | {r.case.k} | {r.case.m} | {r.case.schedule} | {rk['rank']} | {mib(pred)} | {mib(meas)} "
+                  f"| {q:.2f} | {mark(abs(q - 1) <= MEM_TOL)} | {mib(rk['peak_pipelining'])} ({r.ranks[0]['peer']}{extra}) "
                   f"| {mark(meas <= rk['peak_pipelining'])} |")
 
     print("\n## 3. Time per stage and micro-batch (target: measured total within ±15% of predicted)\n")
-    print("| K | M | schedule | stage | pred fwd/bwd/comm ms | meas fwd/bwd/comm ms | pred total ms "
+    print("| model | K | M | schedule | stage | pred fwd/bwd/comm ms | meas fwd/bwd/comm ms | pred total ms "
           "| meas total ms | meas/pred | target |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for rk in r.ranks:
             p = r.plan.stages[rk["rank"]].predicted
             m = rk["stage"]
             tot = m["fwd"] + m["bwd"] + m["comm"]
             q = tot / p["time_s"]
-            print(f"| {r.case.k} | {r.case.m} | {r.case.schedule} | {rk['rank']} "
+            print(f"| {r.case.model} | {r.case.k} | {r.case.m} | {r.case.schedule} | {rk['rank']} "
                   f"| {ms(p['fwd_s'])} / {ms(p['bwd_s'])} / {p['comm_s'] * 1e3:.2f} "
                   f"| {ms(m['fwd'])} / {ms(m['bwd'])} / {m['comm'] * 1e3:.2f} | {ms(p['time_s'])} | {ms(tot)} "
                   f"| {q:.2f} | {mark(abs(q - 1) <= TIME_TOL)} |")
@@ -472,13 +542,21 @@ def print_tables(results: list[Result], cfg: Settings, balance: str, wall: float
     print(summary(results))
 
 
+def pp_best(r: Result) -> tuple[str, float]:
+    """pipelining's fastest schedule on this row's split: (its name, median step seconds)."""
+    got = {(r.ranks[0]["peer"] if k == "pipelining" else k.split()[-1]): statistics.median(v)
+           for k, v in r.ranks[0]["times"].items() if k.startswith("pipelining")}
+    name = min(got, key=lambda n: got[n])
+    return name, got[name]
+
+
 def summary(results: list[Result]) -> str:
-    """One line a script can read: how many rows met each target, and the step-time ratios."""
+    """One line a script can read: how many rows met each target, and the step-time ratios
+    (nowdl / the best of pipelining's schedules run on the row's split)."""
     mem_ok = time_ok = le_ok = rows = 0
     ratios = []
     for r in results:
-        ratios.append(statistics.median(r.ranks[0]["times"]["nowdl"])
-                      / statistics.median(r.ranks[0]["times"]["pipelining"]))
+        ratios.append(statistics.median(r.ranks[0]["times"]["nowdl"]) / pp_best(r)[1])
         for rk in r.ranks:
             rows += 1
             meas = rk["peak_nowdl"]
@@ -518,14 +596,32 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
               "input for the shortcut and the branch): tensors per boundary are listed in Table 1. Every "
               "stage still talks only to its neighbours, so torch.distributed.pipelining runs the same split, "
               "passing a tuple of two tensors between adjacent stages.")
+    relays = [f"{r.case.label}: " + ", ".join(f"rank {rk['rank']} relays {len(rk['relayed'])}" for rk in r.ranks
+                                                 if rk.get("relayed"))
+              for r in results if any(rk.get("relayed") for rk in r.ranks)]
+    passthrough = [r.case.label for r in results if r.case.schedule == "zb" and r.ranks[0].get("passthrough")]
+    if passthrough:
+        print("- pipelining's zero bubble (ScheduleInterleavedZeroBubble with one stage per rank, torch 2.13) ran on "
+              "the K=2 splits but failed on every K=4 split tried (ResNet and UNet), in stage_backward_weight: "
+              "'Trying to use a saved tensor that has been detached in-place' (cause not analysed). In those zb "
+              "rows (" + "; ".join(passthrough) + ") its 1F1B is the peer (ratio, memory) and its GPipe runs too.")
+    if relays:
+        print("- long skips: nowdl sends each skip straight from its producer's stage to its consumer's; "
+              "torch.distributed.pipelining's PipelineStage sends only to the next stage, so its stages "
+              "relay the skips that pass them (received, returned unchanged, sent on; their gradients back "
+              "the same way): " + "; ".join(relays) + ". Its GPipe and 1F1B run these relays.")
     slow = []
     for r in results:
         nd = statistics.median(r.ranks[0]["times"]["nowdl"])
-        pp = statistics.median(r.ranks[0]["times"]["pipelining"])
-        if nd > pp:
-            slow.append(f"{r.case.label} ({ms(nd)} vs {ms(pp)} ms, {nd / pp:.2f}x)")
+        best_name, pp = pp_best(r)
+        if nd > STEP_TARGET * pp:
+            slow.append(f"{r.case.label} ({ms(nd)} vs {ms(pp)} ms with pipelining's {best_name}, {nd / pp:.2f}x)")
     if slow:
-        print("- step time target missed: " + "; ".join(slow) + ".")
+        print(f"- step time target (<= {STEP_TARGET}x the best of pipelining's schedules run on the same split) "
+              "missed: " + "; ".join(slow) + ". GPipe and 1F1B rows run the same schedule in both frameworks on "
+              "the same fx modules: only overheads differ, so a ratio near 1 is expected there; the zb rows "
+              "run a schedule with a smaller bubble (its ideal at F = B = W: (3M + K - 1) / 3(M + K - 1) of "
+              "1F1B's step).")
     mem_miss = []
     held = []
     for r in results:
@@ -651,15 +747,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the planner's objective (default compute)")
     ap.add_argument("--device-spec", metavar="FILE", default=None,
                     help="plan with this device spec JSON (default: calibrate the links once here, 2 gloo ranks)")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated: resnet, unet (default: resnet with --quick, else both)")
+    ap.add_argument("--schedules", default="gpipe,1f1b,zb", help="comma-separated (default gpipe,1f1b,zb)")
+    ap.add_argument("--stages", default=None, help="comma-separated K values (default 2 with --quick, else 2,4)")
+    ap.add_argument("--micro-batches", default=None, help="comma-separated M values (default 4 with --quick, else 4,8)")
     ap.add_argument("--profile-cache", type=Path, default=None,
                     help="keep the measured profile here and reuse it (same split across runs)")
     args = ap.parse_args(argv)
     cfg = Settings(size=args.size, warmup=1 if args.quick else 2,
                    repeats=args.repeats or (3 if args.quick else 5),
                    stage_repeats=5 if args.quick else 15, comm_repeats=10 if args.quick else 30)
-    ks = [2] if args.quick else [2, 4]
-    ms_ = [4] if args.quick else [4, 8]
-    cases = [Case(k, m, s) for k in ks for m in ms_ for s in ("gpipe", "1f1b")]
+    ks = [int(v) for v in (args.stages or ("2" if args.quick else "2,4")).split(",")]
+    ms_ = [int(v) for v in (args.micro_batches or ("4" if args.quick else "4,8")).split(",")]
+    models = (args.models or ("resnet" if args.quick else "resnet,unet")).split(",")
+    cases = [Case(k, m, s, model) for model in models for k in ks for m in ms_ for s in args.schedules.split(",")]
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
     results: list[Result] = []

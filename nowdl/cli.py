@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--gpu-memory", metavar="SIZE", help="per-GPU memory cap, e.g. 80GiB (default: the device spec's memory)")
     pp.add_argument("--stages", type=int, help="pin the number of pipeline stages")
     pp.add_argument("--micro-batches", type=int, help="pin micro-batches per step (the input is one micro-batch)")
-    pp.add_argument("--schedule", choices=("1f1b", "gpipe"), help="pin the pipeline schedule (default 1f1b)")
+    pp.add_argument("--schedule", choices=("1f1b", "gpipe", "zb"),
+                    help="pin the pipeline schedule (default 1f1b; zb: zero bubble, ZB-H1)")
     pp.add_argument("--spatial-parts", type=parse_parts, metavar="P[,P2..]",
                     help="pin the spatial parts P of each spatial stage (4), or of each in order (4,2)")
     pp.add_argument("--halo-fusion", default="auto", metavar="auto|off|N",

@@ -85,9 +85,9 @@ def _reference(name: str, total: int) -> tuple[list[float], dict[str, torch.Tens
                            STEPS)
 
 
-def _compare(name: str, gpus: int, cfg: dict[str, Any], *, ckpt: str | None = None) -> None:
+def _compare(name: str, gpus: int, cfg: dict[str, Any], *, ckpt: str | None = None, worker: Any = _worker) -> None:
     total = cfg["micro_batches"] * cfg.get("dp", 1) * cfg.get("replicas", 1)
-    results = run_workers(_worker, gpus, name, gpus, cfg, ckpt, timeout_s=240)
+    results = run_workers(worker, gpus, name, gpus, cfg, ckpt, timeout_s=240)
     ref_losses, ref_sd = _reference(name, total)
     losses, sd = results[0]
     for r, (other_losses, _) in enumerate(results):

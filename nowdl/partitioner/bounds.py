@@ -9,7 +9,8 @@ sum_s mult_s * load_s (mult_s: how many ranks hold stage s, 2 with MASTER), so
 
     max rank load >= max( min_s(mult_s) * sum_v cheapest(v) / R,  max_v cheapest(v) ).
 
-With the step model of ``costmodel.predict_step`` (step = (m + K - 1) x slowest rank +
+With the step model of ``costmodel.predict_step`` (step = (m + K - 1) x slowest rank, at least
+m x slowest rank for zero bubble, +
 gradient sync, sync >= its value with the parameters spread evenly) the time bound gives an
 upper bound on throughput; the memory bound proves a candidate over the cap. Both are
 O(n K) numpy per candidate.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nowdl.partitioner.config import Candidate
-from nowdl.partitioner.costmodel import Costs
+from nowdl.partitioner.costmodel import Costs, pipeline_slots
 from nowdl.partitioner.problem import Problem
 from nowdl.partitioner.structure import stage_ranges
 
@@ -74,7 +75,7 @@ def candidate_bounds(costs: Costs, cand: Candidate, problem: Problem, batch: int
         sync += 2 * (cand.dp - 1) / cand.dp * per_rank / max(costs.link_bw, ar.bw if ar is not None else 0.0)
     if cand.replicas == 2:
         sync += max(float(params.sum()) / cand.stages, float(params.max(initial=0.0))) / costs.link_bw
-    step = (cand.micro_batches + cand.stages - 1) * time_lb + sync
+    step = pipeline_slots(cand, 0.0) * time_lb + sync  # zero bubble: m, its floor
     samples = batch * cand.micro_batches * cand.replicas * cand.dp
     return Bounds(time_lb=time_lb, mem_lb=mem_lb,
                   throughput_ub=samples / step if step > 0 else float("inf"))

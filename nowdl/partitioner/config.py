@@ -11,7 +11,7 @@ from nowdl.partitioner.spatial import SLICE_METHODS
 __all__ = ["PlanRequest", "Candidate", "enumerate_candidates", "BALANCES", "SCHEDULES"]
 
 BALANCES = ("memory", "compute")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zb")
 _MICRO_BATCH_CHOICES = (1, 2, 4, 8)
 
 
@@ -128,9 +128,13 @@ class Candidate:
         return sum(self.group_sizes())
 
     def inflight(self) -> list[int]:
+        """Micro-batches whose activations each stage holds at its peak (zero bubble: until the
+        deferred weight gradient ran; ZB-H1 allows min(m, K) on every stage)."""
         m, k = self.micro_batches, self.stages
         if self.schedule == "gpipe":
             return [m] * k
+        if self.schedule == "zb":
+            return [min(m, k)] * k
         return [min(m, k - s) for s in range(k)]
 
 

@@ -29,11 +29,12 @@ from nowdl.partitioner.held import backward_grad_bytes, held_buffers
 from nowdl.partitioner.placement import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid, tile_shape
+from nowdl.partitioner.zborder import zb_slots
 from nowdl.profiler.cost import Profile
 from nowdl.profiler.topology import Topology
 
 __all__ = ["Costs", "build_problem", "predict_step", "tied_nodes", "HALO_LATENCY_S",
-           "spatial_dims_of", "dtype_bytes", "layout_of", "grad_sync_s"]
+           "spatial_dims_of", "dtype_bytes", "layout_of", "grad_sync_s", "pipeline_slots"]
 
 HALO_LATENCY_S = 10e-6  # per halo exchange (one message round to the neighbours)
 
@@ -236,9 +237,10 @@ def tied_nodes(gm: fx.GraphModule) -> tuple[tuple[str, ...], ...]:
 def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> dict[str, float]:
     """Step time and throughput of a solved candidate.
 
-    step = (m + K - 1) x slowest rank's time per micro-batch (GPipe and 1F1B alike), plus
-    the gradient all-reduce over data-parallel copies (ring: 2(D-1)/D x bytes / bandwidth)
-    and, for MASTER, the exchange that combines the two replicas' gradients.
+    step = :func:`pipeline_slots` x slowest rank's time per micro-batch (GPipe and 1F1B:
+    ``m + K - 1``; zero bubble: fewer, from the slowest stage's forward share), plus the
+    gradient all-reduce over data-parallel copies (ring: 2(D-1)/D x bytes / bandwidth) and, for
+    MASTER, the exchange that combines the two replicas' gradients.
     """
     m, k = cand.micro_batches, cand.stages
     prof = costs.profile
@@ -246,16 +248,30 @@ def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> 
     for i, n in enumerate(prof.nodes):
         stage_param[part.stage_of[i]] += n.param_bytes
     sync = grad_sync_s(costs, cand, stage_param)
-    step = (m + k - 1) * part.bottleneck_time + sync
+    sums = stage_sums(costs, cand, part.stage_of)
+    slow = max(range(k), key=lambda s: part.stage_time[s])
+    busy = sums[slow]["fwd_s"] + sums[slow]["bwd_s"]
+    slots = pipeline_slots(cand, sums[slow]["fwd_s"] / busy if busy > 0 else 1 / 3)
+    step = slots * part.bottleneck_time + sync
     global_batch = batch * m * cand.replicas * cand.dp
     return {
         "step_s": step,
         "throughput": global_batch / step if step > 0 else math.inf,
         "global_batch": float(global_batch),
         "peak_bytes": part.bottleneck_mem,
-        "bubble": (k - 1) / (m + k - 1),
+        "bubble": 1.0 - m / slots,
         "grad_sync_s": sync,
     }
+
+
+def pipeline_slots(cand: Candidate, fwd_frac: float) -> float:
+    """The step in units of the slowest rank's time per micro-batch: ``m + K - 1`` for GPipe
+    and 1F1B; for zero bubble, ``zborder.zb_slots`` with forward share ``fwd_frac`` (about
+    ``m + (K - 1) fwd_frac``: the bubble keeps only the forwards). Never below ``m``."""
+    m, k = cand.micro_batches, cand.stages
+    if cand.schedule == "zb":
+        return zb_slots(k, m, fwd_frac)
+    return float(m + k - 1)
 
 
 def grad_sync_s(costs: Costs, cand: Candidate, stage_param: Sequence[float],

@@ -13,6 +13,10 @@ flight, with ``inflight`` micro-batches' activations alive. So a stage holds:
   backward followed by a backward (GPipe; 1F1B's cool-down: every schedule with M > 1);
 * the input gradients the backward sends are made at its end, when its saved activations are
   gone, and are freed before the next backward: they do not add to the peak;
+* zero bubble (``"zb"``): a micro-batch stays in flight until its ``W``, which holds each
+  convolution's and linear layer's input and output gradient ([Note: deferred weight
+  gradients] in runtime/zerobubble.py); the model charges it a whole micro-batch's activations
+  until then (an upper bound: ``B`` frees the rest), ``min(M, K)`` of them on every stage;
 * while autograd runs a node's backward, the gradient of its output and the new gradients of
   its inputs are alive together on top of the activations still saved
   (:func:`backward_grad_bytes`, which the cost model takes as a node's workspace when larger).
@@ -34,10 +38,10 @@ def held_buffers(schedule: str, micro_batches: int, inflight: int) -> tuple[floa
     """(received, sent) bytes factors: how many micro-batches' worth of each a stage holds at its peak.
 
     Args:
-        schedule: "gpipe" or "1f1b".
+        schedule: "gpipe", "1f1b" or "zb".
         micro_batches: M, micro-batches per step.
         inflight: micro-batches whose activations the stage holds at once (GPipe M;
-            1F1B min(M, K - s)).
+            1F1B min(M, K - s); zero bubble min(M, K), counted until the deferred ``W``).
 
     Returns:
         Multipliers of the stage's received bytes and of its sent bytes (whose gradients it
@@ -49,7 +53,7 @@ def held_buffers(schedule: str, micro_batches: int, inflight: int) -> tuple[floa
     (4.0, 2.0)
     """
     n = max(1, min(inflight, micro_batches))
-    forward_after_backward = schedule == "1f1b" and n < micro_batches
+    forward_after_backward = schedule in ("1f1b", "zb") and n < micro_batches
     backward_after_backward = micro_batches > 1  # the last two backwards of any schedule
     ahead = 1 if RECV_LOOKAHEAD > 0 else 0
     return float(n + ahead * forward_after_backward), float(1 + ahead * backward_after_backward)

@@ -39,6 +39,7 @@ from nowdl.runtime.schedule import Action, rank_actions
 from nowdl.runtime.spatial_stage import TiledStage
 from nowdl.runtime.tiles import TiledInput, TileGrid
 from nowdl.runtime.transfers import Transfers, _Recv, _StepReceives
+from nowdl.runtime.zerobubble import WeightGrad, capturing, deferring, enable, run_weight_grads
 
 __all__ = ["PipelineEngine", "Placement", "PRECISIONS", "check_precision"]
 
@@ -144,6 +145,9 @@ class PipelineEngine(Transfers, GradSync):
         data = {n for st in stages for n, p in st.producers.items() if p < 0}
         self._data_names = [n for n in plan.stages[0].nodes if n in data]
         self._check_spatial_values()
+        # zero bubble: B computes input gradients, W the deferred weight gradients
+        self.deferred = {s for rep, s in self.held if any(a.kind == "W" for a in self.actions)
+                         and (rep, s) not in self.tiled and s not in self.checkpointed and enable(self.stages[s].module)}
 
     def _check_spatial_values(self) -> None:
         for t in self.plan.tensors:
@@ -182,11 +186,13 @@ class PipelineEngine(Transfers, GradSync):
             self._recv_plans[train] = self._expected_recvs(train)
         rx = _StepReceives(self._recv_plans[train])
         held_bufs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        last = "W" if any(a.kind == "W" for a in self.actions) else "B"  # gradients are final after it
         b_left: dict[int, int] = {}
         for a in self.actions:
-            if a.kind == "B":
+            if a.kind == last:
                 b_left[a.stage] = b_left.get(a.stage, 0) + 1
-        pending: list[tuple[int, Any, torch.Tensor]] = []
+        wq: dict[tuple[int, int, int], list[WeightGrad]] = {}
+        pending: list[Any] = []  # launched gradient buckets
         inputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         outputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         losses: dict[tuple[int, int], torch.Tensor] = {}
@@ -195,12 +201,13 @@ class PipelineEngine(Transfers, GradSync):
         final: list[Any] = []
         loss_sum = 0.0
         for idx, act in enumerate(self.actions):
-            if act.kind == "B" and not train:
+            if act.kind != "F" and not train:
                 continue
             self._post_upto(rx, idx)
             sends = self._release_done(sends)
             key = (act.replica, act.stage, act.microbatch)
             st = self.stages[act.stage]
+            bk = self._open_buckets(act.stage) if act.kind == last and b_left[act.stage] == 1 else None
             if act.kind == "F":
                 bufs: list[torch.Tensor] = []
                 part = self.part[(act.replica, act.stage)]
@@ -212,7 +219,8 @@ class PipelineEngine(Transfers, GradSync):
                     ins.append(t_in)
                     shapes.append(full)
                 held_bufs[key] = bufs
-                outs, grids = self._forward(st, ins, shapes, train, tiled)
+                with capturing(train and act.stage in self.deferred):
+                    outs, grids = self._forward(st, ins, shapes, train, tiled)
                 inputs[key] = ins
                 outputs[key] = outs
                 model_out: dict[str, torch.Tensor] = {}
@@ -248,6 +256,8 @@ class PipelineEngine(Transfers, GradSync):
                     inputs.pop(key)
                     outputs.pop(key)
                     held_bufs.pop(key)
+            elif act.kind == "W":
+                run_weight_grads(wq.pop(key, []), None if bk is None else bk.ready)
             else:
                 part = self.part[(act.replica, act.stage)]
                 me = (act.stage, part)
@@ -287,7 +297,8 @@ class PipelineEngine(Transfers, GradSync):
                     roots.append(loss_t * (scale * loss_scale))
                     grads.append(None)
                 if roots:
-                    torch.autograd.backward(roots, grads)
+                    with deferring(wq.setdefault(key, [])) if act.stage in self.deferred else contextlib.nullcontext():
+                        torch.autograd.backward(roots, grads)
                 del grads
                 del grad_bufs  # consumed: freed when nothing else holds their storage
                 held_bufs.pop(key, None)
@@ -307,11 +318,10 @@ class PipelineEngine(Transfers, GradSync):
                                       self._index(q, "B", p, act.microbatch, act.replica)))
                     t.grad = None  # sent: the pieces cut from it live until their sends complete
                 ins, g = [], None  # this micro-batch's inputs die here, not at the next forward
+            if act.kind == last:
                 b_left[act.stage] -= 1
-                if b_left[act.stage] == 0:  # this stage's gradients are final here: reduce them now
-                    bucket = self._launch_sync(act.stage)
-                    if bucket is not None:
-                        pending.append(bucket)
+            if bk is not None:  # this stage's gradients are final here ([Note: gradient sync])
+                pending += self._close_buckets(bk)
         for w, what, _, q, _ in sends:
             wait(w, timeout_s=self.timeout_s, what=what, peer=q)
         if train:

@@ -1,9 +1,12 @@
 """Gradient sync and the optimizer step of one rank: bucketed all-reduce, fp16 loss scaling, the loss mean.
 
-[Note: gradient sync] After this rank's last backward of a stage, that stage's gradients are
-flattened into one bucket and all-reduced (SUM) asynchronously over every rank holding a copy of
-the stage (MASTER mirror and data-parallel copies), overlapping the rest of the backward; the
-optimizer steps once every bucket has arrived.
+[Note: gradient sync] During this rank's last gradient action of a stage in a step (its last
+backward; zero bubble: its last ``W``), each parameter's gradient is final as soon as it is
+accumulated: it joins a bucket, and every full bucket (``BUCKET_BYTES``) is flattened and
+all-reduced (SUM, never an average) asynchronously over every rank holding a copy of the stage
+(MASTER mirror, data-parallel copies, tiles), overlapping the rest of that backward and
+whatever the rank runs next; what is left goes out when the action ends. The optimizer steps
+once every bucket has arrived.
 """
 
 from __future__ import annotations
@@ -19,9 +22,63 @@ from nowdl.codegen.stage import StageModule
 from nowdl.runtime.launch import wait
 from nowdl.runtime.placement import Placement
 
-__all__ = ["GradSync"]
+__all__ = ["GradSync", "BUCKET_BYTES"]
 
 log = logging.getLogger("nowdl.runtime.engine")
+
+BUCKET_BYTES = 1 << 20
+"""Gradients of at least this many bytes go out in one all-reduce as soon as they are final."""
+
+_Bucket = tuple[int, Any, torch.Tensor, list[nn.Parameter]]  # stage, work, flat buffer, its parameters
+
+
+class _Buckets:
+    """Buckets of one stage's final gradients, each all-reduced (SUM, async) once full.
+
+    :meth:`ready` is called with each parameter whose gradient just became final: by a
+    post-accumulate-grad hook during the last backward (autograd runs a leaf's accumulation
+    once per backward, its uses summed), or by the zero-bubble ``W`` (``run_weight_grads``).
+    Every rank of the group runs the same graph, so the buckets are the same everywhere.
+    """
+
+    def __init__(self, stage: int, params: list[nn.Parameter], group: Any, device: torch.device,
+                 cap: int) -> None:
+        self.stage, self.params, self.group, self.device, self.cap = stage, params, group, device, cap
+        self.todo = {id(p) for p in params}
+        self.cur: list[nn.Parameter] = []
+        self.size = 0
+        self.launched: list[_Bucket] = []
+        self.hooks = [p.register_post_accumulate_grad_hook(self.ready) for p in params if p.requires_grad]
+
+    def ready(self, p: torch.Tensor) -> None:
+        if id(p) not in self.todo:
+            return
+        self.todo.discard(id(p))
+        self.cur.append(p)  # type: ignore[arg-type]
+        self.size += p.numel() * p.element_size()
+        if self.size >= self.cap:
+            self._launch()
+
+    def _launch(self) -> None:
+        if not self.cur:
+            return
+        for p in self.cur:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in self.cur])  # type: ignore[union-attr]
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.launched.append((self.stage, work, flat, self.cur))
+        self.cur, self.size = [], 0
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        for p in self.params:  # the rest, in parameter order (no gradient: zeros)
+            if id(p) in self.todo:
+                self.todo.discard(id(p))
+                self.cur.append(p)
+        self._launch()
 
 
 class GradSync:
@@ -50,32 +107,28 @@ class GradSync:
                 with torch.no_grad():
                     dist.broadcast(t.data, src=src, group=g)
 
-    def _launch_sync(self, stage: int) -> tuple[int, Any, torch.Tensor] | None:
-        """Start the all-reduce (SUM) of one stage's gradients as one flat bucket, asynchronously.
-
-        Called right after this rank's last backward of the stage, so it overlaps the backward
-        of any other stage this rank holds (MASTER) and the remaining sends.
-        """
+    def _open_buckets(self, stage: int) -> _Buckets | None:
+        """Before this rank's last gradient action of ``stage`` in a step: reduce its gradients in
+        buckets as they become final ([Note: gradient sync]); None when no other rank holds it."""
         g = self._groups.get(stage)
         if g is None:
             return None
-        grads: list[torch.Tensor] = []
-        for p in self.stages[stage].module.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad.reshape(-1))
-        flat = torch.cat(grads) if grads else torch.zeros(0, device=self.device)
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g, async_op=True)
-        return stage, work, flat
+        return _Buckets(stage, list(self.stages[stage].module.parameters()), g, self.device, BUCKET_BYTES)
 
-    def _finish_sync(self, pending: list[tuple[int, Any, torch.Tensor]]) -> None:
-        for stage, work, flat in pending:
+    def _close_buckets(self, b: _Buckets) -> list[_Bucket]:
+        """After that action: launch what is left (parameters without a gradient as zeros)."""
+        b.close()
+        return b.launched
+
+    def _finish_sync(self, pending: list[_Bucket]) -> None:
+        for stage, work, flat, params in pending:
             wait(work, timeout_s=self.timeout_s, what=f"gradient all-reduce of stage {stage}", peer=None)
             offset = 0
-            for p in self.stages[stage].module.parameters():
+            for p in params:
                 n = p.numel()
-                if p.grad is not None:  # set by _launch_sync
-                    p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                g = p.grad
+                if g is not None:  # set by _Buckets._launch
+                    g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
 
     def _step(self) -> None:

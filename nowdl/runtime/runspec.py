@@ -40,7 +40,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, help="pin the number of pipeline stages")
     p.add_argument("--dp", type=int, help="pin the data-parallel degree")
     p.add_argument("--replicas", type=int, choices=(1, 2), help="pin replicas (2: GEMS-MASTER mirrored replica)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), help="pin the pipeline schedule")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb"), help="pin the pipeline schedule (zb: zero bubble)")
     p.add_argument("--spatial-parts", type=parse_parts, metavar="P[,P2..]",
                    help="pin spatial parts (image tiles) per spatial stage: 4, or one per stage: 4,2 (1: none)")
     p.add_argument("--spatial-stages", type=int, help="pin how many leading stages are spatial")

@@ -103,7 +103,7 @@ class Transfers:
                         mine.append((key, q, self._tag(name, False, act.replica, act.microbatch), name,
                                      self._piece_shape(name, box)))
                         self._sent_at[key] = self._index(q, "F", p, act.microbatch, act.replica)
-            elif train:
+            elif train and act.kind == "B":
                 for name in st.outputs:
                     if not self._is_float(name):
                         continue

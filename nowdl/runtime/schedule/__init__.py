@@ -12,6 +12,11 @@ replica 1. Three orders are built:
   Training", ICML 2021): stage ``s`` of ``K`` runs ``min(m, K - s)`` warm-up forwards, then
   alternates one backward and one forward, then drains the remaining backwards. Peak in-flight
   micro-batches at stage ``s``: ``min(m, K - s)``.
+* **Zero bubble** (ZB-H1; Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), ``"zb"``:
+  each backward is split into ``B`` (input gradients, sent upstream at once) and ``W`` (weight
+  gradients, deferred into what would be bubbles); see
+  :mod:`~nowdl.runtime.schedule.zerobubble`. In flight (forward ran, ``W`` not yet) on every
+  stage: at most ``min(m, K)``.
 * **GEMS-MASTER** (Jain et al., "GEMS: GPU-Enabled Memory-Aware Model-Parallelism System for
   Distributed DNN Training", SC'20), ``replicas=2``: a second, mirrored replica whose stage ``s``
   lives on the ranks of replica 0's stage ``K-1-s`` (``K`` odd: the middle rank holds both
@@ -41,6 +46,7 @@ from nowdl.runtime.schedule.build import (
     one_f_one_b,
     rank_actions,
     stage_actions,
+    zero_bubble,
 )
 from nowdl.runtime.schedule.deps import (
     SCHEDULES,
@@ -68,6 +74,7 @@ __all__ = [
     "stage_actions",
     "gpipe",
     "one_f_one_b",
+    "zero_bubble",
     "build_schedule",
     "rank_actions",
     "validate_schedule",

@@ -33,11 +33,12 @@ from nowdl.runtime.schedule.deps import (
     stage_deps,
 )
 from nowdl.runtime.schedule.simulate import simulate
+from nowdl.runtime.schedule.zerobubble import zero_bubble_orders
 
 if TYPE_CHECKING:
     from nowdl.partitioner.plan import Plan
 
-__all__ = ["stage_actions", "gpipe", "one_f_one_b", "build_schedule", "rank_actions"]
+__all__ = ["stage_actions", "gpipe", "one_f_one_b", "zero_bubble", "build_schedule", "rank_actions"]
 
 
 def _num_stages(deps: Deps) -> int:
@@ -50,7 +51,8 @@ def stage_actions(schedule: str, k: int, m: int, stage: int, replica: int = 0) -
 
     GPipe: ``F0 .. F(m-1)`` then ``B0 .. B(m-1)``. 1F1B: ``min(m, K - s)`` warm-up forwards,
     then one backward / one forward alternately, then the remaining backwards. Backwards run in
-    micro-batch order 0 .. m-1 in both (see [Note: backward order]).
+    micro-batch order 0 .. m-1 in both (see [Note: backward order]). ``"zb"``: ZB-H1, with
+    ``W`` actions ([Note: zero-bubble order] in zerobubble.py).
 
     Raises:
         ScheduleError: unknown schedule name, or ``k``, ``m``, ``stage`` out of range.
@@ -61,6 +63,8 @@ def stage_actions(schedule: str, k: int, m: int, stage: int, replica: int = 0) -
         raise ScheduleError(f"stages and micro-batches must be positive, got K={k}, m={m}")
     if not 0 <= stage < k:
         raise ScheduleError(f"stage {stage} is not in 0..{k - 1}")
+    if schedule == "zb":
+        return [Action(a.kind, a.stage, a.microbatch, replica) for a in zero_bubble_orders(k, m)[stage]]
     fwd = [Action("F", stage, i, replica) for i in range(m)]
     bwd = [Action("B", stage, i, replica) for i in range(m)]
     if schedule == "gpipe":
@@ -135,6 +139,16 @@ def one_f_one_b(k: int, m: int, deps: Deps | None = None, *, replicas: int = 1) 
         replicas: 2 for GEMS-MASTER: slot ``r`` also runs replica 1's stage ``k-1-r``.
     """
     return _build("1f1b", k, m, deps, replicas)
+
+
+def zero_bubble(k: int, m: int, deps: Deps | None = None, *, replicas: int = 1) -> Schedule:
+    """ZB-H1 (zero bubble) for ``k`` stages and ``m`` micro-batches; slot ``s`` runs stage ``s``.
+
+    Args:
+        deps: the stage DAG (default: a chain); used only to merge MASTER's two replicas.
+        replicas: 2 for GEMS-MASTER: slot ``r`` also runs replica 1's stage ``k-1-r``.
+    """
+    return _build("zb", k, m, deps, replicas)
 
 
 # ---- plans ------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The vocabulary of pipeline schedules: actions, schedules, and the stage dependency graph.
 
-An :class:`Action` is the forward (``F``) or backward (``B``) of one stage on one micro-batch
+An :class:`Action` is the forward (``F``), backward (``B``) or deferred weight gradient (``W``,
+zero-bubble only) of one stage on one micro-batch
 of one replica; a :data:`Schedule` maps each pipeline slot to its actions in order; :data:`Deps`
 is the stage DAG (which stages feed which), built from a plan's cross-stage tensors
 (:func:`stage_deps`), a chain (:func:`chain_deps`) or explicit edges (:func:`dag_deps`).
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Action", "Schedule", "Deps", "ScheduleError", "SCHEDULES", "stage_deps", "chain_deps", "dag_deps"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb")
 
 
 class ScheduleError(NowdlError):
@@ -38,7 +39,12 @@ class ScheduleError(NowdlError):
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One forward (``"F"``) or backward (``"B"``) of ``stage`` on ``microbatch``.
+    """One forward (``"F"``), backward (``"B"``) or weight-gradient pass (``"W"``) of ``stage`` on
+    ``microbatch``.
+
+    Under the zero-bubble schedule ``B`` computes only the input gradients (sent upstream at
+    once) and ``W`` the deferred weight gradients of the same micro-batch; the other schedules
+    have no ``W`` (their ``B`` computes both).
 
     ``microbatch`` is the index within the replica (0 .. m-1). ``str()`` gives ``"2F0"`` (stage 2,
     forward, micro-batch 0) and ``"2F0'"`` for replica 1.
@@ -50,8 +56,8 @@ class Action:
     replica: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("F", "B"):
-            raise ScheduleError(f"action kind must be 'F' or 'B', got {self.kind!r}")
+        if self.kind not in ("F", "B", "W"):
+            raise ScheduleError(f"action kind must be 'F', 'B' or 'W', got {self.kind!r}")
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}" + "'" * self.replica

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 __all__ = ["LEGEND", "format_grid", "format_plan_schedule"]
 
 LEGEND = (
-    "legend: sFi = forward of stage s on micro-batch i, sBi = its backward, one action per step;\n"
+    "legend: sFi = forward of stage s on micro-batch i, sBi = its backward (zb: input gradients only),\n"
+    "        sWi = its deferred weight gradients (zb), one action per step;\n"
     "        a prime (') marks replica 1 (GEMS-MASTER, its own micro-batches); blank = idle"
 )
 

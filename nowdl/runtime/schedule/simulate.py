@@ -18,10 +18,13 @@ __all__ = ["validate_schedule", "simulate", "inflight_peaks"]
 def validate_schedule(schedule: Schedule, k: int, m: int, replicas: int = 1) -> None:
     """Check every (replica, stage, micro-batch) forward and backward appears exactly once, F before B.
 
+    A schedule with any ``W`` action (zero bubble) must have one ``W`` per backward, after it.
+
     Raises:
         ScheduleError: naming the missing, duplicated, unexpected or misordered actions.
     """
-    want = {Action(kd, s, i, r) for r in range(replicas) for s in range(k) for i in range(m) for kd in "FB"}
+    kinds = "FBW" if any(a.kind == "W" for acts in schedule.values() for a in acts) else "FB"
+    want = {Action(kd, s, i, r) for r in range(replicas) for s in range(k) for i in range(m) for kd in kinds}
     where: dict[Action, tuple[int, int]] = {}
     problems: list[str] = []
     for rank, acts in schedule.items():
@@ -36,8 +39,8 @@ def validate_schedule(schedule: Schedule, k: int, m: int, replicas: int = 1) -> 
         shown = ", ".join(str(a) for a in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         problems.append(f"missing {shown}")
     for a, (rank, pos) in where.items():
-        if a.kind == "B":
-            f = Action("F", a.stage, a.microbatch, a.replica)
+        if a.kind != "F":
+            f = Action("F" if a.kind == "B" else "B", a.stage, a.microbatch, a.replica)
             if f in where and where[f][0] == rank and where[f][1] > pos:
                 problems.append(f"{a} before {f} on rank {rank}")
     if problems:
@@ -46,6 +49,8 @@ def validate_schedule(schedule: Schedule, k: int, m: int, replicas: int = 1) -> 
 
 def _deps_of(a: Action, deps: Deps) -> list[Action]:
     producers, consumers = deps
+    if a.kind == "W":
+        return [Action("B", a.stage, a.microbatch, a.replica)]
     if a.kind == "F":
         return [Action("F", p, a.microbatch, a.replica) for p in sorted(producers.get(a.stage, ()))]
     return [Action("F", a.stage, a.microbatch, a.replica)] + [
@@ -59,7 +64,8 @@ def simulate(schedule: Schedule, plan: Plan | Deps) -> list[dict[int, Action | N
     Each step, every rank runs its next action if all the actions it depends on ran at an
     earlier step: ``F(s, i)`` needs ``F(p, i)`` for every producer stage ``p`` of ``s``;
     ``B(s, i)`` needs ``F(s, i)`` and ``B(c, i)`` for every consumer stage ``c`` (a stage without
-    consumers, like the last, needs only its forward); all within the same replica.
+    consumers, like the last, needs only its forward); ``W(s, i)`` needs ``B(s, i)``; all within
+    the same replica.
 
     Args:
         plan: a Plan (its stage DAG is used) or the dependencies themselves (:func:`stage_deps`,
@@ -107,12 +113,14 @@ def simulate(schedule: Schedule, plan: Plan | Deps) -> list[dict[int, Action | N
 
 
 def inflight_peaks(steps: Sequence[Mapping[int, Action | None]]) -> dict[tuple[int, int], int]:
-    """(replica, stage) -> the most micro-batches whose forward ran but backward did not yet."""
+    """(replica, stage) -> the most micro-batches whose forward ran but backward did not yet
+    (zero bubble: whose ``W`` did not yet: the deferred weight gradient holds its inputs)."""
     live: dict[tuple[int, int], int] = {}
     peak: dict[tuple[int, int], int] = {}
+    ends = "W" if any(a is not None and a.kind == "W" for row in steps for a in row.values()) else "B"
     for row in steps:
         for a in row.values():
-            if a is None:
+            if a is None or a.kind not in ("F", ends):
                 continue
             key = (a.replica, a.stage)
             live[key] = live.get(key, 0) + (1 if a.kind == "F" else -1)
