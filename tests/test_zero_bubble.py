@@ -25,7 +25,6 @@ from nowdl.runtime.schedule import (
     zero_bubble,
 )
 
-
 _ORDERS = [(k, m, r) for k, m in [(1, 3), (2, 4), (3, 5), (4, 4), (4, 8), (6, 3)] for r in (1, 2)
            if r == 1 or k >= 2]  # MASTER (replicas=2) needs two stages
 
