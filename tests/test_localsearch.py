@@ -8,6 +8,7 @@ import random
 import pytest
 from test_ilp import all_splits, check_valid, close, lex_reference, random_problem
 
+from nowdl.partitioner.lattice import near_ideals
 from nowdl.partitioner.localsearch import _Graph, _masks, _step, improve_split
 from nowdl.partitioner.problem import Problem
 from nowdl.partitioner.structure import make_partition, objective_values
@@ -29,29 +30,46 @@ def _worst(problem: Problem) -> tuple[int, ...] | None:
     return max(splits, key=lambda a: objective_values(problem, make_partition(problem, a)))
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_step_over_all_ideals_is_the_lexicographic_optimum(seed: int) -> None:
-    """With neighbourhoods holding every ideal, one step is levels 1 and 2 exactly: the load
-    matrices agree with evaluate() on every stage."""
+def _feasible_seeds(start: int, count: int) -> list[int]:
+    """The first ``count`` seeds from ``start`` whose problem has a feasible split (the others
+    are left out of the parametrization rather than skipped)."""
+    seeds: list[int] = []
+    seed = start
+    while len(seeds) < count:
+        if all_splits(_problem(seed)):
+            seeds.append(seed)
+        seed += 1
+    return seeds
+
+
+@pytest.mark.parametrize("seed", _feasible_seeds(0, 60))
+def test_step_is_the_lexicographic_optimum_over_its_neighbourhoods(seed: int) -> None:
+    """One step is levels 1 and 2 exactly over the chains whose s-th cut lies in N_s, the
+    ideals comparable with the start's s-th cut (supersets and subsets: [Note: local ideals]);
+    brute force over exactly those splits. Ideals incomparable with a cut are not in N_s, so
+    one step is not the global optimum in general (seed 40 of this generator: 43.2 against
+    39.9): the rounds of improve_split walk there, or the MILP does."""
     problem = _problem(seed)
     start = _worst(problem)
-    if start is None:
-        pytest.skip("no feasible split")
-    ref = lex_reference(problem, all_splits(problem))
-    assert ref is not None
-    cuts = _step(_Graph(problem), problem, _masks(list(start), problem.k), per_side=10_000)
+    assert start is not None
+    start_cuts = _masks(list(start), problem.k)
+    near = [set(near_ideals(problem, start_cuts[s], 10_000)) for s in range(problem.k)]
+    local = [a for a in all_splits(problem)
+             if all(c in near[s] for s, c in enumerate(_masks(list(a), problem.k)) if 0 < s < problem.k)]
+    ref = lex_reference(problem, local)
+    assert ref is not None  # the start itself is in every neighbourhood
+    cuts = _step(_Graph(problem), problem, start_cuts, per_side=10_000)
     assert cuts is not None
     stage_of = [next(s for s in range(problem.k) if cuts[s + 1] >> v & 1) for v in range(problem.n)]
     prim, sec = objective_values(problem, make_partition(problem, stage_of))
     assert close(prim, ref.primary) and close(sec, ref.secondary), (prim, sec, ref)
 
 
-@pytest.mark.parametrize("seed", range(40, 70))
+@pytest.mark.parametrize("seed", _feasible_seeds(1000, 30))
 def test_improve_never_worse_and_valid(seed: int) -> None:
     problem = _problem(seed)
     start = _worst(problem)
-    if start is None:
-        pytest.skip("no feasible split")
+    assert start is not None
     part = make_partition(problem, list(start), solver="beam", status="heuristic")
     got = improve_split(problem, part, budget_s=5.0, per_side=2)
     check_valid(problem, got)
