@@ -16,8 +16,6 @@ import json
 import logging
 import os
 import re
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nowdl.profiler.calibrate_ops import median_times
 from nowdl.profiler.devices import DeviceSpec
 
 __all__ = ["LinkFit", "fit_line", "link_device", "measure_p2p", "measure_allreduce", "measure_links",
@@ -92,26 +91,6 @@ def link_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _medians(fns: Sequence[Callable[[], object]], dev: torch.device, repeats: int, warmup: int) -> list[float]:
-    """Median time of each of ``fns``; the repeats go round all of them in turn, so a burst of
-    load from other processes hits every message size alike instead of one."""
-    times: list[list[float]] = [[] for _ in fns]
-    for i in range(warmup + repeats):
-        for j, fn in enumerate(fns):
-            _sync(dev)
-            t0 = time.perf_counter()
-            fn()
-            _sync(dev)
-            if i >= warmup:
-                times[j].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
-
-
 def _share(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -136,7 +115,7 @@ def measure_p2p(sizes: Sequence[int] = QUICK_SIZES, repeats: int = 5, warmup: in
                 dist.send(buf, dst=0)
         return run
 
-    medians = [m / 2 for m in _medians([ping(b) for b in bufs], dev, repeats, warmup)] if rank < 2 else []
+    medians = [m / 2 for m in median_times([ping(b) for b in bufs], dev, repeats, warmup)] if rank < 2 else []
     fit = None
     if rank == 0:
         lat, bw = fit_line([float(n) for n in sizes], medians)
@@ -153,7 +132,7 @@ def measure_allreduce(sizes: Sequence[int] = QUICK_SIZES, repeats: int = 5, warm
     dev = link_device()
     bufs = [torch.zeros(max(1, n // 4), dtype=torch.float32, device=dev) for n in sizes]
     dist.barrier()
-    mine = _medians([functools.partial(dist.all_reduce, b) for b in bufs], dev, repeats, warmup)
+    mine = median_times([functools.partial(dist.all_reduce, b) for b in bufs], dev, repeats, warmup)
     slowest = torch.tensor(mine, dtype=torch.float64, device=dev)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     medians = [float(v) for v in slowest.tolist()]

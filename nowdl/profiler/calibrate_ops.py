@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: N812
 from nowdl.profiler.devices import OP_CLASSES
 from nowdl.profiler.flops import OpCostMode
 
-__all__ = ["measure_ops", "OP_SHAPES"]
+__all__ = ["measure_ops", "median_times", "OP_SHAPES"]
 
 #: class -> (quick shapes, full shapes): the input's shape (matmul: n of an n x n product)
 OP_SHAPES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
@@ -71,23 +71,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_times(fns: Sequence[Callable[[], object]], device: torch.device, repeats: int, warmup: int,
+                 before: Callable[[], object] | None = None) -> list[float]:
+    """Median time of each of ``fns`` (``before`` runs untimed ahead of every call); the repeats
+    go round all of them in turn, so a burst of load from other processes hits each alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + repeats):
+        for j, fn in enumerate(fns):
+            if before is not None:
+                before()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if i >= warmup:
+                times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def _rate(op_class: str, shape: Sequence[int], device: torch.device, dtype: torch.dtype, repeats: int,
           warmup: int) -> float:
     run, leaves = _runner(op_class, shape, device, dtype)
     with OpCostMode() as counted:
         run()
     work = counted.flops if OP_CLASSES[op_class] == "flops" else counted.bytes
-    times = []
-    for i in range(warmup + repeats):
+
+    def clear() -> None:
         for t in leaves:
             t.grad = None
-        _sync(device)
-        t0 = time.perf_counter()
-        run()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return work / max(statistics.median(times), 1e-9)
+
+    (median,) = median_times([run], device, repeats, warmup, before=clear)
+    return work / max(median, 1e-9)
 
 
 def measure_ops(device: torch.device, dtypes: Sequence[torch.dtype] = (torch.float32,), *, quick: bool = False,
