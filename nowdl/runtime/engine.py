@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -146,7 +147,9 @@ class PipelineEngine(Transfers, GradSync):
         self._data_names = [n for n in plan.stages[0].nodes if n in data]
         self._check_spatial_values()
         # zero bubble: B computes input gradients, W the deferred weight gradients
-        self.deferred = {s for rep, s in self.held if any(a.kind == "W" for a in self.actions)
+        self._final_kind = "W" if any(a.kind == "W" for a in self.actions) else "B"  # gradients are final after it
+        self._final_left = Counter(a.stage for a in self.actions if a.kind == self._final_kind)
+        self.deferred = {s for rep, s in self.held if self._final_kind == "W"
                          and (rep, s) not in self.tiled and s not in self.checkpointed and enable(self.stages[s].module)}
 
     def _check_spatial_values(self) -> None:
@@ -186,11 +189,7 @@ class PipelineEngine(Transfers, GradSync):
             self._recv_plans[train] = self._expected_recvs(train)
         rx = _StepReceives(self._recv_plans[train])
         held_bufs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
-        last = "W" if any(a.kind == "W" for a in self.actions) else "B"  # gradients are final after it
-        b_left: dict[int, int] = {}
-        for a in self.actions:
-            if a.kind == last:
-                b_left[a.stage] = b_left.get(a.stage, 0) + 1
+        last, b_left = self._final_kind, dict(self._final_left)  # [Note: gradient sync]
         wq: dict[tuple[int, int, int], list[WeightGrad]] = {}
         pending: list[Any] = []  # launched gradient buckets
         inputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
