@@ -146,7 +146,7 @@ class CompiledModel:
         spec = self._spec()
         req = self.request
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
-        costs = Costs(profile=prof, rules=spatial_rules(t.gm), link_bw=float(spec.link_bw), mem_cap=cap,
+        costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=cap,
                       tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec))
         # time_limit bounds the whole plan() call: the search gets what tracing and profiling
         # left of it (less a second for the MILP's read-back and tie-breaks)

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from nowdl.deadcode import drop_dead_code
 from nowdl.errors import TraceError
 from nowdl.functional import functionalize
 from nowdl.trace_check import (
@@ -114,6 +115,7 @@ def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Grap
         raise TypeError(f"torch.export returned {type(gm).__name__}, not a GraphModule")
     gm = normalize_exported(gm, model)
     functionalize(gm, inputs)
+    drop_dead_code(gm)
     return gm
 
 
@@ -210,6 +212,7 @@ def trace(
             if kind == "fx":
                 gm = _fx_trace(model, leaf_modules)
                 functionalize(gm, example_inputs)
+                drop_dead_code(gm)
                 check = functools.partial(_validate, model, gm, example_inputs)
             else:
                 gm, check = _export(model, example_inputs)

@@ -43,6 +43,7 @@ LAYERS = {
     "nowdl.trace_check": 0,
     "nowdl.trace_where": 0,
     "nowdl.exported": 0,
+    "nowdl.deadcode": 0,
     "nowdl.profiler": 1,
     "nowdl.partitioner": 2,
     "nowdl.codegen": 3,

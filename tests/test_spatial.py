@@ -47,6 +47,24 @@ def test_rules() -> None:
     assert not r["sum_1"].tileable
 
 
+class Repeats(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, 2, 1, 1) + x.repeat([1, 2, 1, 1]) + x.repeat(1, 1, 2, 1)[..., :4, :] + x.repeat(1, 1, 1, 1, 1)[0]
+
+
+def test_repeat_runs_on_tiles_only_over_batch_and_channels() -> None:
+    """VNet's input block repeats its input over channels (``x.repeat(1, 16, 1, 1, 1)``): tileable."""
+    for tracer in ("fx", "export"):
+        from nowdl.trace import trace
+
+        t = trace(Repeats(), (torch.randn(1, 1, 4, 4),), tracer=tracer)
+        ranks = {n.name: 4 for n in t.gm.graph.nodes}  # what the profile gives an fx graph (out_shape)
+        r = spatial_rules(t.gm, ranks)
+        reps = [n.name for n in t.gm.graph.nodes if "repeat" in str(n.target)]
+        assert [r[n].tileable for n in reps] == [True, True, False, False], (tracer, reps)
+        assert "spatial dim" in r[reps[2]].reason and "new dims" in r[reps[3]].reason, r[reps[3]]
+
+
 def test_slice_grid() -> None:
     assert slice_grid("vertical", 4, 2) == (1, 4)
     assert slice_grid("horizontal", 4, 2) == (4, 1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +138,8 @@ def _aten_rule(node: fx.Node, op: torch._ops.OpOverload) -> SpatialRule:
         return SpatialRule(False, f"{name} along dim {dim} (only channel concatenation, dim 1, is tiled)")
     if op in (torch.ops.aten.pad.default, torch.ops.aten.constant_pad_nd.default):
         return _pad_rule(node, name)
+    if op is torch.ops.aten.repeat.default:
+        return _repeat_rule(node, name)
     if op in _ATEN_UPSAMPLE:
         if aten_upsample_scales(node) is not None:
             return SpatialRule(True, "", () if "nearest" in name else (1,), "upsample")
@@ -193,6 +195,19 @@ def _pad_rule(node: fx.Node, name: str) -> SpatialRule:
     return SpatialRule(True, "", (), "elementwise")
 
 
+def _repeat_rule(node: fx.Node, name: str, rank: int | None = None) -> SpatialRule:
+    """``x.repeat(1, c, 1, 1)``: repeating only the batch and channel dims runs on tiles."""
+    sizes: Any = node.args[1:] if node.op == "call_method" else node.args[1:2]
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = sizes[0]
+    rank = _rank(node.args[0]) if rank is None else rank
+    if not sizes or not all(isinstance(s, int) for s in sizes) or (rank is not None and len(sizes) != rank):
+        return SpatialRule(False, f"{name} with computed sizes or new dims needs the whole tensor")
+    if any(s != 1 for s in sizes[2:]):
+        return SpatialRule(False, f"{name}{tuple(sizes)} repeats the image along a spatial dim (it needs the whole image)")
+    return SpatialRule(True, "", (), "elementwise")
+
+
 def _function_rule(node: fx.Node) -> SpatialRule:
     t = node.target
     tname = getattr(t, "__name__", str(t))
@@ -230,8 +245,9 @@ def _function_rule(node: fx.Node) -> SpatialRule:
     return SpatialRule(False, f"{tname} is not an op nowdl knows how to run on tiles")
 
 
-def spatial_rules(gm: fx.GraphModule) -> dict[str, SpatialRule]:
-    """The SpatialRule of every node of ``gm`` (keyed by node name)."""
+def spatial_rules(gm: fx.GraphModule, ranks: Mapping[str, int] | None = None) -> dict[str, SpatialRule]:
+    """The SpatialRule of every node of ``gm`` (keyed by node name). ``ranks`` gives each node's
+    output rank where the graph does not carry it (fx graphs; the profile's ``out_shape``)."""
     out: dict[str, SpatialRule] = {}
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -245,6 +261,10 @@ def spatial_rules(gm: fx.GraphModule) -> dict[str, SpatialRule]:
         elif node.op == "call_method":
             if node.target in _ELEMENTWISE_METHODS:
                 out[node.name] = SpatialRule(True, "", (), "elementwise")
+            elif node.target == "repeat":
+                src = node.args[0]
+                rank = (ranks or {}).get(src.name) if isinstance(src, fx.Node) else None
+                out[node.name] = _repeat_rule(node, "tensor.repeat", rank)
             else:
                 out[node.name] = SpatialRule(False, f"tensor.{node.target}() needs the whole tensor (it ends a spatial region)")
         else:  # pragma: no cover - fx has no other ops

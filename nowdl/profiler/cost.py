@@ -81,6 +81,10 @@ class Profile:
     def __len__(self) -> int:
         return len(self.nodes)
 
+    def out_ranks(self) -> dict[str, int]:
+        """Each node's output rank (number of dims), where the output is a tensor."""
+        return {n.name: len(n.out_shape) for n in self.nodes if n.out_shape is not None}
+
     def totals(self) -> dict[str, float]:
         """Sums over all nodes of the additive fields."""
         keys = ("fwd_s", "bwd_s", "flops", "saved_bytes", "act_bytes", "param_bytes",
