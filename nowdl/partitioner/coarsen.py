@@ -190,7 +190,7 @@ class _Groups:
         tim = sum(self.time[k][g] for k in self.keys) / len(self.keys)
         return mem, tim
 
-    def greedy_pass(self, max_nodes: int) -> int:
+    def greedy_pass(self, max_nodes: int, warn: bool = True) -> int:
         """Merge a group into its single consumer group, lightest pairs first."""
         n = len(self.alive)
         count = sum(self.alive)
@@ -229,7 +229,7 @@ class _Groups:
             push(g)
             for q in sorted(self.preds[g]):
                 push(q)
-        if count > max_nodes:
+        if count > max_nodes and warn:
             log.warning(
                 "coarsen: stopped at %d groups (asked for %d): no light single-consumer link left",
                 count, max_nodes,
@@ -292,7 +292,7 @@ class _Groups:
 
 
 def coarsen(
-    problem: Problem, *, max_nodes: int | None = None, zero_tol: float = 0.0
+    problem: Problem, *, max_nodes: int | None = None, zero_tol: float = 0.0, warn: bool = True
 ) -> tuple[Problem, list[list[int]]]:
     """Merge nodes where no optimum needs them apart, then optionally down to ``max_nodes``.
 
@@ -305,6 +305,7 @@ def coarsen(
         max_nodes: if given, keep merging greedily (not exact, see [Note: exact merges])
             until at most this many groups remain or no light link is left.
         zero_tol: costs at or below this count as zero for the exact rules (0: exact).
+        warn: log a warning when the greedy merges stop above ``max_nodes``.
 
     Returns:
         (coarse problem, groups): ``groups[i]`` lists the original node indices of coarse
@@ -323,7 +324,7 @@ def coarsen(
     exact = g.exact_pass(zero_tol)
     greedy = 0
     if max_nodes is not None and sum(g.alive) > max_nodes:
-        greedy = g.greedy_pass(max_nodes)
+        greedy = g.greedy_pass(max_nodes, warn)
         exact += g.exact_pass(zero_tol)
     coarse, groups = g.build()
     log.info(

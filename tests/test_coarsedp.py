@@ -1,0 +1,86 @@
+"""The ideal DP over a greedily coarsened graph ([Note: coarse ideal DP]): a valid split, never
+better than the exact optimum, and None where it does not apply."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_ilp import check_valid, random_problem
+
+from nowdl.partitioner.coarsedp import coarse_split
+from nowdl.partitioner.ideals import solve_ideals
+from nowdl.partitioner.lattice import enumerate_ideals
+from nowdl.partitioner.problem import NodeVectors, Problem
+from nowdl.partitioner.structure import objective_values
+
+
+def _problem(seed: int) -> Problem:
+    rng = random.Random(seed)
+    return random_problem(rng, rng.randint(24, 32), rng.randint(2, 3), skips=0.5,
+                          objective=rng.choice(["memory", "compute"]))
+
+
+def _small_lattice_seeds(count: int) -> list[int]:
+    """Seeds whose problem has 200 to 1,500 ideals (the exact DP stays quick)."""
+    out, seed = [], 0
+    while len(out) < count:
+        lat = enumerate_ideals(_problem(seed), cap=1500)
+        if lat is not None and lat.size >= 200:
+            out.append(seed)
+        seed += 1
+    return out
+
+
+@pytest.mark.parametrize("seed", _small_lattice_seeds(25))
+def test_coarse_split_is_valid_and_not_below_the_optimum(seed: int) -> None:
+    problem = _problem(seed)
+    lat = enumerate_ideals(problem, cap=1500)
+    assert lat is not None
+    exact = solve_ideals(problem, lat)
+    assert exact is not None
+    got = coarse_split(problem, cap=max(problem.k + 1, lat.size // 2))
+    assert got is not None  # these chains with skips coarsen to a few dozen groups
+    check_valid(problem, got)
+    assert got.solver == "coarse" and got.status == "heuristic"
+    assert objective_values(problem, got)[0] >= objective_values(problem, exact)[0] * (1 - 1e-9)
+
+
+def test_coarse_split_finds_a_split_on_parallel_branches() -> None:
+    """Cells of four parallel chains (too many ideals for the exact DP) get a split."""
+    rng = random.Random(7)
+    base = random_problem(rng, 2, 4, skips=0.0)
+    edges: list[tuple[int, int]] = []
+    n = 0
+    prev = 0
+    for _ in range(6):  # a cell: four chains of four nodes from prev, joined by one node
+        ends = []
+        for _ in range(4):
+            last = prev
+            for _ in range(4):
+                n += 1
+                edges.append((last, n))
+                last = n
+            ends.append(last)
+        n += 1
+        edges += [(e, n) for e in ends]
+        prev = n
+    n += 1
+    edges.append((prev, n))
+    n += 1
+
+    def vec() -> list[float]:
+        return [rng.uniform(1, 10) for _ in range(n)]
+
+    variants = {"plain": NodeVectors(act=vec(), time=vec(), workspace=vec(), out=vec())}
+    problem = Problem(names=[f"v{i}" for i in range(n)], edges=edges, static=vec(),
+                         variants=variants, stages=base.stages, objective="memory")
+    assert enumerate_ideals(problem, cap=3000) is None
+    got = coarse_split(problem, cap=500)
+    assert got is not None
+    check_valid(problem, got)
+
+
+def test_master_gets_none() -> None:
+    problem = random_problem(random.Random(3), 14, 4, master=True)
+    assert coarse_split(problem) is None
