@@ -33,7 +33,7 @@ from nowdl.runtime.halo import halo_exchange, set_halo_overlap, tile_forward
 from nowdl.runtime.metrics import peak_of
 from nowdl.runtime.tiles import TileGrid
 
-__all__ = ["overlap_case", "step_case", "memory_case", "MEMORY_CASES", "memory_model", "memory_batch"]
+__all__ = ["overlap_case", "step_case", "slowest", "memory_case", "MEMORY_CASES", "memory_model", "memory_batch"]
 
 CHANNELS = 16
 SEED = 0
@@ -79,7 +79,7 @@ def overlap_case(side: int, p: int, warmup: int, repeats: int) -> dict[str, Any]
             if i >= warmup:
                 times[k].append(t)
     set_halo_overlap(True)
-    return {"side": side, "grid": grid.grid, "tile": grid.tile_shape(),
+    return {"side": side, "grid": grid.grid, "tile": grid.tile_shape(), "raw": times,
             **{k: statistics.median(v) for k, v in times.items()}}
 
 
@@ -111,7 +111,18 @@ def step_case(run_stage: Callable[[], torch.Tensor], warmup: int, repeats: int) 
             if i >= warmup:
                 times[k].append(t)
     set_halo_overlap(True)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {"raw": times, **{k: statistics.median(v) for k, v in times.items()}}
+
+
+def slowest(rows: list[dict[str, Any]], key: str) -> float:
+    """Median over the repeats of the slowest rank's time of each repeat (``rows``: one per rank).
+
+    A step ends when its last rank ends. The tiled runs end with waits on the peers, so each
+    rank's time already includes the others' lateness, while the no-communication ``compute``
+    does not: per-rank medians would give compute the median rank and the tiled runs about the
+    slowest rank of each repeat, and count the ranks' load imbalance as halo time.
+    """
+    return statistics.median(max(r["raw"][key][i] for r in rows) for i in range(len(rows[0]["raw"][key])))
 
 
 def conv_stack_stage(side: int, p: int) -> Callable[[], torch.Tensor]:

@@ -71,19 +71,19 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
 def _count_exchanges() -> dict[str, int]:
     """Count every halo exchange forward and backward (in this worker only)."""
     calls = {"fwd": 0, "bwd": 0}
-    forward, backward = exchange._post_exchange, exchange._post_return
+    forward, backward = exchange._post_exchange, exchange._post_slabs
 
     # one-tile grids are a fused run's padding of its recomputed regions: no messages
     def counting_fetch(x: Any, grid: TileGrid, *args: Any, **kwargs: Any) -> Any:  # every exchange's forward
         calls["fwd"] += len(grid.ranks) > 1
         return forward(x, grid, *args, **kwargs)
 
-    def counting_backward(g: Any, shape: Any, grid: TileGrid, *args: Any, **kwargs: Any) -> Any:  # every backward
+    def counting_backward(slabs: Any, like: Any, grid: TileGrid, *args: Any, **kwargs: Any) -> Any:  # every backward
         calls["bwd"] += len(grid.ranks) > 1
-        return backward(g, shape, grid, *args, **kwargs)
+        return backward(slabs, like, grid, *args, **kwargs)
 
     exchange._post_exchange = counting_fetch  # type: ignore[assignment]
-    exchange._post_return = counting_backward  # type: ignore[assignment]
+    exchange._post_slabs = counting_backward  # type: ignore[assignment]
     return calls
 
 

@@ -255,7 +255,7 @@ def _overlap_worker(rank: int, world: int, methods: list[str]) -> dict[str, floa
     overlapped path (a border frame recomputed after an interior computed before the wait)."""
     from nowdl.runtime.halo import set_halo_overlap, window_op
 
-    split = {"n": 0}
+    split = {"n": 0, "padded": 0}
     boxes = window_op.border_boxes
 
     def counting(*args: Any) -> Any:
@@ -264,6 +264,14 @@ def _overlap_worker(rank: int, world: int, methods: list[str]) -> dict[str, floa
         return r
 
     window_op.border_boxes = counting  # type: ignore[assignment]
+    tile_pad = window_op._tile_pad
+
+    def counting_pad(*args: Any) -> Any:  # the conv ran on its zero-padded tile, no window built
+        r = tile_pad(*args)
+        split["padded"] += r is not None
+        return r
+
+    window_op._tile_pad = counting_pad  # type: ignore[assignment]
     out: dict[str, float] = {}
     by_name = {c[0]: (i, c) for i, c in enumerate(CASES_2D)}
     for on in (False, True):
@@ -272,10 +280,11 @@ def _overlap_worker(rank: int, world: int, methods: list[str]) -> dict[str, floa
             grid_dims = slice_grid(method, world, 2)
             for name in _OVERLAP_CASES:
                 i, case = by_name[name]
-                split["n"] = 0
+                split["n"] = split["padded"] = 0
                 out[f"overlap={on}/{method}{grid_dims}/{name}"] = _run_case(case, grid_dims, 4000 + i, D64)
                 if on:
                     out[f"ops overlapped/{method}{grid_dims}/{name}"] = float(split["n"])
+                    out[f"ops padded/{method}{grid_dims}/{name}"] = float(split["padded"])
     set_halo_overlap(True)
     return out
 
@@ -286,7 +295,11 @@ def _check_overlap(results: list[dict[str, float]]) -> None:
     # halo to wait for; some rank of every case must have run the overlapped path
     missing = [k for k in counted if sum(r[k] for r in results) == 0]
     assert counted and not missing, f"no rank overlapped the halo exchange: {missing}"
-    _check([{k: v for k, v in r.items() if not k.startswith("ops overlapped/")} for r in results])
+    # stride-1 convs and a stride-2 conv on even tiles run on the zero-padded tile (no window)
+    padded = [k for k in results[0] if k.startswith("ops padded/") and k.split("/")[-1] in ("conv_k3", "conv_k3_d2",
+                                                                                             "conv_k4_s2_even")]
+    assert padded and all(sum(r[k] for r in results) > 0 for k in padded), padded
+    _check([{k: v for k, v in r.items() if not k.startswith("ops ")} for r in results])
 
 
 def test_halo_overlap_on_and_off_equal_the_unsplit_op() -> None:

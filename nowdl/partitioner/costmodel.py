@@ -111,14 +111,16 @@ def _exposed_halo_s(rule: SpatialRule, one_way_s: float, fwd_s: float, bwd_s: fl
 
     Convs and pools overlap the exchange ([Note: halo overlap] in
     ``nowdl.runtime.halo.window_op``): forward, ``max(0, halo - op compute)`` plus the border
-    frame computed again after the wait (``border`` x forward compute); backward, the halo
-    gradients' return against the weight gradient (half the backward, convs only). Other ops
-    (transposed convs, upsampling) wait for the whole exchange each way. ``one_way_s`` is one
-    direction's ``bytes / link + latency``.
+    frame computed again after the wait (``border`` x forward compute); backward (convs only),
+    the halo gradients' return against the rest of the backward (the halo slabs' gradients are
+    computed first, from the border outputs: ``(1 - border)`` x backward). A strided conv whose
+    window is not its tile padded evenly hides it behind the weight gradient only (about half):
+    not told apart here. Other ops (transposed convs, upsampling) wait for the whole exchange
+    each way. ``one_way_s`` is one direction's ``bytes / link + latency``.
     """
     if rule.kind not in ("conv", "pool"):
         return 2 * one_way_s
-    hidden_bwd = bwd_s / 2 if has_weight else 0.0
+    hidden_bwd = (1.0 - border) * bwd_s if has_weight else 0.0
     return max(0.0, one_way_s - fwd_s) + border * fwd_s + max(0.0, one_way_s - hidden_bwd)
 
 

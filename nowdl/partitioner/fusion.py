@@ -1,10 +1,13 @@
 """Halo fusion in the plan: which runs of a spatial stage exchange one deeper halo.
 
 [Note: fusion cost] Unfused, each conv/pool of a run exchanges its own halo (forward, and its
-gradient in backward): ``2 x (latency + halo bytes / link)`` per op. Fused
-(:func:`nowdl.runtime.fusion.fused_forward`), the run exchanges once, a deeper halo, and
-recomputes the overlap: ``2 x (latency + fused halo bytes / link) + extra x run compute``,
-where ``extra`` is the fraction of output recomputed beyond the tiles. The planner fuses a
+gradient in backward) and overlaps it with its own compute: it costs the halo time the cost
+model charges it (``_exposed_halo_s`` in ``nowdl.partitioner.costmodel``, [Note: halo overlap
+cost]; a one-way exchange is ``latency + halo bytes / link``). Fused
+(:func:`nowdl.runtime.fusion.fused_forward`), the run exchanges once, a deeper halo that its
+first op overlaps the same way, and recomputes the overlap: the first op's exposed time for
+the deep halo ``+ extra x run compute``, where ``extra`` is the fraction of output recomputed
+beyond the tiles. The planner fuses a
 run when the second is smaller ("auto"); ``"off"`` never fuses; an integer N fuses every run
 into chains of up to N convs/pools whatever the cost (the seeds' ``--fused-layers N``).
 A run is a chain of call_module nodes of one spatial stage, each feeding only the next, all
@@ -22,7 +25,12 @@ from torch import nn
 
 from nowdl.errors import NowdlError
 from nowdl.geometry import chain_geometry, fusable
-from nowdl.partitioner.costmodel import HALO_LATENCY_S, dtype_bytes
+from nowdl.partitioner.costmodel import (
+    HALO_LATENCY_S,
+    _border_fraction,
+    _exposed_halo_s,
+    dtype_bytes,
+)
 from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, spatial_rules
 from nowdl.profiler.cost import Profile
@@ -109,18 +117,24 @@ def _gain(g: _Graph, chain: list[str], prof: Profile, grid: Sequence[int], link_
         geo = chain_geometry([g.module(c) for c in chain], shape[2:], grid)
     except (ValueError, NotImplementedError):
         return -math.inf
+    parts = math.prod(grid)
+
+    def exposed(c: str, rule: SpatialRule, sshape: Sequence[int], halo: Sequence[int]) -> float:
+        one_way = latency_s + halo_elements(sshape, grid, halo) * item / link_bw
+        n = prof[c] if c in prof else None
+        return _exposed_halo_s(rule, one_way, n.fwd_s / parts if n else 0.0, n.bwd_s / parts if n else 0.0,
+                               bool(n and n.param_bytes > 0), _border_fraction(sshape, grid, halo))
+
     unfused = 0.0
     for c in chain:
-        if not _windowed(g.module(c)):
-            continue
         src = g.source(c)
         sshape = prof[src].out_shape if src in prof else None
-        nbytes = halo_elements(sshape, grid, g.rules[c].halo) * item if sshape else 0
-        unfused += 2 * (latency_s + nbytes / link_bw)
+        if _windowed(g.module(c)) and sshape:
+            unfused += exposed(c, g.rules[c], sshape, g.rules[c].halo)
     deep = tuple(max(lo, hi) for lo, hi in geo["halo"])
-    fused_bytes = halo_elements(shape, grid, deep) * item
-    compute = sum(prof[c].time_s for c in chain if c in prof) / math.prod(grid)
-    fused = 2 * (latency_s + fused_bytes / link_bw) + float(geo["extra_fraction"]) * compute
+    compute = sum(prof[c].time_s for c in chain if c in prof) / parts
+    # the run's first op is a window op on the deep window: it overlaps the deep exchange
+    fused = exposed(chain[0], g.rules[chain[0]], shape, deep) + float(geo["extra_fraction"]) * compute
     return unfused - fused
 
 

@@ -169,6 +169,24 @@ def _put_received(out: Tensor, bufs: Sequence[Tensor], window: Window, plan: Any
     return out
 
 
+def _sub_window(x: Tensor, bufs: Sequence[Tensor], grid: TileGrid, window: Window, plan: Any, fill: float,
+                span: Sequence[tuple[int, int]], local: bool = True) -> Tensor:
+    """The part ``span`` (per dim ``[a, b)`` from the window's start) of the assembled window,
+    from my tile ``x`` and the received slabs (``local=False``: ``fill`` where my tile is)."""
+    origin = [lo for lo, _ in window]
+    sub: Window = tuple((o + a, o + b) for o, (a, b) in zip(origin, span, strict=True))
+    start = [lo for lo, _ in sub]
+    out = x.new_full(tuple(x.shape[:2]) + tuple(b - a for a, b in span), fill)
+    pieces = [(box, buf, [lo for lo, _ in box]) for (_, box), buf in zip(plan[0], bufs, strict=True)]
+    if local and plan[2] is not None:
+        pieces.append((plan[2], x, [lo for lo, _ in grid.tile_bounds()]))
+    for box, src, src_start in pieces:
+        part = _intersect(box, sub)
+        if part is not None:
+            out[_rel(part, start)] = src[_rel(part, src_start)]
+    return out
+
+
 def _post_return(grad: Tensor, x_shape: Sequence[int], grid: TileGrid, window: Window, plan: Any,
                  group: dist.ProcessGroup | None, tag: int, own: bool = False) -> tuple[Tensor, Pending]:
     """First half of :func:`_return_grads`: post the sends of each received slab's gradient to its
@@ -181,26 +199,32 @@ def _post_return(grad: Tensor, x_shape: Sequence[int], grid: TileGrid, window: W
     recv, send, local = plan
     origin = [lo for lo, _ in window]
     mine = [lo for lo, _ in grid.tile_bounds()]
-    lead = tuple(grad.shape[:2])
     if own and local == grid.tile_bounds():
         gx = grad[_rel(local, origin)]
         local = None
     else:
         gx = grad.new_zeros(tuple(x_shape))
+    pending = _post_slabs([grad[_rel(box, origin)].contiguous() for _, box in recv], grad, grid, plan, group, tag)
+    if local is not None:
+        gx[_rel(local, mine)] += grad[_rel(local, origin)]
+    return gx, pending
+
+
+def _post_slabs(slabs: Sequence[Tensor], like: Tensor, grid: TileGrid, plan: Any, group: dist.ProcessGroup | None,
+                tag: int) -> Pending:
+    """Post the return of the gradients ``slabs`` of the received slabs (``plan`` ``recv`` order,
+    contiguous) to their owners, and the receives of my sent slabs' gradients (``Pending.bufs``:
+    (box, buffer) pairs for :func:`_finish_return`; dtype, device, batch and channels of ``like``)."""
+    recv, send, _ = plan
     reqs = []
     bufs: list[tuple[Window, Tensor]] = []
     for q, box in send:  # I sent them this slab: its gradient comes back to me
-        buf = grad.new_empty(lead + tuple(hi - lo for lo, hi in box))
+        buf = like.new_empty(tuple(like.shape[:2]) + tuple(hi - lo for lo, hi in box))
         reqs.append(dist.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
         bufs.append((box, buf))
-    keep = []
-    for q, box in recv:  # they own this slab of my window: send its gradient home
-        t = grad[_rel(box, origin)].contiguous()
-        keep.append(t)
+    for (q, _), t in zip(recv, slabs, strict=True):  # they own this slab of my window: send its gradient home
         reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
-    if local is not None:
-        gx[_rel(local, mine)] += grad[_rel(local, origin)]
-    return gx, Pending(reqs, bufs, keep)
+    return Pending(reqs, bufs, list(slabs))
 
 
 def _finish_return(gx: Tensor, pending: Pending, grid: TileGrid) -> Tensor:
