@@ -104,14 +104,15 @@ def deferred_bytes(targets: Sequence[str], out_bytes: Sequence[float], edges: Se
     """Per node: bytes one micro-batch keeps for its deferred ``W`` once its ``B`` ran.
 
     A layer of :data:`DEFERRED_LAYERS` keeps its output's gradient (its output's size) and its
-    input (charged to the input's producer, once however many such layers read it).
+    inputs, charged to the layer itself: its ``W`` holds them on its stage wherever they were
+    made (a received tensor stays past its backward).
 
     >>> deferred_bytes(["x", DEFERRED_LAYERS[1], "relu", DEFERRED_LAYERS[1]], [8, 16, 16, 4],
     ...                [(0, 1), (1, 2), (2, 3)])
-    [8.0, 16.0, 16.0, 4.0]
+    [0.0, 24.0, 0.0, 20.0]
     """
-    deferred = [t in DEFERRED_LAYERS for t in targets]
-    read = [False] * len(targets)
+    producers: list[set[int]] = [set() for _ in targets]
     for u, v in edges:
-        read[u] = read[u] or deferred[v]
-    return [float(b) * (int(d) + int(r)) for b, d, r in zip(out_bytes, deferred, read, strict=True)]
+        producers[v].add(u)
+    return [float(out_bytes[v]) + sum(float(out_bytes[u]) for u in producers[v]) if t in DEFERRED_LAYERS else 0.0
+            for v, t in enumerate(targets)]
