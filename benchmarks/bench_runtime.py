@@ -431,8 +431,10 @@ def make_plan(case: Case, size: int, balance: str, cache: Path, spec: str) -> Pl
     torch.set_num_threads(1)
     cm = nowdl.compile(make_model(case.model), gpus=case.k, stages=case.k, dp=1, replicas=1, spatial_parts=1,
                        micro_batches=case.m, schedule=case.schedule, balance=balance, mode="measure",
-                       device_spec=spec, optimizer="adam", cache=cache / case.model, progress=False)
-    return cm.plan(batch(0, 1, size, case.model)[0])
+                       device_spec=spec, optimizer="adam", cache=cache / case.model, progress=False,
+                       loss_fn=nn.CrossEntropyLoss())
+    x, y = batch(0, 1, size, case.model)
+    return cm.plan(x, target=y)  # the loss's memory, measured on this target ([Note: loss memory])
 
 
 def run_case(case: Case, cfg: Settings, balance: str, tmp: Path, profiles: Path | None = None) -> Result:

@@ -24,6 +24,7 @@ from nowdl.partitioner.search import build_plan, timed_search
 from nowdl.partitioner.spatial import spatial_rules
 from nowdl.profiler import check_precision
 from nowdl.profiler.cost import Profile
+from nowdl.profiler.losscost import loss_cost_for, with_loss
 from nowdl.progress import Progress
 from nowdl.trace import Traced, trace
 from nowdl.units import parse_bytes
@@ -38,7 +39,6 @@ MODES = ("auto", "estimate", "measure")
 def _params_per_node(gm: fx.GraphModule) -> dict[str, int]:
     """Parameter count owned by each node (a shared parameter counted once, at first use)."""
     from nowdl.profiler.memory import static_costs
-
     return {name: sc.params for name, sc in static_costs(gm, "sgd").items()}
 
 
@@ -117,8 +117,9 @@ class CompiledModel:
             spec = _spec_for_local_gpu()
         return spec if not isinstance(spec, (str, os.PathLike)) else get_device_spec(spec)
 
-    def plan(self, *example_inputs: torch.Tensor) -> Plan:
-        """Plan for one micro-batch shaped like ``example_inputs`` (no process group needed).
+    def plan(self, *example_inputs: torch.Tensor, target: Any = None) -> Plan:
+        """Plan for one micro-batch shaped like ``example_inputs`` (no process group needed);
+        ``target``, one micro-batch's target, lets the plan measure the loss's memory.
 
         Raises:
             InfeasibleError: nothing fits the memory cap (says what would).
@@ -142,7 +143,8 @@ class CompiledModel:
             return plan
         assert self.request is not None  # compile() guarantees a request or a plan path
         prof = self.profile(*example_inputs)
-        t2 = time.perf_counter()
+        loss = loss_cost_for(prof, self.loss_fn, target)  # [Note: loss memory] in profiler/losscost.py
+        prof, t2 = with_loss(prof, loss), time.perf_counter()
         spec = self._spec()
         req = self.request
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
@@ -165,7 +167,7 @@ class CompiledModel:
                         "nodes": len(prof.nodes)},
             profile_info={"source": prof.source, "device": prof.device, "dtype": prof.dtype,
                           "precision": prof.precision, "optimizer": prof.optimizer, "device_spec": getattr(spec, "name", str(spec)),
-                          "link_bw": float(spec.link_bw), "wall_s": round(prof.wall_s, 3)},
+                          "link_bw": float(spec.link_bw), "wall_s": round(prof.wall_s, 3), "loss": loss.to_json()},
             solver_seconds=secs, created_by=f"nowdl {__version__}",
             params_per_node=_params_per_node(t.gm),
         )
@@ -212,8 +214,7 @@ class CompiledModel:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters of :meth:`named_parameters` (what ``cm.optimizer`` steps)."""
-        for _, p in self.named_parameters():
-            yield p
+        yield from (p for _, p in self.named_parameters())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights under the original names: on rank 0 once training started
@@ -225,11 +226,10 @@ class CompiledModel:
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load original-name weights; before the first step every rank loads them into the model
         (and into the stages when they are built)."""
-        if not self._ready:
-            self.model.load_state_dict(sd)
-            self._train().pending_state = dict(sd)
-            return
-        self._train().load_state_dict(sd)
+        if self._ready:
+            return self._train().load_state_dict(sd)  # type: ignore[no-any-return]
+        self.model.load_state_dict(sd)
+        self._train().pending_state = dict(sd)
 
     def save_checkpoint(self, directory: str | os.PathLike[str], *, meta: dict[str, Any] | None = None,
                         keep: int = 1) -> None:

@@ -12,8 +12,9 @@ from nowdl.partitioner.breakdown import MEMORY_KEYS
 @pytest.mark.parametrize(
     "kw",
     [dict(gpus=4, stages=4), dict(gpus=4, stages=4, replicas=2, dp=1),
-     dict(gpus=6, stages=2, spatial_parts=[4, 2], dp=1, replicas=1)],
-    ids=["pipeline", "master", "spatial"],
+     dict(gpus=6, stages=2, spatial_parts=[4, 2], dp=1, replicas=1),
+     dict(gpus=4, stages=4, micro_batches=8, schedule="zb", dp=1, replicas=1)],
+    ids=["pipeline", "master", "spatial", "zb"],
 )
 def test_breakdown_sums_to_peak(kw: dict[str, object]) -> None:
     model = nowdl.models.unet(depth=2, base_width=8)

@@ -15,7 +15,7 @@ from test_runtime import _adam, _compare, _data, _loss, _make, _reference, _work
 from torch import nn
 
 import nowdl
-from nowdl.partitioner.zborder import zb_slots
+from nowdl.partitioner.zborder import zb_held, zb_slots
 from nowdl.runtime import zerobubble
 from nowdl.runtime.schedule import (
     chain_deps,
@@ -40,6 +40,22 @@ def test_order_is_complete_runs_and_bounds_inflight(k: int, m: int, replicas: in
     for a, t in when.items():  # B and W each in micro-batch order on every stage
         if a.kind != "F" and a.microbatch:
             assert when[type(a)(a.kind, a.stage, a.microbatch - 1, a.replica)] < t
+
+
+@pytest.mark.parametrize("k,m", [(k, m) for k, m, r in _ORDERS if r == 1] + [(8, 16), (4, 2)])
+def test_whole_activations_as_1f1b(k: int, m: int) -> None:
+    """Forwards awaiting their B never exceed 1F1B's min(m, K - s) on stage s; zb_held counts
+    them and the micro-batches whose W waits at the peak (ZB1P's (K - s, s) in steady state)."""
+    held = zb_held(k, m)
+    for s in range(k):
+        whole = peak = 0
+        for a in zero_bubble(k, m)[s]:
+            whole += {"F": 1, "B": -1, "W": 0}[a.kind]
+            peak = max(peak, whole)
+        assert peak == min(m, k - s) == held[s][0], (k, m, s)
+        assert held[s][1] <= min(m, k) - held[s][0]
+    if m >= 2 * k:
+        assert held == tuple((k - s, s) for s in range(k))
 
 
 def test_zb_h1_step_length() -> None:

@@ -66,7 +66,7 @@ def build_plan(
                 "peak_bytes": part.stage_mem[s], "static_bytes": sums[s]["static_bytes"],
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
                 "comm_s": max(0.0, comm), "time_s": part.stage_time[s],
-                "inflight": float(cand.inflight()[s]), "halo_bytes": halo[s],
+                "inflight": float(cand.inflight()[s]), "deferred": float(cand.deferred()[s]), "halo_bytes": halo[s],
                 **mem[s],
             },
         ))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial import SLICE_METHODS
+from nowdl.partitioner.zborder import zb_held
 
 __all__ = ["PlanRequest", "Candidate", "enumerate_candidates", "BALANCES", "SCHEDULES"]
 
@@ -128,14 +129,23 @@ class Candidate:
         return sum(self.group_sizes())
 
     def inflight(self) -> list[int]:
-        """Micro-batches whose activations each stage holds at its peak (zero bubble: until the
-        deferred weight gradient ran; ZB-H1 allows min(m, K) on every stage)."""
+        """Micro-batches whose whole activations each stage holds at its peak (zero bubble: those
+        whose ``B`` has not run, ``zborder.zb_held``; 1F1B's min(m, K - s) in the steady state)."""
         m, k = self.micro_batches, self.stages
         if self.schedule == "gpipe":
             return [m] * k
         if self.schedule == "zb":
-            return [min(m, k)] * k
+            return [whole for whole, _ in zb_held(k, m)]
         return [min(m, k - s) for s in range(k)]
+
+    def deferred(self) -> list[int]:
+        """Micro-batches whose deferred weight gradients (``W``) each stage holds at its peak
+        besides :meth:`inflight` (zero bubble only; 0 elsewhere and on spatial stages, which do
+        not defer)."""
+        if self.schedule != "zb":
+            return [0] * self.stages
+        held = zb_held(self.stages, self.micro_batches)
+        return [0 if p > 1 else held[s][1] for s, p in enumerate(self.stage_parts())]
 
 
 def enumerate_candidates(req: PlanRequest, *, tileable_front: bool, tileable_back: bool,

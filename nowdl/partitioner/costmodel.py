@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from nowdl.partitioner.config import Candidate
-from nowdl.partitioner.held import backward_grad_bytes, held_buffers
+from nowdl.partitioner.held import backward_grad_bytes, deferred_bytes, held_buffers
 from nowdl.partitioner.placement import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid, tile_shape
@@ -168,9 +168,10 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
             variants[f"tiled{p}-inter"] = _tiled_vectors(costs, p, cand.slice, inter.bw, inter.latency_s)
     inflight = cand.inflight()
     held = [held_buffers(cand.schedule, cand.micro_batches, n) for n in inflight]  # [Note: held buffers]
+    waiting = _deferred_variants(costs, cand, variants)
     stages = [  # activation forward + gradient backward, at the link each stage's boundaries cross
         StageSpec(inflight=inflight[s],
-                  variant=(f"tiled{parts[s]}" + ("-inter" if cross_tiles[s] else "")) if parts[s] > 1 else "plain",
+                  variant=(f"tiled{parts[s]}" + ("-inter" if cross_tiles[s] else "")) if parts[s] > 1 else waiting[s],
                   spatial=parts[s] > 1,
                   link_s_per_byte=2.0 / (lay.topo.inter.bw if cross_edge[s] else costs.link_bw),
                   recv_held=held[s][0], send_held=held[s][1])
@@ -193,6 +194,24 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
         stages=stages, tileable=tileable, ranks=ranks, objective=objective,
         mem_cap=costs.mem_cap, pinned=pinned, tied=[g for g in tied if len(g) > 1],
     )
+
+
+def _deferred_variants(costs: Costs, cand: Candidate, variants: dict[str, NodeVectors]) -> list[str]:
+    """Zero bubble: per stage, the variant whose activations carry the deferred ``W``'s share
+    (``deferred / inflight`` x :func:`held.deferred_bytes`, so that ``inflight`` x act is the
+    whole peak: [Note: held buffers]); added to ``variants``. "plain" where nothing waits."""
+    prof, plain = costs.profile, variants["plain"]
+    index = {n.name: i for i, n in enumerate(prof.nodes)}
+    wb = deferred_bytes([n.target for n in prof.nodes], [n.out_bytes for n in prof.nodes],
+                        [(index[u], index[v]) for u, v in prof.edges if u in index and v in index])
+    names = []
+    for n, w in zip(cand.inflight(), cand.deferred(), strict=True):
+        key = f"plain+w{w}/{n}" if w else "plain"
+        if key not in variants:
+            variants[key] = NodeVectors(act=[a + w / n * b for a, b in zip(plain.act, wb, strict=True)],
+                                        time=plain.time, workspace=plain.workspace, out=plain.out)
+        names.append(key)
+    return names
 
 
 def tied_nodes(gm: fx.GraphModule) -> tuple[tuple[str, ...], ...]:

@@ -12,11 +12,15 @@ flight, with ``inflight`` micro-batches' activations alive. So a stage holds:
 * gradients of its outputs: one backward's buffer, plus the next one's, posted ahead during a
   backward followed by a backward (GPipe; 1F1B's cool-down: every schedule with M > 1);
 * the input gradients the backward sends are made at its end, when its saved activations are
-  gone, and are freed before the next backward: they do not add to the peak;
-* zero bubble (``"zb"``): a micro-batch stays in flight until its ``W``, which holds each
-  convolution's and linear layer's input and output gradient ([Note: deferred weight
-  gradients] in runtime/zerobubble.py); the model charges it a whole micro-batch's activations
-  until then (an upper bound: ``B`` frees the rest), ``min(M, K)`` of them on every stage;
+  gone, and are freed before the next backward: they do not add to the peak. Not modelled: a
+  long skip's gradient (to a stage more than one before) waits until that stage posts its
+  receive, one action before its own backward of the micro-batch, so under 1F1B and GPipe a
+  stage holds a few of them (MONAI UNet at K=4, last stage: three of 128 KiB at its peak);
+* zero bubble (``"zb"``): a micro-batch's whole activations live until its ``B`` (stage s holds
+  1F1B's ``min(M, K - s)`` of them), and then, until its ``W``, only each convolution's and
+  linear layer's input and output gradient ([Note: deferred weight gradients] in
+  runtime/zerobubble.py; :func:`deferred_bytes`), about ``s`` micro-batches of them at the
+  peak (``zborder.zb_held``);
 * while autograd runs a node's backward, the gradient of its output and the new gradients of
   its inputs are alive together on top of the activations still saved
   (:func:`backward_grad_bytes`, which the cost model takes as a node's workspace when larger).
@@ -26,9 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["RECV_LOOKAHEAD", "held_buffers", "backward_grad_bytes"]
+__all__ = ["RECV_LOOKAHEAD", "DEFERRED_LAYERS", "held_buffers", "backward_grad_bytes", "deferred_bytes"]
 
 _NO_GRAD_OPS = ("placeholder", "get_attr", "output")
+
+DEFERRED_LAYERS = tuple(f"torch.nn.modules.{m}" for m in (
+    "conv.Conv1d", "conv.Conv2d", "conv.Conv3d", "conv.ConvTranspose1d", "conv.ConvTranspose2d",
+    "conv.ConvTranspose3d", "linear.Linear"))
+"""Module classes (profile targets) whose weight gradients zero bubble defers (runtime/zerobubble.py's ``_SWAP``)."""
 
 RECV_LOOKAHEAD = 1
 """Receives are posted this many actions ahead of the action that needs them (the runtime's)."""
@@ -89,3 +98,21 @@ def backward_grad_bytes(ops: Sequence[str], out_bytes: Sequence[float], floating
         g += sum(float(out_bytes[u]) for u in producers[v] if ops[u] not in _NO_GRAD_OPS and floating[u])
         out.append(g)
     return out
+
+
+def deferred_bytes(targets: Sequence[str], out_bytes: Sequence[float], edges: Sequence[tuple[int, int]]) -> list[float]:
+    """Per node: bytes one micro-batch keeps for its deferred ``W`` once its ``B`` ran.
+
+    A layer of :data:`DEFERRED_LAYERS` keeps its output's gradient (its output's size) and its
+    inputs, charged to the layer itself: its ``W`` holds them on its stage wherever they were
+    made (a received tensor stays past its backward).
+
+    >>> deferred_bytes(["x", DEFERRED_LAYERS[1], "relu", DEFERRED_LAYERS[1]], [8, 16, 16, 4],
+    ...                [(0, 1), (1, 2), (2, 3)])
+    [0.0, 24.0, 0.0, 20.0]
+    """
+    producers: list[set[int]] = [set() for _ in targets]
+    for u, v in edges:
+        producers[v].add(u)
+    return [float(out_bytes[v]) + sum(float(out_bytes[u]) for u in producers[v]) if t in DEFERRED_LAYERS else 0.0
+            for v, t in enumerate(targets)]

@@ -12,12 +12,19 @@ actions over the chain ``0 -> 1 -> ... -> K-1`` (so they hold for any forward-ed
 
 1. its next ``B`` (micro-batch order 0 .. m-1), once its forward ran and the next stage's
    ``B`` of that micro-batch ran at an earlier step;
-2. its next ``F``, once the stage before ran it, if fewer than ``min(m, K)`` micro-batches are
-   in flight on the stage (forward ran, ``W`` not yet): ZB-H1's memory rule, which keeps every
-   stage at or below the peak of 1F1B's first stage (later stages hold more than under 1F1B);
+2. its next ``F``, once the stage before ran it, if fewer than ``min(m, K - s)`` forwards await
+   their ``B`` (1F1B's count, whose activations are whole) and fewer than ``min(m, K)``
+   micro-batches are in flight on the stage (forward ran, ``W`` not yet): ZB-H1's memory rule;
    ``F`` goes before ``B`` while fewer than ``min(m, K - s)`` forwards await their ``B`` (1F1B's
    warm-up), which feeds the later stages sooner;
 3. its next ``W`` (micro-batch order), once that micro-batch's ``B`` ran.
+
+So stage s holds at most 1F1B's ``min(m, K - s)`` micro-batches' whole activations, and besides
+them up to about ``s`` whose ``B`` ran and whose ``W`` waits (what a ``W`` needs: [Note:
+deferred weight gradients] in runtime/zerobubble.py), as in torch.distributed.pipelining's
+ZB1P (warm-up ``K - 1 - s`` forwards, ``W`` deferred by ``s``): :func:`zb_held`. The step
+needs it: the last stage must run its ``m`` forwards and ``B``'s by step ``3m - 2`` for the
+first stage to finish by ``3m + K - 1``, leaving its last ``min(m, K) - 1`` ``W``'s pending.
 
 With F = B = W this reaches ZB-H1's step, ``3m + K - 1`` units against 1F1B's ``3(m + K - 1)``,
 for every (K, m) tried (K = 2..8, m = K..2K; ``tests/test_zero_bubble.py``).
@@ -34,7 +41,7 @@ from functools import lru_cache
 
 from nowdl.errors import NowdlError
 
-__all__ = ["zb_orders", "zb_inflight_limit", "zb_slots"]
+__all__ = ["zb_orders", "zb_inflight_limit", "zb_slots", "zb_held"]
 
 Order = tuple[tuple[tuple[str, int, int], ...], ...]
 """Per stage: (kind, stage, micro-batch) in execution order."""
@@ -65,7 +72,8 @@ def zb_orders(k: int, m: int) -> Order:
             i = nb[s]
             can = {
                 "B": i < nf[s] and f_at[(s, i)] < t and (s == k - 1 or b_at.get((s + 1, i), t) < t),
-                "F": nf[s] < m and nf[s] - nw[s] < limit and (s == 0 or f_at.get((s - 1, nf[s]), t) < t),
+                "F": (nf[s] < m and nf[s] - nw[s] < limit and nf[s] - nb[s] < min(m, k - s)
+                      and (s == 0 or f_at.get((s - 1, nf[s]), t) < t)),
                 "W": nw[s] < nb[s] and b_at.get((s, nw[s]), t) < t,
             }
             warm = nf[s] - nb[s] < min(m, k - s)  # 1F1B's warm-up: forwards first
@@ -112,3 +120,31 @@ def zb_slots(k: int, m: int, fwd_frac: float) -> float:
                 done[(kind, s, i)] = free[s]
                 pos[s] += 1
     return max(free)
+
+
+@lru_cache(maxsize=64)
+def zb_held(k: int, m: int) -> tuple[tuple[int, int], ...]:
+    """Per stage, what it holds at its memory peak under :func:`zb_orders`: (micro-batches with
+    whole activations, forward ran and ``B`` not yet; micro-batches whose ``B`` ran and ``W`` waits).
+
+    The peak is taken at the ``B`` with the most micro-batches in flight (then the most whole
+    ones), counting the one it runs as whole: ``(min(m, K - s), s)`` in the steady state.
+
+    >>> zb_held(4, 8)
+    ((4, 0), (3, 1), (2, 2), (1, 3))
+    """
+    out = []
+    for row in zb_orders(k, m):
+        whole = waiting = 0
+        best = (0, 0)
+        for kind, _, _ in row:
+            if kind == "F":
+                whole += 1
+            elif kind == "B":
+                if (whole + waiting, whole) > (sum(best), best[0]):
+                    best = (whole, waiting)
+                whole, waiting = whole - 1, waiting + 1
+            else:
+                waiting -= 1
+        out.append(best)
+    return tuple(out)

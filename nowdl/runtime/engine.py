@@ -301,22 +301,10 @@ class PipelineEngine(Transfers, GradSync):
                 del grads
                 del grad_bufs  # consumed: freed when nothing else holds their storage
                 held_bufs.pop(key, None)
-                for name, t in zip(st.inputs, ins, strict=True):
-                    p = st.producers[name]
-                    if p < 0 or not t.is_floating_point():
-                        continue
-                    g = t.grad if t.grad is not None else torch.zeros_like(t)
-                    for i in range(self.parts[p]):
-                        box = self._piece(name, (p, i), me)
-                        if box is None:
-                            continue
-                        piece = g[self._rel(box, self._box(name, *me))].contiguous() if box else g.contiguous()
-                        q = self._peer(act.replica, p, i)
-                        w = dist.isend(piece, dst=q, tag=self._tag(name, True, act.replica, act.microbatch))
-                        sends.append((w, f"gradient of {name} to stage {p}", piece, q,
-                                      self._index(q, "B", p, act.microbatch, act.replica)))
-                    t.grad = None  # sent: the pieces cut from it live until their sends complete
-                ins, g = [], None  # this micro-batch's inputs die here, not at the next forward
+                sends += self._send_input_grads(st, ins, act, me)
+                # this micro-batch's inputs, outputs and loss die here, not at the next forward
+                del ins, outs, roots, loss_t
+                g = t = None  # type: ignore[assignment]
             if act.kind == last:
                 b_left[act.stage] -= 1
             if bk is not None:  # this stage's gradients are final here ([Note: gradient sync])

@@ -44,7 +44,7 @@ class Compiled(Protocol):
 
     def trace(self, *example_inputs: torch.Tensor) -> Any: ...
 
-    def plan(self, *example_inputs: torch.Tensor) -> Plan: ...
+    def plan(self, *example_inputs: torch.Tensor, target: Any = None) -> Plan: ...
 
 
 def _example(t: Any) -> Any:
@@ -105,7 +105,7 @@ class Trainer:
         self._keys: set[str] = set()
 
     # ---- set-up ----------------------------------------------------------------------------------
-    def _setup(self, x: Any) -> PipelineEngine:
+    def _setup(self, x: Any, y: Any = None) -> PipelineEngine:
         if self.engine is not None:
             return self.engine
         from nowdl.codegen import build_stages
@@ -116,7 +116,7 @@ class Trainer:
             init_distributed(backend=self.backend, timeout_s=self.timeout_s)
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         first = _first_tensor(x)
-        plan = self._plan_everywhere(first)
+        plan = self._plan_everywhere(first, y)
         if plan.config["gpus"] != self.world:
             raise NowdlError(
                 f"this plan needs {plan.config['gpus']} ranks (gpus) but the job has {self.world}: launch with "
@@ -157,13 +157,13 @@ class Trainer:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _plan_everywhere(self, first: torch.Tensor) -> Plan:
+    def _plan_everywhere(self, first: torch.Tensor, y: Any = None) -> Plan:
         """Rank 0 plans (or loads) and broadcasts the plan, so every rank runs the same one."""
         if self.cm.plan_path is not None:
             return Plan.load(self.cm.plan_path)
-        return plan_on_rank0(lambda: self._plan_here(first), rank=self.rank, world=self.world)
+        return plan_on_rank0(lambda: self._plan_here(first, y), rank=self.rank, world=self.world)
 
-    def _plan_here(self, first: torch.Tensor) -> Plan:
+    def _plan_here(self, first: torch.Tensor, y: Any = None) -> Plan:
         req = self.cm.request
         n = int(first.shape[0])
         b = 1  # micro-batch size: one sample, unless m, replicas and dp are all pinned
@@ -176,11 +176,12 @@ class Trainer:
         if req is not None and req.global_batch is None:
             self.cm.request = dataclasses.replace(req, global_batch=n)
         example = torch.empty((b,) + tuple(first.shape[1:]), dtype=first.dtype, device="meta")
-        return self.cm.plan(example)
+        target = y[:b] if isinstance(y, torch.Tensor) and y.dim() and y.shape[0] == n else None  # [Note: loss memory]
+        return self.cm.plan(example, target=target)
 
     # ---- steps -----------------------------------------------------------------------------------
     def train_step(self, x: Any, y: Any) -> float:
-        eng = self._setup(x)
+        eng = self._setup(x, y)
         loss, _ = eng.run(x, y, train=True)
         self.steps += 1
         return loss

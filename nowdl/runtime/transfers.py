@@ -185,6 +185,30 @@ class Transfers:
         self._peer_done[peer] = max(self._peer_done.get(peer, -1), self._sent_at[key])
         return buf
 
+    def _send_input_grads(self, st: StageModule, ins: list[torch.Tensor], act: Action, me: tuple[int, int]
+                          ) -> list[tuple[Any, str, torch.Tensor, int, int]]:
+        """Send the gradients of a backward's inputs to their producers (a zero gradient where
+        none flowed); returns the sends, which hold the pieces cut from them until completed."""
+        sends: list[tuple[Any, str, torch.Tensor, int, int]] = []
+        for name, t in zip(st.inputs, ins, strict=True):
+            p = st.producers[name]
+            if p < 0 or not t.is_floating_point():
+                continue
+            g = t.grad if t.grad is not None else torch.zeros_like(t)
+            for i in range(self.parts[p]):
+                box = self._piece(name, (p, i), me)
+                if box is None:
+                    continue
+                piece = g[self._rel(box, self._box(name, *me))].contiguous() if box else g.contiguous()
+                if piece.untyped_storage().nbytes() > piece.numel() * piece.element_size():
+                    piece = piece.clone()  # a view (a cat's slice) would hold the whole gradient until sent
+                q = self._peer(act.replica, p, i)
+                w = dist.isend(piece, dst=q, tag=self._tag(name, True, act.replica, act.microbatch))
+                sends.append((w, f"gradient of {name} to stage {p}", piece, q,
+                              self._index(q, "B", p, act.microbatch, act.replica)))
+            t.grad = None  # sent: the pieces cut from it live until their sends complete
+        return sends
+
     def _release_done(self, sends: list[tuple[Any, str, torch.Tensor, int, int]]
                       ) -> list[tuple[Any, str, torch.Tensor, int, int]]:
         """Wait for and drop the sends whose receive is known to be posted, freeing their tensors.
