@@ -591,7 +591,8 @@ def peak_rows(cfg: Settings, tmp: str) -> list[dict[str, Any]]:
         cm = nowdl.compile(sm.memory_model(), spatial_parts=2, slice="square", mode="estimate", micro_batches=m,
                            dp=1, replicas=1, schedule="1f1b", optimizer="adam", loss_fn=nn.MSELoss(), cache=False,
                            progress=False, halo_fusion=fusion, **opts)
-        plan = cm.plan(sm.memory_batch(1, cfg.peak_side)[0])
+        x, y = sm.memory_batch(1, cfg.peak_side)
+        plan = cm.plan(x, target=y)  # the loss's memory measured with the run's MSE ([Note: loss memory])
         path = os.path.join(tmp, f"plan{i}.json")
         plan.save(path)
         res = spawn(sm.memory_case, opts["gpus"], path, m, cfg.peak_side, timeout_s=cfg.timeout_s)
