@@ -24,8 +24,10 @@ def test_half_precision_halves_activations_and_messages_keeps_state(precision: s
     full, half = _plan("fp32"), _plan(precision)
     assert half.config["precision"] == precision and half.profile["precision"] == precision
     assert full.config["precision"] == "fp32"
-    for a, b in zip(full.stages, half.stages, strict=True):
-        assert b.predicted["static_bytes"] == a.predicted["static_bytes"], "weights, grads, Adam stay fp32"
+    # the splits may differ (activations and the loss's charge shrink, state does not), the total state not
+    static_full = sum(s.predicted["static_bytes"] for s in full.stages)
+    static_half = sum(s.predicted["static_bytes"] for s in half.stages)
+    assert static_half == static_full > 0, "weights, grads, Adam stay fp32"
     act_full = sum(s.predicted["act_bytes"] for s in full.stages)
     act_half = sum(s.predicted["act_bytes"] for s in half.stages)
     # activations at 2 bytes; autocast also saves a 2-byte copy of each conv weight per micro-batch
