@@ -17,6 +17,8 @@ import logging
 import torch.fx as fx
 from torch import nn
 
+from nowdl.exported import is_standard_leaf
+
 __all__ = ["drop_dead_code"]
 
 log = logging.getLogger(__name__)
@@ -34,9 +36,8 @@ def _removable(gm: fx.GraphModule, n: fx.Node) -> bool:
         return not str(n.target).endswith("_")
     if n.op == "call_module":
         mod = gm.get_submodule(str(n.target))
-        standard = type(mod).__module__.startswith("torch.nn.modules") and next(mod.children(), None) is None
         random = isinstance(mod, (nn.modules.dropout._DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout))
-        return standard and not random and next(mod.buffers(), None) is None
+        return is_standard_leaf(mod) and not random and next(mod.buffers(), None) is None
     return False
 
 

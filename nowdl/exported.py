@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["normalize_exported", "ModeAware"]
+__all__ = ["normalize_exported", "ModeAware", "is_standard_leaf"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ def _innermost(n: fx.Node) -> tuple[str, str, str] | None:
     return str(key), str(path), str(type_name)
 
 
-def _is_standard_leaf(mod: nn.Module) -> bool:
+def is_standard_leaf(mod: nn.Module) -> bool:
+    """A module of ``torch.nn`` itself with no children (Conv2d, BatchNorm3d, ReLU, ...)."""
     return type(mod).__module__.startswith("torch.nn.modules") and next(mod.children(), None) is None
 
 
@@ -109,7 +110,7 @@ def _lift(gm: fx.GraphModule, model: nn.Module, path: str, run: list[fx.Node]) -
         mod = model.get_submodule(path)
     except AttributeError:
         return False
-    if not _is_standard_leaf(mod):
+    if not is_standard_leaf(mod):
         return False
     members = set(run)
     inputs: list[fx.Node] = []

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nowdl.profiler.cost import Profile
+from nowdl.profiler.cost import NodeCost, Profile
 from nowdl.profiler.memory import AllocTracker, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -45,11 +45,16 @@ class LossCost:
         return dataclasses.asdict(self)
 
 
-def output_bytes(profile: Profile) -> int:
-    """Bytes of one micro-batch of the model's output (the producers of the ``output`` node)."""
+def _output_producers(profile: Profile) -> list[NodeCost]:
+    """The nodes whose results the graph's ``output`` node returns."""
     outs = {n.name for n in profile.nodes if n.op == "output"}
     producers = {u for u, v in profile.edges if v in outs}
-    return sum(n.out_bytes for n in profile.nodes if n.name in producers)
+    return [n for n in profile.nodes if n.name in producers]
+
+
+def output_bytes(profile: Profile) -> int:
+    """Bytes of one micro-batch of the model's output (the producers of the ``output`` node)."""
+    return sum(n.out_bytes for n in _output_producers(profile))
 
 
 def _on_cpu(device: str) -> bool:
@@ -64,8 +69,7 @@ def default_loss_cost(profile: Profile) -> LossCost:
 
 
 def _example_output(profile: Profile) -> torch.Tensor | None:
-    outs = {n.name for n in profile.nodes if n.op == "output"}
-    producers = [n for n in profile.nodes if any(u == n.name and v in outs for u, v in profile.edges)]
+    producers = _output_producers(profile)
     if len(producers) != 1:
         return None  # a tuple or dict output: the default
     shape, dtype = producers[0].out_shape, getattr(torch, producers[0].out_dtype.replace("torch.", ""), torch.float32)
