@@ -284,7 +284,7 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     device_spec: Any = None,
     optimizer: Any = "adam",
     loss_fn: Any = None,
-    time_limit: float = 30.0,
+    time_limit: float = 30.0, mip_gap: float = 0.01,
     leaf_modules: Sequence[type | str] = (),
     tracer: str = "auto",
     cache: bool | str | os.PathLike[str] = True,
@@ -325,7 +325,7 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         time_limit: seconds ``plan()`` may take: what tracing and profiling leave of it goes
             to the configuration search, whose MILP (graphs with too many ideals for the exact
             DP) shares it among the best few configurations; a solve stopped by it reports
-            status "feasible" and its gap.
+            status "feasible" and its gap. ``mip_gap``: the MILP stops once proven within it.
         nodes, gpus_per_node: the cluster (nodes x gpus_per_node must equal gpus); default:
             the device spec's node (h100/h200: 8-GPU DGX H100, a100: DGX A100) when it divides
             gpus, else one node. Placement and link costs follow it (docs/multinode.md).
@@ -360,7 +360,7 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
                               schedule=schedule, replicas=replicas, dp=dp,
                               spatial_parts=_parts_arg(spatial_parts),
                               spatial_stages=spatial_stages, slice=slice, gpu_memory=cap, time_limit=time_limit,
-                              nodes=nodes, gpus_per_node=gpus_per_node)
+                              mip_gap=mip_gap, nodes=nodes, gpus_per_node=gpus_per_node)
     cm = CompiledModel(model, request=request, plan_path=plan_path, mode=mode, device=device,
                        device_spec=device_spec, optimizer=optimizer_kind(optimizer), leaf_modules=leaf_modules,
                        tracer=tracer, cache=cache, progress=progress)

@@ -91,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
                          "weights, gradients and optimizer state in float32 (default fp32)")
     pp.add_argument("--time-limit", type=float, default=30.0, help="seconds planning may take end to end; the MILP, for graphs too wide for the exact DP, "
                     "gets what tracing and profiling leave (default 30)")
+    pp.add_argument("--mip-gap", type=float, default=0.01, help="the MILP stops once its split is proven within "
+                    "this relative gap of the optimum; the plan records the gap reached (default 0.01; 0: exact)")
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
     pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     pp.add_argument("--plot", metavar="FILE", help="also draw the plan (memory per rank, schedule, stage graph) "
@@ -358,7 +360,7 @@ def _run(args: argparse.Namespace) -> int:
                        dp=args.dp, spatial_parts=args.spatial_parts, spatial_stages=args.spatial_stages,
                        slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
                        device_spec=args.device_spec, optimizer=args.optimizer, time_limit=args.time_limit,
-                       cache=cache, halo_fusion=args.halo_fusion, precision=args.precision,
+                       mip_gap=args.mip_gap, cache=cache, halo_fusion=args.halo_fusion, precision=args.precision,
                        nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     plan = cm.plan(x)
     plan.model["name"] = name

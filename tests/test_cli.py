@@ -14,7 +14,7 @@ MONAI_ARGS = '{"spatial_dims": 2, "in_channels": 1, "out_channels": 2, "channels
 def test_plan_show_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.json"
     rc = main(["plan", "unet", "--model-args", '{"depth": 2, "base_width": 8}', "--input", "1x3x64x64",
-               "--gpus", "4", "--stages", "4", "--dp", "1", "--replicas", "1", "--out", str(out)])
+               "--gpus", "4", "--stages", "4", "--dp", "1", "--replicas", "1", "--mip-gap", "0", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and out.exists()
     assert "stage" in text and "predicted" in text
@@ -47,6 +47,7 @@ def test_plan_monai_from_shell(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan", "unet", "--input", "1x3x64x64", "--gpus", "0"], "positive integer"),
         (["plan", "unet", "--input", "1x3x64x64", "--gpus", "2", "--gpu-memory", "huge"], "memory size"),
         (["plan", "monai.networks.nets:UNet", "--gpus", "2", "--model-args", MONAI_ARGS], "give --input"),
+        (["plan", "unet", "--input", "1x3x64x64", "--gpus", "2", "--mip-gap", "2"], "mip_gap must be"),
         (["show", "/nonexistent/plan.json"], "does not exist"),
     ],
 )

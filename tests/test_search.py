@@ -307,3 +307,53 @@ def test_tied_nodes_found_in_the_graph() -> None:
     assert frozenset(names) in groups and len(names) == 2
     other = [g for g in groups if "other" in g]
     assert other and len(other[0]) == 2  # the module and the conv2d reading its weight
+
+
+def test_equal_problems_are_solved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Candidates whose problems differ only where the solvers do not look (the first stage's
+    receive factor: it receives nothing) share one solve; a real difference solves again."""
+    import sys
+
+    solve_mod = sys.modules[solve.__module__]
+    calls: list[int] = []
+    inner = solve_mod._solve
+
+    def counting(problem: Problem, **kw: object) -> object:
+        calls.append(problem.k)
+        return inner(problem, **kw)
+
+    monkeypatch.setattr(solve_mod, "_solve", counting)
+    p = random_problem(random.Random(3), 7, 3, skips=0.4)
+    first = dataclasses.replace(p.stages[0], recv_held=7.0)
+    last = dataclasses.replace(p.stages[-1], send_held=9.0)
+    same = dataclasses.replace(p, stages=[first, *p.stages[1:-1], last])
+    other = dataclasses.replace(p, stages=[p.stages[0], dataclasses.replace(p.stages[1], recv_held=11.0),
+                                          *p.stages[2:]])
+    cache = SolveCache()
+    a = solve(p, cache=cache)
+    b = solve(same, cache=cache)
+    assert len(calls) == 1 and b.stage_of == a.stage_of
+    assert objective_values(same, b) == objective_values(same, solve(same))  # the shared split is its optimum too
+    solve(other, cache=cache)
+    assert len(calls) == 3  # `other` once with the cache, and `same` once without it above
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mip_gap_stops_within_it_and_says_so(seed: int) -> None:
+    """With mip_gap the MILP may stop early: its split is within that gap of the brute-force
+    optimum, and the gap it reports is at most mip_gap."""
+    rng = random.Random(100 + seed)
+    p = random_problem(rng, 7, 3, skips=0.4, objective="memory" if seed % 2 else "compute")
+    best = lex_reference(p, all_splits(p))
+    assert best is not None
+    part = solve_ilp(p, mip_gap=0.05, time_limit=20)
+    check_valid(p, part)
+    assert part.status == "optimal" and part.gap <= 0.05 + 1e-9
+    assert objective_values(p, part)[0] <= best.primary * (1 + 0.05) + 1e-9
+
+
+def test_mip_gap_out_of_range_is_refused() -> None:
+    from nowdl.errors import NowdlError
+
+    with pytest.raises(NowdlError, match="mip_gap must be a relative gap"):
+        PlanRequest(gpus=4, mip_gap=1.5)

@@ -43,6 +43,7 @@ class PlanRequest:
     slice: str | None = None
     gpu_memory: float | None = None  # bytes; None: the device's memory
     time_limit: float = 30.0
+    mip_gap: float = 0.01  # the MILP stops at this proven relative gap (the plan records the gap reached)
     global_batch: int | None = None  # samples per optimizer step: micro-batch x m x replicas x dp must equal it
     nodes: int | None = None  # cluster nodes (None: from gpus_per_node or the device spec's node)
     gpus_per_node: int | None = None  # GPUs per node (None: the device spec's node, e.g. 8 for h100)
@@ -86,6 +87,9 @@ class PlanRequest:
                              f"--gpus-per-node {self.gpus_per_node})")
         if self.time_limit <= 0:
             raise NowdlError(f"time_limit must be positive seconds, got {self.time_limit}")
+        if not 0 <= self.mip_gap < 1:
+            raise NowdlError(f"mip_gap must be a relative gap in [0, 1) (0.01: within 1% of the optimum), "
+                             f"got {self.mip_gap}")
 
 
 @dataclass(frozen=True)

@@ -101,17 +101,17 @@ def _tileable_ends(costs: Costs) -> tuple[bool, bool]:
 
 
 def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, cache: SolveCache,
-              batch: int, time_limit: float = 30.0) -> _Eval | None:
+              batch: int, time_limit: float = 30.0, mip_gap: float = 1e-6) -> _Eval | None:
     """Solve a candidate without the MILP; None when pins/tileability allow no split.
 
     ``time_limit`` bounds the MILP that screening falls back to when no heuristic split fits the
     cap (MASTER): one that cannot find a split in time counts as not fitting."""
     try:
-        part = solve(problem, ilp=False, cache=cache, time_limit=time_limit)
+        part = solve(problem, ilp=False, cache=cache, time_limit=time_limit, mip_gap=mip_gap)
         fits = True
     except InfeasibleError:
         try:
-            part = solve(_uncapped(problem), ilp=False, cache=cache, time_limit=time_limit)
+            part = solve(_uncapped(problem), ilp=False, cache=cache, time_limit=time_limit, mip_gap=mip_gap)
         except InfeasibleError:
             return None
         fits = False
@@ -122,10 +122,11 @@ def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, c
                  exact=proven(part), final=final_split(part), fits=fits, idle=idle)
 
 
-def _finish(costs: Costs, ev: _Eval, time_limit: float, cache: SolveCache, batch: int) -> _Eval | None:
+def _finish(costs: Costs, ev: _Eval, time_limit: float, cache: SolveCache, batch: int,
+            mip_gap: float = 1e-6) -> _Eval | None:
     """The MILP on a candidate, started from its heuristic split."""
     try:
-        part = solve(ev.problem, time_limit=time_limit, cache=cache, start=ev.part)
+        part = solve(ev.problem, time_limit=time_limit, cache=cache, start=ev.part, mip_gap=mip_gap)
     except InfeasibleError as e:
         log.info("candidate %s does not fit: %s", ev.cand, e)
         return None
@@ -180,7 +181,7 @@ def search(
             over += 1
             continue
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
-        ev = _evaluate(costs, cand, problem, b, cache, batch, screen)
+        ev = _evaluate(costs, cand, problem, b, cache, batch, screen, req.mip_gap)
         if ev is None:
             continue
         evals.append(ev)
@@ -198,7 +199,7 @@ def search(
         raise InfeasibleError(_infeasible_message(costs, req, min_mem))
     best = min(fitting, key=lambda e: e.key())
     if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap
-        part = solve(best.problem, cache=cache, start=best.part)
+        part = solve(best.problem, cache=cache, start=best.part, mip_gap=req.mip_gap)
         best = dataclasses.replace(best, part=part, pred=predict_step(costs, best.cand, part, batch))
         results = [best if e.cand == best.cand else e for e in results]
         fitting = [e for e in results if e.fits]
@@ -252,7 +253,7 @@ def _finalists(costs: Costs, req: PlanRequest, evals: list[_Eval], cache: SolveC
         left = deadline - time.perf_counter()
         # the most promising candidate gets two thirds of what is left, the others share
         share = left * (2 / 3 if i == 0 and len(todo) > 1 else 1 / (len(todo) - i))
-        done = _finish(costs, ev, max(0.5, share), cache, batch)
+        done = _finish(costs, ev, max(0.5, share), cache, batch, req.mip_gap)
         out.append(done if done is not None else dataclasses.replace(ev, fits=False))
     return out
 

@@ -65,6 +65,9 @@ class SolveCache:
 
     lattices: dict[tuple[object, ...], Lattice | None] = field(default_factory=dict)
     bases: dict[tuple[object, ...], object] = field(default_factory=dict)
+    # splits by problem (see problem_key) and settings: candidates whose problems are equal (1F1B
+    # with m >= K micro-batches holds min(m, K - s) on stage s for every such m) are solved once
+    splits: dict[tuple[object, ...], tuple[Partition, bool]] = field(default_factory=dict)
 
     def lattice(self, problem: Problem, cap: int = IDEAL_CAP) -> Lattice | None:
         key = (problem.n, tuple(sorted(set(problem.edges))), cap)
@@ -80,6 +83,22 @@ class SolveCache:
         if lat is None:
             lat = self.lattices[key] = beam_ideals(problem, cap)
         return lat
+
+
+def problem_key(problem: Problem) -> tuple[object, ...]:
+    """Everything the solvers read from a problem, as a hashable value.
+
+    The first stage receives nothing and the last sends nothing, so their receive and send
+    factors do not matter (1F1B's first stage posts more receives with more micro-batches)."""
+    stages = list(problem.stages)
+    stages[0] = dataclasses.replace(stages[0], recv_held=0.0)
+    stages[-1] = dataclasses.replace(stages[-1], send_held=0.0)
+    variants = tuple(sorted((name, tuple(v.act), tuple(v.time), tuple(v.workspace), tuple(v.out))
+                            for name, v in problem.variants.items()))
+    return (tuple(problem.names), tuple(problem.edges), tuple(problem.static), variants,
+            tuple(stages), tuple(problem.tileable), tuple(tuple(r) for r in problem.ranks),
+            problem.objective, problem.mem_cap, tuple(sorted(problem.pinned.items())),
+            tuple(tuple(t) for t in problem.tied))
 
 
 def proven(part: Partition) -> bool:
@@ -138,6 +157,7 @@ def solve(
     ilp: bool = True,
     cache: SolveCache | None = None,
     start: Partition | None = None,
+    mip_gap: float = 1e-6,
 ) -> Partition:
     """Partition a problem's DAG into pipeline stages: what the rest of nowdl calls.
 
@@ -163,6 +183,8 @@ def solve(
         cache: lattices and pair matrices to share with other solves of the same graph.
         start: a known split of ``problem`` (from ``ilp=False``, say): the MILP starts from it
             instead of recomputing a heuristic one.
+        mip_gap: the MILP stops once proven within this relative gap (status "optimal", the
+            gap reached in ``gap``); the exact DP is exact whatever it is.
 
     Returns:
         The Partition of the original problem, evaluated with ``evaluate()``; solver
@@ -178,6 +200,27 @@ def solve(
         raise ValueError(f"time_limit must be > 0 seconds (got {time_limit})")
     stage_ranges(problem)  # structural infeasibility raises here, naming the node
     cache = cache if cache is not None else SolveCache()
+    key = (problem_key(problem), solver, coarsen, max_nodes, mip_gap)
+    done = cache.splits.get(key)
+    if done is not None and (done[1] or not ilp or final_split(done[0])):
+        log.info("solve: the same problem was solved before (%s %s)", done[0].solver, done[0].status)
+        return dataclasses.replace(done[0], seconds=time.perf_counter() - t0)
+    part = _solve(problem, time_limit=time_limit, solver=solver, coarsen=coarsen, max_nodes=max_nodes,
+                  threads=threads, ilp=ilp, cache=cache, start=start, mip_gap=mip_gap)
+    cache.splits[key] = (part, ilp)
+    part = dataclasses.replace(part, seconds=time.perf_counter() - t0)
+    log.info(
+        "solve: %s %s (gap %.3g) in %.2f s: max rank memory %.4g GiB, max rank time %.4g s",
+        part.solver, part.status, part.gap, part.seconds, part.bottleneck_mem / 2**30,
+        part.bottleneck_time,
+    )
+    return part
+
+
+def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, max_nodes: int | None,
+           threads: int, ilp: bool, cache: SolveCache, start: Partition | None, mip_gap: float) -> Partition:
+    """``solve`` without the memo (its arguments, checked)."""
+    t0 = time.perf_counter()
     if problem.k == 1:  # one stage holds everything: nothing to choose
         part = make_partition(problem, [0] * problem.n, solver="single-stage", status="optimal")
         if problem.mem_cap is not None and part.bottleneck_mem > problem.mem_cap * (1 + 1e-9):
@@ -233,13 +276,7 @@ def solve(
             known = _best(work, [improve_split(work, st, budget_s=share) for st in starts]) or known
             time_limit = max(0.05, time_limit - (time.perf_counter() - t1))
         part = solve_ilp(work, time_limit=time_limit, solver=solver, threads=threads, start=known,
-                         explain=ilp)  # screening (ilp=False): the caller explains a failure
+                         explain=ilp, mip_gap=mip_gap)  # screening (ilp=False): the caller explains a failure
     if work is not problem:
         part = expand(part, groups, problem, exact=exact)
-    part = dataclasses.replace(part, seconds=time.perf_counter() - t0)
-    log.info(
-        "solve: %s %s (gap %.3g) in %.2f s: max rank memory %.4g GiB, max rank time %.4g s",
-        part.solver, part.status, part.gap, part.seconds, part.bottleneck_mem / 2**30,
-        part.bottleneck_time,
-    )
     return part
