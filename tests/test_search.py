@@ -357,3 +357,15 @@ def test_mip_gap_out_of_range_is_refused() -> None:
 
     with pytest.raises(NowdlError, match="mip_gap must be a relative gap"):
         PlanRequest(gpus=4, mip_gap=1.5)
+
+
+def test_memo_does_not_skip_the_master_bound() -> None:
+    """A MASTER split screened without the MILP (``ilp=False``: the ideal DP's descent, status
+    "heuristic") still gets its Lagrangian bound when solved again with ``ilp=True``."""
+    p = resnet_like(12, 4)
+    p = dataclasses.replace(p, ranks=[[0, 3], [1, 2]])
+    cache = SolveCache()
+    screened = solve(p, ilp=False, cache=cache)
+    assert (screened.solver, screened.status) == ("ideals", "heuristic")  # the case under test
+    again = solve(p, cache=cache, start=screened)
+    assert again.status in ("optimal", "feasible") and again.status != "heuristic"

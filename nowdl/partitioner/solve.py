@@ -202,7 +202,7 @@ def solve(
     cache = cache if cache is not None else SolveCache()
     key = (problem_key(problem), solver, coarsen, max_nodes, mip_gap)
     done = cache.splits.get(key)
-    if done is not None and (done[1] or not ilp or final_split(done[0])):
+    if done is not None and (done[1] or not ilp or proven(done[0])):
         log.info("solve: the same problem was solved before (%s %s)", done[0].solver, done[0].status)
         return dataclasses.replace(done[0], seconds=time.perf_counter() - t0)
     part = _solve(problem, time_limit=time_limit, solver=solver, coarsen=coarsen, max_nodes=max_nodes,
