@@ -327,7 +327,7 @@ def coarsen(
         greedy = g.greedy_pass(max_nodes, warn)
         exact += g.exact_pass(zero_tol)
     coarse, groups = g.build()
-    log.info(
+    log.debug(  # solve() logs the merge at INFO; the coarse DP's binary search calls this ~10 times
         "coarsen: %d -> %d nodes (%d floating, %d exact merges, %d greedy)",
         problem.n, coarse.n, floating, exact, greedy,
     )
