@@ -15,7 +15,7 @@ flight, with ``inflight`` micro-batches' activations alive. So a stage holds:
   gone, and are freed before the next backward: they do not add to the peak. Not modelled: a
   long skip's gradient (to a stage more than one before) waits until that stage posts its
   receive, one action before its own backward of the micro-batch, so under 1F1B and GPipe a
-  stage holds a few of them (MONAI UNet at K=4, last stage: three of 128 KiB at its peak);
+  stage holds a few of them (MONAI UNet at K=4, last stage: two of 128 KiB at its peak);
 * zero bubble (``"zb"``): a micro-batch's whole activations live until its ``B`` (stage s holds
   1F1B's ``min(M, K - s)`` of them), and then, until its ``W``, only each convolution's and
   linear layer's input and output gradient ([Note: deferred weight gradients] in
