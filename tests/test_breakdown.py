@@ -84,3 +84,15 @@ def test_backward_grad_bytes_by_hand() -> None:
     # relu's; integer outputs get no gradient
     assert backward_grad_bytes(ops, out, [True] * 5, edges) == [0.0, 40.0, 80.0, 120.0, 0.0]
     assert backward_grad_bytes(ops, out, [True, True, False, True, True], edges) == [0.0, 40.0, 0.0, 80.0, 0.0]
+
+
+def test_backward_grad_bytes_cat_is_views() -> None:
+    """A cat's input gradients are views of its output's: only that gradient counts."""
+    from nowdl.partitioner.held import backward_grad_bytes
+
+    ops = ["placeholder", "call_module", "call_module", "call_function", "output"]
+    out = [12, 40, 40, 80, 0]
+    edges = [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4)]
+    targets = ["x", "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv2d", "torch.cat", "output"]
+    assert backward_grad_bytes(ops, out, [True] * 5, edges) == [0.0, 40.0, 40.0, 160.0, 0.0]
+    assert backward_grad_bytes(ops, out, [True] * 5, edges, targets) == [0.0, 40.0, 40.0, 80.0, 0.0]

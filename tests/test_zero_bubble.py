@@ -99,6 +99,25 @@ def test_deferred_weight_gradients_equal_autograd() -> None:
     assert model[0].weight.grad is not None
 
 
+def test_queued_weight_gradient_holds_no_graph() -> None:
+    """[Note: W holds no graph]: a queued W keeps its layer's input, not the tensors it was made from."""
+    import weakref
+
+    conv = nn.Conv2d(4, 2, 3, padding=1)
+    zerobubble.enable(conv)
+    a, b = torch.randn(1, 2, 8, 8, requires_grad=True), torch.randn(1, 2, 8, 8, requires_grad=True)
+    with zerobubble.capturing():
+        y = conv(torch.cat([a, b], 1))
+    q: list[zerobubble.WeightGrad] = []
+    with zerobubble.deferring(q):
+        y.sum().backward()
+    refs = [weakref.ref(a), weakref.ref(b)]
+    del a, b, y
+    assert len(q) == 1 and all(r() is None for r in refs)  # the received buffers are free before W
+    zerobubble.run_weight_grads(q)
+    assert conv.weight.grad is not None
+
+
 @pytest.mark.parametrize("m", [2, 4])
 def test_zb_two_stages(m: int) -> None:
     _compare("resnet_bn", 2, {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": m, "schedule": "zb"})

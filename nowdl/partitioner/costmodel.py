@@ -139,7 +139,8 @@ def _grad_workspace(prof: Profile) -> list[float]:
     edges = [(index[u], index[v]) for u, v in prof.edges if u in index and v in index]
     floating = [n.out_dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
                 for n in prof.nodes]
-    return backward_grad_bytes([n.op for n in prof.nodes], [n.out_bytes for n in prof.nodes], floating, edges)
+    return backward_grad_bytes([n.op for n in prof.nodes], [n.out_bytes for n in prof.nodes], floating, edges,
+                               [n.target for n in prof.nodes])
 
 
 def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:

@@ -15,7 +15,7 @@ flight, with ``inflight`` micro-batches' activations alive. So a stage holds:
   gone, and are freed before the next backward: they do not add to the peak. Not modelled: a
   long skip's gradient (to a stage more than one before) waits until that stage posts its
   receive, one action before its own backward of the micro-batch, so under 1F1B and GPipe a
-  stage holds a few of them (MONAI UNet at K=4, last stage: three of 128 KiB at its peak);
+  stage holds a few of them (MONAI UNet at K=4, last stage: two of 128 KiB at its peak);
 * zero bubble (``"zb"``): a micro-batch's whole activations live until its ``B`` (stage s holds
   1F1B's ``min(M, K - s)`` of them), and then, until its ``W``, only each convolution's and
   linear layer's input and output gradient ([Note: deferred weight gradients] in
@@ -24,13 +24,16 @@ flight, with ``inflight`` micro-batches' activations alive. So a stage holds:
 * while autograd runs a node's backward, the gradient of its output and the new gradients of
   its inputs are alive together on top of the activations still saved
   (:func:`backward_grad_bytes`, which the cost model takes as a node's workspace when larger).
+  A concatenation's backward allocates nothing: its inputs' gradients are slices (views) of its
+  output's (:data:`VIEW_GRAD_TARGETS`), so only that one gradient counts (the plain last stage
+  of bench_spatial's Table 6 was charged a cat's output gradient twice: 4 MiB at 256²).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["RECV_LOOKAHEAD", "DEFERRED_LAYERS", "held_buffers", "backward_grad_bytes", "deferred_bytes"]
+__all__ = ["RECV_LOOKAHEAD", "DEFERRED_LAYERS", "VIEW_GRAD_TARGETS", "held_buffers", "backward_grad_bytes", "deferred_bytes"]
 
 _NO_GRAD_OPS = ("placeholder", "get_attr", "output")
 
@@ -38,6 +41,9 @@ DEFERRED_LAYERS = tuple(f"torch.nn.modules.{m}" for m in (
     "conv.Conv1d", "conv.Conv2d", "conv.Conv3d", "conv.ConvTranspose1d", "conv.ConvTranspose2d",
     "conv.ConvTranspose3d", "linear.Linear"))
 """Module classes (profile targets) whose weight gradients zero bubble defers (runtime/zerobubble.py's ``_SWAP``)."""
+
+VIEW_GRAD_TARGETS = ("torch.cat", "torch.concat", "torch.concatenate")
+"""Profile targets whose backward gives each input a view of the output's gradient (no new bytes)."""
 
 RECV_LOOKAHEAD = 1
 """Receives are posted this many actions ahead of the action that needs them (the runtime's)."""
@@ -69,12 +75,13 @@ def held_buffers(schedule: str, micro_batches: int, inflight: int) -> tuple[floa
 
 
 def backward_grad_bytes(ops: Sequence[str], out_bytes: Sequence[float], floating: Sequence[bool],
-                        edges: Sequence[tuple[int, int]]) -> list[float]:
+                        edges: Sequence[tuple[int, int]], targets: Sequence[str] = ()) -> list[float]:
     """Per node: bytes of gradients alive while autograd runs its backward.
 
     The gradient of the node's output plus one gradient per distinct producer of its inputs
     (each the size of that producer's output); inputs that get no gradient (model inputs,
-    constants, integer tensors) count nothing, nor does the graph's ``output`` node.
+    constants, integer tensors) count nothing, nor does the graph's ``output`` node. A node
+    whose ``targets`` entry is in :data:`VIEW_GRAD_TARGETS` counts its output's gradient only.
 
     Args:
         ops: fx op of each node ("placeholder", "call_module", ...).
@@ -85,6 +92,9 @@ def backward_grad_bytes(ops: Sequence[str], out_bytes: Sequence[float], floating
     >>> backward_grad_bytes(["placeholder", "call_module", "call_function", "output"],
     ...                     [8, 16, 16, 0], [True] * 4, [(0, 1), (1, 2), (1, 2), (2, 3)])
     [0.0, 16.0, 32.0, 0.0]
+    >>> backward_grad_bytes(["call_module", "call_module", "call_function"], [8, 8, 16], [True] * 3,
+    ...                     [(0, 2), (1, 2)], ["conv", "conv", "torch.cat"])
+    [8.0, 8.0, 16.0]
     """
     producers: list[set[int]] = [set() for _ in ops]
     for u, v in edges:
@@ -95,6 +105,9 @@ def backward_grad_bytes(ops: Sequence[str], out_bytes: Sequence[float], floating
             out.append(0.0)
             continue
         g = float(out_bytes[v])
+        if targets and targets[v] in VIEW_GRAD_TARGETS:
+            out.append(g)
+            continue
         g += sum(float(out_bytes[u]) for u in producers[v] if ops[u] not in _NO_GRAD_OPS and floating[u])
         out.append(g)
     return out

@@ -218,6 +218,7 @@ class PipelineEngine(Transfers, GradSync):
                     ins.append(t_in)
                     shapes.append(full)
                 held_bufs[key] = bufs
+                sends = self._release_done(sends)  # what just arrived may show a peer ready for them
                 with capturing(train and act.stage in self.deferred):
                     outs, grids = self._forward(st, ins, shapes, train, tiled)
                 inputs[key] = ins
@@ -295,6 +296,7 @@ class PipelineEngine(Transfers, GradSync):
                 elif loss_t is not None:  # not a scalar: backward refuses it, as it should
                     roots.append(loss_t * (scale * loss_scale))
                     grads.append(None)
+                sends = self._release_done(sends)  # before the backward's peak, as after a forward's inputs
                 if roots:
                     with deferring(wq.setdefault(key, [])) if act.stage in self.deferred else contextlib.nullcontext():
                         torch.autograd.backward(roots, grads)

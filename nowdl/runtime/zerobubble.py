@@ -22,6 +22,13 @@ gradients in ``B``; activation-checkpointed, spatial and autocast stages are not
 ``W`` is empty), so they stay exact too. The queued pair holds the layer's input and its output
 gradient until ``W`` runs: that is the memory the cost model charges for a micro-batch in flight
 until its ``W`` ([Note: held buffers] in partitioner/held.py).
+
+[Note: W holds no graph] The queued ``compute`` keeps the input *detached*: a saved tensor
+unpacked in a backward carries its producer's ``grad_fn``, and through it the whole graph above
+(each ``AccumulateGrad`` node holds its leaf), so a layer whose input came from a ``cat`` of
+received tensors kept every receive buffer of the micro-batch alive until ``W`` (the UNet's zb
+last stage at K = 4: three more micro-batches of them, 1.28x its prediction). The values are
+the same storage, so the weight gradients are unchanged.
 """
 
 from __future__ import annotations
@@ -105,6 +112,7 @@ class _ConvFn(torch.autograd.Function):
         gi = None
         if ctx.needs_input_grad[0]:
             gi = _aten.convolution_backward(g, x, w, bias_sizes, *geom, [True, False, False])[0]
+        x = x.detach()  # [Note: W holds no graph]
         want_w, want_b = bool(ctx.needs_input_grad[1]), bias is not None and bool(ctx.needs_input_grad[2])
 
         def compute() -> tuple[Tensor | None, ...]:
@@ -127,6 +135,7 @@ class _LinearFn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         bias = ctx.params[1]
         gi = g.matmul(w) if ctx.needs_input_grad[0] else None
+        x = x.detach()  # [Note: W holds no graph]
         want_w, want_b = bool(ctx.needs_input_grad[1]), bias is not None and bool(ctx.needs_input_grad[2])
 
         def compute() -> tuple[Tensor | None, ...]:
