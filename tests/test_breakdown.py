@@ -96,3 +96,29 @@ def test_backward_grad_bytes_cat_is_views() -> None:
     targets = ["x", "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv2d", "torch.cat", "output"]
     assert backward_grad_bytes(ops, out, [True] * 5, edges) == [0.0, 40.0, 40.0, 160.0, 0.0]
     assert backward_grad_bytes(ops, out, [True] * 5, edges, targets) == [0.0, 40.0, 40.0, 80.0, 0.0]
+
+
+def test_cat_is_recognised_in_both_tracers_profiles() -> None:
+    """The profiler's name for a cat, from fx (torch.cat) and from torch.export (aten.cat), is one
+    of VIEW_GRAD_TARGETS, so a cat's backward is charged its output's gradient only either way."""
+    import torch
+
+    from nowdl.partitioner.held import VIEW_GRAD_TARGETS
+    from nowdl.profiler import profile
+    from nowdl.trace import trace
+
+    class Cat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Conv2d(2, 2, 3, padding=1)
+            self.b = torch.nn.Conv2d(2, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.a(x), self.b(x)], dim=1)
+
+    x = torch.randn(1, 2, 8, 8)
+    for tracer in ("fx", "export"):
+        t = trace(Cat(), (x,), tracer=tracer)
+        prof = profile(t.gm, (x,), mode="estimate", device_spec="h100", cache=False, progress=False)
+        cats = [n.target for n in prof.nodes if "cat" in n.target.split(".")[-1]]
+        assert cats and all(c in VIEW_GRAD_TARGETS for c in cats), (tracer, cats)

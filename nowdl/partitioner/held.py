@@ -42,8 +42,9 @@ DEFERRED_LAYERS = tuple(f"torch.nn.modules.{m}" for m in (
     "conv.ConvTranspose3d", "linear.Linear"))
 """Module classes (profile targets) whose weight gradients zero bubble defers (runtime/zerobubble.py's ``_SWAP``)."""
 
-VIEW_GRAD_TARGETS = ("torch.cat", "torch.concat", "torch.concatenate")
-"""Profile targets whose backward gives each input a view of the output's gradient (no new bytes)."""
+VIEW_GRAD_TARGETS = ("torch.cat", "torch.concat", "torch.concatenate", "torch._ops.aten.aten::cat")
+"""Profile targets whose backward gives each input a view of the output's gradient (no new bytes);
+the last is how ``profiler.runner.target_name`` names ``aten.cat`` in torch.export graphs."""
 
 RECV_LOOKAHEAD = 1
 """Receives are posted this many actions ahead of the action that needs them (the runtime's)."""
