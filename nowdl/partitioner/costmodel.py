@@ -28,6 +28,7 @@ from nowdl.partitioner.config import Candidate
 from nowdl.partitioner.held import backward_grad_bytes, deferred_bytes, held_buffers
 from nowdl.partitioner.placement import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
+from nowdl.partitioner.skipwait import skip_waits
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid, tile_shape
 from nowdl.partitioner.zborder import zb_slots
 from nowdl.profiler.cost import Profile
@@ -169,13 +170,14 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
             variants[f"tiled{p}-inter"] = _tiled_vectors(costs, p, cand.slice, inter.bw, inter.latency_s)
     inflight = cand.inflight()
     held = [held_buffers(cand.schedule, cand.micro_batches, n) for n in inflight]  # [Note: held buffers]
+    waits = skip_waits(cand.schedule, cand.stages, cand.micro_batches)  # [Note: long-skip gradient waits]
     waiting = _deferred_variants(costs, cand, variants)
     stages = [  # activation forward + gradient backward, at the link each stage's boundaries cross
         StageSpec(inflight=inflight[s],
                   variant=(f"tiled{parts[s]}" + ("-inter" if cross_tiles[s] else "")) if parts[s] > 1 else waiting[s],
                   spatial=parts[s] > 1,
                   link_s_per_byte=2.0 / (lay.topo.inter.bw if cross_edge[s] else costs.link_bw),
-                  recv_held=held[s][0], send_held=held[s][1])
+                  recv_held=held[s][0], send_held=held[s][1], skip_wait=waits[s])
         for s in range(cand.stages)
     ]
     k = cand.stages

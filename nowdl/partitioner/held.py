@@ -12,10 +12,9 @@ flight, with ``inflight`` micro-batches' activations alive. So a stage holds:
 * gradients of its outputs: one backward's buffer, plus the next one's, posted ahead during a
   backward followed by a backward (GPipe; 1F1B's cool-down: every schedule with M > 1);
 * the input gradients the backward sends are made at its end, when its saved activations are
-  gone, and are freed before the next backward: they do not add to the peak. Not modelled: a
-  long skip's gradient (to a stage more than one before) waits until that stage posts its
-  receive, one action before its own backward of the micro-batch, so under 1F1B and GPipe a
-  stage holds a few of them (MONAI UNet at K=4, last stage: two of 128 KiB at its peak);
+  gone, and are freed before the next backward: they do not add to the peak, except a long
+  skip's (to a stage two or more before), which waits until that stage posts its receive:
+  ``StageSpec.skip_wait`` ([Note: long-skip gradient waits] in skipwait.py);
 * zero bubble (``"zb"``): a micro-batch's whole activations live until its ``B`` (stage s holds
   1F1B's ``min(M, K - s)`` of them), and then, until its ``W``, only each convolution's and
   linear layer's input and output gradient ([Note: deferred weight gradients] in

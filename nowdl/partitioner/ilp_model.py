@@ -13,7 +13,10 @@ these equal r >= x[v,s] + y[u,s-1] - 1 and q >= x[u,s] - y[v,s]; in the LP they 
 weaker (by 1 - y[u,s] >= 0 and y[v,s-1] >= 0): AmoebaNet-D's LP bound (K = 8, memory) rose
 from 6.20 to 6.26 GiB. Per cut the LP is still the convex closure of the frontier bytes (a
 fractional cut mixes ideals of different sizes, each with a thin frontier): on graphs of
-parallel branches only branching closes the rest.
+parallel branches only branching closes the rest. Long-skip gradients waiting on stage s
+([Note: long-skip gradient waits] in skipwait.py: c_i copies when u sits in stage i, c
+non-increasing in i) are charged as sum over e of (c_e - c_{e+1}) z[u,s,e], with
+z[u,s,e] >= x[v,s] + y[u,e] - 1 ("received at s from stage <= e"; z = r for e = s - 1).
 Stage memory and time are then exactly ``evaluate()``'s formulas at the minimal r, q, w,
 which any optimum takes on its bottleneck ranks. Bytes and seconds are divided by an upper
 bound of one stage's load so every coefficient lies in [0, 1]. A stage's work (fwd + bwd
@@ -24,7 +27,6 @@ compute, no link time) is a third linear expression, for the spread level of
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +34,15 @@ from typing import Any
 import pulp
 
 from nowdl.errors import InfeasibleError
+from nowdl.partitioner.lp_terms import (
+    ConstantViolation,
+    Lin,
+    Y,
+    add_constraint,
+    add_term,
+    lp_names,
+    new_var,
+)
 from nowdl.partitioner.narrowing import load_windows
 from nowdl.partitioner.problem import Problem
 from nowdl.partitioner.structure import stage_ranges
@@ -40,8 +51,6 @@ __all__ = ["build_ilp", "IlpModel", "ConstantViolation"]
 
 log = logging.getLogger(__name__)
 
-Lin = dict[Any, float]  # variable -> coefficient
-Y = Any  # an int constant (0 or 1) or a pulp.LpVariable
 
 
 @dataclass
@@ -63,7 +72,7 @@ class IlpModel:
     rank_time: list[pulp.LpAffineExpression]
     stage_work: list[pulp.LpAffineExpression]  # compute only, in time_scale units
     z_work: pulp.LpVariable  # <= every stage's work; fixed at 0 outside the spread level
-    aux: dict[str, dict[tuple[int, int], pulp.LpVariable]] = field(default_factory=dict)
+    aux: dict[str, dict[Any, pulp.LpVariable]] = field(default_factory=dict)
     w: dict[int, pulp.LpVariable] = field(default_factory=dict)
     w_unit: dict[int, float] = field(default_factory=dict)
 
@@ -95,6 +104,8 @@ class IlpModel:
         for (u, s), var in self.aux.get("q", {}).items():
             later = any(j > s for j in cons.get(u, ()))
             var.varValue = 1.0 if stage_of[u] == s and later else 0.0
+        for (u, s, e), var in self.aux.get("z", {}).items():
+            var.varValue = 1.0 if stage_of[u] <= e and s in cons.get(u, ()) else 0.0
         for s, var in self.w.items():
             vec = problem.variants[problem.stages[s].variant]
             ws = [vec.workspace[v] for v in range(problem.n) if stage_of[v] == s]
@@ -103,63 +114,6 @@ class IlpModel:
         self.t_time.varValue = max(pulp.value(e) or 0.0 for e in self.rank_time)
         self.z_work.varValue = 0.0
 
-
-
-def _var(
-    prob: pulp.LpProblem, name: str, lo: float | None, hi: float | None,
-    cat: str = pulp.LpContinuous,
-) -> pulp.LpVariable:
-    """A new variable of ``prob`` (PuLP >= 3.3 attaches it; older PuLP builds it free)."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, lowBound=lo, upBound=hi, cat=cat)
-    return pulp.LpVariable(name, lowBound=lo, upBound=hi, cat=cat)  # pragma: no cover
-
-
-def _clean(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", name)[:60]
-
-
-def _names(problem: Problem) -> list[str]:
-    seen: set[str] = set()
-    out = []
-    for i, name in enumerate(problem.names):
-        c = _clean(str(name)) or f"n{i}"
-        if c in seen:
-            c = f"{c}_{i}"
-        seen.add(c)
-        out.append(c)
-    return out
-
-
-def _add(lin: Lin, e: Y, coef: float) -> float:
-    """Add coef * e to lin; return the constant part."""
-    if isinstance(e, int):
-        return coef * e
-    lin[e] = lin.get(e, 0.0) + coef
-    return 0.0
-
-
-class ConstantViolation(RuntimeError):
-    """A constraint with no variables left is false (e.g. a cap below a fully pinned stage)."""
-
-
-def _constraint(
-    prob: pulp.LpProblem, terms: list[tuple[Y, float]], sense: int, rhs: float, name: str
-) -> None:
-    """Add sum(coef * e) (sense) rhs unless it holds trivially (constants only)."""
-    lin: Lin = {}
-    const = 0.0
-    for e, c in terms:
-        const += _add(lin, e, c)
-    lin = {k: c for k, c in lin.items() if c != 0.0}
-    if not lin:
-        ok = {pulp.LpConstraintLE: const <= rhs + 1e-12, pulp.LpConstraintGE: const >= rhs - 1e-12,
-              pulp.LpConstraintEQ: abs(const - rhs) <= 1e-12}[sense]
-        if not ok:  # only a memory cap can be broken by constants (all nodes pinned)
-            raise ConstantViolation(f"constraint {name} is violated by constants")
-        return
-    expr = pulp.LpAffineExpression(list(lin.items()))
-    prob.addConstraint(pulp.LpConstraint(expr, sense, name=name, rhs=rhs - const))
 
 
 def _scales(problem: Problem) -> tuple[float, float]:
@@ -172,7 +126,7 @@ def _scales(problem: Problem) -> tuple[float, float]:
         ms = max(
             ms,
             tot_static + spec.inflight * float(sum(vec.act)) + max(spec.recv_factor, spec.send_factor) * outs
-            + max(vec.workspace),
+            + max(vec.workspace) + max(spec.skip_wait, default=0.0) * outs,
         )
         ts = max(ts, float(sum(vec.time)) + spec.link_s_per_byte * 2 * outs)
     # divided by K: the bottleneck is then of order 1 and so are the solver's tolerances
@@ -208,7 +162,7 @@ def build_ilp(
     if use_cap and problem.mem_cap is not None:
         mem_ub = problem.mem_cap if mem_ub is None else min(mem_ub, problem.mem_cap)
     lo, hi = load_windows(problem, lo, hi, allowed, mem_ub=mem_ub, time_ub=time_ub)
-    nm = _names(problem)
+    nm = lp_names(problem)
     prob = pulp.LpProblem(f"nowdl_partition_{problem.objective}_K{k}", pulp.LpMinimize)
     mem_scale, time_scale = _scales(problem)
 
@@ -224,7 +178,7 @@ def build_ilp(
             elif not allowed[v][s]:
                 row.append(row[-1])  # x[v,s] = 0: same as the previous stage
             else:
-                row.append(_var(prob, f"y_{nm[v]}_s{s}", 0, 1, pulp.LpBinary))
+                row.append(new_var(prob, f"y_{nm[v]}_s{s}", 0, 1, pulp.LpBinary))
         row.append(1)
         y.append(row)
 
@@ -241,7 +195,7 @@ def build_ilp(
         for s in range(1, k - 1):
             a, b = y[v][s], y[v][s + 1]
             if not isinstance(a, int) and not isinstance(b, int) and a is not b:
-                _constraint(prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0,
+                add_constraint(prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0,
                             f"mono_{nm[v]}_s{s}")
     for u in range(n):
         for v in consumers[u]:
@@ -253,14 +207,14 @@ def build_ilp(
                 if key in seen:
                     continue
                 seen.add(key)
-                _constraint(prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0,
+                add_constraint(prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0,
                             f"prec_{nm[u]}_{nm[v]}_s{s}")
 
     # nodes using one weight share a stage: their y rows are equal
     for g, grp in enumerate(problem.tied):
         for v in grp[1:]:
             for s in range(k - 1):
-                _constraint(prob, [(y[grp[0]][s + 1], 1.0), (y[v][s + 1], -1.0)],
+                add_constraint(prob, [(y[grp[0]][s + 1], 1.0), (y[v][s + 1], -1.0)],
                             pulp.LpConstraintEQ, 0.0, f"tied{g}_{nm[v]}_s{s}")
 
     def can_be(v: int, s: int) -> bool:
@@ -274,7 +228,7 @@ def build_ilp(
                 f"stage {s} of {k} can hold no node (pins, spatial rules and precedence leave it "
                 "empty): use fewer stages"
             )
-        _constraint(prob, terms, pulp.LpConstraintGE, 1.0, f"nonempty_s{s}")
+        add_constraint(prob, terms, pulp.LpConstraintGE, 1.0, f"nonempty_s{s}")
 
     mem_lin: list[Lin] = [{} for _ in range(k)]
     mem_const = [0.0] * k
@@ -284,6 +238,7 @@ def build_ilp(
     work_const = [0.0] * k
     r_vars: dict[tuple[int, int], pulp.LpVariable] = {}
     q_vars: dict[tuple[int, int], pulp.LpVariable] = {}
+    z_vars: dict[tuple[int, int, int], pulp.LpVariable] = {}
     w_vars: dict[int, pulp.LpVariable] = {}
     w_unit: dict[int, float] = {}
     for s, spec in enumerate(problem.stages):
@@ -295,9 +250,9 @@ def build_ilp(
             cm = (problem.static[v] + spec.inflight * vec.act[v]) / mem_scale
             ct = vec.time[v] / time_scale
             for e, sign in in_stage(v, s):
-                mem_const[s] += _add(mem_lin[s], e, sign * cm)
-                time_const[s] += _add(time_lin[s], e, sign * ct)
-                work_const[s] += _add(work_lin[s], e, sign * ct)
+                mem_const[s] += add_term(mem_lin[s], e, sign * cm)
+                time_const[s] += add_term(time_lin[s], e, sign * ct)
+                work_const[s] += add_term(work_lin[s], e, sign * ct)
         # received tensors
         for u in range(n):
             out = vec.out[u]
@@ -308,10 +263,10 @@ def build_ilp(
             cons = [v for v in consumers[u] if can_be(v, s)]
             if not cons:
                 continue
-            r = _var(prob, f"r_{nm[u]}_s{s}", 0, 1)
+            r = new_var(prob, f"r_{nm[u]}_s{s}", 0, 1)
             r_vars[(u, s)] = r
             for v in cons:  # r >= x[v,s] - x[u,s]
-                _constraint(
+                add_constraint(
                     prob,
                     [(r, 1.0)] + [(e, -c) for e, c in in_stage(v, s)]
                     + [(e, c) for e, c in in_stage(u, s)],
@@ -321,6 +276,23 @@ def build_ilp(
             mem_lin[s][r] = mem_lin[s].get(r, 0.0) + cm
             if ct > 0:
                 time_lin[s][r] = time_lin[s].get(r, 0.0) + ct
+            # long-skip gradients waiting here: wait_from(i) copies when u sits in stage i,
+            # charged as sum over e >= i of (wait_from(e) - wait_from(e + 1)) [u in stage <= e]
+            for e in range(max(lo[u], 0), s):
+                step = spec.wait_from(e) - (spec.wait_from(e + 1) if e + 1 < s else 0.0)
+                if step <= 0:
+                    continue
+                ye = y[u][e + 1]
+                if isinstance(ye, int):  # u surely in a stage <= e (0: never, skipped by lo)
+                    if ye:
+                        mem_lin[s][r] += step * out / mem_scale
+                    continue
+                z = new_var(prob, f"z_{nm[u]}_s{s}_e{e}", 0, 1)
+                z_vars[(u, s, e)] = z
+                for v in cons:  # z >= x[v,s] + y[u,e] - 1
+                    add_constraint(prob, [(z, 1.0), (ye, -1.0)] + [(t, -c) for t, c in in_stage(v, s)],
+                                pulp.LpConstraintGE, -1.0, f"wait_{nm[u]}_{nm[v]}_s{s}_e{e}")
+                mem_lin[s][z] = step * out / mem_scale
         # sent tensors: link time, and a buffer for their gradient per micro-batch in flight
         for u in range(n):
             out = vec.out[u]
@@ -329,10 +301,10 @@ def build_ilp(
             cons = [v for v in consumers[u] if hi[v] > s]
             if not cons:
                 continue
-            q = _var(prob, f"q_{nm[u]}_s{s}", 0, 1)
+            q = new_var(prob, f"q_{nm[u]}_s{s}", 0, 1)
             q_vars[(u, s)] = q
             for v in cons:  # q >= x[u,s] - x[v,s]
-                _constraint(
+                add_constraint(
                     prob,
                     [(q, 1.0)] + [(e, -c) for e, c in in_stage(u, s)]
                     + [(e, c) for e, c in in_stage(v, s)],
@@ -348,12 +320,12 @@ def build_ilp(
             # in units of the stage's largest workspace, so the solver's tolerances stay
             # small against it
             unit = max(vec.workspace[v] for v in ws_nodes)
-            w = _var(prob, f"w_s{s}", 0, 1)
+            w = new_var(prob, f"w_s{s}", 0, 1)
             w_vars[s] = w
             w_unit[s] = unit
             for v in ws_nodes:
                 c = vec.workspace[v] / unit
-                _constraint(
+                add_constraint(
                     prob,
                     [(w, 1.0)] + [(e, -c * sign) for e, sign in in_stage(v, s)],
                     pulp.LpConstraintGE, 0.0,
@@ -361,15 +333,15 @@ def build_ilp(
                 )
             mem_lin[s][w] = mem_lin[s].get(w, 0.0) + unit / mem_scale
 
-    t_mem = _var(prob, "T_mem", 0, None)
-    t_time = _var(prob, "T_time", 0, None)
-    z_work = _var(prob, "Z_work", 0, 0)
+    t_mem = new_var(prob, "T_mem", 0, None)
+    t_time = new_var(prob, "T_time", 0, None)
+    z_work = new_var(prob, "Z_work", 0, 0)
     rank_mem: list[pulp.LpAffineExpression] = []
     rank_time: list[pulp.LpAffineExpression] = []
     stage_work = [pulp.LpAffineExpression([(a, c) for a, c in work_lin[s].items() if c != 0.0],
                                           constant=work_const[s]) for s in range(k)]
     for s in range(k):
-        _constraint(prob, [(z_work, 1.0)] + [(a, -c) for a, c in work_lin[s].items()],
+        add_constraint(prob, [(z_work, 1.0)] + [(a, -c) for a, c in work_lin[s].items()],
                     pulp.LpConstraintLE, work_const[s], f"spread_s{s}")
     for r_idx, stages in enumerate(problem.rank_stages()):
         ml: Lin = {}
@@ -385,16 +357,16 @@ def build_ilp(
         te = pulp.LpAffineExpression([(a, c) for a, c in tl.items() if c != 0.0], constant=tc)
         rank_mem.append(me)
         rank_time.append(te)
-        _constraint(prob, [(t_mem, 1.0)] + [(a, -c) for a, c in ml.items()],
+        add_constraint(prob, [(t_mem, 1.0)] + [(a, -c) for a, c in ml.items()],
                     pulp.LpConstraintGE, mc, f"mem_r{r_idx}")
-        _constraint(prob, [(t_time, 1.0)] + [(a, -c) for a, c in tl.items()],
+        add_constraint(prob, [(t_time, 1.0)] + [(a, -c) for a, c in tl.items()],
                     pulp.LpConstraintGE, tc, f"time_r{r_idx}")
         if use_cap and problem.mem_cap is not None:
-            _constraint(prob, list(ml.items()), pulp.LpConstraintLE,
+            add_constraint(prob, list(ml.items()), pulp.LpConstraintLE,
                         problem.mem_cap / mem_scale - mc, f"mem_cap_r{r_idx}")
     prob.setObjective(t_mem if problem.objective == "memory" else t_time)
     return IlpModel(
         prob=prob, y=y, t_mem=t_mem, t_time=t_time, mem_scale=mem_scale,
         time_scale=time_scale, rank_mem=rank_mem, rank_time=rank_time, stage_work=stage_work,
-        z_work=z_work, aux={"r": r_vars, "q": q_vars}, w=w_vars, w_unit=w_unit,
+        z_work=z_work, aux={"r": r_vars, "q": q_vars, "z": z_vars}, w=w_vars, w_unit=w_unit,
     )

@@ -2,7 +2,7 @@
 
 [Note: cost model] A stage's memory for one rank is
     sum(static) + inflight * sum(act) + recv_factor * received bytes + send_factor * sent bytes
-    + max(workspace)
+    + max(workspace) + sum over received tensors of skip_wait[producer's stage] * bytes
 (received: the activations that arrive; sent: the buffers that receive the gradients of the
 tensors it sends, once per tensor however many stages use it; both factors default to inflight,
 the runtime's own counts come from :func:`nowdl.partitioner.held.held_buffers`)
@@ -41,6 +41,13 @@ class StageSpec:
     link_s_per_byte: float = 0.0  # seconds per byte sent or received (fwd + bwd together)
     recv_held: float | None = None  # received bytes held at the peak, per micro-batch (None: inflight)
     send_held: float | None = None  # gradient buffers of sent tensors held at the peak (None: inflight)
+    # per earlier stage i: copies of each tensor received from i whose gradient waits here at
+    # the peak ([Note: long-skip gradient waits] in skipwait.py); () or missing entries: none
+    skip_wait: tuple[float, ...] = ()
+
+    def wait_from(self, i: int) -> float:
+        """Gradients of one tensor received from stage ``i`` held at this stage's peak."""
+        return self.skip_wait[i] if 0 <= i < len(self.skip_wait) else 0.0
 
     @property
     def recv_factor(self) -> float:
@@ -131,6 +138,7 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> tuple[list[float], li
         ws[s] = max(ws[s], vec.workspace[v])
     # boundary tensors: producer u in stage i, consumers in later stages j
     recv_bytes = [0.0] * k
+    wait_bytes = [0.0] * k  # long-skip gradients waiting for their producer's receive
     send_bytes = [0.0] * k
     consumers: dict[int, set[int]] = {}
     for u, v in problem.edges:
@@ -141,13 +149,15 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> tuple[list[float], li
     for u, dst in consumers.items():
         src = stage_of[u]
         for j in dst:
-            recv_bytes[j] += problem.variants[problem.stages[j].variant].out[u]
+            out = problem.variants[problem.stages[j].variant].out[u]
+            recv_bytes[j] += out
+            wait_bytes[j] += problem.stages[j].wait_from(src) * out
         # sent once per tensor (a skip sent to several stages is charged once to the sender)
         send_bytes[src] += problem.variants[problem.stages[src].variant].out[u]
     mem = []
     tim = []
     for s, spec in enumerate(problem.stages):
         mem.append(mem_static[s] + spec.inflight * act[s] + spec.recv_factor * recv_bytes[s]
-                   + spec.send_factor * send_bytes[s] + ws[s])
+                   + spec.send_factor * send_bytes[s] + ws[s] + wait_bytes[s])
         tim.append(time[s] + spec.link_s_per_byte * (recv_bytes[s] + send_bytes[s]))
     return mem, tim

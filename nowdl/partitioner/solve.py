@@ -43,6 +43,7 @@ from nowdl.partitioner.ideals import (
 from nowdl.partitioner.ilp import solve_ilp
 from nowdl.partitioner.localsearch import improve_split
 from nowdl.partitioner.problem import Partition, Problem
+from nowdl.partitioner.skipwait import has_waits, without_waits
 from nowdl.partitioner.structure import (
     check_problem,
     make_partition,
@@ -217,6 +218,25 @@ def solve(
     return part
 
 
+def _check_waits(problem: Problem, part: Partition, mip_gap: float) -> tuple[Partition, float | None]:
+    """The exact DP over ideals optimises ``problem`` without its long-skip gradient waits
+    (a stage's cost there is a function of its two cuts: [Note: long-skip gradient waits]).
+    Its split is still optimal when the waits leave its primary bottleneck unchanged (or within
+    ``mip_gap``, the MILP's own stop, reported as the gap); else it
+    is a start for the MILP, which charges them, and its value without them a lower bound.
+    Returns the split (solver "ideals+waits", status "feasible" with that gap, when the waits
+    matter) and the bound (None when they do not)."""
+    plain = without_waits(problem)
+    lower, _ = objective_values(plain, make_partition(plain, part.stage_of))
+    value, _ = objective_values(problem, part)
+    if value <= lower * (1 + max(mip_gap, 1e-9)):  # within the MILP's own stopping gap
+        return dataclasses.replace(part, status="optimal", gap=max(0.0, 1 - lower / value)), None
+    log.info("solve: long-skip gradient waits raise the %s split's bottleneck %.6g -> %.6g: to the MILP",
+             part.solver, lower, value)
+    return dataclasses.replace(part, solver=f"{part.solver}+waits", status="feasible",
+                               gap=max(0.0, 1 - lower / value)), lower
+
+
 def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, max_nodes: int | None,
            threads: int, ilp: bool, cache: SolveCache, start: Partition | None, mip_gap: float) -> Partition:
     """``solve`` without the memo (its arguments, checked)."""
@@ -263,10 +283,15 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
         lat = cache.lattice(work)
         if lat is not None:
             known = bound_master(work, lat, known, bases=cache.bases)
-    if known is not None and (final_split(known) or not ilp):
-        part = known
+    waits_lb = None
+    if known is not None and known.solver == "ideals" and one_to_one(work) and has_waits(work):
+        known, waits_lb = _check_waits(work, known, mip_gap)
+    if known is not None and (final_split(known) or not ilp) and waits_lb is None:
+        part = known  # (a split the waits made unproven goes to the MILP even when screening)
     else:
-        if known is not None and time_limit >= LOCAL_MIN_S:  # a better start also narrows the MILP
+        # a better start also narrows the MILP (not needed after the exact DP: its split is
+        # optimal but for the waits, and the MILP closes that in about a second on a UNet)
+        if known is not None and time_limit >= LOCAL_MIN_S and waits_lb is None:
             t1 = time.perf_counter()
             # each start walked downhill (AmoebaNet-D, compute: the coarse DP's start is worse
             # than the beam's, 15.14 against 15.09 ms, but walks to 14.81 where the beam's
@@ -277,6 +302,9 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
             time_limit = max(0.05, time_limit - (time.perf_counter() - t1))
         part = solve_ilp(work, time_limit=time_limit, solver=solver, threads=threads, start=known,
                          explain=ilp, mip_gap=mip_gap)  # screening (ilp=False): the caller explains a failure
+        if waits_lb is not None and part.status == "feasible":  # the DP's optimum bounds it too
+            value, _ = objective_values(work, part)
+            part = dataclasses.replace(part, gap=min(part.gap, max(0.0, 1 - waits_lb / value)))
     if work is not problem:
         part = expand(part, groups, problem, exact=exact)
     return part

@@ -78,6 +78,13 @@ def check_problem(problem: Problem) -> None:
                 f"stage {s}: inflight ({spec.inflight}), link_s_per_byte ({spec.link_s_per_byte}), "
                 f"recv_held ({spec.recv_held}) and send_held ({spec.send_held}) must be >= 0"
             )
+        w = list(spec.skip_wait)
+        if (len(w) > s or not all(math.isfinite(x) and x >= 0 for x in w)
+                or any(a < b for a, b in zip(w, w[1:], strict=False))):
+            raise ValueError(
+                f"stage {s}: skip_wait {tuple(w)} must list at most {s} finite counts >= 0 (one per "
+                "earlier stage), non-increasing (a farther producer waits at least as long)"
+            )
     for u, v in problem.edges:
         if not (0 <= u < n and 0 <= v < n):
             raise ValueError(f"edge ({u}, {v}) has an index outside 0..{n - 1}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from nowdl.partitioner.skipwait import stage_order
 from nowdl.runtime.schedule.deps import (
     SCHEDULES,
     Action,
@@ -65,16 +66,8 @@ def stage_actions(schedule: str, k: int, m: int, stage: int, replica: int = 0) -
         raise ScheduleError(f"stage {stage} is not in 0..{k - 1}")
     if schedule == "zb":
         return [Action(a.kind, a.stage, a.microbatch, replica) for a in zero_bubble_orders(k, m)[stage]]
-    fwd = [Action("F", stage, i, replica) for i in range(m)]
-    bwd = [Action("B", stage, i, replica) for i in range(m)]
-    if schedule == "gpipe":
-        return fwd + bwd
-    warm = min(m, k - stage)
-    out = fwd[:warm]
-    for i in range(m - warm):
-        out += [bwd[i], fwd[warm + i]]
-    out += bwd[m - warm:]
-    return out
+    # the order the planner's memory model replays ([Note: long-skip gradient waits])
+    return [Action(kind, stage, i, replica) for kind, i in stage_order(schedule, k, m, stage)]
 
 
 def _master_stage(k: int, rank: int) -> int:
