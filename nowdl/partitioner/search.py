@@ -237,8 +237,13 @@ def _finalists(costs: Costs, req: PlanRequest, evals: list[_Eval], cache: SolveC
     final = [e for e in fits if e.final]
     best_final = min(final, key=lambda e: e.key()) if final else None
     if fits:
-        todo = sorted((e for e in fits if not e.final and (best_final is None or e.key() < best_final.key())),
-                      key=lambda e: e.key())[:FINALISTS]
+        # also the DP splits that long-skip waits left unproven ([Note: long-skip gradient
+        # waits]) whose bound may beat the best: their MILP is small (the DP's lattice was)
+        todo = sorted((e for e in fits if not e.final and (
+            best_final is None or e.key() < best_final.key() or (
+                e.part.solver.endswith("+waits") and not e.idle
+                and e.bounds.throughput_ub > best_final.pred["throughput"] * (1 + _REL)))),
+            key=lambda e: e.key())[:FINALISTS]
     else:  # nothing fits by the heuristics: the MILP may still fit the leanest ones
         todo = sorted((e for e in evals if not e.final), key=lambda e: e.part.bottleneck_mem)[:FINALISTS]
     if not todo:

@@ -286,8 +286,8 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
     waits_lb = None
     if known is not None and known.solver == "ideals" and one_to_one(work) and has_waits(work):
         known, waits_lb = _check_waits(work, known, mip_gap)
-    if known is not None and (final_split(known) or not ilp) and waits_lb is None:
-        part = known  # (a split the waits made unproven goes to the MILP even when screening)
+    if known is not None and (final_split(known) or not ilp):
+        part = known
     else:
         # a better start also narrows the MILP (not needed after the exact DP: its split is
         # optimal but for the waits, and the MILP closes that in about a second on a UNet)
