@@ -1,8 +1,9 @@
 """What each stage's predicted peak memory is made of, term by term of the cost model.
 
 [Note: memory breakdown] :func:`nowdl.partitioner.problem.evaluate` charges a stage
-``static + inflight x saved + recv_held x received + send_held x sent + workspace`` (the two
-factors: what the runtime holds, [Note: held buffers] in partitioner/held.py). :func:`stage_memory`
+``static + inflight x saved + recv_held x received + send_held x sent + workspace + waiting``
+(the two factors: what the runtime holds, [Note: held buffers] in partitioner/held.py; waiting:
+long-skip gradients, [Note: long-skip gradient waits] in partitioner/skipwait.py). :func:`stage_memory`
 returns the same terms separately so a plan can record them (``stages[i].predicted``, docs/plan-format.md)
 and ``nowdl show --plot`` can stack them; their sum is the stage's ``peak_bytes``.
 """
@@ -17,10 +18,11 @@ from nowdl.partitioner.costmodel import Costs, build_problem
 __all__ = ["MEMORY_KEYS", "stage_memory"]
 
 MEMORY_KEYS = ("weight_bytes", "grad_bytes", "optim_bytes", "saved_bytes", "recv_bytes", "send_bytes",
-               "workspace_bytes", "recv_held", "send_held")
+               "workspace_bytes", "wait_bytes", "recv_held", "send_held")
 """Keys :func:`stage_memory` fills (bytes per rank of the stage; saved, recv and send per
 micro-batch, ``workspace_bytes`` held once; ``recv_held``/``send_held``: how many micro-batches'
-worth of recv and send bytes the stage holds at its peak)."""
+worth of recv and send bytes the stage holds at its peak; ``wait_bytes``: gradients of received
+long skips held at the peak until their producer takes them, all copies counted)."""
 
 
 def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[dict[str, float]]:
@@ -30,9 +32,9 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list
     the whole step; ``saved_bytes`` (activations saved for backward, halo-padded tiles included),
     ``recv_bytes`` and ``send_bytes`` (boundary tensors) are per micro-batch; saved bytes are held
     for ``inflight`` micro-batches, received ones ``recv_held`` times and the gradient buffers of
-    sent ones ``send_held`` times; ``workspace_bytes`` is the largest transient of one op. So
-    ``weight + grad + optim + inflight x saved + recv_held x recv + send_held x send + workspace``
-    is the stage's peak.
+    sent ones ``send_held`` times; ``workspace_bytes`` is the largest transient of one op and
+    ``wait_bytes`` the long-skip gradients waiting for their producer. So ``weight + grad + optim
+    + inflight x saved + recv_held x recv + send_held x send + workspace + wait`` is the stage's peak.
     """
     prof = costs.profile
     problem = build_problem(costs, cand, "memory")
@@ -53,7 +55,9 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list
     for u, dst in consumers.items():
         src = stage_of[u]
         for j in dst:
-            out[j]["recv_bytes"] += problem.variants[problem.stages[j].variant].out[u]
+            b = problem.variants[problem.stages[j].variant].out[u]
+            out[j]["recv_bytes"] += b
+            out[j]["wait_bytes"] += problem.stages[j].wait_from(src) * b
         out[src]["send_bytes"] += problem.variants[problem.stages[src].variant].out[u]
     for s, spec in enumerate(problem.stages):
         out[s]["recv_held"] = spec.recv_factor

@@ -16,6 +16,11 @@ allowed wherever A is (tileable if A is; unpinned, or pinned with A) these are e
 4. M's only consumer is A, M has the single producer P whose only consumer is M, and
    out[P] <= out[M] in every variant: P's tensor crosses where M's used to.
 
+With long-skip gradient waits ([Note: long-skip gradient waits] in skipwait.py) a tensor also
+costs by how many stages it skips, and rules 1 and 4 make a tensor start earlier (M's consumers
+receive from A's stage; A receives from P's): they then also need every node but M to be an
+ancestor of the new producer or a descendant of the consumer, so no stage can lie between.
+
 [Note: floating nodes] A node that depends on no input (a random mask drawn in ``forward``,
 as EfficientNet's stochastic depth does, or a constant computed there) is placed with its
 single consumer, repeatedly, so a chain ``rand -> add -> floor -> mul(x, .)`` ends up with the
@@ -39,11 +44,11 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
-from collections.abc import Sequence
 
-from nowdl.partitioner.problem import NodeVectors, Partition, Problem
-from nowdl.partitioner.structure import check_problem, make_partition
+from nowdl.partitioner.groups import compose_groups, expand
+from nowdl.partitioner.problem import NodeVectors, Problem
+from nowdl.partitioner.skipwait import has_waits
+from nowdl.partitioner.structure import check_problem, topological_order
 
 __all__ = ["coarsen", "expand", "compose_groups"]
 
@@ -73,6 +78,21 @@ class _Groups:
             self.succs[u].add(v)
             self.preds[v].add(u)
         self.version = [0] * n
+        # long-skip waits ([Note: long-skip gradient waits]) charge a tensor by how far it
+        # travels: a merge may not let any tensor skip more stages (see between_free)
+        self.waits = has_waits(problem)
+        if self.waits:
+            order = topological_order(problem)
+            self.bits = [1 << v for v in range(n)]
+            self.anc = list(self.bits)
+            self.desc = list(self.bits)
+            for v in order:
+                for u in self.preds[v]:
+                    self.anc[v] |= self.anc[u]
+            for v in reversed(order):
+                for w in self.succs[v]:
+                    self.desc[v] |= self.desc[w]
+            self.full = (1 << n) - 1
 
     def out(self, g: int, key: str) -> float:
         return float(self.p.variants[key].out[self.exit[g]])
@@ -100,8 +120,21 @@ class _Groups:
             return False
         return self.pin[a] is None or self.pin[b] is None or self.pin[a] == self.pin[b]
 
+    def between_free(self, lo: int, hi: int, mover: int) -> bool:
+        """No group but ``mover`` can sit in a stage strictly between ``lo``'s and ``hi``'s
+        (every other node is an ancestor of ``lo`` or a descendant of ``hi``), so a tensor from
+        ``lo``'s stage to ``hi``'s skips no stage once the mover has moved. Always true
+        without long-skip waits."""
+        if not self.waits:
+            return True
+        return self.full & ~self.anc[lo] & ~self.desc[hi] & ~self.bits[mover] == 0
+
     def merge(self, keep: int, gone: int, new_exit: int) -> None:
         """Merge group ``gone`` into ``keep``; ``new_exit`` is the merged group's exit."""
+        if self.waits:
+            self.anc[keep] |= self.anc[gone]
+            self.desc[keep] |= self.desc[gone]
+            self.bits[keep] |= self.bits[gone]
         self.members[keep] += self.members[gone]
         self.members[gone] = []
         self.exit[keep] = new_exit
@@ -143,7 +176,8 @@ class _Groups:
                 preds, succs = self.preds[m], self.succs[m]
                 if len(preds) == 1:
                     a = next(iter(preds))
-                    rule1 = self.succs[a] == {m} and self.out_le(m, a)
+                    rule1 = (self.succs[a] == {m} and self.out_le(m, a)
+                             and all(self.between_free(a, w, m) for w in succs))
                     if (rule1 or not succs) and self.may_move(m, a):
                         self.merge(a, m, self.exit[m] if rule1 else self.exit[a])
                         merged += 1
@@ -155,7 +189,7 @@ class _Groups:
                         ok = True
                     elif len(preds) == 1:
                         q = next(iter(preds))
-                        ok = self.succs[q] == {m} and self.out_le(q, m)
+                        ok = self.succs[q] == {m} and self.out_le(q, m) and self.between_free(q, a, m)
                     else:
                         ok = False
                     if ok and self.may_move(m, a):
@@ -332,55 +366,3 @@ def coarsen(
         problem.n, coarse.n, floating, exact, greedy,
     )
     return coarse, groups
-
-
-def compose_groups(outer: Sequence[Sequence[int]], inner: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Groups of original nodes after coarsening twice.
-
-    Args:
-        outer: groups of the first coarsening (original indices).
-        inner: groups of the second one (indices into ``outer``).
-
-    Returns:
-        For each node of the twice-coarsened problem, its original nodes, sorted.
-    """
-    return [sorted(v for i in grp for v in outer[i]) for grp in inner]
-
-
-def expand(
-    partition: Partition, groups: Sequence[Sequence[int]], problem: Problem, *, exact: bool = True
-) -> Partition:
-    """Map a partition of the coarse problem back onto the original nodes.
-
-    Args:
-        partition: a partition of the coarse problem.
-        groups: the groups ``coarsen`` returned.
-        problem: the original problem.
-        exact: False if the coarsening used greedy merges: an "optimal" status then
-            becomes "coarse-optimal" and the gap NaN (optimal for the coarse graph only).
-
-    Returns:
-        The partition of ``problem``, re-evaluated with ``evaluate()``.
-
-    Raises:
-        ValueError: if the groups do not cover the original nodes exactly once.
-    """
-    stage_of = [-1] * problem.n
-    if len(groups) != len(partition.stage_of):
-        raise ValueError(
-            f"{len(groups)} groups but the partition has {len(partition.stage_of)} nodes"
-        )
-    for g, grp in enumerate(groups):
-        for v in grp:
-            if not 0 <= v < problem.n or stage_of[v] != -1:
-                raise ValueError(f"group {g} holds node {v} twice or out of range")
-            stage_of[v] = partition.stage_of[g]
-    if -1 in stage_of:
-        raise ValueError(f"node {problem.names[stage_of.index(-1)]} is in no group")
-    status, gap = partition.status, partition.gap
-    if not exact:
-        gap = math.nan
-        if status == "optimal":
-            status = "coarse-optimal"
-    return make_partition(problem, stage_of, solver=partition.solver, status=status, gap=gap,
-                          seconds=partition.seconds)

@@ -51,6 +51,7 @@ def stage_memory_parts(stage: StagePlan) -> dict[str, float]:
             "received tensors": float(q.get("recv_held", inflight)) * float(q.get("recv_bytes", 0.0)),
             "sent tensors": float(q.get("send_held", inflight)) * float(q.get("send_bytes", 0.0)),
             "workspace": float(q.get("workspace_bytes", 0.0)),
+            "waiting skip gradients": float(q.get("wait_bytes", 0.0)),
         }
         rest = peak - sum(parts.values())
         parts["other"] = rest if rest > 1e-6 * max(peak, 1.0) else 0.0
