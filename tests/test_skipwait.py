@@ -102,15 +102,20 @@ def test_milp_charges_waits_as_evaluate_and_finds_the_optimum(seed: int) -> None
     assert rank_mem == pytest.approx(mem, rel=1e-9)
 
 
+def _one_in_flight(seed: int) -> Problem:
+    """A random 7-node, 4-stage problem with waits, every stage holding one micro-batch (so
+    the last stages, where the waits are, can be the bottleneck)."""
+    base = random_problem(random.Random(seed), 7, 4, skips=0.6)
+    return _with_waits(dataclasses.replace(base, stages=[
+        dataclasses.replace(st, inflight=1, recv_held=1.0) for st in base.stages]))
+
+
 def test_solve_leaves_the_dp_optimum_for_the_milp_when_waits_bind() -> None:
     """The DPs over cuts cannot see the waits: where they raise its split's bottleneck, solve()
     goes on to the MILP and returns the optimum with them."""
     hits = 0
     for seed in range(40):
-        rng = random.Random(seed)
-        base = random_problem(rng, 7, 4, skips=0.6)
-        problem = _with_waits(dataclasses.replace(base, stages=[
-            dataclasses.replace(st, inflight=1, recv_held=1.0) for st in base.stages]))
+        problem = _one_in_flight(seed)
         best = brute_force(problem)
         plain = brute_force(without_waits(problem))
         assert best is not None and plain is not None
@@ -189,10 +194,7 @@ def test_screening_reports_the_dp_split_with_a_valid_gap() -> None:
     and its gap is measured from a true lower bound."""
     seen = 0
     for seed in range(40):
-        rng = random.Random(seed)
-        base = random_problem(rng, 7, 4, skips=0.6)
-        problem = _with_waits(dataclasses.replace(base, stages=[
-            dataclasses.replace(st, inflight=1, recv_held=1.0) for st in base.stages]))
+        problem = _one_in_flight(seed)
         part = solve(problem, ilp=False)
         if not part.solver.endswith("+waits"):
             continue
