@@ -136,8 +136,12 @@ def _unet() -> nn.Module:
     return UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2), num_res_units=1)
 
 
-def _count_worker(rank: int, world: int, schedule: str, m: int) -> tuple[list[dict[str, int]], Any]:
-    """Per backward of this rank: how many gradient sends of each tensor are still held."""
+_SCHEDULES = ("1f1b", "gpipe", "zb")
+
+
+def _count_worker(rank: int, world: int, m: int) -> dict[str, tuple[list[dict[str, int]], Any]]:
+    """Per schedule, per backward of this rank: how many gradient sends of each tensor are
+    still held (one process group for the three schedules: spawning costs more than a step)."""
     from nowdl.runtime import transfers
 
     seen: list[dict[str, int]] = []
@@ -162,31 +166,35 @@ def _count_worker(rank: int, world: int, schedule: str, m: int) -> tuple[list[di
 
     transfers.Transfers._release_done = spy_release  # type: ignore[method-assign]
     torch.autograd.backward = spy_backward  # type: ignore[assignment]
-    cm = nowdl.compile(_unet(), gpus=world, stages=world, dp=1, replicas=1, spatial_parts=1, micro_batches=m,
-                       schedule=schedule, mode="estimate", optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                       loss_fn=nn.MSELoss(), cache=False, progress=False, timeout_s=60)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(m, 1, 16, 16, generator=g), torch.randn(m, 2, 16, 16, generator=g)
-    cm.train_step(x, y)
-    tensors = [(t.producer, t.from_stage, list(t.to_stages)) for t in cm.plan(x[:1]).tensors]
-    seen.clear()  # planning ran backwards too (profiling): keep the second step's only
-    cm.train_step(x, y)
-    return seen, tensors
+    out = {}
+    for schedule in _SCHEDULES:
+        cm = nowdl.compile(_unet(), gpus=world, stages=world, dp=1, replicas=1, spatial_parts=1, micro_batches=m,
+                           schedule=schedule, mode="estimate", optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                           loss_fn=nn.MSELoss(), cache=False, progress=False, timeout_s=60)
+        cm.train_step(x, y)
+        tensors = [(t.producer, t.from_stage, list(t.to_stages)) for t in cm.plan(x[:1]).tensors]
+        seen.clear()  # planning ran backwards too (profiling): keep the second step's only
+        cm.train_step(x, y)
+        out[schedule] = (list(seen), tensors)
+        held.clear()
+    return out
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb"])
-def test_runtime_holds_the_replayed_gradients(schedule: str) -> None:
+def test_runtime_holds_the_replayed_gradients() -> None:
     """Every gradient a stage sends back is held into its later backwards exactly as the
-    replay says (long skips and, for GPipe, the stage before too)."""
+    replay says (long skips and, for GPipe, the stage before too), for each schedule."""
     k, m = 4, 4
-    results = run_workers(_count_worker, k, schedule, m, timeout_s=240)
-    tensors = results[0][1]
-    sent = [(name, i, j) for name, i, to in tensors for j in to if j < k]
-    assert any(j - i >= 2 for _, i, j in sent), "the 4-stage UNet plan should send a long skip"
-    orders = [stage_order(schedule, k, m, s) for s in range(k)]
-    for name, i, j in sent:
-        seen = [c.get(name, 0) for c in results[j][0]]
-        assert seen == [c for _, _, c in pending_grads(orders[i], orders[j])], (schedule, name, i, j, seen)
+    results = run_workers(_count_worker, k, m, timeout_s=300)
+    for schedule in _SCHEDULES:
+        tensors = results[0][schedule][1]
+        sent = [(name, i, j) for name, i, to in tensors for j in to if j < k]
+        assert any(j - i >= 2 for _, i, j in sent), "the 4-stage UNet plan should send a long skip"
+        orders = [stage_order(schedule, k, m, s) for s in range(k)]
+        for name, i, j in sent:
+            seen = [c.get(name, 0) for c in results[j][schedule][0]]
+            assert seen == [c for _, _, c in pending_grads(orders[i], orders[j])], (schedule, name, i, j, seen)
 
 
 def test_screening_reports_the_dp_split_with_a_valid_gap() -> None:

@@ -231,7 +231,7 @@ def _check_waits(problem: Problem, part: Partition, mip_gap: float) -> tuple[Par
     value, _ = objective_values(problem, part)
     if value <= lower * (1 + max(mip_gap, 1e-9)):  # within the MILP's own stopping gap
         return dataclasses.replace(part, status="optimal", gap=max(0.0, 1 - lower / value)), None
-    log.info("solve: long-skip gradient waits raise the %s split's bottleneck %.6g -> %.6g: to the MILP",
+    log.info("solve: long-skip gradient waits raise the %s split's bottleneck %.6g -> %.6g: the MILP decides",
              part.solver, lower, value)
     return dataclasses.replace(part, solver=f"{part.solver}+waits", status="feasible",
                                gap=max(0.0, 1 - lower / value)), lower
