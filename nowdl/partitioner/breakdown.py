@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from nowdl.partitioner.config import Candidate
 from nowdl.partitioner.costmodel import Costs, build_problem
+from nowdl.partitioner.problem import boundary_bytes
 
 __all__ = ["MEMORY_KEYS", "stage_memory"]
 
@@ -48,18 +49,8 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list
         out[s]["optim_bytes"] += n.optim_bytes
         out[s]["saved_bytes"] += vec.act[v]
         out[s]["workspace_bytes"] = max(out[s]["workspace_bytes"], vec.workspace[v])
-    consumers: dict[int, set[int]] = {}
-    for u, v in problem.edges:
-        if stage_of[v] > stage_of[u]:
-            consumers.setdefault(u, set()).add(stage_of[v])
-    for u, dst in consumers.items():
-        src = stage_of[u]
-        for j in dst:
-            b = problem.variants[problem.stages[j].variant].out[u]
-            out[j]["recv_bytes"] += b
-            out[j]["wait_bytes"] += problem.stages[j].wait_from(src) * b
-        out[src]["send_bytes"] += problem.variants[problem.stages[src].variant].out[u]
+    recv, send, wait = boundary_bytes(problem, stage_of)
     for s, spec in enumerate(problem.stages):
-        out[s]["recv_held"] = spec.recv_factor
-        out[s]["send_held"] = spec.send_factor
+        out[s].update(recv_bytes=recv[s], send_bytes=send[s], wait_bytes=wait[s],
+                      recv_held=spec.recv_factor, send_held=spec.send_factor)
     return out

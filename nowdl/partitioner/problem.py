@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["NodeVectors", "StageSpec", "Problem", "Partition", "evaluate"]
+__all__ = ["NodeVectors", "StageSpec", "Problem", "Partition", "boundary_bytes", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,31 @@ class Partition:
         return max(self.rank_time)
 
 
+def boundary_bytes(problem: Problem, stage_of: Sequence[int]) -> tuple[list[float], list[float], list[float]]:
+    """Per stage, for an assignment: bytes received (per micro-batch), sent (once per tensor
+    however many stages use it) and long-skip gradients waiting at the peak (all copies).
+
+    Raises:
+        ValueError: an edge goes from a later stage to an earlier one.
+    """
+    k = problem.k
+    recv, send, wait = [0.0] * k, [0.0] * k, [0.0] * k
+    consumers: dict[int, set[int]] = {}
+    for u, v in problem.edges:
+        if stage_of[v] < stage_of[u]:
+            raise ValueError(f"edge {problem.names[u]} -> {problem.names[v]} goes backward")
+        if stage_of[v] > stage_of[u]:
+            consumers.setdefault(u, set()).add(stage_of[v])
+    for u, dst in consumers.items():
+        src = stage_of[u]
+        for j in dst:
+            out = problem.variants[problem.stages[j].variant].out[u]
+            recv[j] += out
+            wait[j] += problem.stages[j].wait_from(src) * out
+        send[src] += problem.variants[problem.stages[src].variant].out[u]
+    return recv, send, wait
+
+
 def evaluate(problem: Problem, stage_of: Sequence[int]) -> tuple[list[float], list[float]]:
     """Memory and time of every stage for an assignment, by the cost model above.
 
@@ -136,24 +161,7 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> tuple[list[float], li
         act[s] += vec.act[v]
         time[s] += vec.time[v]
         ws[s] = max(ws[s], vec.workspace[v])
-    # boundary tensors: producer u in stage i, consumers in later stages j
-    recv_bytes = [0.0] * k
-    wait_bytes = [0.0] * k  # long-skip gradients waiting for their producer's receive
-    send_bytes = [0.0] * k
-    consumers: dict[int, set[int]] = {}
-    for u, v in problem.edges:
-        if stage_of[v] < stage_of[u]:
-            raise ValueError(f"edge {problem.names[u]} -> {problem.names[v]} goes backward")
-        if stage_of[v] > stage_of[u]:
-            consumers.setdefault(u, set()).add(stage_of[v])
-    for u, dst in consumers.items():
-        src = stage_of[u]
-        for j in dst:
-            out = problem.variants[problem.stages[j].variant].out[u]
-            recv_bytes[j] += out
-            wait_bytes[j] += problem.stages[j].wait_from(src) * out
-        # sent once per tensor (a skip sent to several stages is charged once to the sender)
-        send_bytes[src] += problem.variants[problem.stages[src].variant].out[u]
+    recv_bytes, send_bytes, wait_bytes = boundary_bytes(problem, stage_of)
     mem = []
     tim = []
     for s, spec in enumerate(problem.stages):
