@@ -1,7 +1,9 @@
 """Test helper (not a test module): run a function on N local CPU processes, as torchrun would.
 
-``run_workers(fn, world_size, *args)`` spawns ``world_size`` processes (``spawn`` start
-method), gives each the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+``run_workers(fn, world_size, *args)`` starts ``world_size`` processes (``forkserver`` start
+method: a server process imports torch, nowdl and MONAI once, and each worker is forked from it,
+so a test does not pay for those imports in every rank; no CUDA is touched before the fork),
+gives each the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT, plus NOWDL_BACKEND=gloo), calls ``fn(rank, world_size, *args)`` in each and
 returns the ranks' return values in rank order.
 
@@ -28,6 +30,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -63,6 +66,8 @@ def _worker(
 ) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0")
+    if "OMP_NUM_THREADS" in env:  # torch was imported by the fork server, before this variable
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
         if init_group:
             dist.init_process_group(
@@ -81,6 +86,16 @@ def _worker(
     results.put(message)
     results.close()
     results.join_thread()
+
+
+#: imported once by the fork server (what almost every worker needs)
+_PRELOAD = ["torch", "torch.distributed", "nowdl", "nowdl.runtime", "monai.networks.nets"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts (first use)
+    return ctx
 
 
 def _stop(procs: list[Any]) -> None:
@@ -103,20 +118,26 @@ def run_workers(
     env: Mapping[str, str] | None = None,
     init_group: bool = True,
     grace_s: float = 10.0,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their values.
 
     ``fn`` must be a module-level (picklable) function and its return values picklable.
     ``env`` adds or overrides environment variables in the workers. After the first rank
     fails, the others get ``grace_s`` seconds to finish (so that their errors are reported
-    too) before they are killed.
+    too) before they are killed. ``start_method="spawn"`` starts each worker afresh, writing to
+    this process's current stderr (the fork server's workers write to the stderr the server
+    started with, which pytest's ``capfd`` does not see).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = _context() if start_method == "forkserver" else mp.get_context(start_method)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
+    # what spawn would give the worker: this process's environment now (the fork server's is
+    # the one it started with), then torchrun's variables
     worker_env = {
+        **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(store.port),
         "WORLD_SIZE": str(world_size),

@@ -231,7 +231,7 @@ def _fail_on_rank1(rank: int, world: int) -> None:
 
 def test_rank_local_failure_is_printed_once_by_rank0(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(WorkerError) as e:
-        run_workers(_fail_on_rank1, 2, timeout_s=60)
+        run_workers(_fail_on_rank1, 2, timeout_s=60, start_method="spawn")
     err = capfd.readouterr().err
     assert err.count("nowdl run: error: rank 1: RuntimeError: CUDA out of memory (simulated)") == 1, err
     assert e.value.failures.keys() == {0, 1}
