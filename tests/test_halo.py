@@ -310,6 +310,19 @@ def test_halo_overlap_square_grid_four_ranks() -> None:
     _check_overlap(run_workers(_overlap_worker, 4, ["square"], timeout_s=180))
 
 
+def _overlap_setting(rank: int, world: int) -> bool:
+    from nowdl.runtime.halo import halo_overlap
+
+    return halo_overlap()
+
+
+def test_halo_overlap_variable_reaches_ranks_forked_after_import() -> None:
+    """NOWDL_HALO_OVERLAP is read when first used, not when nowdl is imported: the test ranks
+    are forked from a server that imported nowdl before the variable was given."""
+    assert run_workers(_overlap_setting, 2, env={"NOWDL_HALO_OVERLAP": "0"}, init_group=False) == [False, False]
+    assert run_workers(_overlap_setting, 2, init_group=False) == [True, True]
+
+
 @pytest.mark.parametrize("k,s,d,pad,size,parts", [
     (3, 1, 1, 1, 23, 2), (3, 2, 1, 1, 17, 3), (5, 1, 2, 4, 40, 4), (4, 2, 1, 1, 20, 2), (3, 1, 1, 0, 9, 2),
     (2, 2, 1, 0, 16, 2), (7, 3, 1, 3, 50, 5), (3, 1, 1, 1, 4, 4),

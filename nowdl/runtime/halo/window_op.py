@@ -66,19 +66,24 @@ Geom = tuple[Sequence[int], Sequence[int], Sequence[int]]
 """(kernel, stride, dilation) per spatial dim of an op run unpadded on its window."""
 Box = list[tuple[int, int]]
 
-_OVERLAP = [os.environ.get("NOWDL_HALO_OVERLAP", "1").strip() not in ("0", "off", "false")]
+_OVERLAP: list[bool | None] = [None]  # None: not set yet, NOWDL_HALO_OVERLAP decides at first use
 
 
 def set_halo_overlap(on: bool) -> bool:
     """Overlap halo exchanges with compute (True, the default) or not; returns the old setting."""
-    old = _OVERLAP[0]
+    old = halo_overlap()
     _OVERLAP[0] = bool(on)
     return old
 
 
 def halo_overlap() -> bool:
-    """Whether tiled convs and pools overlap their halo exchange with compute."""
-    return _OVERLAP[0]
+    """Whether tiled convs and pools overlap their halo exchange with compute (the environment
+    is read at the first call, not at import: a process forked after importing nowdl still
+    follows the variable it was given)."""
+    on = _OVERLAP[0]
+    if on is None:
+        on = _OVERLAP[0] = os.environ.get("NOWDL_HALO_OVERLAP", "1").strip() not in ("0", "off", "false")
+    return on
 
 
 def border_boxes(grid: TileGrid, window: Window, geom: Geom) -> tuple[Box, list[Box]] | None:
