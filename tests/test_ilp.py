@@ -16,6 +16,7 @@ from nowdl.errors import InfeasibleError
 from nowdl.partitioner.chain import spread_ok
 from nowdl.partitioner.dp import solve_dp
 from nowdl.partitioner.ilp import available_solvers, build_ilp, solve_ilp
+from nowdl.partitioner.lpbound import assignment_lower_bound
 from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
 from nowdl.partitioner.spread import stage_work
 from nowdl.partitioner.structure import make_partition, objective_values, simple_lower_bound
@@ -407,8 +408,8 @@ def test_no_better_split_in_time_keeps_the_start_with_the_solvers_bound(
 
     monkeypatch.setattr(ilp_mod, "run_model", no_bound)
     part = solve_ilp(p, time_limit=5, start=start)
-    # no bound from the solver: the nodes' own costs bound the optimum (never an unknown gap)
-    lower = simple_lower_bound(p)
+    # no bound from the solver: the assignment LP bounds the optimum (never an unknown gap)
+    lower = assignment_lower_bound(p)
     assert 0 < lower <= value
     assert part.status == "feasible" and part.gap == pytest.approx(1 - lower / value)
 
@@ -423,19 +424,35 @@ def test_simple_lower_bound_is_below_every_split(seed: int) -> None:
         pytest.skip("no feasible split")
     best = min(objective_values(p, make_partition(p, a))[0] for a in splits)
     assert simple_lower_bound(p) <= best * (1 + 1e-12)
+    assert simple_lower_bound(p) <= assignment_lower_bound(p) <= best * (1 + 1e-9)
 
 
-def test_time_limited_gap_uses_the_better_of_the_solvers_and_the_simple_bound(
+def test_assignment_bound_is_stronger_than_the_simple_one_under_1f1b() -> None:
+    """Stages holding K, K-1, ..., 1 micro-batches: the LP charges the early stages' factors
+    (about total / H_K) where the simple bound takes the cheapest (total / K)."""
+    k, n = 4, 12
+    p = Problem(names=[f"n{i}" for i in range(n)], edges=[(i, i + 1) for i in range(n - 1)],
+                static=[0.0] * n, variants={"plain": NodeVectors(act=[1.0] * n, time=[1.0] * n,
+                                                                  workspace=[0.0] * n, out=[0.0] * n)},
+                stages=[StageSpec(inflight=k - s) for s in range(k)])
+    h = sum(1 / i for i in range(1, k + 1))
+    assert simple_lower_bound(p) == pytest.approx(n / k)
+    assert assignment_lower_bound(p) == pytest.approx(n / h, rel=1e-6)
+    best = min(objective_values(p, make_partition(p, a))[0] for a in all_splits(p))
+    assert assignment_lower_bound(p) <= best * (1 + 1e-9)
+
+
+def test_time_limited_gap_uses_the_better_of_the_solvers_and_the_assignment_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run stopped with a split reports its gap against max(solver's bound, simple bound):
-    a solver that has not finished its root LP says ~100%, the nodes' own costs say less."""
+    """A run stopped with a split reports its gap against max(solver's bound, assignment LP
+    bound): a solver that has not finished its root LP says ~100%, the LP says less."""
     import nowdl.partitioner.ilp as ilp_mod
     from nowdl.partitioner.ilp_run import Run
 
     p = resnet_like(blocks=6, k=3, seed=1)
     start = solve_dp(p)
     value = objective_values(p, start)[0]
-    lower = simple_lower_bound(p)
+    lower = assignment_lower_bound(p)
     for bound_rel, want in ((0.0, 1 - lower / value), (0.99, 0.01)):
         def stopped(name: str, model: object, left: float, threads: int, gap: float, warm: bool,
                     rel: float = bound_rel) -> Run:

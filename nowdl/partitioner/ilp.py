@@ -22,6 +22,7 @@ from nowdl.partitioner.chain import spread_ok
 from nowdl.partitioner.dp import _solve_dp
 from nowdl.partitioner.ilp_model import ConstantViolation, IlpModel, build_ilp
 from nowdl.partitioner.ilp_run import available_solvers, pick_solver, run_model
+from nowdl.partitioner.lpbound import assignment_lower_bound
 from nowdl.partitioner.narrowing import load_windows
 from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.spread import stage_work
@@ -29,7 +30,6 @@ from nowdl.partitioner.structure import (
     check_problem,
     make_partition,
     objective_values,
-    simple_lower_bound,
     stage_ranges,
 )
 
@@ -141,7 +141,7 @@ def solve_ilp(
     Returns:
         The Partition (evaluated with ``evaluate()``): status "optimal" when the solver
         proved the primary optimum (within ``mip_gap``), "feasible" when it stopped at the
-        time limit (``gap`` then holds its relative gap, against ``simple_lower_bound`` when
+        time limit (``gap`` then holds its relative gap, against ``assignment_lower_bound`` when
         the solver has no bound yet); solver "highs" or
         "cbc", or "dp (fallback ...)" when the MILP found nothing.
 
@@ -211,11 +211,11 @@ def solve_ilp(
                 "Give the solver more time, raise the cap, or use more GPUs/stages."
             )
         # nothing better than the start within its narrowed bound: the start, with the gap
-        # to the solver's lower bound (or the nodes' own costs', ``simple_lower_bound``)
+        # to the solver's lower bound (or the assignment LP's, ``lpbound``)
         scale = model.mem_scale if problem.objective == "memory" else model.time_scale
         value, _ = objective_values(problem, dp_part)
         lower = run.bound * scale
-        lower = max(lower, simple_lower_bound(problem)) if math.isfinite(lower) else simple_lower_bound(problem)
+        lower = max(lower, assignment_lower_bound(problem)) if math.isfinite(lower) else assignment_lower_bound(problem)
         gap = max(0.0, (value - lower) / value) if value > 0 else 0.0
         log.info("ilp: %s found no split better than the %s one in its time (%s); lower bound "
                  "%.6g, gap %.3g", name, dp_part.solver or "known", run.detail, lower, gap)
@@ -241,7 +241,7 @@ def solve_ilp(
                                    rank_time=dp_part.rank_time)
     if part.status == "feasible":  # the gap of the split kept, to the better of two bounds
         value, _ = objective_values(problem, part)
-        lower = simple_lower_bound(problem)
+        lower = assignment_lower_bound(problem)
         if math.isfinite(run.bound):
             lower = max(lower, run.bound * scale)
         part = dataclasses.replace(part, gap=max(0.0, 1 - lower / value) if value > 0 else 0.0)
