@@ -27,10 +27,11 @@ from nowdl.partitioner.config import PlanRequest, enumerate_candidates
 from nowdl.partitioner.costmodel import Costs, build_problem, predict_step, tied_nodes
 from nowdl.partitioner.ideals import IdealCosts, beam_ideals, enumerate_ideals, solve_ideals
 from nowdl.partitioner.ilp import solve_ilp
+from nowdl.partitioner.lpbound import assignment_lower_bound
 from nowdl.partitioner.master import master_split
 from nowdl.partitioner.master_exact import lagrangian_bound
 from nowdl.partitioner.problem import NodeVectors, Problem, StageSpec
-from nowdl.partitioner.search import _batch, _max_stages, _tileable_ends, search
+from nowdl.partitioner.search import _as_memory, _batch, _max_stages, _tileable_ends, search
 from nowdl.partitioner.solve import SolveCache, proven, solve
 from nowdl.partitioner.spatial import spatial_rules
 from nowdl.partitioner.spread import idle_stages
@@ -96,6 +97,27 @@ def test_bounds_hold_for_every_candidate(costs: Costs) -> None:
             assert b.mem_lb <= part.bottleneck_mem * (1 + 1e-9), cand
             pred = predict_step(costs, cand, part, batch)
             assert b.throughput_ub >= pred["throughput"] * (1 - 1e-9), cand
+
+
+def test_assignment_bound_holds_for_every_candidate(costs: Costs) -> None:
+    """The search drops a candidate whose assignment LP bound on memory exceeds the cap: that
+    bound must lie below the candidate's least memory (MASTER, dp and both balances), and it
+    is never weaker than the candidate's own memory bound."""
+    req = PlanRequest(gpus=4, balance="compute")
+    front, back = _tileable_ends(costs)
+    batch = _batch(costs)
+    stronger = 0
+    for cand in enumerate_candidates(req, tileable_front=front, tileable_back=back,
+                                     max_stages=_max_stages(costs, req), micro_batch=batch):
+        for balance in ("compute", "memory"):
+            problem = build_problem(costs, cand, balance)
+            lp = assignment_lower_bound(_as_memory(problem))
+            least = solve(dataclasses.replace(_as_memory(problem), mem_cap=None)).bottleneck_mem
+            assert lp <= least * (1 + 1e-9), cand
+            mem_lb = candidate_bounds(costs, cand, problem, batch).mem_lb
+            assert lp >= mem_lb * (1 - 1e-9), cand
+            stronger += lp > mem_lb * 1.01
+    assert stronger > 0
 
 
 def test_unpinned_search_is_proven_and_prunes(costs: Costs) -> None:

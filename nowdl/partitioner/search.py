@@ -31,6 +31,7 @@ from nowdl.partitioner.assemble import SearchResult, build_plan
 from nowdl.partitioner.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.config import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.costmodel import Costs, build_problem, grad_sync_s, predict_step
+from nowdl.partitioner.lpbound import assignment_lower_bound
 from nowdl.partitioner.plan import format_bytes
 from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.solve import SolveCache, final_split, proven, solve
@@ -73,6 +74,10 @@ class _Eval:
         sync = grad_sync_s(costs, c, [params] * c.stages, [params] * c.stages)  # an upper bound
         step = (c.micro_batches + c.stages - 1) * self.part.bottleneck_time + sync
         return batch * c.micro_batches * c.replicas * c.dp / step if step > 0 else math.inf
+
+
+def _as_memory(p: Problem) -> Problem:
+    return p if p.objective == "memory" else dataclasses.replace(p, objective="memory")
 
 
 def _uncapped(p: Problem) -> Problem:
@@ -177,8 +182,9 @@ def search(
         if b.throughput_ub < best_lb * (1 - _REL):
             pruned = len(order) - done
             break
-        if costs.mem_cap is not None and b.mem_lb > costs.mem_cap * (1 + _REL):
-            over += 1
+        if costs.mem_cap is not None and (b.mem_lb > costs.mem_cap * (1 + _REL) or (
+                assignment_lower_bound(_as_memory(problem)) > costs.mem_cap * (1 + _REL))):
+            over += 1  # no split fits: the nodes' own costs, or the assignment LP, say so
             continue
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
         ev = _evaluate(costs, cand, problem, b, cache, batch, screen, req.mip_gap)
