@@ -427,6 +427,21 @@ def test_simple_lower_bound_is_below_every_split(seed: int) -> None:
     assert simple_lower_bound(p) <= assignment_lower_bound(p) <= best * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_bound_exceeds_solves_the_lp_only_when_it_could_say_yes(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nowdl.partitioner.lpbound as lpb
+
+    rng = random.Random(seed)
+    p = random_problem(rng, rng.randint(4, 9), rng.randint(2, 4), master=seed % 2 == 0)
+    simple, lp = simple_lower_bound(p), assignment_lower_bound(p)
+    solved: list[int] = []
+    real = lpb.assignment_lower_bound
+    monkeypatch.setattr(lpb, "assignment_lower_bound", lambda q: solved.append(1) or real(q))
+    for limit in (0.5 * simple, simple, 0.5 * (simple + lp), lp * 1.0001, 100 * lp):
+        assert lpb.bound_exceeds(p, limit, simple) == (lp > limit), (limit, simple, lp)
+    assert len(solved) < 5  # 100 x lp is past the LP's ceiling: no solve
+
+
 def test_assignment_bound_is_stronger_than_the_simple_one_under_1f1b() -> None:
     """Stages holding K, K-1, ..., 1 micro-batches: the LP charges the early stages' factors
     (about total / H_K) where the simple bound takes the cheapest (total / K)."""

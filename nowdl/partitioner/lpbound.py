@@ -19,13 +19,14 @@ then measured against it. Solved by HiGHS (highspy) in milliseconds for a few th
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import numpy as np
 
 from nowdl.partitioner.problem import Problem
 from nowdl.partitioner.structure import simple_lower_bound, stage_ranges
 
-__all__ = ["assignment_lower_bound"]
+__all__ = ["assignment_lower_bound", "bound_exceeds"]
 
 log = logging.getLogger(__name__)
 
@@ -80,3 +81,16 @@ def assignment_lower_bound(problem: Problem) -> float:
         return simple
     lp = float(h.getInfo().objective_function_value) * scale * (1 - 1e-7)  # solver tolerance
     return max(simple, lp)
+
+
+def bound_exceeds(problem: Problem, limit: float, simple: float) -> bool:
+    """Whether the assignment LP bound exceeds ``limit``, given ``simple`` (the problem's
+    ``simple_lower_bound``). Solves the LP only when it can: placing each node wholly at its
+    cheapest stage is an LP point, so the LP is at most simple x R x max(mult) / min(mult)
+    (R ranks, mult_s ranks holding stage s)."""
+    ranks = problem.rank_stages()
+    held = Counter(s for r in ranks for s in r)
+    mult = [held[s] for s in range(problem.k)]
+    if min(mult) <= 0 or simple * len(ranks) * max(mult) / min(mult) <= limit:
+        return False
+    return assignment_lower_bound(problem) > limit

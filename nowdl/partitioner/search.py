@@ -31,7 +31,7 @@ from nowdl.partitioner.assemble import SearchResult, build_plan
 from nowdl.partitioner.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.config import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.costmodel import Costs, build_problem, grad_sync_s, predict_step
-from nowdl.partitioner.lpbound import assignment_lower_bound
+from nowdl.partitioner.lpbound import bound_exceeds
 from nowdl.partitioner.plan import format_bytes
 from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.solve import SolveCache, final_split, proven, solve
@@ -183,7 +183,7 @@ def search(
             pruned = len(order) - done
             break
         if costs.mem_cap is not None and (b.mem_lb > costs.mem_cap * (1 + _REL) or (
-                assignment_lower_bound(_as_memory(problem)) > costs.mem_cap * (1 + _REL))):
+                bound_exceeds(_as_memory(problem), costs.mem_cap * (1 + _REL), b.mem_lb))):
             over += 1  # no split fits: the nodes' own costs, or the assignment LP, say so
             continue
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
