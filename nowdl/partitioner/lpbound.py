@@ -24,23 +24,11 @@ from collections import Counter
 import numpy as np
 
 from nowdl.partitioner.problem import Problem
-from nowdl.partitioner.structure import simple_lower_bound, stage_ranges
+from nowdl.partitioner.structure import node_stage_costs, simple_lower_bound
 
 __all__ = ["assignment_lower_bound", "bound_exceeds"]
 
 log = logging.getLogger(__name__)
-
-
-def _costs(problem: Problem) -> np.ndarray:
-    """(n, K) per-node cost of each stage (inf where the node may not go)."""
-    _, _, allowed = stage_ranges(problem)
-    static = np.asarray(problem.static, dtype=np.float64)
-    cols = []
-    for spec in problem.stages:
-        vec = problem.variants[spec.variant]
-        cols.append(static + spec.inflight * np.asarray(vec.act, dtype=np.float64)
-                    if problem.objective == "memory" else np.asarray(vec.time, dtype=np.float64))
-    return np.where(np.array(allowed, dtype=bool), np.column_stack(cols), np.inf)
 
 
 def assignment_lower_bound(problem: Problem) -> float:
@@ -51,7 +39,7 @@ def assignment_lower_bound(problem: Problem) -> float:
         import highspy
     except ImportError:  # pragma: no cover - highspy is a dependency
         return simple
-    cost = _costs(problem)
+    cost = node_stage_costs(problem)
     n, k = cost.shape
     scale = float(np.max(cost[np.isfinite(cost)], initial=0.0))
     if n == 0 or scale <= 0:

@@ -26,6 +26,7 @@ __all__ = [
     "one_to_one",
     "tileable_mask",
     "simple_lower_bound",
+    "node_stage_costs",
 ]
 
 def check_problem(problem: Problem) -> None:
@@ -338,6 +339,19 @@ def one_to_one(problem: Problem) -> bool:
     return sorted(len(set(st)) for st in problem.rank_stages()) == [1] * problem.k
 
 
+def node_stage_costs(problem: Problem) -> np.ndarray:
+    """(n, K): what node v costs at least in stage s (memory: static + inflight_s x act; time:
+    its compute), inf where pins, tileability and precedence keep it out of s."""
+    _, _, allowed = stage_ranges(problem)
+    static = np.asarray(problem.static, dtype=np.float64)
+    cols = []
+    for spec in problem.stages:
+        vec = problem.variants[spec.variant]
+        cols.append(static + spec.inflight * np.asarray(vec.act, dtype=np.float64)
+                    if problem.objective == "memory" else np.asarray(vec.time, dtype=np.float64))
+    return np.where(np.array(allowed, dtype=bool), np.column_stack(cols), np.inf)
+
+
 def simple_lower_bound(problem: Problem) -> float:
     """A lower bound on the primary bottleneck of every split, from the nodes' own costs.
 
@@ -347,14 +361,7 @@ def simple_lower_bound(problem: Problem) -> float:
     stage s), so the largest rank's is at least that over R, and at least the costliest node's
     (the bound of [Note: candidate bounds] in ``bounds``, for one problem).
     """
-    _, _, allowed = stage_ranges(problem)
-    static = np.asarray(problem.static, dtype=np.float64)
-    rows = []
-    for spec in problem.stages:
-        vec = problem.variants[spec.variant]
-        rows.append(static + spec.inflight * np.asarray(vec.act, dtype=np.float64)
-                    if problem.objective == "memory" else np.asarray(vec.time, dtype=np.float64))
-    cost = np.where(np.array(allowed, dtype=bool).T, np.vstack(rows), np.inf).min(axis=0)
+    cost = node_stage_costs(problem).min(axis=1)
     ranks = problem.rank_stages()
     mult = [sum(r.count(s) for r in ranks) for s in range(problem.k)]
     return max(min(mult) * float(cost.sum()) / len(ranks), float(cost.max(initial=0.0)))
