@@ -445,7 +445,7 @@ def test_bound_exceeds_solves_the_lp_only_when_it_could_say_yes(seed: int, monke
 def test_assignment_bound_is_stronger_than_the_simple_one_under_1f1b() -> None:
     """Stages holding K, K-1, ..., 1 micro-batches: the LP charges the early stages' factors
     (about total / H_K) where the simple bound takes the cheapest (total / K)."""
-    k, n = 4, 12
+    k, n = 4, 8  # all_splits: 4^8 assignments
     p = Problem(names=[f"n{i}" for i in range(n)], edges=[(i, i + 1) for i in range(n - 1)],
                 static=[0.0] * n, variants={"plain": NodeVectors(act=[1.0] * n, time=[1.0] * n,
                                                                   workspace=[0.0] * n, out=[0.0] * n)},
