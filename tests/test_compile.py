@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,11 @@ def test_memory_cap_respected_and_infeasible_message() -> None:
         nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1, gpu_memory=int(peak * 0.3)).plan(x)
     msg = str(e.value)
     assert "nothing fits" in msg and "at least" in msg and "GPUs" in msg
+    # the need it states lies between the cap and the need of the split planned without it
+    need = re.search(r"needs ([\d.]+) (KiB|MiB|GiB)", msg)
+    assert need is not None, msg
+    stated = float(need.group(1)) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[need.group(2)]
+    assert peak * 0.3 < stated * 1.01 and stated <= peak * 1.01, (stated, peak)
 
 
 def test_search_and_pins() -> None:

@@ -428,7 +428,7 @@ def test_simple_lower_bound_is_below_every_split(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_bound_exceeds_solves_the_lp_only_when_it_could_say_yes(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_memory_floor_solves_the_lp_only_when_it_could_pass_the_limit(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     import nowdl.partitioner.lpbound as lpb
 
     rng = random.Random(seed)
@@ -438,8 +438,10 @@ def test_bound_exceeds_solves_the_lp_only_when_it_could_say_yes(seed: int, monke
     real = lpb.assignment_lower_bound
     monkeypatch.setattr(lpb, "assignment_lower_bound", lambda q: solved.append(1) or real(q))
     for limit in (0.5 * simple, simple, 0.5 * (simple + lp), lp * 1.0001, 100 * lp):
-        assert lpb.bound_exceeds(p, limit, simple) == (lp > limit), (limit, simple, lp)
-    assert len(solved) < 5  # 100 x lp is past the LP's ceiling: no solve
+        floor = lpb.memory_floor(p, limit, simple)
+        assert simple <= floor <= lp * (1 + 1e-12)
+        assert (floor > limit) == (lp > limit), (limit, simple, lp, floor)
+    assert len(solved) < 5  # 0.5 x simple is passed already, 100 x lp past the LP's ceiling
 
 
 def test_assignment_bound_is_stronger_than_the_simple_one_under_1f1b() -> None:

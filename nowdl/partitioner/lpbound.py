@@ -26,7 +26,7 @@ import numpy as np
 from nowdl.partitioner.problem import Problem
 from nowdl.partitioner.structure import node_stage_costs, simple_lower_bound
 
-__all__ = ["assignment_lower_bound", "bound_exceeds"]
+__all__ = ["assignment_lower_bound", "memory_floor"]
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +71,15 @@ def assignment_lower_bound(problem: Problem) -> float:
     return max(simple, lp)
 
 
-def bound_exceeds(problem: Problem, limit: float, simple: float) -> bool:
-    """Whether the assignment LP bound exceeds ``limit``, given ``simple`` (the problem's
-    ``simple_lower_bound``). Solves the LP only when it can: placing each node wholly at its
-    cheapest stage is an LP point, so the LP is at most simple x R x max(mult) / min(mult)
-    (R ranks, mult_s ranks holding stage s)."""
+def memory_floor(problem: Problem, limit: float, simple: float) -> float:
+    """A lower bound on ``problem``'s bottleneck that exceeds ``limit`` whenever the assignment
+    LP's does: ``simple`` (its ``simple_lower_bound``) when that already exceeds ``limit`` or the
+    LP cannot, else the LP's. Placing each node wholly at its cheapest stage is an LP point, so
+    the LP is at most simple x R x max(mult) / min(mult) (R ranks, mult_s ranks holding stage
+    s): below ``limit`` there, the LP is not solved."""
     ranks = problem.rank_stages()
     held = Counter(s for r in ranks for s in r)
     mult = [held[s] for s in range(problem.k)]
-    if min(mult) <= 0 or simple * len(ranks) * max(mult) / min(mult) <= limit:
-        return False
-    return assignment_lower_bound(problem) > limit
+    if simple > limit or min(mult) <= 0 or simple * len(ranks) * max(mult) / min(mult) <= limit:
+        return simple
+    return max(simple, assignment_lower_bound(problem))

@@ -31,7 +31,7 @@ from nowdl.partitioner.assemble import SearchResult, build_plan
 from nowdl.partitioner.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.config import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.costmodel import Costs, build_problem, grad_sync_s, predict_step
-from nowdl.partitioner.lpbound import bound_exceeds
+from nowdl.partitioner.lpbound import memory_floor
 from nowdl.partitioner.plan import format_bytes
 from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.solve import SolveCache, final_split, proven, solve
@@ -175,6 +175,7 @@ def search(
     evals: list[_Eval] = []
     best_lb = 0.0
     pruned = over = 0
+    floors: dict[int, float] = {}  # lower bounds over the cap of the candidates they rule out
     for done, i in enumerate(order):
         cand, problem, b = entries[i]
         if progress is not None:
@@ -182,10 +183,12 @@ def search(
         if b.throughput_ub < best_lb * (1 - _REL):
             pruned = len(order) - done
             break
-        if costs.mem_cap is not None and (b.mem_lb > costs.mem_cap * (1 + _REL) or (
-                bound_exceeds(_as_memory(problem), costs.mem_cap * (1 + _REL), b.mem_lb))):
-            over += 1  # no split fits: the nodes' own costs, or the assignment LP, say so
-            continue
+        if costs.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
+            floor = memory_floor(_as_memory(problem), costs.mem_cap * (1 + _REL), b.mem_lb)
+            if floor > costs.mem_cap * (1 + _REL):
+                floors[i] = floor
+                over += 1
+                continue
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
         ev = _evaluate(costs, cand, problem, b, cache, batch, screen, req.mip_gap)
         if ev is None:
@@ -199,8 +202,9 @@ def search(
     results = _finalists(costs, req, evals, cache, batch, deadline=t0 + req.time_limit)
     fitting = [e for e in results if e.fits]
     if not fitting:
-        min_mem = min((e.part.bottleneck_mem for e in results), default=math.inf)
-        if not results:
+        # the least a screened split needs, or a bound of one the bounds ruled out (> the cap)
+        min_mem = min([e.part.bottleneck_mem for e in results] + list(floors.values()), default=math.inf)
+        if not results and not floors:
             min_mem = min((e[2].mem_lb for e in entries), default=math.inf)
         raise InfeasibleError(_infeasible_message(costs, req, min_mem))
     best = min(fitting, key=lambda e: e.key())
