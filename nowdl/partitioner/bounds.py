@@ -18,7 +18,6 @@ O(n K) numpy per candidate.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +25,7 @@ import numpy as np
 from nowdl.partitioner.config import Candidate
 from nowdl.partitioner.costmodel import Costs, pipeline_slots
 from nowdl.partitioner.problem import Problem
-from nowdl.partitioner.structure import stage_ranges
+from nowdl.partitioner.structure import node_stage_costs, stage_mult, stage_ranges
 
 __all__ = ["Bounds", "candidate_bounds"]
 
@@ -40,31 +39,17 @@ class Bounds:
     throughput_ub: float  # samples per second
 
 
-def _cheapest(problem: Problem, allowed: list[list[bool]], per_stage: list[np.ndarray]) -> np.ndarray:
-    cost = np.vstack(per_stage)  # k x n
-    ok = np.array(allowed, dtype=bool).T
-    return np.where(ok, cost, np.inf).min(axis=0)
-
-
 def candidate_bounds(costs: Costs, cand: Candidate, problem: Problem, batch: int) -> Bounds:
     """Bounds of [Note: candidate bounds] for one candidate and its problem.
 
     Raises:
         InfeasibleError: pins and tileability allow no split (``structure.stage_ranges``).
     """
+    mult = stage_mult(problem)
+    share = min(mult) / len(problem.rank_stages())
     _, _, allowed = stage_ranges(problem)
-    static = np.asarray(problem.static, dtype=np.float64)
-    times, mems = [], []
-    for spec in problem.stages:
-        vec = problem.variants[spec.variant]
-        times.append(np.asarray(vec.time, dtype=np.float64))
-        mems.append(static + spec.inflight * np.asarray(vec.act, dtype=np.float64))
-    ranks = problem.rank_stages()
-    held = Counter(s for r in ranks for s in r)
-    mult = [held[s] for s in range(problem.k)]
-    share = min(mult) / len(ranks)
-    t_min = _cheapest(problem, allowed, times)
-    m_min = _cheapest(problem, allowed, mems)
+    t_min = node_stage_costs(problem, "compute", allowed).min(axis=1)
+    m_min = node_stage_costs(problem, "memory", allowed).min(axis=1)
     time_lb = max(share * float(t_min.sum()), float(t_min.max(initial=0.0)))
     mem_lb = max(share * float(m_min.sum()), float(m_min.max(initial=0.0)))
     params = np.asarray([n.param_bytes for n in costs.profile.nodes], dtype=np.float64)

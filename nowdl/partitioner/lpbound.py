@@ -19,12 +19,11 @@ then measured against it. Solved by HiGHS (highspy) in milliseconds for a few th
 from __future__ import annotations
 
 import logging
-from collections import Counter
 
 import numpy as np
 
 from nowdl.partitioner.problem import Problem
-from nowdl.partitioner.structure import node_stage_costs, simple_lower_bound
+from nowdl.partitioner.structure import node_stage_costs, simple_lower_bound, stage_mult
 
 __all__ = ["assignment_lower_bound", "memory_floor"]
 
@@ -34,12 +33,12 @@ log = logging.getLogger(__name__)
 def assignment_lower_bound(problem: Problem) -> float:
     """max(``simple_lower_bound``, the LP of [Note: assignment LP bound]); the simple bound
     alone when HiGHS is missing or the LP does not solve."""
-    simple = simple_lower_bound(problem)
+    cost = node_stage_costs(problem)
+    simple = simple_lower_bound(problem, cost)
     try:
         import highspy
     except ImportError:  # pragma: no cover - highspy is a dependency
         return simple
-    cost = node_stage_costs(problem)
     n, k = cost.shape
     scale = float(np.max(cost[np.isfinite(cost)], initial=0.0))
     if n == 0 or scale <= 0:
@@ -77,9 +76,7 @@ def memory_floor(problem: Problem, limit: float, simple: float) -> float:
     LP cannot, else the LP's. Placing each node wholly at its cheapest stage is an LP point, so
     the LP is at most simple x R x max(mult) / min(mult) (R ranks, mult_s ranks holding stage
     s): below ``limit`` there, the LP is not solved."""
-    ranks = problem.rank_stages()
-    held = Counter(s for r in ranks for s in r)
-    mult = [held[s] for s in range(problem.k)]
-    if simple > limit or min(mult) <= 0 or simple * len(ranks) * max(mult) / min(mult) <= limit:
+    mult = stage_mult(problem)
+    if simple > limit or min(mult) <= 0 or simple * len(problem.rank_stages()) * max(mult) / min(mult) <= limit:
         return simple
     return max(simple, assignment_lower_bound(problem))

@@ -27,6 +27,7 @@ __all__ = [
     "tileable_mask",
     "simple_lower_bound",
     "node_stage_costs",
+    "stage_mult",
 ]
 
 def check_problem(problem: Problem) -> None:
@@ -339,30 +340,40 @@ def one_to_one(problem: Problem) -> bool:
     return sorted(len(set(st)) for st in problem.rank_stages()) == [1] * problem.k
 
 
-def node_stage_costs(problem: Problem) -> np.ndarray:
-    """(n, K): what node v costs at least in stage s (memory: static + inflight_s x act; time:
-    its compute), inf where pins, tileability and precedence keep it out of s."""
-    _, _, allowed = stage_ranges(problem)
+def node_stage_costs(problem: Problem, quantity: str | None = None,
+                     allowed: list[list[bool]] | None = None) -> np.ndarray:
+    """(n, K): what node v costs at least in stage s (``quantity`` "memory": static +
+    inflight_s x act; "compute": its time; default: the problem's objective), inf where pins,
+    tileability and precedence keep it out of s (``allowed``: ``stage_ranges``'s, when known)."""
+    if allowed is None:
+        _, _, allowed = stage_ranges(problem)
+    memory = (quantity or problem.objective) == "memory"
     static = np.asarray(problem.static, dtype=np.float64)
     cols = []
     for spec in problem.stages:
         vec = problem.variants[spec.variant]
         cols.append(static + spec.inflight * np.asarray(vec.act, dtype=np.float64)
-                    if problem.objective == "memory" else np.asarray(vec.time, dtype=np.float64))
+                    if memory else np.asarray(vec.time, dtype=np.float64))
     return np.where(np.array(allowed, dtype=bool), np.column_stack(cols), np.inf)
 
 
-def simple_lower_bound(problem: Problem) -> float:
+def stage_mult(problem: Problem) -> list[int]:
+    """How many ranks hold each stage (2 with MASTER's pairing; repeats counted)."""
+    ranks = problem.rank_stages()
+    return [sum(r.count(s) for r in ranks) for s in range(problem.k)]
+
+
+def simple_lower_bound(problem: Problem, cost: np.ndarray | None = None) -> float:
     """A lower bound on the primary bottleneck of every split, from the nodes' own costs.
 
     A node costs at least its cheapest load over the stages it may use (static + inflight x
     activations, or time: boundary tensors and workspace only add). The ranks' loads add up to
     sum_s mult_s x load_s >= min(mult) x sum of the cheapest costs (mult_s: ranks holding
     stage s), so the largest rank's is at least that over R, and at least the costliest node's
-    (the bound of [Note: candidate bounds] in ``bounds``, for one problem).
+    (the bound of [Note: candidate bounds] in ``bounds``, for one problem). ``cost``:
+    ``node_stage_costs(problem)`` when the caller has it.
     """
-    cost = node_stage_costs(problem).min(axis=1)
-    ranks = problem.rank_stages()
-    mult = [sum(r.count(s) for r in ranks) for s in range(problem.k)]
-    return max(min(mult) * float(cost.sum()) / len(ranks), float(cost.max(initial=0.0)))
+    cheapest = (node_stage_costs(problem) if cost is None else cost).min(axis=1)
+    mult = stage_mult(problem)
+    return max(min(mult) * float(cheapest.sum()) / len(problem.rank_stages()), float(cheapest.max(initial=0.0)))
 
