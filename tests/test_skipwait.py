@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -18,6 +19,8 @@ from test_ilp import SOLVERS, brute_force, feasible, random_problem
 from torch import nn
 
 import nowdl
+from nowdl.partitioner import waitsearch
+from nowdl.partitioner.chain import spread_ok
 from nowdl.partitioner.ilp import build_ilp, solve_ilp
 from nowdl.partitioner.problem import NodeVectors, Problem, StageSpec, evaluate
 from nowdl.partitioner.skipwait import pending_grads, skip_waits, stage_order, without_waits
@@ -110,10 +113,14 @@ def _one_in_flight(seed: int) -> Problem:
         dataclasses.replace(st, inflight=1, recv_held=1.0) for st in base.stages]))
 
 
-def test_solve_leaves_the_dp_optimum_for_the_milp_when_waits_bind() -> None:
+@pytest.mark.parametrize("chains", [True, False], ids=["chain-search", "milp"])
+def test_solve_finds_the_optimum_when_waits_bind(chains: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The DPs over cuts cannot see the waits: where they raise its split's bottleneck, solve()
-    goes on to the MILP and returns the optimum with them."""
-    hits = 0
+    searches the chains of ideals with them ([Note: wait search]) or, past that search's
+    budget, goes on to the MILP, and returns the optimum with them either way."""
+    if not chains:
+        monkeypatch.setattr(waitsearch, "STEP_BUDGET", 0)
+    hits = searched = 0
     for seed in range(40):
         problem = _one_in_flight(seed)
         best = brute_force(problem)
@@ -122,9 +129,63 @@ def test_solve_leaves_the_dp_optimum_for_the_milp_when_waits_bind() -> None:
         part = solve(problem, time_limit=20)
         assert objective_values(problem, part)[0] == pytest.approx(best[0][0], rel=1e-6), seed
         assert part.status == "optimal"
+        if part.solver == "ideals+waits":  # the chain search holds the secondary level too
+            assert chains
+            searched += 1
+            assert objective_values(problem, part)[1] == pytest.approx(best[0][1], rel=1e-6), seed
         if objective_values(problem, make_partition(problem, list(plain[1])))[0] > best[0][0] * (1 + 1e-6):
             hits += 1  # the split optimal without waits is not optimal with them
     assert hits >= 3, "the random problems should include cases where the waits change the optimum"
+    assert searched >= 3 if chains else searched == 0
+
+
+def _work(problem: Problem, stage_of: Sequence[int]) -> list[float]:
+    """Every stage's compute (no link time), as [Note: lexicographic levels] spreads it."""
+    work = [0.0] * problem.k
+    for v, s in enumerate(stage_of):
+        work[s] += problem.variants[problem.stages[s].variant].time[v]
+    return work
+
+
+@pytest.mark.parametrize("objective", ["memory", "compute"])
+def test_chain_search_is_the_lexicographic_optimum(objective: str) -> None:
+    """``solve_waits`` on the whole lattice against brute force: both levels, with a cap, and
+    a level-1 gap that is a true bound."""
+    from nowdl.partitioner.lattice import enumerate_ideals
+
+    checked = secondary = 0
+    for seed in range(30):
+        rng = random.Random(300 + seed)
+        base = random_problem(rng, 7, 4, skips=0.6, objective=objective, spatial=seed % 3 == 0)
+        problem = _with_waits(dataclasses.replace(base, stages=[
+            dataclasses.replace(st, inflight=rng.choice([1, 2]), recv_held=1.0) for st in base.stages],
+            pinned={3: 2} if seed % 4 == 1 else {}))  # spatial stages and pins: allowed steps only
+        best = brute_force(problem)
+        if best is None:
+            continue
+        start = brute_force(without_waits(problem))
+        assert start is not None
+        lat = enumerate_ideals(problem)
+        assert lat is not None
+        part = waitsearch.solve_waits(problem, lat, make_partition(problem, list(start[1])))
+        assert part is not None and part.solver == "ideals+waits" and part.status == "optimal"
+        assert objective_values(problem, part)[0] == pytest.approx(best[0][0], rel=1e-6), seed
+        if spread_ok(_work(problem, best[1])):  # else level 3 may give up some secondary to spread
+            assert objective_values(problem, part)[1] == pytest.approx(best[0][1], rel=1e-6), seed
+            secondary += 1
+        assert part.gap == pytest.approx(0.0, abs=1e-6)
+        # a cap just above the optimum's memory: still found, and nothing over it
+        capped = dataclasses.replace(problem, mem_cap=part.bottleneck_mem * (1 + 1e-6))
+        got = waitsearch.solve_waits(capped, lat, make_partition(capped, list(part.stage_of)))
+        assert got is not None and got.bottleneck_mem <= part.bottleneck_mem * (1 + 1e-6)
+        # a level-1 gap of 30%: a split within it, and the gap it reports is a true bound
+        loose = waitsearch.solve_waits(problem, lat, make_partition(problem, list(start[1])), gap=0.3,
+                                      exact_first=False)
+        assert loose is not None
+        value = objective_values(problem, loose)[0]
+        assert value * (1 - loose.gap) <= best[0][0] * (1 + 1e-9) and value <= best[0][0] / (1 - 0.3) * (1 + 1e-9)
+        checked += 1
+    assert checked >= 20 and secondary >= 10
 
 
 # ---- the runtime holds what the model counts ---------------------------------------------------
@@ -197,9 +258,10 @@ def test_runtime_holds_the_replayed_gradients() -> None:
             assert seen == [c for _, _, c in pending_grads(orders[i], orders[j])], (schedule, name, i, j, seen)
 
 
-def test_screening_reports_the_dp_split_with_a_valid_gap() -> None:
-    """Without the MILP (the search's screening), a DP split the waits made unproven says so,
-    and its gap is measured from a true lower bound."""
+def test_screening_reports_the_dp_split_with_a_valid_gap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the MILP (the search's screening), a DP split the waits made unproven (the
+    search over chains out of budget) says so, and its gap is measured from a true lower bound."""
+    monkeypatch.setattr(waitsearch, "STEP_BUDGET", 0)
     seen = 0
     for seed in range(40):
         problem = _one_in_flight(seed)

@@ -51,6 +51,7 @@ from nowdl.partitioner.structure import (
     one_to_one,
     stage_ranges,
 )
+from nowdl.partitioner.waitsearch import solve_waits
 
 __all__ = ["solve", "SolveCache", "final_split", "proven", "LOCAL_SHARE", "LOCAL_MIN_S"]
 
@@ -286,6 +287,12 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
     waits_lb = None
     if known is not None and known.solver == "ideals" and one_to_one(work) and has_waits(work):
         known, waits_lb = _check_waits(work, known, mip_gap)
+        lat = cache.lattice(work) if waits_lb is not None else None
+        charged = solve_waits(work, lat, known, gap=mip_gap, bases=cache.bases) if lat is not None else None
+        if charged is not None:  # the waits charged exactly by a search over the chains of ideals
+            log.info("solve: the chains of ideals with their waits: %.6g in %.2f s", charged.bottleneck_mem
+                     if work.objective == "memory" else charged.bottleneck_time, charged.seconds)
+            known, waits_lb = charged, None
     if known is not None and (final_split(known) or not ilp):
         part = known
     else:
