@@ -132,6 +132,12 @@ def test_solve_finds_the_optimum_when_waits_bind(chains: bool, monkeypatch: pyte
         if part.solver == "ideals+waits":  # the chain search holds the secondary level too
             assert chains
             searched += 1
+            # the search's path: screening keeps the DP's split, the finalist's solve searches
+            screened = solve(problem, ilp=False)
+            assert screened.solver == "ideals+waits" and screened.status == "feasible"
+            again = solve(problem, start=screened, time_limit=20)
+            assert (again.solver, again.status) == ("ideals+waits", "optimal")
+            assert objective_values(problem, again)[0] == pytest.approx(best[0][0], rel=1e-6), seed
             assert objective_values(problem, part)[1] == pytest.approx(best[0][1], rel=1e-6), seed
         if objective_values(problem, make_partition(problem, list(plain[1])))[0] > best[0][0] * (1 + 1e-6):
             hits += 1  # the split optimal without waits is not optimal with them

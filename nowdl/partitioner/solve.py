@@ -265,6 +265,8 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
     if start is not None:  # the same coarsening: every group sits in one stage
         known = make_partition(work, [start.stage_of[g[0]] for g in groups], solver=start.solver,
                                status=start.status)
+        if start.solver == "ideals+waits" and start.status != "optimal":  # the DP's split, waits unsearched
+            known = dataclasses.replace(known, solver="ideals")
     else:
         lat = cache.lattice(work)
         if lat is not None:
@@ -287,7 +289,9 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
     waits_lb = None
     if known is not None and known.solver == "ideals" and one_to_one(work) and has_waits(work):
         known, waits_lb = _check_waits(work, known, mip_gap)
-        lat = cache.lattice(work) if waits_lb is not None else None
+        # screening (ilp=False) keeps the DP's split and bound: the search decides which
+        # candidates are worth this
+        lat = cache.lattice(work) if waits_lb is not None and ilp else None
         charged = solve_waits(work, lat, known, gap=mip_gap, bases=cache.bases) if lat is not None else None
         if charged is not None:  # the waits charged exactly by a search over the chains of ideals
             log.info("solve: the chains of ideals with their waits: %.6g in %.2f s", charged.bottleneck_mem
