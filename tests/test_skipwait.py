@@ -180,6 +180,9 @@ def test_chain_search_is_the_lexicographic_optimum(objective: str) -> None:
             assert objective_values(problem, part)[1] == pytest.approx(best[0][1], rel=1e-6), seed
             secondary += 1
         assert part.gap == pytest.approx(0.0, abs=1e-6)
+        # out of time or steps at once: None (the caller's MILP decides)
+        assert waitsearch.solve_waits(problem, lat, part, time_limit=0.0) is None
+        assert waitsearch.solve_waits(problem, lat, part, budget=0) is None
         # a cap just above the optimum's memory: still found, and nothing over it
         capped = dataclasses.replace(problem, mem_cap=part.bottleneck_mem * (1 + 1e-6))
         got = waitsearch.solve_waits(capped, lat, make_partition(capped, list(part.stage_of)))

@@ -292,11 +292,14 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
         # screening (ilp=False) keeps the DP's split and bound: the search decides which
         # candidates are worth this
         lat = cache.lattice(work) if waits_lb is not None and ilp else None
-        charged = solve_waits(work, lat, known, gap=mip_gap, bases=cache.bases) if lat is not None else None
+        charged = (solve_waits(work, lat, known, gap=mip_gap, bases=cache.bases, time_limit=time_limit / 3)
+                   if lat is not None else None)  # the MILP keeps the rest of the time
         if charged is not None:  # the waits charged exactly by a search over the chains of ideals
             log.info("solve: the chains of ideals with their waits: %.6g in %.2f s", charged.bottleneck_mem
                      if work.objective == "memory" else charged.bottleneck_time, charged.seconds)
             known, waits_lb = charged, None
+        elif lat is not None:
+            log.info("solve: the search over the chains of ideals ran out of its budget: the MILP decides")
     if known is not None and (final_split(known) or not ilp):
         part = known
     else:

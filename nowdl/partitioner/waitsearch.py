@@ -35,7 +35,7 @@ from nowdl.partitioner.structure import make_partition
 
 __all__ = ["solve_waits", "STEP_BUDGET"]
 
-STEP_BUDGET = 200_000  # chain steps (rows looked at) all levels together may take
+STEP_BUDGET = 200_000  # chain steps (rows looked at) all levels together may take (a few seconds)
 _ROW_FLOATS = 8_000_000  # floats of cached rows kept at most (64 MB)
 
 Level = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]  # (mem-first loads) -> objective
@@ -49,13 +49,14 @@ class _Chains:
     """Stage rows without waits (cached), the waits a history adds, and the search itself."""
 
     def __init__(self, problem: Problem, lat: Lattice, bases: dict[tuple[object, ...], object] | None,
-                 budget: int) -> None:
+                 budget: int, deadline: float) -> None:
         self.p, self.lat = problem, lat
         self.c = IdealCosts(problem, lat, bases=bases)
         self.k, self.n_ideals = problem.k, lat.size
         self.mem_first = problem.objective == "memory"
         self.cap = problem.mem_cap
         self.budget = budget
+        self.deadline = deadline
         self.steps = 0
         self._rows: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
         self._ind: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
@@ -117,6 +118,8 @@ class _Chains:
         """The chain minimising ``max_s f`` (with waits), from the incumbent ``start``.
 
         Returns (cuts, value, lower bound)."""
+        if time.perf_counter() > self.deadline:
+            raise _Budget
         h = self.bound(f)
         best_cuts, best = list(start), self.value(f, start)
         floor = math.inf  # the least bound of a pruned subtree
@@ -137,7 +140,7 @@ class _Chains:
                 return
             seen[key] = cur
             self.steps += 1
-            if self.steps > self.budget:
+            if self.steps > self.budget or (self.steps % 256 == 0 and time.perf_counter() > self.deadline):
                 raise _Budget
             m, t, w = self.row(s, i)
             extra = self.waits(s, i)
@@ -203,19 +206,21 @@ def _cuts_of(lat: Lattice, stage_of: list[int], k: int) -> list[int] | None:
 
 def solve_waits(problem: Problem, lat: Lattice, start: Partition, *, gap: float = 1e-6,
                 bases: dict[tuple[object, ...], object] | None = None,
-                budget: int | None = None, exact_first: bool = True) -> Partition | None:
+                budget: int | None = None, time_limit: float = math.inf,
+                exact_first: bool = True) -> Partition | None:
     """The lexicographic optimum with long-skip gradient waits over every chain of the
     complete lattice ``lat`` ([Note: wait search]), from the split ``start``.
 
     Only for problems where every rank holds one stage. Returns the split (solver
     "ideals+waits", status "optimal", the proven level-1 gap), or None when level 1 ran out of
-    ``budget`` steps (default ``STEP_BUDGET``) or ``start`` is not a chain of ``lat``.
+    ``budget`` steps (default ``STEP_BUDGET``) or ``time_limit`` seconds, or ``start`` is not a
+    chain of ``lat``.
     ``exact_first=False`` searches level 1 up to ``gap`` at once."""
     cuts0 = _cuts_of(lat, start.stage_of, problem.k)
     if cuts0 is None or not lat.complete:
         return None
     t0 = time.perf_counter()
-    ch = _Chains(problem, lat, bases, STEP_BUDGET if budget is None else budget)
+    ch = _Chains(problem, lat, bases, STEP_BUDGET if budget is None else budget, t0 + time_limit)
     cap = math.inf if ch.cap is None else ch.cap * (1 + 1e-9)
     prim = 0 if ch.mem_first else 1  # the primary's index in (memory, time, work)
 
