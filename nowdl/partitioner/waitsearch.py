@@ -19,7 +19,6 @@ gives up (None: the caller runs the MILP) and a later level keeps its best chain
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -262,7 +261,7 @@ def solve_waits(problem: Problem, lat: Lattice, start: Partition, *, gap: float 
     cuts = later(level2, cuts)
     work = _work(ch, cuts)
     if not spread_ok(work):
-        s_opt = ch.value(lambda m, t, w: np.where(held(m, t), (t, m)[prim], np.inf), cuts)
+        s_opt = ch.value(level2, cuts)
         s_lim = s_opt + REL_TOL * abs(s_opt)
 
         def level3(m: np.ndarray, t: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -286,9 +285,8 @@ def solve_waits(problem: Problem, lat: Lattice, start: Partition, *, gap: float 
                 cuts = later(level4, relaxed)
             else:
                 cuts = spread
-    part = make_partition(problem, ch.c.assignment(cuts), solver="ideals+waits", status="optimal",
+    return make_partition(problem, ch.c.assignment(cuts), solver="ideals+waits", status="optimal",
                           gap=level_gap, seconds=time.perf_counter() - t0)
-    return dataclasses.replace(part, gap=level_gap)
 
 
 def _work(ch: _Chains, cuts: list[int]) -> list[float]:
