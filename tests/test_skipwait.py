@@ -145,6 +145,26 @@ def test_solve_finds_the_optimum_when_waits_bind(chains: bool, monkeypatch: pyte
     assert searched >= 3 if chains else searched == 0
 
 
+def test_chain_search_and_milp_agree_on_the_demo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make demo``'s plan (built-in UNet, 2048², 8 stages, memory): the waits raise the DP's
+    split, the chain search proves one, and the MILP (the search with no steps) finds one no
+    better, within its 1% ``mip_gap``."""
+    from nowdl.models import unet
+
+    def plan() -> Any:
+        cm = nowdl.compile(unet(), gpus=8, stages=8, balance="memory", mode="estimate", device_spec="h100",
+                           cache=False, progress=False)
+        return cm.plan(torch.empty(1, 3, 2048, 2048, device="meta"))
+
+    searched = plan()
+    assert (searched.solver["name"], searched.solver["status"]) == ("ideals+waits", "optimal")
+    monkeypatch.setattr(waitsearch, "STEP_BUDGET", 0)
+    milp = plan()
+    assert milp.solver["name"] == "highs"
+    peak, milp_peak = searched.predicted["peak_bytes"], milp.predicted["peak_bytes"]
+    assert peak <= milp_peak * (1 + 1e-9) and peak >= milp_peak * (1 - 0.01)
+
+
 def _work(problem: Problem, stage_of: Sequence[int]) -> list[float]:
     """Every stage's compute (no link time), as [Note: lexicographic levels] spreads it."""
     work = [0.0] * problem.k
