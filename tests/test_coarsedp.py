@@ -3,6 +3,7 @@ better than the exact optimum, and None where it does not apply."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -84,3 +85,26 @@ def test_coarse_split_finds_a_split_on_parallel_branches() -> None:
 def test_master_gets_none() -> None:
     problem = random_problem(random.Random(3), 14, 4, master=True)
     assert coarse_split(problem) is None
+
+
+def test_pair_matrices_are_kept_least_recently_used_within_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ideal DP's pair matrices are shared between solves of one graph: every kind of stage
+    keeps its own while they fit ``_BASES_BYTES``, the least recently used goes first."""
+    from nowdl.partitioner import ideals
+
+    problem = random_problem(random.Random(5), 8, 3, spatial=True)  # kinds "plain" and "tile2"
+    lat = enumerate_ideals(problem)
+    assert lat is not None
+    bases: dict[tuple[object, ...], object] = {}
+    costs = ideals.IdealCosts(problem, lat, bases=bases)
+    plain, tile = costs.base("plain"), costs.base("tile2")
+    assert len(bases) == 2 and costs.base("plain") is plain  # kept, not rebuilt
+    assert list(bases.values()) == [tile, plain]  # plain used last
+    one = plain.nbytes
+    assert one > 0 and tile.nbytes == one
+    monkeypatch.setattr(ideals, "_BASES_BYTES", one * 3 // 2)  # room for one only
+    other = ideals.IdealCosts(dataclasses.replace(problem, static=[x + 1.0 for x in problem.static]), lat,
+                              bases=bases)
+    third = other.base("plain")  # new numbers: a third set, which evicts both older ones
+    assert list(bases.values()) == [third]
+    assert costs.base("tile2") is not tile  # rebuilt

@@ -41,7 +41,8 @@ __all__ = ["Lattice", "enumerate_ideals", "beam_ideals", "IdealCosts", "solve_id
 
 log = logging.getLogger(__name__)
 
-_MAX_BASES = 4  # per-variant pair matrices kept between solves
+_BASES_BYTES = 512 * 2**20  # pair matrices kept between solves, least recently used out first
+# (a search's candidates ask for a few kinds of stage in turn: 8 on UNet++ at 4 stages)
 
 
 class _Base:
@@ -76,6 +77,11 @@ class _Base:
                 cnt = lat.members[:, ws >= w].sum(axis=1)
                 wmax[cnt[:, None] < cnt[None, :]] = w  # ascending w: the largest wins
             self.wmax = wmax
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its pair matrices."""
+        return sum(int(m.nbytes) for m in (self.rs, self.sent, self.wmax) if m is not None)
 
 
 class IdealCosts:
@@ -135,14 +141,16 @@ class IdealCosts:
             ident = (id(self.lat), tuple(p.static), tuple(vec.act), tuple(vec.time),
                      tuple(vec.workspace), tuple(vec.out))
             self._idents[key] = ident
-        b = self._bases.get(ident)
+        b = self._bases.pop(ident, None)  # put back last: the most recently used
         if not isinstance(b, _Base):
             arr = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
             b = _Base(self.lat, arr(p.static), arr(vec.act), arr(vec.time), arr(vec.workspace),
                       arr(vec.out))
-            if len(self._bases) >= _MAX_BASES:  # ~4 I x I matrices each: keep memory bounded
-                del self._bases[next(iter(self._bases))]
-            self._bases[ident] = b
+            kept = sum(x.nbytes for x in self._bases.values() if isinstance(x, _Base))
+            while self._bases and kept + b.nbytes > _BASES_BYTES:  # keep memory bounded
+                old = self._bases.pop(next(iter(self._bases)))
+                kept -= old.nbytes if isinstance(old, _Base) else 0
+        self._bases[ident] = b
         return b
 
     def rows(self, s: int, a: np.ndarray, lo: int, hi: int
