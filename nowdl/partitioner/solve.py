@@ -164,8 +164,9 @@ def solve(
     """Partition a problem's DAG into pipeline stages: what the rest of nowdl calls.
 
     Exact coarsening (see ``coarsen``); then the exact DP over ideals when the graph has
-    few of them and every rank holds one stage; otherwise the MILP, started from the best
-    heuristic split (which is also its fallback); then the assignment mapped back and
+    few of them and every rank holds one stage (where long-skip gradient waits raise its split,
+    the search over chains of ideals of [Note: wait search], with ``ilp``); otherwise the MILP,
+    started from the best heuristic split (which is also its fallback); then the assignment mapped back and
     re-evaluated on the original problem. Every path applies the lexicographic levels of
     [Note: lexicographic levels] (primary, secondary, spread of the work).
 
@@ -190,7 +191,9 @@ def solve(
 
     Returns:
         The Partition of the original problem, evaluated with ``evaluate()``; solver
-        "ideals" (exact DP over ideals), "dp", "highs" or "cbc".
+        "ideals" (exact DP over ideals), "ideals+waits" (that DP's split with the waits: proven
+        by the chain search, or "feasible" with the DP's bound when screening), "beam", "dp",
+        "highs" or "cbc".
 
     Raises:
         ValueError: if the problem or an argument is malformed.
