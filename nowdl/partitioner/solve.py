@@ -234,10 +234,9 @@ def _check_waits(problem: Problem, part: Partition, mip_gap: float) -> tuple[Par
     lower, _ = objective_values(plain, make_partition(plain, part.stage_of))
     value, _ = objective_values(problem, part)
     if value <= lower * (1 + max(mip_gap, 1e-9)):  # within the MILP's own stopping gap
-        return dataclasses.replace(part, status="optimal", gap=max(0.0, 1 - lower / value)), None
-    log.info("solve: long-skip gradient waits raise the %s split's bottleneck %.6g -> %.6g: the MILP decides",
-             part.solver, lower, value)
-    return dataclasses.replace(part, solver=f"{part.solver}+waits", status="feasible",
+        return dataclasses.replace(part, solver="ideals", status="optimal", gap=max(0.0, 1 - lower / value)), None
+    log.info("solve: long-skip gradient waits raise the ideals split's bottleneck %.6g -> %.6g", lower, value)
+    return dataclasses.replace(part, solver="ideals+waits", status="feasible",
                                gap=max(0.0, 1 - lower / value)), lower
 
 
@@ -268,8 +267,6 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
     if start is not None:  # the same coarsening: every group sits in one stage
         known = make_partition(work, [start.stage_of[g[0]] for g in groups], solver=start.solver,
                                status=start.status)
-        if start.solver == "ideals+waits" and start.status != "optimal":  # the DP's split, waits unsearched
-            known = dataclasses.replace(known, solver="ideals")
     else:
         lat = cache.lattice(work)
         if lat is not None:
@@ -290,7 +287,10 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
         if lat is not None:
             known = bound_master(work, lat, known, bases=cache.bases)
     waits_lb = None
-    if known is not None and known.solver == "ideals" and one_to_one(work) and has_waits(work):
+    # the DP's split (or a screened one, "ideals+waits" not yet proven): are the waits charged?
+    dp_split = known is not None and (known.solver == "ideals" or (known.solver == "ideals+waits"
+                                                                   and known.status != "optimal"))
+    if known is not None and dp_split and one_to_one(work) and has_waits(work):
         known, waits_lb = _check_waits(work, known, mip_gap)
         # screening (ilp=False) keeps the DP's split and bound: the search decides which
         # candidates are worth this

@@ -60,6 +60,7 @@ class _Chains:
         self._rows: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
         self._ind: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
         self.stage_of = np.full(problem.n, -1, dtype=np.int64)
+        self._bounds: dict[Level, list[np.ndarray]] = {}
 
     # ---- loads --------------------------------------------------------------------------------
     def loads(self, s: int, a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -96,9 +97,22 @@ class _Chains:
             total = add if total is None else total + add
         return total
 
+    def charged(self, s: int, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``row(s, i)`` with the waits of the history in ``self.stage_of`` on its memory."""
+        m, t, w = self.row(s, i)
+        extra = self.waits(s, i)
+        return (m if extra is None else m + extra), t, w
+
     # ---- one level ----------------------------------------------------------------------------
     def bound(self, f: Level) -> list[np.ndarray]:
-        """h[s][i]: the best level value of stages s..K-1 from ideal i, without waits."""
+        """h[s][i]: the best level value of stages s..K-1 from ideal i, without waits (kept per
+        level function: a level searched again within a gap reuses it)."""
+        got = self._bounds.get(f)
+        if got is None:
+            got = self._bounds[f] = self._bound(f)
+        return got
+
+    def _bound(self, f: Level) -> list[np.ndarray]:
         n, k = self.n_ideals, self.k
         h = [np.full(n, np.inf) for _ in range(k + 1)]
         h[k][self.c.end] = -np.inf
@@ -141,11 +155,7 @@ class _Chains:
             self.steps += 1
             if self.steps > self.budget or (self.steps % 256 == 0 and time.perf_counter() > self.deadline):
                 raise _Budget
-            m, t, w = self.row(s, i)
-            extra = self.waits(s, i)
-            if extra is not None:
-                m = m + extra
-            obj = f(m, t, w)
+            obj = f(*self.charged(s, i))
             if s == self.k - 1:
                 val = max(cur, float(obj[self.c.end]))
                 if val < limit():
@@ -180,10 +190,7 @@ class _Chains:
         out = -math.inf
         for s in range(self.k):
             i, j = cuts[s], cuts[s + 1]
-            m, t, w = self.row(s, i)
-            extra = self.waits(s, i)
-            if extra is not None:
-                m = m + extra
+            m, t, w = self.charged(s, i)
             out = max(out, float(f(m[j:j + 1], t[j:j + 1], w[j:j + 1])[0]))
             self.stage_of[self.lat.members[j] & ~self.lat.members[i]] = s
         self.stage_of[:] = -1
