@@ -131,6 +131,25 @@ def test_init_distributed_single_process() -> None:
             dist.destroy_process_group()
 
 
+def test_the_group_nowdl_made_is_destroyed_before_the_interpreter_ends() -> None:
+    """A program that never destroys its process group (a training script's usual end) still
+    gets it destroyed at exit, before finalization (gloo can abort there: runtime/pgexit.py).
+    The script's own exit hook, registered first, runs last and sees it gone."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, torch.distributed as dist\n"
+        "atexit.register(lambda: print('alive at the end:', dist.is_initialized()))\n"
+        "from nowdl.runtime.launch import init_distributed\n"
+        "init_distributed(environ={}, backend='gloo', expected_world_size=1)\n"
+        "print('alive after init:', dist.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "alive after init: True" in out.stdout and "alive at the end: False" in out.stdout, out.stdout
+
+
 # ---------------------------------------------------------------- multi-process (run_workers)
 
 

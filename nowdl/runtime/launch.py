@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from nowdl.errors import NowdlError
+from nowdl.runtime.pgexit import destroy_at_exit
 
 __all__ = [
     "LaunchEnv",
@@ -294,6 +295,7 @@ def init_distributed(
     name = _check_backend(backend, "backend") if backend is not None else default_backend(environ)
     timeout = timedelta(seconds=timeout_s)
     _set_device(env, name)
+    destroy_at_exit()  # the group we make ends before the interpreter does (runtime/pgexit.py)
 
     if name == "mpi":
         # MPI has its own rendezvous (the launcher's); it ignores rank/world/store.
@@ -320,9 +322,8 @@ def init_distributed(
                 "`-x MASTER_ADDR -x MASTER_PORT`), or launch with torchrun, which sets them"
             )
         if environ is None:
-            for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size),
-                               ("LOCAL_RANK", env.local_rank), ("MASTER_ADDR", env.master_addr),
-                               ("MASTER_PORT", env.master_port)):
+            for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
+                               ("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port)):
                 os.environ.setdefault(key, str(value))
         host = env.master_addr
         if ":" in host and not host.startswith("["):
