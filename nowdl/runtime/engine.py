@@ -30,6 +30,7 @@ from nowdl.errors import NowdlError
 from nowdl.partitioner.plan import Plan
 from nowdl.profiler import PRECISIONS as AUTOCAST_DTYPES
 from nowdl.profiler import check_precision
+from nowdl.runtime.cpumem import keep_freed_memory
 from nowdl.runtime.gradsync import GradSync
 from nowdl.runtime.halo import Window
 from nowdl.runtime.launch import wait
@@ -76,6 +77,8 @@ class PipelineEngine(Transfers, GradSync):
         self.plan = plan
         self.rank = rank
         self.device = device
+        if device.type == "cpu":
+            keep_freed_memory()  # [Note: CPU freed memory]
         self.timeout_s = timeout_s
         self.loss_fn = loss_fn
         self.precision = check_precision(precision)
