@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from nowdl.partitioner.breakdown import stage_memory
 from nowdl.partitioner.config import Candidate, PlanRequest
-from nowdl.partitioner.costmodel import Costs, layout_of, stage_sums
+from nowdl.partitioner.costmodel import Costs, layout_of, message_latency_s, stage_sums
 from nowdl.partitioner.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
 from nowdl.partitioner.problem import Partition
 from nowdl.partitioner.spatial import slice_grid
@@ -54,8 +54,10 @@ def build_plan(
         stage_nodes[part.stage_of[i]].append(n.name)
     halo = halo_bytes(costs, cand, part.stage_of)
     stages = []
+    lat = message_latency_s(costs, cand, part.stage_of)  # [Note: message latency]
+    time_s = [part.stage_time[s] + lat[s] for s in range(k)]
     for s in range(k):
-        comm = part.stage_time[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"])
+        comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"])
         stages.append(StagePlan(
             index=s, nodes=stage_nodes[s], ranks=[rank_of[(0, s, q)] for q in range(parts[s])],
             parts=parts[s], slice=cand.slice if parts[s] > 1 else None,
@@ -65,7 +67,7 @@ def build_plan(
             predicted={
                 "peak_bytes": part.stage_mem[s], "static_bytes": sums[s]["static_bytes"],
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
-                "comm_s": max(0.0, comm), "time_s": part.stage_time[s],
+                "comm_s": max(0.0, comm), "time_s": time_s[s],
                 "inflight": float(cand.inflight()[s]), "deferred": float(cand.deferred()[s]), "halo_bytes": halo[s],
                 **mem[s],
             },
@@ -82,7 +84,7 @@ def build_plan(
                 ranks.append(RankPlan(
                     rank=rank_of[(d, j, q)], dp=d, stages=held,
                     predicted_peak_bytes=sum(part.stage_mem[h["stage"]] for h in held),
-                    predicted_time_s=sum(part.stage_time[h["stage"]] for h in held),
+                    predicted_time_s=sum(time_s[h["stage"]] for h in held),
                 ))
     ranks.sort(key=lambda r: r.rank)
     consumers: dict[int, set[int]] = {}

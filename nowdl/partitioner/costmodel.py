@@ -34,7 +34,7 @@ from nowdl.partitioner.zborder import zb_slots
 from nowdl.profiler.cost import Profile
 from nowdl.profiler.topology import Topology
 
-__all__ = ["Costs", "build_problem", "predict_step", "tied_nodes", "HALO_LATENCY_S",
+__all__ = ["Costs", "build_problem", "predict_step", "message_latency_s", "tied_nodes", "HALO_LATENCY_S",
            "spatial_dims_of", "dtype_bytes", "layout_of", "grad_sync_s", "pipeline_slots"]
 
 HALO_LATENCY_S = 10e-6  # per halo exchange (one message round to the neighbours)
@@ -273,10 +273,12 @@ def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> 
         stage_param[part.stage_of[i]] += n.param_bytes
     sync = grad_sync_s(costs, cand, stage_param)
     sums = stage_sums(costs, cand, part.stage_of)
-    slow = max(range(k), key=lambda s: part.stage_time[s])
+    lat = message_latency_s(costs, cand, part.stage_of)
+    times = [part.stage_time[s] + lat[s] for s in range(k)]
+    slow = max(range(k), key=lambda s: times[s])
     busy = sums[slow]["fwd_s"] + sums[slow]["bwd_s"]
     slots = pipeline_slots(cand, sums[slow]["fwd_s"] / busy if busy > 0 else 1 / 3)
-    step = slots * part.bottleneck_time + sync
+    step = slots * max(_rank_times(cand, times)) + sync
     global_batch = batch * m * cand.replicas * cand.dp
     return {
         "step_s": step,
@@ -333,3 +335,39 @@ def stage_sums(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[d
         out[s]["act_bytes"] += n.act_bytes / p
         out[s]["param_bytes"] += n.param_bytes
     return out
+
+
+def message_latency_s(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[float]:
+    """Per stage: the fixed cost of its boundary messages, one link latency each.
+
+    [Note: message latency] The engine sends every tensor crossing a boundary as its own
+    message, forward and (its gradient) backward, to every stage that reads it. The cost model
+    charges bytes at the link's bandwidth in every solver; each message's latency (``nowdl
+    calibrate`` measured 55-65 us per gloo message over loopback) is added here, to the plan's
+    predicted stage times and step, not weighed by the solvers (it adds about the same to every
+    split's stages: 2 x latency x tensors crossing). The inter-node link's latency applies to a
+    stage whose boundary crosses nodes.
+    """
+    k = cand.stages
+    lay = layout_of(costs, cand)
+    multi = lay.topo.multi_node
+    nodes = costs.profile.nodes
+    index = {n.name: i for i, n in enumerate(nodes)}
+    crossing: set[tuple[int, int]] = set()  # (producer node, consumer stage)
+    for a, b in costs.profile.edges:
+        u, v = index.get(a), index.get(b)
+        if u is not None and v is not None and stage_of[u] != stage_of[v] and nodes[v].op != "output":
+            crossing.add((u, stage_of[v]))
+    msgs = [0] * k
+    for u, c in crossing:
+        msgs[stage_of[u]] += 2  # the activation out, its gradient back in
+        msgs[c] += 2
+    return [msgs[s] * (lay.topo.inter.latency_s if multi and lay.boundary_cross(s) else lay.topo.intra.latency_s)
+            for s in range(k)]
+
+
+def _rank_times(cand: Candidate, times: Sequence[float]) -> list[float]:
+    """Per pipeline slot: the time per micro-batch of the stages it holds (MASTER: two; the
+    middle slot of an odd K holds both copies of its stage, as ``structure.rank_loads``)."""
+    k = cand.stages
+    return [times[j] + (times[k - 1 - j] if cand.replicas == 2 else 0.0) for j in range(k)]

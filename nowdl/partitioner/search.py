@@ -30,7 +30,13 @@ from nowdl.errors import InfeasibleError, NowdlError
 from nowdl.partitioner.assemble import SearchResult, build_plan
 from nowdl.partitioner.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.config import Candidate, PlanRequest, enumerate_candidates
-from nowdl.partitioner.costmodel import Costs, build_problem, grad_sync_s, predict_step
+from nowdl.partitioner.costmodel import (
+    Costs,
+    build_problem,
+    grad_sync_s,
+    message_latency_s,
+    predict_step,
+)
 from nowdl.partitioner.lpbound import memory_floor
 from nowdl.partitioner.plan import format_bytes
 from nowdl.partitioner.problem import Partition, Problem
@@ -72,7 +78,8 @@ class _Eval:
         c = self.cand
         params = sum(n.param_bytes for n in costs.profile.nodes)
         sync = grad_sync_s(costs, c, [params] * c.stages, [params] * c.stages)  # an upper bound
-        step = (c.micro_batches + c.stages - 1) * self.part.bottleneck_time + sync
+        lat = max(message_latency_s(costs, c, self.part.stage_of)) * c.replicas  # this split's ([Note: message latency])
+        step = (c.micro_batches + c.stages - 1) * (self.part.bottleneck_time + lat) + sync
         return batch * c.micro_batches * c.replicas * c.dp / step if step > 0 else math.inf
 
 
