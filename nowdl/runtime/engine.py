@@ -196,7 +196,7 @@ class PipelineEngine(Transfers, GradSync):
         wq: dict[tuple[int, int, int], list[WeightGrad]] = {}
         pending: list[Any] = []  # launched gradient buckets
         inputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
-        outputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        outputs: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
         losses: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[tuple[Any, str, torch.Tensor, int, int]] = []  # work, what, tensor, peer, its action
         self._peer_done = {}
@@ -225,7 +225,6 @@ class PipelineEngine(Transfers, GradSync):
                 with capturing(train and act.stage in self.deferred):
                     outs, grids = self._forward(st, ins, shapes, train, tiled)
                 inputs[key] = ins
-                outputs[key] = outs
                 model_out: dict[str, torch.Tensor] = {}
                 for name, t, g_out in zip(st.outputs, outs, grids, strict=True):
                     for c in st.consumers.get(name, []):
@@ -257,21 +256,25 @@ class PipelineEngine(Transfers, GradSync):
                         final.append(_detach(result))
                 if not train:
                     inputs.pop(key)
-                    outputs.pop(key)
                     held_bufs.pop(key)
+                else:  # a model output no stage reads is not kept: the loss is the backward's root
+                    outputs[key] = [None if all(c == self.k for c in st.consumers.get(n, [])) else o
+                                    for n, o in zip(st.outputs, outs, strict=True)]
+                del outs, model_out  # and no loop variable keeps this micro-batch's outputs alive:
+                t = whole = result = msg = piece = None  # type: ignore[assignment]
             elif act.kind == "W":
                 run_weight_grads(wq.pop(key, []), None if bk is None else bk.ready)
             else:
                 part = self.part[(act.replica, act.stage)]
                 me = (act.stage, part)
-                outs = outputs.pop(key)
+                kept = outputs.pop(key)
                 ins = inputs.pop(key)
                 roots: list[torch.Tensor] = []
                 grads: list[torch.Tensor | None] = []
                 grad_bufs: list[torch.Tensor] = []
-                for name, t in zip(st.outputs, outs, strict=True):
+                for name, o in zip(st.outputs, kept, strict=True):
                     g: torch.Tensor | None = None
-                    if self._is_float(name):
+                    if o is not None and self._is_float(name):
                         for c in st.consumers.get(name, []):
                             if c == self.k:
                                 continue
@@ -284,13 +287,13 @@ class PipelineEngine(Transfers, GradSync):
                                 grad_bufs.append(buf)
                                 mine = self._box(name, *me) if box else ()
                                 if box == mine:
-                                    g = buf.to(t.dtype) if g is None else g + buf.to(t.dtype)
+                                    g = buf.to(o.dtype) if g is None else g + buf.to(o.dtype)
                                 else:
                                     if g is None:
-                                        g = torch.zeros_like(t)
-                                    g[self._rel(box, mine)] += buf.to(t.dtype)
-                    if t.requires_grad and g is not None:
-                        roots.append(t)
+                                        g = torch.zeros_like(o)
+                                    g[self._rel(box, mine)] += buf.to(o.dtype)
+                    if o is not None and o.requires_grad and g is not None:
+                        roots.append(o)
                         grads.append(g)
                 loss_t = losses.pop((act.replica, act.microbatch)) if (act.replica, act.microbatch) in losses else None
                 if loss_t is not None and loss_t.numel() == 1:  # seeded with the scale: no scaled copy
@@ -308,8 +311,8 @@ class PipelineEngine(Transfers, GradSync):
                 held_bufs.pop(key, None)
                 sends += self._send_input_grads(st, ins, act, me)
                 # this micro-batch's inputs, outputs and loss die here, not at the next forward
-                del ins, outs, roots, loss_t
-                g = t = None  # type: ignore[assignment]
+                del ins, kept, roots, loss_t
+                g = o = None
             if act.kind == last:
                 b_left[act.stage] -= 1
             if bk is not None:  # this stage's gradients are final here ([Note: gradient sync])
