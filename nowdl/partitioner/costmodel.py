@@ -345,8 +345,9 @@ def message_latency_s(costs: Costs, cand: Candidate, stage_of: Sequence[int]) ->
     charges bytes at the link's bandwidth in every solver; each message's latency (``nowdl
     calibrate`` measured 55-65 us per gloo message over loopback) is added here, to the plan's
     predicted stage times and step, not weighed by the solvers (it adds about the same to every
-    split's stages: 2 x latency x tensors crossing). The inter-node link's latency applies to a
-    stage whose boundary crosses nodes.
+    split's stages: 2 x latency x tensors crossing). Between a stage of P tiles and one of Q, a
+    rank swaps one piece with each of the ceil(Q / P) ranks its tile meets. The inter-node link's
+    latency applies to a stage whose boundary crosses nodes.
     """
     k = cand.stages
     lay = layout_of(costs, cand)
@@ -358,10 +359,12 @@ def message_latency_s(costs: Costs, cand: Candidate, stage_of: Sequence[int]) ->
         u, v = index.get(a), index.get(b)
         if u is not None and v is not None and stage_of[u] != stage_of[v] and nodes[v].op != "output":
             crossing.add((u, stage_of[v]))
+    parts = cand.stage_parts()
     msgs = [0] * k
-    for u, c in crossing:
-        msgs[stage_of[u]] += 2  # the activation out, its gradient back in
-        msgs[c] += 2
+    for u, c in crossing:  # a rank of P tiles swaps pieces with the tile ranks its box meets
+        src = stage_of[u]
+        msgs[src] += 2 * -(-parts[c] // parts[src])  # the activation out, its gradient back in
+        msgs[c] += 2 * -(-parts[src] // parts[c])
     return [msgs[s] * (lay.topo.inter.latency_s if multi and lay.boundary_cross(s) else lay.topo.intra.latency_s)
             for s in range(k)]
 
