@@ -21,6 +21,10 @@ def test_cross_entropy_measured() -> None:
     assert cpu.target_bytes == 0 and cpu.source == "measured"
     gpu = measure_loss_cost(torch.nn.CrossEntropyLoss(), out, y, "cuda:0 (NVIDIA H100)")
     assert gpu.target_bytes == y.numel() * 8
+    # estimate mode: a GPU spec holds the labels, a CPU spec (built-in or calibrated) does not
+    assert measure_loss_cost(torch.nn.CrossEntropyLoss(), out, y, "estimate:h100").target_bytes == y.numel() * 8
+    for spec in ("estimate:cpu", "estimate:cpu-1t-calibrated"):
+        assert measure_loss_cost(torch.nn.CrossEntropyLoss(), out, y, spec).target_bytes == 0
 
 
 def _plan(**kw: object) -> nowdl.Plan:

@@ -58,7 +58,12 @@ def output_bytes(profile: Profile) -> int:
 
 
 def _on_cpu(device: str) -> bool:
-    return device.split(" ")[0].split(":")[0] == "cpu"
+    """``cpu``, or an estimate for a CPU spec (``estimate:cpu``, ``estimate:cpu-1t-calibrated``:
+    the built-in and calibrated CPU specs' names start with ``cpu``)."""
+    head = device.split(" ")[0]
+    if head.startswith("estimate:"):
+        return head[len("estimate:"):].startswith("cpu")
+    return head.split(":")[0] == "cpu"
 
 
 def default_loss_cost(profile: Profile) -> LossCost:
