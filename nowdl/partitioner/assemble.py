@@ -65,7 +65,7 @@ def build_plan(
             params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
             param_bytes=int(sums[s]["param_bytes"]),
             predicted={
-                "peak_bytes": part.stage_mem[s], "static_bytes": sums[s]["static_bytes"],
+                "peak_bytes": part.stage_mem[s] - mem[s]["freed_bytes"], "static_bytes": sums[s]["static_bytes"],
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
                 "comm_s": max(0.0, comm), "time_s": time_s[s],
                 "inflight": float(cand.inflight()[s]), "deferred": float(cand.deferred()[s]), "halo_bytes": halo[s],
@@ -83,7 +83,7 @@ def build_plan(
                     held.append({"replica": 1, "stage": k - 1 - j, "part": q})
                 ranks.append(RankPlan(
                     rank=rank_of[(d, j, q)], dp=d, stages=held,
-                    predicted_peak_bytes=sum(part.stage_mem[h["stage"]] for h in held),
+                    predicted_peak_bytes=sum(part.stage_mem[h["stage"]] - mem[h["stage"]]["freed_bytes"] for h in held),
                     predicted_time_s=sum(time_s[h["stage"]] for h in held),
                 ))
     ranks.sort(key=lambda r: r.rank)
@@ -113,7 +113,7 @@ def build_plan(
         model=dict(model_info), profile=dict(profile_info), config=config, stages=stages, ranks=ranks,
         tensors=tensors, schedule={"name": cand.schedule, "micro_batches": cand.micro_batches,
                                    "inflight": cand.inflight()},
-        predicted=dict(result.predicted),
+        predicted={**result.predicted, "peak_bytes": max(r.predicted_peak_bytes for r in ranks)},
         solver={"name": part.solver, "status": part.status, "gap": part.gap, "seconds": round(solver_seconds, 3),
                 "ilp_seconds": round(part.seconds, 3), "candidates": result.screened,
                 "search": dict(result.stats)},

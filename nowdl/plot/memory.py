@@ -47,7 +47,8 @@ def stage_memory_parts(stage: StagePlan) -> dict[str, float]:
             "parameters": float(q.get("weight_bytes", 0.0)),
             "gradients": float(q.get("grad_bytes", 0.0)),
             "optimizer state": float(q.get("optim_bytes", 0.0)),
-            "saved activations": inflight * float(q["saved_bytes"]),
+            # less what one micro-batch has freed by the peak ([Note: freed by the peak])
+            "saved activations": inflight * float(q["saved_bytes"]) - float(q.get("freed_bytes", 0.0)),
             "received tensors": float(q.get("recv_held", inflight)) * float(q.get("recv_bytes", 0.0)),
             "sent tensors": float(q.get("send_held", inflight)) * float(q.get("send_bytes", 0.0)),
             "workspace": float(q.get("workspace_bytes", 0.0)),
