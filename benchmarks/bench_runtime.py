@@ -686,10 +686,10 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
                              f"{format_bytes(recon)}, while the plan adds {sp['inflight']:g} x "
                              f"{format_bytes(_bytes_in(r.plan, s))} received on top")
     if under:
-        print("- measured below predicted (" + "; ".join(under) + "): the cost model's backward "
-              "workspace (one node's output and input gradients, on top of every in-flight micro-batch's "
-              "activations) is an upper bound: by the time a node's backward runs, the activations of the "
-              "nodes after it in the oldest micro-batch are already freed.")
+        print("- measured below predicted (" + "; ".join(under) + "): the plan's peak already takes off "
+              "what the oldest micro-batch has freed by the peak node (freed_bytes, [Note: freed by the "
+              "peak]); what is left is in the terms above it (received buffers, workspace, the deferred "
+              "W share of zero bubble).")
     t_miss = []
     for r in results:
         for rk in r.ranks:
