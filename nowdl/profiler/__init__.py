@@ -17,6 +17,7 @@ from nowdl.profiler.cache import (
     resolve_cache_dir,
     store_cached,
 )
+from nowdl.profiler.compose import scale_times, whole_pass
 from nowdl.profiler.cost import NodeCost, Profile
 from nowdl.profiler.devices import BUILTIN_SPECS, DeviceSpec, get_device_spec
 from nowdl.profiler.estimate import EstimateBackend
@@ -129,6 +130,7 @@ def profile(
         key_parts["device"] = device_label(dev)
         key_parts["repeats"] = repeats
         key_parts["threads"] = torch.get_num_threads() if dev.type == "cpu" else None
+        key_parts["whole_pass"] = 1  # [Note: whole-pass scale]
     else:
         spec = get_device_spec(device_spec, cache_dir=cache_dir)
         key_parts["spec"] = spec.to_dict()
@@ -140,11 +142,15 @@ def profile(
 
     t0 = time.perf_counter()
     backend: Backend
+    scale = (1.0, 1.0)
     if mode == "measure":
         assert dev is not None
         with _preserved_state(gm, dev) as model:
             backend = MeasureBackend(model, dev, repeats, warmup)
             costs, edges = walk(model, example_inputs, backend, opt, progress, PRECISIONS[precision])
+            whole = whole_pass(model, example_inputs, dev, costs, repeats, PRECISIONS[precision])
+        if whole is not None:  # [Note: whole-pass scale]
+            costs, scale = scale_times(costs, *whole)
     else:
         assert spec is not None
         backend = EstimateBackend(gm, spec)
@@ -161,6 +167,7 @@ def profile(
         fingerprint=fingerprint,
         wall_s=time.perf_counter() - t0,
         precision=precision,
+        time_scale=scale,
     )
     log.info("profiled %d nodes (%s on %s) in %.2fs", len(costs), mode, prof.device,
              prof.wall_s)

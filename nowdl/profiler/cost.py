@@ -68,6 +68,9 @@ class Profile:
     fingerprint: str = ""
     wall_s: float = 0.0  # how long profiling took
     precision: str = "fp32"  # "bf16"/"fp16": profiled under autocast, outputs counted at that width
+    # measure mode: the factors that made the nodes' fwd/bwd add up to one whole pass
+    # ([Note: whole-pass scale] in profiler/compose.py); (1, 1) when not applied
+    time_scale: tuple[float, float] = (1.0, 1.0)
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -103,6 +106,7 @@ class Profile:
             "fingerprint": self.fingerprint,
             "wall_s": self.wall_s,
             "precision": self.precision,
+            "time_scale": list(self.time_scale),
             "nodes": [asdict(n) for n in self.nodes],
             "edges": [list(e) for e in self.edges],
         }
@@ -131,6 +135,7 @@ class Profile:
             fingerprint=d.get("fingerprint", ""),
             wall_s=float(d.get("wall_s", 0.0)),
             precision=str(d.get("precision", "fp32")),
+            time_scale=(float(d.get("time_scale", [1.0, 1.0])[0]), float(d.get("time_scale", [1.0, 1.0])[1])),
         )
 
     def to_json(self) -> str:
