@@ -149,8 +149,8 @@ def profile(
             backend = MeasureBackend(model, dev, repeats, warmup)
             costs, edges = walk(model, example_inputs, backend, opt, progress, PRECISIONS[precision])
             whole = whole_pass(model, example_inputs, dev, costs, repeats, PRECISIONS[precision])
-        if whole is not None:  # [Note: whole-pass scale]
-            costs, scale = scale_times(costs, *whole)
+        if whole is not None:  # [Note: whole-pass scale]: the forward only
+            costs, scale = scale_times(costs, whole[0])
     else:
         assert spec is not None
         backend = EstimateBackend(gm, spec)
