@@ -37,6 +37,7 @@ from nowdl.runtime.launch import wait
 from nowdl.runtime.microbatch import detach as _detach
 from nowdl.runtime.microbatch import split_batch
 from nowdl.runtime.placement import Placement
+from nowdl.runtime.roots import Root
 from nowdl.runtime.schedule import Action, rank_actions
 from nowdl.runtime.spatial_stage import TiledStage
 from nowdl.runtime.tiles import TiledInput, TileGrid
@@ -196,7 +197,7 @@ class PipelineEngine(Transfers, GradSync):
         wq: dict[tuple[int, int, int], list[WeightGrad]] = {}
         pending: list[Any] = []  # launched gradient buckets
         inputs: dict[tuple[int, int, int], list[torch.Tensor]] = {}
-        outputs: dict[tuple[int, int, int], list[torch.Tensor | None]] = {}
+        outputs: dict[tuple[int, int, int], list[Root | None]] = {}
         losses: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[tuple[Any, str, torch.Tensor, int, int]] = []  # work, what, tensor, peer, its action
         self._peer_done = {}
@@ -258,8 +259,8 @@ class PipelineEngine(Transfers, GradSync):
                     inputs.pop(key)
                     held_bufs.pop(key)
                 else:  # a model output no stage reads is not kept: the loss is the backward's root
-                    outputs[key] = [None if all(c == self.k for c in st.consumers.get(n, [])) else o
-                                    for n, o in zip(st.outputs, outs, strict=True)]
+                    outputs[key] = [None if all(c == self.k for c in st.consumers.get(n, [])) else Root(o)
+                                    for n, o in zip(st.outputs, outs, strict=True)]  # [Note: backward roots]
                 del outs, model_out  # and no loop variable keeps this micro-batch's outputs alive:
                 t = whole = result = msg = piece = None  # type: ignore[assignment]
             elif act.kind == "W":
@@ -269,7 +270,7 @@ class PipelineEngine(Transfers, GradSync):
                 me = (act.stage, part)
                 kept = outputs.pop(key)
                 ins = inputs.pop(key)
-                roots: list[torch.Tensor] = []
+                roots: list[Any] = []  # GradientEdges (or tensors) and the loss
                 grads: list[torch.Tensor | None] = []
                 grad_bufs: list[torch.Tensor] = []
                 for name, o in zip(st.outputs, kept, strict=True):
@@ -290,10 +291,10 @@ class PipelineEngine(Transfers, GradSync):
                                     g = buf.to(o.dtype) if g is None else g + buf.to(o.dtype)
                                 else:
                                     if g is None:
-                                        g = torch.zeros_like(o)
+                                        g = o.zeros()
                                     g[self._rel(box, mine)] += buf.to(o.dtype)
                     if o is not None and o.requires_grad and g is not None:
-                        roots.append(o)
+                        roots.append(o.target)
                         grads.append(g)
                 loss_t = losses.pop((act.replica, act.microbatch)) if (act.replica, act.microbatch) in losses else None
                 if loss_t is not None and loss_t.numel() == 1:  # seeded with the scale: no scaled copy
