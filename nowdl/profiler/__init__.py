@@ -148,7 +148,7 @@ def profile(
         with _preserved_state(gm, dev) as model:
             backend = MeasureBackend(model, dev, repeats, warmup)
             costs, edges = walk(model, example_inputs, backend, opt, progress, PRECISIONS[precision])
-            whole = whole_pass(model, example_inputs, dev, costs, repeats, PRECISIONS[precision])
+            whole = whole_pass(model, example_inputs, dev, costs, PRECISIONS[precision])
         if whole is not None:  # [Note: whole-pass scale]: the forward only
             costs, scale = scale_times(costs, whole[0])
     else:

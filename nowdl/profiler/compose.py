@@ -3,8 +3,9 @@
 [Note: whole-pass scale] Measure mode times each node alone, several times in a row on the same
 inputs: its inputs and weights are hot in the caches, its output lands in memory just freed, and
 nothing runs between the repeats. A stage runs its nodes one after another on fresh data, and on
-this project's 2-core CPU a whole forward took 1.14x (ResNet-20 at 128², 73 nodes) to 1.37x
-(MONAI UNet at 128², width 8, 56 nodes) the sum of its nodes' forwards, the backward 0.98-1.0x.
+this project's 2-core CPU a whole forward took 1.14-1.28x (ResNet-20 at 128², 73 nodes) and
+1.27-1.43x (MONAI UNet at 128², width 8, 56 nodes) the sum of its nodes' forwards (six profiles
+each).
 After the per-node pass, :func:`whole_pass` runs the whole graph forward and backward
 (median of a few runs) and :func:`scale_times` multiplies every node's ``fwd_s`` by whole
 forward / sum of node forwards, so a stage's predicted forward is the nodes' share of a real
@@ -35,7 +36,11 @@ from nowdl.profiler.cost import NodeCost
 
 log = logging.getLogger(__name__)
 
-__all__ = ["whole_pass", "scale_times", "free_bytes", "SCALE_BOUNDS"]
+__all__ = ["whole_pass", "scale_times", "free_bytes", "SCALE_BOUNDS", "WHOLE_RUNS"]
+
+WHOLE_RUNS = 3
+"""Timed whole passes (after one warm-up): the per-node pass runs each node 7 times by default, so
+this adds about half of its time."""
 
 SCALE_BOUNDS = (1 / 3, 3.0)
 """A factor outside these is taken as a measurement gone wrong (a burst of load): not applied."""
@@ -52,8 +57,9 @@ def free_bytes(device: torch.device) -> int:
 
 
 def whole_pass(model: torch.nn.Module, inputs: tuple[Any, ...], device: torch.device, costs: Sequence[NodeCost],
-               repeats: int, autocast: torch.dtype | None = None) -> tuple[float, float] | None:
-    """Median seconds of one whole forward and one whole backward of ``model`` on ``inputs``.
+               autocast: torch.dtype | None = None) -> tuple[float, float] | None:
+    """Median seconds of one whole forward and one whole backward of ``model`` on ``inputs``
+    (:data:`WHOLE_RUNS` timed runs after one warm-up).
 
     None when the pass would hold more than half of :func:`free_bytes` (activations, outputs and
     the largest workspace of ``costs``) or when the model's outputs need no gradient.
@@ -68,7 +74,7 @@ def whole_pass(model: torch.nn.Module, inputs: tuple[Any, ...], device: torch.de
         contextlib.nullcontext)
     fwd: list[float] = []
     bwd: list[float] = []
-    for i in range(2 + max(3, repeats)):
+    for i in range(1 + WHOLE_RUNS):  # one warm-up
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
@@ -91,7 +97,7 @@ def whole_pass(model: torch.nn.Module, inputs: tuple[Any, ...], device: torch.de
         del out, roots, grads
         for p in model.parameters():
             p.grad = None
-        if i >= 2:
+        if i >= 1:
             fwd.append(t1 - t0)
             bwd.append(t3 - t2)
     return statistics.median(fwd), statistics.median(bwd)
