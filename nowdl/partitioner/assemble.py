@@ -56,6 +56,7 @@ def build_plan(
     stages = []
     lat = message_latency_s(costs, cand, part.stage_of)  # [Note: message latency]
     time_s = [part.stage_time[s] + lat[s] for s in range(k)]
+    peak = [part.stage_mem[s] - mem[s]["freed_bytes"] for s in range(k)]  # [Note: freed by the peak]
     for s in range(k):
         comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"])
         stages.append(StagePlan(
@@ -65,7 +66,7 @@ def build_plan(
             params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
             param_bytes=int(sums[s]["param_bytes"]),
             predicted={
-                "peak_bytes": part.stage_mem[s] - mem[s]["freed_bytes"], "static_bytes": sums[s]["static_bytes"],
+                "peak_bytes": peak[s], "static_bytes": sums[s]["static_bytes"],
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
                 "comm_s": max(0.0, comm), "time_s": time_s[s],
                 "inflight": float(cand.inflight()[s]), "deferred": float(cand.deferred()[s]), "halo_bytes": halo[s],
@@ -83,16 +84,15 @@ def build_plan(
                     held.append({"replica": 1, "stage": k - 1 - j, "part": q})
                 ranks.append(RankPlan(
                     rank=rank_of[(d, j, q)], dp=d, stages=held,
-                    predicted_peak_bytes=sum(part.stage_mem[h["stage"]] - mem[h["stage"]]["freed_bytes"] for h in held),
+                    predicted_peak_bytes=sum(peak[h["stage"]] for h in held),
                     predicted_time_s=sum(time_s[h["stage"]] for h in held),
                 ))
     ranks.sort(key=lambda r: r.rank)
     consumers: dict[int, set[int]] = {}
-    index = {n.name: i for i, n in enumerate(prof.nodes)}
-    for u, v in prof.edges:
-        su, sv = part.stage_of[index[u]], part.stage_of[index[v]]
+    for u, v in costs.edges:
+        su, sv = part.stage_of[u], part.stage_of[v]
         if sv > su:
-            consumers.setdefault(index[u], set()).add(sv)
+            consumers.setdefault(u, set()).add(sv)
     tensors = []
     for ui in sorted(consumers):
         n = prof.nodes[ui]

@@ -71,11 +71,9 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list
         out[s].update(recv_bytes=recv[s], send_bytes=send[s], wait_bytes=wait[s],
                       recv_held=spec.recv_factor, send_held=spec.send_factor)
     # [Note: freed by the peak]
-    readers: list[set[int]] = [set() for _ in prof.nodes]
-    index = {n.name: i for i, n in enumerate(prof.nodes)}
-    for a, b in prof.edges:
-        if a in index and b in index:
-            readers[index[a]].add(stage_of[index[b]])
+    readers: list[set[int]] = [set() for _ in prof.nodes]  # stages that read each node's output
+    for u, v in problem.edges:
+        readers[u].add(stage_of[v])
     cum = [0.0] * k
     top = [0.0] * k
     sent = [0.0] * k

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import fx
@@ -34,7 +35,7 @@ from nowdl.partitioner.zborder import zb_slots
 from nowdl.profiler.cost import Profile
 from nowdl.profiler.topology import Topology
 
-__all__ = ["Costs", "build_problem", "predict_step", "message_latency_s", "tied_nodes", "HALO_LATENCY_S",
+__all__ = ["Costs", "edge_indices", "build_problem", "predict_step", "message_latency_s", "tied_nodes", "HALO_LATENCY_S",
            "spatial_dims_of", "dtype_bytes", "layout_of", "grad_sync_s", "pipeline_slots"]
 
 HALO_LATENCY_S = 10e-6  # per halo exchange (one message round to the neighbours)
@@ -58,6 +59,17 @@ class Costs:
     @property
     def names(self) -> list[str]:
         return [n.name for n in self.profile.nodes]
+
+    @cached_property
+    def edges(self) -> list[tuple[int, int]]:
+        """The profile's edges as (producer, consumer) node indices."""
+        return edge_indices(self.profile)
+
+
+def edge_indices(prof: Profile) -> list[tuple[int, int]]:
+    """``prof.edges`` as (producer, consumer) indices into ``prof.nodes`` (edges to unknown names dropped)."""
+    index = {n.name: i for i, n in enumerate(prof.nodes)}
+    return [(index[u], index[v]) for u, v in prof.edges if u in index and v in index]
 
 
 def spatial_dims_of(profile: Profile) -> int:
@@ -136,8 +148,7 @@ def _border_fraction(shape: Sequence[int], grid: Sequence[int], halo: Sequence[i
 
 def _grad_workspace(prof: Profile) -> list[float]:
     """Gradients alive during each node's backward ([Note: held buffers])."""
-    index = {n.name: i for i, n in enumerate(prof.nodes)}
-    edges = [(index[u], index[v]) for u, v in prof.edges if u in index and v in index]
+    edges = edge_indices(prof)
     floating = [n.out_dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
                 for n in prof.nodes]
     return backward_grad_bytes([n.op for n in prof.nodes], [n.out_bytes for n in prof.nodes], floating, edges,
@@ -149,7 +160,7 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
     prof = costs.profile
     names = costs.names
     index = {n: i for i, n in enumerate(names)}
-    edges = [(index[u], index[v]) for u, v in prof.edges if u in index and v in index]
+    edges = costs.edges
     variants = {
         "plain": NodeVectors(
             act=[n.act_bytes for n in prof.nodes],
@@ -204,9 +215,7 @@ def _deferred_variants(costs: Costs, cand: Candidate, variants: dict[str, NodeVe
     (``deferred / inflight`` x :func:`held.deferred_bytes`, so that ``inflight`` x act is the
     whole peak: [Note: held buffers]); added to ``variants``. "plain" where nothing waits."""
     prof, plain = costs.profile, variants["plain"]
-    index = {n.name: i for i, n in enumerate(prof.nodes)}
-    wb = deferred_bytes([n.target for n in prof.nodes], [n.out_bytes for n in prof.nodes],
-                        [(index[u], index[v]) for u, v in prof.edges if u in index and v in index])
+    wb = deferred_bytes([n.target for n in prof.nodes], [n.out_bytes for n in prof.nodes], costs.edges)
     names = []
     for n, w in zip(cand.inflight(), cand.deferred(), strict=True):
         key = f"plain+w{w}/{n}" if w else "plain"
@@ -353,12 +362,8 @@ def message_latency_s(costs: Costs, cand: Candidate, stage_of: Sequence[int]) ->
     lay = layout_of(costs, cand)
     multi = lay.topo.multi_node
     nodes = costs.profile.nodes
-    index = {n.name: i for i, n in enumerate(nodes)}
-    crossing: set[tuple[int, int]] = set()  # (producer node, consumer stage)
-    for a, b in costs.profile.edges:
-        u, v = index.get(a), index.get(b)
-        if u is not None and v is not None and stage_of[u] != stage_of[v] and nodes[v].op != "output":
-            crossing.add((u, stage_of[v]))
+    crossing = {(u, stage_of[v]) for u, v in costs.edges  # (producer node, consumer stage)
+                if stage_of[u] != stage_of[v] and nodes[v].op != "output"}
     parts = cand.stage_parts()
     msgs = [0] * k
     for u, c in crossing:  # a rank of P tiles swaps pieces with the tile ranks its box meets

@@ -20,7 +20,6 @@ every activation at once, so it runs only when that fits in half the free memory
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -70,15 +69,13 @@ def whole_pass(model: torch.nn.Module, inputs: tuple[Any, ...], device: torch.de
         return None
     xs = tuple(t.detach().to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     cuda = device.type == "cuda"
-    cast = (lambda: torch.autocast(device_type=device.type, dtype=autocast)) if autocast is not None else (
-        contextlib.nullcontext)
     fwd: list[float] = []
     bwd: list[float] = []
     for i in range(1 + WHOLE_RUNS):  # one warm-up
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        with cast():
+        with torch.autocast(device_type=device.type, dtype=autocast, enabled=autocast is not None):
             out = model(*xs)
         if cuda:
             torch.cuda.synchronize(device)

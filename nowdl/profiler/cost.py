@@ -118,6 +118,7 @@ class Profile:
                 f"not a nowdl profile of version {PROFILE_FORMAT_VERSION} "
                 f"(format={d.get('format')!r}, version={d.get('version')!r})"
             )
+        fwd_scale, bwd_scale = d.get("time_scale", (1.0, 1.0))
         nodes = []
         for n in d["nodes"]:
             n = dict(n)
@@ -135,7 +136,7 @@ class Profile:
             fingerprint=d.get("fingerprint", ""),
             wall_s=float(d.get("wall_s", 0.0)),
             precision=str(d.get("precision", "fp32")),
-            time_scale=(float(d.get("time_scale", [1.0, 1.0])[0]), float(d.get("time_scale", [1.0, 1.0])[1])),
+            time_scale=(float(fwd_scale), float(bwd_scale)),
         )
 
     def to_json(self) -> str:
