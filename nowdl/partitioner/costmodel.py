@@ -352,7 +352,7 @@ def message_latency_s(costs: Costs, cand: Candidate, stage_of: Sequence[int]) ->
     [Note: message latency] The engine sends every tensor crossing a boundary as its own
     message, forward and (its gradient) backward, to every stage that reads it. The cost model
     charges bytes at the link's bandwidth in every solver; each message's latency (``nowdl
-    calibrate`` measured 55-65 us per gloo message over loopback) is added here, to the plan's
+    calibrate`` measured 63-73 us per gloo message over loopback on this 2-core machine) is added here, to the plan's
     predicted stage times and step, not weighed by the solvers (it adds about the same to every
     split's stages: 2 x latency x tensors crossing). Between a stage of P tiles and one of Q, a
     rank swaps one piece with each of the ceil(Q / P) ranks its tile meets. The inter-node link's
