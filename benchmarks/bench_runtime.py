@@ -168,6 +168,27 @@ def boundary(stages: Sequence[StageModule], b: int) -> list[str]:
     return sorted({n for s in stages[b + 1:] for n in s.inputs if made.get(n, -1) <= b})
 
 
+class _HandOff(torch.autograd.Function):
+    """Identity whose output shares its input's memory without being a view of it.
+
+    pipelining's ``stage_backward_input`` calls ``detach_()`` on a stage's outputs to drop the
+    graph before the weight pass. Where an output is also saved by the stage's own graph (a
+    ReLU saves its result) the later ``stage_backward_weight`` then fails with "Trying to use a
+    saved tensor that has been detached in-place"; a view cannot be detached in place at all.
+    Handing each output over through this node lets its zero bubble run on every split, at no
+    extra bytes.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return torch.empty(0, dtype=x.dtype, device=x.device).set_(
+            x.untyped_storage(), x.storage_offset(), x.size(), x.stride())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return grad
+
+
 class SingleStage(nn.Module):
     """A nowdl stage's fx module as a pipelining stage, which talks to its neighbours only: it
     takes the values crossing the boundary before it and returns those crossing the one after
@@ -181,11 +202,14 @@ class SingleStage(nn.Module):
         self.inputs = boundary(stages, st.index - 1) if st.index > 0 else list(st.inputs)
         self.outputs = boundary(stages, st.index) if st.index < len(stages) - 1 else list(st.outputs)
         self.relayed = [n for n in self.outputs if n not in st.outputs]
+        self.stages_ = len(stages)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         env = dict(zip(self.inputs, args, strict=True))
         env.update(zip(self.st.outputs, self.gm(*[env[n] for n in self.st.inputs]), strict=True))
         out = [env[n] for n in self.outputs]
+        if self.st.index < self.stages_ - 1:
+            out = [_HandOff.apply(t) for t in out]
         return out[0] if len(out) == 1 else tuple(out)
 
 
@@ -342,12 +366,9 @@ def worker(rank: int, world: int, plan_path: str, case: Case, cfg: Settings) -> 
 
         return pp_step, wrapped, pstage, popt
 
-    # the same schedule on the same split (for zb also pipelining's 1F1B and GPipe). Its zero
-    # bubble ran on the K=2 splits of both models but failed on every K=4 split tried, in
-    # stage_backward_weight: "Trying to use a saved tensor that has been detached in-place" (torch
-    # 2.13; cause not analysed). For K > 2 its 1F1B stands in as the peer.
-    res["passthrough"] = world > 2
-    peer = "1f1b" if case.schedule == "zb" and world > 2 else case.schedule
+    # the same schedule on the same split (for zb also pipelining's 1F1B and GPipe); its zero
+    # bubble runs on every split thanks to _HandOff
+    peer = case.schedule
     res["peer"] = peer
     runners = {"pipelining": make_pp(peer, mine)}
     if case.schedule == "zb":  # its other schedules too, each from another copy with the same weights
@@ -603,12 +624,10 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
     relays = [f"{r.case.label}: " + ", ".join(f"rank {rk['rank']} relays {len(rk['relayed'])}" for rk in r.ranks
                                                  if rk.get("relayed"))
               for r in results if any(rk.get("relayed") for rk in r.ranks)]
-    passthrough = [r.case.label for r in results if r.case.schedule == "zb" and r.ranks[0].get("passthrough")]
-    if passthrough:
-        print("- pipelining's zero bubble (ScheduleInterleavedZeroBubble with one stage per rank, torch 2.13) ran on "
-              "the K=2 splits but failed on every K=4 split tried (ResNet and UNet), in stage_backward_weight: "
-              "'Trying to use a saved tensor that has been detached in-place' (cause not analysed). In those zb "
-              "rows (" + "; ".join(passthrough) + ") its 1F1B is the peer (ratio, memory) and its GPipe runs too.")
+    if any(r.case.schedule == "zb" for r in results):
+        print("- every stage's outputs pass through an identity node that shares their memory (_HandOff): "
+              "pipelining's backward_input detaches its outputs in place, which broke its zero bubble's "
+              "weight pass wherever the stage's own graph saves an output (a ReLU saves its result).")
     if relays:
         print("- long skips: nowdl sends each skip straight from its producer's stage to its consumer's; "
               "torch.distributed.pipelining's PipelineStage sends only to the next stage, so its stages "
