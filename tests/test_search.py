@@ -391,3 +391,38 @@ def test_memo_does_not_skip_the_master_bound() -> None:
     assert (screened.solver, screened.status) == ("ideals", "heuristic")  # the case under test
     again = solve(p, cache=cache, start=screened)
     assert again.status in ("optimal", "feasible") and again.status != "heuristic"
+
+
+def test_finalists_run_best_first_each_keeping_a_reserve_for_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The most promising finalist may use all the time left but FINALIST_RESERVE_S for each
+    one after it; what a finalist does not use passes on to the next."""
+    import time
+    from types import SimpleNamespace
+
+    import nowdl.partitioner.search as search_mod
+
+    given: list[tuple[int, float]] = []
+    spent = {0: 3.0, 1: 0.0, 2: 0.0}  # seconds each finalist's MILP "runs"
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def fake_finish(costs, ev, time_limit, cache, batch, mip_gap=1e-6):  # noqa: ANN001, ANN202
+        given.append((ev.cand, time_limit))
+        clock[0] += spent[ev.cand]
+        return dataclasses.replace(ev, final=True, exact=True)
+
+    monkeypatch.setattr(search_mod, "_finish", fake_finish)
+
+    def ev(i: int) -> search_mod._Eval:
+        return search_mod._Eval(cand=i, problem=None, bounds=SimpleNamespace(throughput_ub=1e9),  # type: ignore[arg-type]
+                                part=SimpleNamespace(bottleneck_mem=float(i), solver="beam"),  # type: ignore[arg-type]
+                                pred={"throughput": 10.0 - i}, exact=False, final=False, fits=True, idle=False)
+
+    req = PlanRequest(gpus=4, balance="memory")
+    out = search_mod._finalists(None, req, [ev(0), ev(1), ev(2)], None, 1, deadline=120.0)  # type: ignore[arg-type]
+    reserve = search_mod.FINALIST_RESERVE_S
+    assert [c for c, _ in given] == [0, 1, 2]  # best heuristic key first
+    assert given[0][1] == pytest.approx(20.0 - 2 * reserve)
+    assert given[1][1] == pytest.approx(20.0 - 3.0 - reserve)  # the first used 3 s: the rest passes on
+    assert given[2][1] == pytest.approx(17.0)
+    assert all(e.final for e in out) and len(out) == 3
