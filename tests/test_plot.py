@@ -12,6 +12,7 @@ from nowdl.cli import main
 from nowdl.partitioner.plan import Plan
 from nowdl.plot import memory_bars, stage_graph, timeline
 from nowdl.plot.graph import main_layers
+from nowdl.plot.memory import KIND_COLORS
 from nowdl.runtime.schedule import build_schedule, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +36,7 @@ def test_memory_bars_are_the_plans_numbers(plan: Plan) -> None:
         rp = next(r for r in plan.ranks if r.rank == b.rank)
         assert b.peak == rp.predicted_peak_bytes
         assert sum(b.parts.values()) == pytest.approx(b.peak, rel=1e-9)
+        assert {k for k, v in b.parts.items() if v > 0} <= set(KIND_COLORS)  # every kind is drawn
         held = [plan.stages[int(e["stage"])] for e in rp.stages]
         assert b.parts["saved activations"] == pytest.approx(  # less what one micro-batch freed by the peak
             sum(s.predicted["inflight"] * s.predicted["saved_bytes"] - s.predicted.get("freed_bytes", 0.0)
@@ -45,13 +47,39 @@ def test_memory_bars_are_the_plans_numbers(plan: Plan) -> None:
         assert bars[0].label == "s0+s3'"
 
 
+def test_drawn_bars_reach_the_peak(plan: Plan) -> None:
+    """The stacked bars drawn add up to each rank's peak (a kind without a colour was left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from nowdl.plot.memory import draw_memory
+
+    fig, ax = plt.subplots()
+    bars = draw_memory(ax, plan)
+    tops: dict[float, float] = {}
+    for patch in ax.patches:
+        x = round(patch.get_x() + patch.get_width() / 2, 6)
+        tops[x] = max(tops.get(x, 0.0), patch.get_y() + patch.get_height())
+    plt.close(fig)
+    unit = bars[0].peak / tops[0.0]  # bytes per unit of the axis: GiB, MiB, ...
+    assert unit in (1.0, 2.0**10, 2.0**20, 2.0**30, 2.0**40) or min(
+        abs(unit / u - 1) for u in (1.0, 2.0**10, 2.0**20, 2.0**30, 2.0**40)) < 1e-9
+    for x, b in enumerate(bars):
+        assert tops[float(x)] * unit == pytest.approx(b.peak, rel=1e-9)
+
+
 def test_memory_bars_of_an_older_plan() -> None:
     plan = Plan.load(OLD_PLAN)
     breakdown = ("weight_bytes", "grad_bytes", "optim_bytes", "saved_bytes", "recv_bytes", "send_bytes",
                  "workspace_bytes", "recv_held", "send_held")
-    for st in plan.stages:  # as a plan written before the breakdown existed
+    for st in plan.stages:  # as a plan written before the breakdown existed (its peak: the bound)
         for key in breakdown:
             st.predicted.pop(key, None)
+        st.predicted["peak_bytes"] += st.predicted.pop("freed_bytes", 0.0)
+    for rp in plan.ranks:
+        rp.predicted_peak_bytes = sum(plan.stages[int(e["stage"])].predicted["peak_bytes"] for e in rp.stages)
     for b in memory_bars(plan):
         assert set(b.parts) == {"weights, gradients, optimizer", "saved activations", "boundary tensors, workspace"}
         assert sum(b.parts.values()) == pytest.approx(b.peak, rel=1e-9)

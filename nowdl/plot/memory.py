@@ -19,6 +19,7 @@ KIND_COLORS = {
     "sent tensors": "#98df8a",
     "boundary tensors, workspace": "#2ca02c",
     "workspace": "#8c8c8c",
+    "waiting skip gradients": "#e377c2",
     "other": "#d9d9d9",
 }
 
