@@ -146,3 +146,74 @@ def test_freed_by_the_peak_by_hand() -> None:
     (mem,) = stage_memory(Costs(profile=prof, rules={}, link_bw=1e9, mem_cap=None), cand, [0, 0, 0, 0])
     assert (mem["saved_bytes"], mem["workspace_bytes"]) == (200, 200)
     assert mem["freed_bytes"] == 200 + 200 - (150 + 200)
+
+
+def test_tiled_max_pool_charges_no_indices() -> None:
+    """A tiled max pool saves its input window and recomputes (runtime/halo/window_op.py): its
+    tiled activation is its output tile, without the int64 indices the plain pool saves."""
+    from torch import nn
+
+    from nowdl.partitioner.costmodel import Costs, _tiled_vectors
+    from nowdl.partitioner.spatial import spatial_rules
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1))
+    cm = nowdl.compile(model, gpus=2, mode="estimate", progress=False, cache=False)
+    x = torch.empty(1, 3, 64, 64, device="meta")
+    t, prof = cm.trace(x), cm.profile(x)
+    costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=1e11, mem_cap=None)
+    vec = _tiled_vectors(costs, 2, "square")
+    i = next(j for j, n in enumerate(prof.nodes) if "MaxPool" in n.target)
+    pool = prof.nodes[i]
+    assert pool.act_bytes == pytest.approx(3 * pool.out_bytes)  # plain: output (float32) + indices (int64)
+    assert vec.act[i] == pytest.approx(pool.out_bytes / 2)
+    relu = prof.nodes[i - 1]
+    assert vec.act[i - 1] == pytest.approx(relu.act_bytes / 2)  # other nodes as before
+
+
+def test_fused_runs_raise_the_predicted_peak_by_their_window() -> None:
+    """[Note: fused workspace]: a fused halo run's first op holds its window's gradient and its
+    input gradient over the window; the plan charges it, consistently in stages and ranks."""
+    from nowdl.partitioner.costmodel import _grad_workspace, dtype_bytes
+    from nowdl.partitioner.fusion import fused_workspace
+    from nowdl.partitioner.spatial import halo_elements
+
+    def plan(fusion: str) -> tuple[nowdl.Plan, nowdl.CompiledModel]:
+        cm = nowdl.compile(nowdl.models.unet(1, 2, depth=2, base_width=8), gpus=2, stages=1, spatial_parts=2,
+                           slice="square", micro_batches=2, dp=1, replicas=1, mode="estimate", halo_fusion=fusion,
+                           progress=False, cache=False)
+        return cm.plan(torch.empty(1, 1, 256, 256, device="meta")), cm
+
+    off, _ = plan("off")
+    fused, cm = plan("auto")
+    st, st0 = fused.stages[0], off.stages[0]
+    assert st.fused and not st0.fused
+    x = torch.empty(1, 1, 256, 256, device="meta")
+    gm, prof = cm.trace(x).gm, cm.profile(x)
+    ws = fused_workspace(gm, fused, prof)
+    assert set(ws) == {c[0] for c in st.fused}
+    grads = dict(zip((n.name for n in prof.nodes), _grad_workspace(prof), strict=True))
+    for c in st.fused:  # by hand: gradients / P + the window (tile + deep halo) + the halo again
+        src = next(iter(u for u, v in prof.edges if v == c[0]))
+        shape = prof[src].out_shape
+        assert shape is not None
+        assert ws[c[0]] > grads[c[0]] / 2 + prof[src].out_bytes / 2
+        halo = (ws[c[0]] - grads[c[0]] / 2 - prof[src].out_bytes / 2) / 2
+        assert halo == pytest.approx(halo_elements(shape, st.grid, _deep(gm, c, shape, st.grid))
+                                     * dtype_bytes(prof[src].out_dtype))
+    q, q0 = st.predicted, st0.predicted
+    assert q["workspace_bytes"] == pytest.approx(max([q0["workspace_bytes"], *ws.values()]))
+    assert q["workspace_bytes"] > q0["workspace_bytes"]
+    delta = (q["workspace_bytes"] - q0["workspace_bytes"]) - (q["freed_bytes"] - q0["freed_bytes"])
+    assert q["peak_bytes"] == pytest.approx(q0["peak_bytes"] + delta)
+    assert q["peak_bytes"] > q0["peak_bytes"]
+    assert [r.predicted_peak_bytes for r in fused.ranks] == pytest.approx([q["peak_bytes"]] * 2)
+    assert fused.predicted["peak_bytes"] == pytest.approx(q["peak_bytes"])
+
+
+def _deep(gm: torch.fx.GraphModule, chain: list[str], shape: list[int], grid: list[int]) -> tuple[int, ...]:
+    from nowdl.geometry import chain_geometry
+
+    mods = dict(gm.named_modules())
+    nodes = {n.name: n for n in gm.graph.nodes}
+    geo = chain_geometry([mods[str(nodes[c].target)] for c in chain], shape[2:], grid)
+    return tuple(max(lo, hi) for lo, hi in geo["halo"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nowdl.partitioner.breakdown import stage_memory
@@ -12,7 +13,7 @@ from nowdl.partitioner.problem import Partition
 from nowdl.partitioner.spatial import slice_grid
 from nowdl.partitioner.traffic import cross_node_bytes, halo_bytes, together_groups
 
-__all__ = ["SearchResult", "build_plan"]
+__all__ = ["SearchResult", "build_plan", "charge_fused_workspace"]
 
 
 @dataclass(frozen=True)
@@ -122,3 +123,20 @@ def build_plan(
     plan.topology["together"] = together_groups(plan)
     plan.topology["cross_node_bytes"] = cross_node_bytes(plan)
     return plan
+
+
+def charge_fused_workspace(plan: Plan, costs: Costs, result: SearchResult, fused_ws: Mapping[str, float]) -> None:
+    """Raise the predicted peaks of ``plan`` (its stages, ranks and whole) by what the fused
+    halo runs chosen after planning hold in their backward ([Note: fused workspace] in
+    partitioner/fusion.py); ``fused_ws`` maps a run's first node to that workspace."""
+    if not fused_ws:
+        return
+    mem = stage_memory(costs, result.candidate, result.partition.stage_of, fused_ws)
+    for st, m in zip(plan.stages, mem, strict=True):
+        p = st.predicted
+        delta = (m["workspace_bytes"] - p["workspace_bytes"]) - (m["freed_bytes"] - p["freed_bytes"])
+        p.update(workspace_bytes=m["workspace_bytes"], freed_bytes=m["freed_bytes"], peak_bytes=p["peak_bytes"] + delta)
+    peak = {st.index: st.predicted["peak_bytes"] for st in plan.stages}
+    for r in plan.ranks:
+        r.predicted_peak_bytes = sum(peak[h["stage"]] for h in r.stages)
+    plan.predicted["peak_bytes"] = max(r.predicted_peak_bytes for r in plan.ranks)

@@ -25,7 +25,7 @@ checked against the solvers' bound, so a plan never exceeds it by this term.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from nowdl.partitioner.config import Candidate
 from nowdl.partitioner.costmodel import Costs, build_problem
@@ -42,7 +42,8 @@ long skips held at the peak until their producer takes them, all copies counted;
 what one micro-batch has freed by the stage's peak, [Note: freed by the peak])."""
 
 
-def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[dict[str, float]]:
+def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
+                 fused_ws: Mapping[str, float] | None = None) -> list[dict[str, float]]:
     """Per-stage memory terms (per rank of the stage) for the node-to-stage map ``stage_of``.
 
     ``weight_bytes`` (parameters and buffers), ``grad_bytes`` and ``optim_bytes`` are held for
@@ -53,8 +54,11 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list
     ``wait_bytes`` the long-skip gradients waiting for their producer. So ``weight + grad + optim
     + inflight x saved + recv_held x recv + send_held x send + workspace + wait`` is the solvers'
     bound of the stage's peak, and that less ``freed_bytes`` the plan's ``peak_bytes``.
+    ``fused_ws`` raises the workspace of the nodes it names (the first op of a fused halo run,
+    [Note: fused workspace] in partitioner/fusion.py).
     """
     prof = costs.profile
+    fused_ws = fused_ws or {}
     problem = build_problem(costs, cand, "memory")
     k = cand.stages
     out = [dict.fromkeys(MEMORY_KEYS, 0.0) for _ in range(k)]
@@ -65,7 +69,7 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list
         out[s]["grad_bytes"] += n.grad_bytes
         out[s]["optim_bytes"] += n.optim_bytes
         out[s]["saved_bytes"] += vec.act[v]
-        out[s]["workspace_bytes"] = max(out[s]["workspace_bytes"], vec.workspace[v])
+        out[s]["workspace_bytes"] = max(out[s]["workspace_bytes"], vec.workspace[v], fused_ws.get(n.name, 0.0))
     recv, send, wait = boundary_bytes(problem, stage_of)
     for s, spec in enumerate(problem.stages):
         out[s].update(recv_bytes=recv[s], send_bytes=send[s], wait_bytes=wait[s],
@@ -87,7 +91,7 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list
             gone = float(vec.out[v])
         sent[s] += gone
         cum[s] += vec.act[v] - gone
-        top[s] = max(top[s], cum[s] + problem.variants[name].workspace[v])
+        top[s] = max(top[s], cum[s] + max(problem.variants[name].workspace[v], fused_ws.get(n.name, 0.0)))
     for s, spec in enumerate(problem.stages):
         out[s]["freed_bytes"] = spec.inflight * sent[s] + max(0.0, cum[s] + out[s]["workspace_bytes"] - top[s])
     return out

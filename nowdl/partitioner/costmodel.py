@@ -32,7 +32,7 @@ from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.skipwait import skip_waits
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, slice_grid, tile_shape
 from nowdl.partitioner.zborder import zb_slots
-from nowdl.profiler.cost import Profile
+from nowdl.profiler.cost import NodeCost, Profile
 from nowdl.profiler.topology import Topology
 
 __all__ = ["Costs", "edge_indices", "build_problem", "predict_step", "message_latency_s", "tied_nodes", "HALO_LATENCY_S",
@@ -99,7 +99,7 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
     grads = _grad_workspace(prof)
     for n, g in zip(prof.nodes, grads, strict=True):
         rule = costs.rules.get(n.name)
-        a = n.act_bytes / parts
+        a = _tile_act(costs, n, parts)
         t = n.time_s / parts
         if rule is not None and rule.tileable and rule.halo and any(rule.halo):
             src = producers.get(n.name)
@@ -116,6 +116,18 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
         ws.append(max(n.workspace_bytes, g) / parts)
         out.append(n.out_bytes / parts)
     return NodeVectors(act=act, time=time, workspace=ws, out=out)
+
+
+def _tile_act(costs: Costs, n: NodeCost, parts: int) -> float:
+    """Activation bytes node ``n`` saves per tile of ``parts`` (halo not included). A tiled max
+    pool saves its input window and recomputes in backward ([Note: halo overlap] in
+    runtime/halo/window_op.py): not the int64 indices the plain pool saves."""
+    a = n.act_bytes / parts
+    rule = costs.rules.get(n.name)
+    if parts > 1 and rule is not None and rule.kind == "pool" and any(
+            k in n.target.lower() for k in ("maxpool", "max_pool")):
+        a = max(0.0, a - n.out_bytes / dtype_bytes(n.out_dtype) * 8 / parts)
+    return a
 
 
 def _exposed_halo_s(rule: SpatialRule, one_way_s: float, fwd_s: float, bwd_s: float, has_weight: bool,
@@ -341,7 +353,7 @@ def stage_sums(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[d
         out[s]["fwd_s"] += n.fwd_s / p
         out[s]["bwd_s"] += n.bwd_s / p
         out[s]["static_bytes"] += n.static_bytes
-        out[s]["act_bytes"] += n.act_bytes / p
+        out[s]["act_bytes"] += _tile_act(costs, n, p)
         out[s]["param_bytes"] += n.param_bytes
     return out
 

@@ -12,6 +12,16 @@ run when the second is smaller ("auto"); ``"off"`` never fuses; an integer N fus
 into chains of up to N convs/pools whatever the cost (the seeds' ``--fused-layers N``).
 A run is a chain of call_module nodes of one spatial stage, each feeding only the next, all
 fusable (conv, pool, pointwise activations; a norm, an add or a concat ends it).
+
+[Note: fused workspace] A fused run's first op is a window op on the deep window (tile plus
+the run's halo): its backward allocates the window's gradient and its input gradient over the
+window, besides the output gradient, where an unfused padded conv makes a tile-sized input
+gradient only. :func:`fused_workspace` charges that op ``backward gradients / P + window +
+halo`` (bench_spatial's Table 6, UNet at 256², whole model on 2 tiles: the fused run after the
+concat held 2.06 + 2.06 + 1.01 MiB where the unfused plan charged 3.0, and the fused run
+measured 14.20 MiB against 13.15 unfused); ``assemble.charge_fused_workspace`` raises the
+plan's predicted peaks by it once the runs are chosen (after the split: the solvers and the
+memory cap do not see it).
 """
 
 from __future__ import annotations
@@ -29,13 +39,14 @@ from nowdl.partitioner.costmodel import (
     HALO_LATENCY_S,
     _border_fraction,
     _exposed_halo_s,
+    _grad_workspace,
     dtype_bytes,
 )
 from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, spatial_rules
 from nowdl.profiler.cost import Profile
 
-__all__ = ["fusion_runs", "choose_fusion", "check_policy", "FUSION_POLICIES"]
+__all__ = ["fusion_runs", "choose_fusion", "fused_workspace", "check_policy", "FUSION_POLICIES"]
 
 FUSION_POLICIES = ("auto", "off")
 
@@ -175,3 +186,25 @@ def choose_fusion(gm: fx.GraphModule, plan: Plan, prof: Profile, link_bw: float,
                 if gain > best_gain:
                     best, best_gain = chains, gain
             st.fused.extend(best)
+
+
+def fused_workspace(gm: fx.GraphModule, plan: Plan, prof: Profile) -> dict[str, float]:
+    """Per fused run of ``plan`` (``stages[i].fused``), its first node's backward workspace per
+    tile rank, in bytes ([Note: fused workspace])."""
+    g = _Graph({n.name: n for n in gm.graph.nodes}, dict(gm.named_modules()), {})
+    grads = dict(zip((n.name for n in prof.nodes), _grad_workspace(prof), strict=True))
+    out: dict[str, float] = {}
+    for st in plan.stages:
+        for chain in st.fused if st.parts > 1 else []:
+            src = g.source(chain[0])
+            shape = list(prof[src].out_shape or []) if src in prof else []
+            if len(shape) < 3 or chain[0] not in grads:
+                continue
+            try:
+                geo = chain_geometry([g.module(c) for c in chain], shape[2:], st.grid)
+            except (ValueError, NotImplementedError):
+                continue
+            deep = tuple(max(lo, hi) for lo, hi in geo["halo"])
+            halo = halo_elements(shape, st.grid, deep) * dtype_bytes(prof[src].out_dtype)
+            out[chain[0]] = grads[chain[0]] / st.parts + prof[src].out_bytes / st.parts + 2 * halo
+    return out
