@@ -15,10 +15,9 @@ from torch import nn
 
 from nowdl.errors import NowdlError, PlanError
 from nowdl.optimizers import build_optimizer, optimizer_kind
-from nowdl.partitioner.assemble import charge_fused_workspace
 from nowdl.partitioner.config import PlanRequest
 from nowdl.partitioner.costmodel import Costs, tied_nodes
-from nowdl.partitioner.fusion import check_policy, choose_fusion, fused_workspace
+from nowdl.partitioner.fusion import check_policy, plan_fusion
 from nowdl.partitioner.placement import request_topology
 from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.search import build_plan, timed_search
@@ -172,8 +171,7 @@ class CompiledModel:
             solver_seconds=secs, created_by=f"nowdl {__version__}",
             params_per_node=_params_per_node(t.gm),
         )
-        choose_fusion(t.gm, plan, prof, float(spec.link_bw), self.halo_fusion, costs.topo(req.gpus).intra.latency_s)
-        charge_fused_workspace(plan, costs, result, fused_workspace(t.gm, plan, prof))  # [Note: fused workspace]
+        plan_fusion(t.gm, plan, prof, costs, result, self.halo_fusion, float(spec.link_bw), costs.topo(req.gpus).intra.latency_s)
         plan.config["halo_fusion"] = self.halo_fusion
         plan.config["precision"] = self.precision
         # where plan() spent its time (trace includes the eager check; 0 when cached)

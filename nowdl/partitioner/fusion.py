@@ -35,8 +35,10 @@ from torch import nn
 
 from nowdl.errors import NowdlError
 from nowdl.geometry import chain_geometry, fusable
+from nowdl.partitioner.assemble import SearchResult, charge_fused_workspace
 from nowdl.partitioner.costmodel import (
     HALO_LATENCY_S,
+    Costs,
     _border_fraction,
     _exposed_halo_s,
     _grad_workspace,
@@ -46,7 +48,7 @@ from nowdl.partitioner.plan import Plan
 from nowdl.partitioner.spatial import SpatialRule, halo_elements, spatial_rules
 from nowdl.profiler.cost import Profile
 
-__all__ = ["fusion_runs", "choose_fusion", "fused_workspace", "check_policy", "FUSION_POLICIES"]
+__all__ = ["fusion_runs", "choose_fusion", "fused_workspace", "plan_fusion", "check_policy", "FUSION_POLICIES"]
 
 FUSION_POLICIES = ("auto", "off")
 
@@ -208,3 +210,11 @@ def fused_workspace(gm: fx.GraphModule, plan: Plan, prof: Profile) -> dict[str, 
             halo = halo_elements(shape, st.grid, deep) * dtype_bytes(prof[src].out_dtype)
             out[chain[0]] = grads[chain[0]] / st.parts + prof[src].out_bytes / st.parts + 2 * halo
     return out
+
+
+def plan_fusion(gm: fx.GraphModule, plan: Plan, prof: Profile, costs: Costs, result: SearchResult,
+                policy: str | int, link_bw: float, latency_s: float = HALO_LATENCY_S) -> None:
+    """:func:`choose_fusion` on a new plan, then its predicted peaks raised by the chosen runs'
+    workspace ([Note: fused workspace])."""
+    choose_fusion(gm, plan, prof, link_bw, policy, latency_s)
+    charge_fused_workspace(plan, costs, result, fused_workspace(gm, plan, prof))
