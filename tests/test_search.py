@@ -426,3 +426,12 @@ def test_finalists_run_best_first_each_keeping_a_reserve_for_the_rest(monkeypatc
     assert given[1][1] == pytest.approx(20.0 - 3.0 - reserve)  # the first used 3 s: the rest passes on
     assert given[2][1] == pytest.approx(17.0)
     assert all(e.final for e in out) and len(out) == 3
+
+    # a finalist left less than the reserve gets no MILP ([Note: HiGHS overrun]): its screened split stays
+    given.clear()
+    spent.update({0: 15.0, 1: 3.5})
+    clock[0] = 100.0
+    out = search_mod._finalists(None, req, [ev(0), ev(1), ev(2)], None, 1, deadline=120.0)  # type: ignore[arg-type]
+    assert [c for c, _ in given] == [0, 1]
+    assert given[1][1] == pytest.approx(20.0 - 15.0 - reserve)
+    assert len(out) == 3 and [e.final for e in sorted(out, key=lambda e: e.cand)] == [True, True, False]
