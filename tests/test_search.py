@@ -435,3 +435,11 @@ def test_finalists_run_best_first_each_keeping_a_reserve_for_the_rest(monkeypatc
     assert [c for c, _ in given] == [0, 1]
     assert given[1][1] == pytest.approx(20.0 - 15.0 - reserve)
     assert len(out) == 3 and [e.final for e in sorted(out, key=lambda e: e.cand)] == [True, True, False]
+
+    # ... unless its screened split breaks the cap (here none fits): the MILP is its only chance
+    given.clear()
+    clock[0] = 100.0
+    evs = [dataclasses.replace(ev(i), fits=False) for i in range(3)]
+    out = search_mod._finalists(None, req, evs, None, 1, deadline=120.0)  # type: ignore[arg-type]
+    assert [c for c, _ in given] == [0, 1, 2]
+    assert given[2][1] == pytest.approx(1.5)

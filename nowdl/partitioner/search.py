@@ -53,7 +53,8 @@ FINALIST_RESERVE_S = 2.0  # seconds kept for each later finalist while an earlie
 # [Note: HiGHS overrun] HiGHS checks its time limit between phases, and its lifting for probing
 # (HiGHS >= 1.11) neither checks it nor calls the interrupt callbacks: at the root of SwinUNETR's
 # 8-stage MILP (4,811 columns) it ran 6.4 s past a 1.96 s limit, making plan() 35.6 s against
-# its 30. A finalist left less than FINALIST_RESERVE_S keeps its screened split instead. (Turning
+# its 30. A finalist left less than FINALIST_RESERVE_S keeps its screened split instead, when that
+# fits the cap (one that does not still gets its MILP, for at least 0.5 s). (Turning
 # the lifting off cures the overrun, but any explicit mip_lifting_for_probing gave a wrong
 # "optimal" tie-break on a 6-node test problem in HiGHS 1.15.1, and it slows AmoebaNet-D's
 # proof: within 1% in 20.7 s with it, 1.22% after 38 s without.)
@@ -258,8 +259,8 @@ def search(
 def _finalists(costs: Costs, req: PlanRequest, evals: list[_Eval], cache: SolveCache,
                batch: int, *, deadline: float) -> list[_Eval]:
     """Run the MILP on the unproven candidates that may beat the best proven one, sharing
-    what is left of the search's time limit best first (none left with less than
-    FINALIST_RESERVE_S: it keeps its screened split)."""
+    what is left of the search's time limit best first (one left with less than
+    FINALIST_RESERVE_S keeps its screened split if that fits the cap, else gets 0.5 s at least)."""
     fits = [e for e in evals if e.fits]
     final = [e for e in fits if e.final]
     best_final = min(final, key=lambda e: e.key()) if final else None
@@ -287,10 +288,10 @@ def _finalists(costs: Costs, req: PlanRequest, evals: list[_Eval], cache: SolveC
         # needed 20 s of HiGHS for 1 %, where two thirds of the budget gave it 15 s and 1.3 %)
         later = len(todo) - 1 - i
         share = deadline - time.perf_counter() - later * FINALIST_RESERVE_S
-        if share < FINALIST_RESERVE_S:  # [Note: HiGHS overrun]: too little for a MILP; keep the screened split
+        if share < FINALIST_RESERVE_S and ev.fits:  # [Note: HiGHS overrun]: keep the screened split
             out.append(ev)
             continue
-        done = _finish(costs, ev, share, cache, batch, req.mip_gap)
+        done = _finish(costs, ev, max(0.5, share), cache, batch, req.mip_gap)
         out.append(done if done is not None else dataclasses.replace(ev, fits=False))
     return out
 
