@@ -199,16 +199,16 @@ class SingleStage(nn.Module):
         super().__init__()
         self.gm = st.module
         self.st = st
+        self.last = st.index == len(stages) - 1
         self.inputs = boundary(stages, st.index - 1) if st.index > 0 else list(st.inputs)
-        self.outputs = boundary(stages, st.index) if st.index < len(stages) - 1 else list(st.outputs)
+        self.outputs = list(st.outputs) if self.last else boundary(stages, st.index)
         self.relayed = [n for n in self.outputs if n not in st.outputs]
-        self.stages_ = len(stages)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         env = dict(zip(self.inputs, args, strict=True))
         env.update(zip(self.st.outputs, self.gm(*[env[n] for n in self.st.inputs]), strict=True))
         out = [env[n] for n in self.outputs]
-        if self.st.index < self.stages_ - 1:
+        if not self.last:
             out = [_HandOff.apply(t) for t in out]
         return out[0] if len(out) == 1 else tuple(out)
 

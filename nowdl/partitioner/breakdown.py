@@ -58,10 +58,12 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
     [Note: fused workspace] in partitioner/fusion.py).
     """
     prof = costs.profile
-    fused_ws = fused_ws or {}
     problem = build_problem(costs, cand, "memory")
     k = cand.stages
     out = [dict.fromkeys(MEMORY_KEYS, 0.0) for _ in range(k)]
+    fused = fused_ws or {}
+    ws = [max(problem.variants[problem.stages[stage_of[v]].variant].workspace[v], fused.get(n.name, 0.0))
+          for v, n in enumerate(prof.nodes)]  # each node's transient where it sits
     for v, n in enumerate(prof.nodes):
         s = stage_of[v]
         vec = problem.variants[problem.stages[s].variant]
@@ -69,7 +71,7 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
         out[s]["grad_bytes"] += n.grad_bytes
         out[s]["optim_bytes"] += n.optim_bytes
         out[s]["saved_bytes"] += vec.act[v]
-        out[s]["workspace_bytes"] = max(out[s]["workspace_bytes"], vec.workspace[v], fused_ws.get(n.name, 0.0))
+        out[s]["workspace_bytes"] = max(out[s]["workspace_bytes"], ws[v])
     recv, send, wait = boundary_bytes(problem, stage_of)
     for s, spec in enumerate(problem.stages):
         out[s].update(recv_bytes=recv[s], send_bytes=send[s], wait_bytes=wait[s],
@@ -91,7 +93,7 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
             gone = float(vec.out[v])
         sent[s] += gone
         cum[s] += vec.act[v] - gone
-        top[s] = max(top[s], cum[s] + max(problem.variants[name].workspace[v], fused_ws.get(n.name, 0.0)))
+        top[s] = max(top[s], cum[s] + ws[v])
     for s, spec in enumerate(problem.stages):
         out[s]["freed_bytes"] = spec.inflight * sent[s] + max(0.0, cum[s] + out[s]["workspace_bytes"] - top[s])
     return out
