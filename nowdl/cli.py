@@ -26,23 +26,25 @@ _EPILOG_MODEL = (
 )
 
 
-def _example(shape_text: str | None, default: list[int] | None, mode: str) -> torch.Tensor:
-    if shape_text is None:
+def _example(shape_texts: list[str] | None, default: list[int] | None, mode: str) -> tuple[torch.Tensor, ...]:
+    """One tensor per ``--input`` (a model whose forward() takes several images gets several)."""
+    if not shape_texts:
         if default is None:
             raise NowdlError("give --input SHAPE (e.g. --input 1x3x2048x2048): this model has no default input")
-        shape = default
+        shapes = [default]
     else:
-        shape = parse_shape(shape_text)
+        shapes = [parse_shape(t) for t in shape_texts]
     if mode == "measure":
-        return torch.randn(shape)
-    return torch.empty(shape, device="meta")
+        return tuple(torch.randn(s) for s in shapes)
+    return tuple(torch.empty(s, device="meta") for s in shapes)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="built-in model name or package.module:callable")
     p.add_argument("--model-args", metavar="JSON", help="keyword arguments for the model, as a JSON object")
-    p.add_argument("--input", metavar="SHAPE", help="one micro-batch's input shape, e.g. 1x3x2048x2048 "
-                   "(default: the built-in model's default)")
+    p.add_argument("--input", metavar="SHAPE", action="append",
+                   help="one micro-batch's input shape, e.g. 1x3x2048x2048 (default: the built-in model's "
+                   "default); give it once per forward() argument for a model that takes several inputs")
     p.add_argument("--mode", choices=("auto", "estimate", "measure"), default="auto",
                    help="estimate: shapes/FLOPs on meta tensors, times from --device-spec (nothing allocated); "
                    "measure: real tensors node by node; auto: measure on CUDA, else estimate (default)")
@@ -342,7 +344,7 @@ def _run(args: argparse.Namespace) -> int:
     cache = not args.no_cache
     if args.command == "profile":
         x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate")
-        prof = nowdl.profile(model, x, mode=args.mode, device=args.device, device_spec=args.device_spec,
+        prof = nowdl.profile(model, *x, mode=args.mode, device=args.device, device_spec=args.device_spec,
                              optimizer=args.optimizer, cache=cache)
         _print_profile(prof, args.top, args.sort)
         if args.out:
@@ -362,7 +364,7 @@ def _run(args: argparse.Namespace) -> int:
                        device_spec=args.device_spec, optimizer=args.optimizer, time_limit=args.time_limit,
                        mip_gap=args.mip_gap, cache=cache, halo_fusion=args.halo_fusion, precision=args.precision,
                        nodes=args.nodes, gpus_per_node=args.gpus_per_node)
-    plan = cm.plan(x)
+    plan = cm.plan(*x)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}
     if args.out:

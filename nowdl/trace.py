@@ -33,6 +33,7 @@ from nowdl.trace_check import (
     _shrunk_inputs,
     _validate,
     check_inputs,
+    shape_hint,
 )
 from nowdl.trace_where import _where
 
@@ -50,6 +51,20 @@ class Traced:
     tracer: str  # "fx" or "export"
     fingerprint: str
     validated_on: tuple[tuple[int, ...], ...]  # input shapes the eager/traced check ran on
+
+
+def _feeds_directly(gm: fx.GraphModule, layer: str) -> bool:
+    """Whether the first input goes straight into the conv module ``layer`` (fx: a call of that
+    module; export: an ATen convolution on the input)."""
+    ph = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
+    if ph is None:
+        return False
+    for user in ph.users:
+        if user.op == "call_module" and user.target == layer:
+            return True
+        if user.op == "call_function" and "conv" in str(user.target) and user.args and user.args[0] is ph:
+            return True
+    return False
 
 
 class _LeafTracer(fx.Tracer):
@@ -202,6 +217,7 @@ def trace(
         raise TraceError(f"expected an nn.Module, got {type(model).__name__}")
     example_inputs = tuple(example_inputs)
     check_inputs(model, example_inputs)
+    hint = shape_hint(model, example_inputs)
     mname = type(model).__name__
     failures: list[str] = []
     details: list[str] = []
@@ -225,13 +241,25 @@ def trace(
             continue
         try:
             shapes = check()
+        except TraceError as e:  # the model itself fails on the input: no tracer helps
+            if hint is None:
+                raise
+            raise TraceError(f"{hint[0]} ({e})") from e
         except _Mismatch as m:
             failures.append(f"{kind} traced a graph that computes something else: {m}")
             details.append(f"--- {kind} graph ---\n{gm.graph}")
             log.info("%s graph of %s disagrees with eager: %s", kind, mname, m)
             continue
         log.info("traced %s with %s: %d nodes", mname, kind, len(gm.graph.nodes))
+        if hint is not None and _feeds_directly(gm, hint[1]):
+            raise TraceError(hint[0])  # the layer took the input anyway: unbatched, say
+        if hint is not None:
+            log.info("input shape differs from the first conv's (%s), but the model takes it", hint[0])
         return Traced(gm=gm, tracer=kind, fingerprint=fingerprint(gm, kind), validated_on=shapes)
+    if hint is not None:  # the likelier cause first; the tracers' failures with -v
+        err = TraceError(f"{hint[0]} (tracing {mname} on this input failed: {failures[-1]})")
+        err.detail = "\n".join(details)
+        raise err
     err = TraceError(
         f"nowdl cannot trace {mname}: " + "; ".join(failures) + ". "
         "What to do: make that forward() free of Python branches on tensor values and of writes into "

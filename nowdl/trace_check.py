@@ -1,7 +1,8 @@
 """Checking a traced graph: do the example inputs fit the model, and does the graph compute
 what the model computes?
 
-:func:`check_inputs` catches what can be known before running (dtype, rank, channels).
+:func:`check_inputs` catches what can be known before running (tensors, dtype); :func:`shape_hint`
+guesses at a wrong rank or channel count from the first convolution.
 ``_validate`` runs the model and the graph under the same RNG state and compares their outputs
 (fx graphs in eval mode on a shrunk input, exported graphs at their own shape in train and
 eval mode on copies); ``_Mismatch`` says the graph computes something else.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -20,7 +22,7 @@ from torch import nn
 from nowdl.errors import TraceError
 from nowdl.trace_where import _user_frame
 
-__all__ = ["check_inputs"]
+__all__ = ["check_inputs", "shape_hint"]
 
 # Inputs larger than this many elements per sample are validated on a shrunk copy (the fx
 # graph does not depend on the spatial size), so a 16384^2 plan needs no 16384^2 forward.
@@ -29,13 +31,14 @@ _SHRINK_SIDES = (64, 128, 256, 32, 512)
 
 
 def check_inputs(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> None:
-    """Raise TraceError if an example input's dtype or rank cannot fit the model.
+    """Raise TraceError if an example input is not a floating tensor of the model's dtype.
 
-    Checks what can be known before running: tensors, floating dtype equal to the
-    parameters', and the rank the first convolution or pooling layer expects.
+    Checks what can be known before running: tensors, and a floating dtype equal to the
+    parameters'. The rank and channels are checked by :func:`shape_hint`.
     """
     if not example_inputs:
         raise TraceError("no example input given: pass a tensor such as torch.randn(1, 3, 2048, 2048)")
+    _check_arity(model, len(example_inputs))
     pdtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
@@ -55,25 +58,65 @@ def check_inputs(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> No
                 f"example input {i} has dtype {x.dtype} but the model's parameters are {want}: "
                 f"convert the input with x.to({want[0]}) or the model with model.to(...)"
             )
+
+
+def _check_arity(model: nn.Module, given: int) -> None:
+    """Raise TraceError if forward() needs more positional inputs than given, or takes fewer."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C forward: nothing to read
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p.name for p in positional if p.default is p.empty]
+    varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+    name = type(model).__name__
+    if given < len(required):
+        raise TraceError(
+            f"{name}.forward takes {_inputs(len(required))} ({', '.join(required)}), {given} given: pass one "
+            f"example tensor per input (nowdl plan and profile: one --input SHAPE each, in that order; nowdl run feeds one input, "
+            "so train such a model from Python: cm.train_step((a, b), y))"
+        )
+    if given > len(positional) and not varargs:
+        raise TraceError(
+            f"{name}.forward takes at most {_inputs(len(positional))} "
+            f"({', '.join(p.name for p in positional) or 'none'}), {given} given: pass fewer example tensors"
+        )
+
+
+def _inputs(n: int) -> str:
+    return f"{n} input" + ("" if n == 1 else "s")
+
+
+def shape_hint(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> tuple[str, str] | None:
+    """A guess at a wrong input shape: the first input's rank or channels against the first
+    convolution's, as ``(message, first layer's name)``; None when they agree or there is no conv.
+
+    Only a guess (the first input may reach that layer through a reshape or a concatenation, as
+    in a generator fed a latent vector or a registration net fed two images), so :func:`trace`
+    raises it only when the model cannot be traced on these inputs, or when the traced graph
+    feeds the input straight into that layer.
+    """
     first = _first_spatial_module(model)
-    if first is not None:
-        name, mod, dims = first
-        want_rank = dims + 2
-        x0 = example_inputs[0]
-        if x0.dim() != want_rank:
-            raise TraceError(
-                f"example input of shape {list(x0.shape)} has rank {x0.dim()}, but the model's first "
-                f"spatial layer '{name}' ({type(mod).__name__}) takes rank-{want_rank} input "
-                f"(batch, channels, {dims} spatial dims): give e.g. shape "
-                f"{[1, _in_channels(mod)] + [256] * dims}"
-            )
-        c = _in_channels(mod)
-        if c and x0.dim() >= 2 and x0.shape[1] != c:
-            raise TraceError(
-                f"example input of shape {list(x0.shape)} has {x0.shape[1]} channels, but the model's "
-                f"first layer '{name}' ({type(mod).__name__}) expects {c}: use shape "
-                f"{[x0.shape[0], c] + list(x0.shape[2:])}"
-            )
+    if first is None or not example_inputs:
+        return None
+    name, mod, dims = first
+    want_rank = dims + 2
+    x0 = example_inputs[0]
+    if x0.dim() != want_rank:
+        return (
+            f"example input of shape {list(x0.shape)} has rank {x0.dim()}, but the model's first "
+            f"spatial layer '{name}' ({type(mod).__name__}) takes rank-{want_rank} input "
+            f"(batch, channels, {dims} spatial dims): give e.g. shape "
+            f"{[1, _in_channels(mod)] + [256] * dims}"
+        ), name
+    c = _in_channels(mod)
+    if c and x0.dim() >= 2 and x0.shape[1] != c:
+        return (
+            f"example input of shape {list(x0.shape)} has {x0.shape[1]} channels, but the model's "
+            f"first layer '{name}' ({type(mod).__name__}) expects {c}: use shape "
+            f"{[x0.shape[0], c] + list(x0.shape[2:])}"
+        ), name
+    return None
 
 
 def _first_spatial_module(model: nn.Module) -> tuple[str, nn.Module, int] | None:

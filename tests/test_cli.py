@@ -34,6 +34,18 @@ def test_plan_monai_from_shell(capsys: pytest.CaptureFixture[str]) -> None:
     assert "UNet" in capsys.readouterr().out
 
 
+def test_plan_model_with_two_inputs(capsys: pytest.CaptureFixture[str]) -> None:
+    # VoxelMorph.forward(moving, fixed) concatenates its two images before the first conv: one
+    # --input per argument; one --input alone names the missing argument
+    pytest.importorskip("monai")
+    argv = ["plan", "monai.networks.nets:VoxelMorph", "--model-args", '{"spatial_dims": 2, "integration_steps": 1}',
+            "--input", "1x1x32x32", "--gpus", "2", "--stages", "2"]
+    assert main(argv) == 2
+    assert "VoxelMorph.forward takes 2 inputs (moving, fixed), 1 given" in capsys.readouterr().err
+    assert main([*argv, "--input", "1x1x32x32"]) == 0
+    assert "inputs 1x1x32x32 + 1x1x32x32" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
@@ -44,6 +56,7 @@ def test_plan_monai_from_shell(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan", "unet", "--model-args", '{"depht": 2}', "--gpus", "2"], "depht"),
         (["plan", "unet", "--input", "1x3xbig", "--gpus", "2"], "as a shape"),
         (["plan", "unet", "--input", "1x3x64", "--gpus", "2"], "rank 3"),
+        (["plan", "unet", "--input", "1x3x64x64", "--input", "1x3x64x64", "--gpus", "2"], "at most 1 input (x), 2 given"),
         (["plan", "unet", "--input", "1x3x64x64", "--gpus", "0"], "positive integer"),
         (["plan", "unet", "--input", "1x3x64x64", "--gpus", "2", "--gpu-memory", "huge"], "memory size"),
         (["plan", "monai.networks.nets:UNet", "--gpus", "2", "--model-args", MONAI_ARGS], "give --input"),

@@ -346,3 +346,64 @@ def test_master_four_stages(schedule: str) -> None:
     """Regression: with a recycled receive-buffer pool, 4-stage MASTER under GPipe drifted from step 3
     on (a gradient stolen into .grad through a view shared the buffer the next receive reused)."""
     _compare("resnet_bn", 4, {"stages": 4, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": schedule})
+
+
+class _TwoImages(nn.Module):
+    """A registration-style net: forward(moving, fixed) concatenates the two images, and uses
+    ``moving`` again at the end (so a model input crosses stages)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(2, 4, 3, padding=1, bias=False)
+        self.norm = nn.GroupNorm(2, 4)
+        self.b = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.c = nn.Conv2d(5, 1, 3, padding=1)
+
+    def forward(self, moving: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.a(torch.cat([moving, fixed], 1))))
+        return self.c(torch.cat([torch.relu(self.b(h)), moving], 1))
+
+
+def _two_images(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return ((torch.randn(2, 1, 16, 16, generator=g, dtype=torch.float64),
+             torch.randn(2, 1, 16, 16, generator=g, dtype=torch.float64)),
+            torch.randn(2, 1, 16, 16, generator=g, dtype=torch.float64))
+
+
+def _two_images_worker(rank: int, world: int, cfg: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    cm = nowdl.compile(_TwoImages().double(), gpus=world, micro_batches=2, dp=1, replicas=1, mode="estimate",
+                       optimizer=_adam, loss_fn=nn.MSELoss(), cache=False, progress=False, timeout_s=60, **cfg)
+    losses = [cm.train_step(*_two_images(step)) for step in range(STEPS)]
+    return losses, cm.state_dict()
+
+
+@pytest.mark.parametrize(("cfg", "world"), [
+    ({"stages": 2, "spatial_parts": 1, "schedule": "1f1b"}, 2),
+    ({"stages": 2, "spatial_parts": 2, "spatial_stages": 1}, 3),
+], ids=["pipeline", "spatial-then-plain"])
+def test_model_with_two_inputs_trains_exactly(cfg: dict[str, Any], world: int) -> None:
+    """train_step((moving, fixed), y): every input is planned for, split into micro-batches (and
+    tiles) and fed to its placeholder; the run equals one process's."""
+    results = run_workers(_two_images_worker, world, cfg, timeout_s=240)
+    torch.manual_seed(0)
+    model = _TwoImages().double()
+    ref_losses: list[float] = []
+    opt = _adam(model.parameters())
+    for step in range(STEPS):  # train_reference chunks one tensor; here two inputs
+        (moving, fixed), y = _two_images(step)
+        opt.zero_grad(set_to_none=True)
+        acc = 0.0
+        for a, b, t in zip(moving.chunk(2), fixed.chunk(2), y.chunk(2), strict=True):
+            loss = nn.functional.mse_loss(model(a, b), t)
+            (loss / 2).backward()
+            acc += float(loss.detach())
+        opt.step()
+        ref_losses.append(acc / 2)
+    ref_sd = model.state_dict()
+    for losses, _ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=1e-12)
+    sd = results[0][1]
+    for k, ref in ref_sd.items():
+        torch.testing.assert_close(sd[k], ref, rtol=1e-9, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")

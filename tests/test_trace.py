@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import nowdl
 from nowdl.errors import TraceError
 from nowdl.trace import fingerprint, trace
 
@@ -135,6 +136,63 @@ def test_graph_that_computes_something_else_is_refused() -> None:
 def test_bad_example_inputs(x: torch.Tensor, needle: str) -> None:
     with pytest.raises(TraceError, match=needle):
         trace(Small(), (x,))
+
+
+def test_unbatched_input_is_refused_though_the_conv_takes_it() -> None:
+    # Conv2d runs a rank-3 tensor as one unbatched image: the graph traces, the input feeds the
+    # first conv directly, so the rank is still refused (the batch dimension would be wrong)
+    for tracer in ("fx", "export"):
+        with pytest.raises(TraceError, match="rank 3"):
+            trace(Small(), (torch.randn(3, 16, 16),), tracer=tracer)
+
+
+class TwoImages(nn.Module):
+    """A registration net: two 1-channel images concatenated before a 2-channel conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+
+    def forward(self, moving: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(torch.cat([moving, fixed], dim=1)))
+
+
+class FromLatent(nn.Module):
+    """A generator: a latent vector, a linear layer, a reshape, then transposed convs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4 * 8 * 8)
+        self.up = nn.ConvTranspose2d(4, 1, 4, stride=2, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.up(self.fc(z).view(-1, 4, 8, 8))
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs"),
+    [
+        (TwoImages(), (torch.randn(1, 1, 16, 16), torch.randn(1, 1, 16, 16))),
+        (FromLatent(), (torch.randn(2, 16),)),
+    ],
+    ids=["two-images", "from-latent"],
+)
+def test_input_that_reaches_the_first_conv_reshaped_is_accepted(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    # the first input's channels/rank differ from the first conv's, yet the model runs: no
+    # refusal (MONAI's VoxelMorph and Generator were refused before), and the plan is exact
+    cm = nowdl.compile(model, gpus=2, stages=2, progress=False)
+    plan = cm.plan(*inputs)
+    assert len(plan.stages) == 2
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(cm(*inputs), model(*inputs))
+
+
+def test_wrong_number_of_inputs_names_the_arguments() -> None:
+    with pytest.raises(TraceError, match=r"TwoImages.forward takes 2 inputs \(moving, fixed\), 1 given"):
+        trace(TwoImages(), (torch.randn(1, 1, 16, 16),))
+    with pytest.raises(TraceError, match=r"Small.forward takes at most 1 input \(x\), 2 given"):
+        trace(Small(), (torch.randn(1, 3, 16, 16), torch.randn(1, 3, 16, 16)))
 
 
 def test_large_input_validated_on_shrunk_copy() -> None:

@@ -283,7 +283,8 @@ class Plan:
         sp = c.get("spatial") or {}
         lines = [
             f"nowdl plan v{self.version} for {self.model.get('name', '?')} "
-            f"input {'x'.join(str(d) for d in self.model['inputs'][0])} "
+            f"input{'s' if len(self.model['inputs']) > 1 else ''} "
+            f"{' + '.join('x'.join(str(d) for d in shape) for shape in self.model['inputs'])} "
             f"({self.profile.get('source', '?')} on {self.profile.get('device', '?')}, {self.profile.get('dtype', '?')}"
             + (f" weights with {self.profile['precision']} autocast" if self.profile.get("precision", "fp32") != "fp32" else "")
             + ", "

@@ -116,7 +116,7 @@ class Trainer:
             init_distributed(backend=self.backend, timeout_s=self.timeout_s)
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
         first = _first_tensor(x)
-        plan = self._plan_everywhere(first, y)
+        plan = self._plan_everywhere(x, y)
         if plan.config["gpus"] != self.world:
             raise NowdlError(
                 f"this plan needs {plan.config['gpus']} ranks (gpus) but the job has {self.world}: launch with "
@@ -157,13 +157,16 @@ class Trainer:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _plan_everywhere(self, first: torch.Tensor, y: Any = None) -> Plan:
+    def _plan_everywhere(self, x: Any, y: Any = None) -> Plan:
         """Rank 0 plans (or loads) and broadcasts the plan, so every rank runs the same one."""
         if self.cm.plan_path is not None:
             return Plan.load(self.cm.plan_path)
-        return plan_on_rank0(lambda: self._plan_here(first, y), rank=self.rank, world=self.world)
+        return plan_on_rank0(lambda: self._plan_here(x, y), rank=self.rank, world=self.world)
 
-    def _plan_here(self, first: torch.Tensor, y: Any = None) -> Plan:
+    def _plan_here(self, x: Any, y: Any = None) -> Plan:
+        """Plan for one micro-batch of every model input (a model may take several)."""
+        xs = tuple(_example(t) for t in (x if isinstance(x, (list, tuple)) else (x,)))
+        first = xs[0]
         req = self.cm.request
         n = int(first.shape[0])
         b = 1  # micro-batch size: one sample, unless m, replicas and dp are all pinned
@@ -175,9 +178,9 @@ class Trainer:
             b = n // per
         if req is not None and req.global_batch is None:
             self.cm.request = dataclasses.replace(req, global_batch=n)
-        example = torch.empty((b,) + tuple(first.shape[1:]), dtype=first.dtype, device="meta")
+        examples = tuple(torch.empty((b,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta") for t in xs)
         target = y[:b] if isinstance(y, torch.Tensor) and y.dim() and y.shape[0] == n else None  # [Note: loss memory]
-        return self.cm.plan(example, target=target)
+        return self.cm.plan(*examples, target=target)
 
     # ---- steps -----------------------------------------------------------------------------------
     def train_step(self, x: Any, y: Any) -> float:
