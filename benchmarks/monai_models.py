@@ -263,7 +263,9 @@ def main() -> None:
         cases = {str(p.id): p.values[0] for p in cov.TRAIN if p.values[0].net in {n.id for n in nets}}
         tested = set(cases)
         for row in rows:  # every other net that plans: on tiles if it tiles whole, else a 4-stage pipeline
-            if not row.plan_error and row.net.id not in {c.net for c in cases.values()}:
+            if row.net.no_float64:
+                trained[row.net.id] = [f"not run: {row.net.no_float64}"]
+            elif not row.plan_error and row.net.id not in {c.net for c in cases.values()}:
                 cfg = ({**cov._TILED, "slice": "depth" if row.net.dims == 3 else "vertical"} if row.tiles == "yes"
                        else cov._PIPE4)
                 cases[row.net.id] = cov.Train(row.net.id, cfg)

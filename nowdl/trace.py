@@ -33,6 +33,7 @@ from nowdl.trace_check import (
     _shrunk_inputs,
     _validate,
     check_inputs,
+    eager_failure,
     shape_hint,
 )
 from nowdl.trace_where import _where
@@ -51,6 +52,11 @@ class Traced:
     tracer: str  # "fx" or "export"
     fingerprint: str
     validated_on: tuple[tuple[int, ...], ...]  # input shapes the eager/traced check ran on
+
+
+def _with_hint(message: str, hint: str) -> str:
+    """The likely cause (the input's shape against the first conv's) first, then the failure."""
+    return f"{hint[0].upper()}{hint[1:]}. {message}"
 
 
 def _feeds_directly(gm: fx.GraphModule, layer: str) -> bool:
@@ -110,9 +116,13 @@ def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Grap
 
     was_training = model.training
     model.train()
-    quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    # torch logs a failing op's traceback itself (fake_tensor at ERROR) past the stderr redirect:
+    # the failure reaches the user once, in nowdl's error (-v: in full)
+    quiet = {name: logging.getLogger(name) for name in ("torch.fx.experimental.symbolic_shapes",
+                                                        "torch._subclasses.fake_tensor")}
+    levels = {name: lg.level for name, lg in quiet.items()}
+    quiet["torch.fx.experimental.symbolic_shapes"].setLevel(logging.ERROR)
+    quiet["torch._subclasses.fake_tensor"].setLevel(logging.CRITICAL)
     copied = copy.deepcopy(model)
     printed = io.StringIO()  # torch.export prints its graph to stderr when it fails: -v shows it
     try:
@@ -124,7 +134,8 @@ def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Grap
         raise
     finally:
         model.train(was_training)
-        quiet.setLevel(level)
+        for name, lg in quiet.items():
+            lg.setLevel(levels[name])
     gm = ep.module()
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"torch.export returned {type(gm).__name__}, not a GraphModule")
@@ -244,7 +255,7 @@ def trace(
         except TraceError as e:  # the model itself fails on the input: no tracer helps
             if hint is None:
                 raise
-            raise TraceError(f"{hint[0]} ({e})") from e
+            raise TraceError(_with_hint(str(e), hint[0])) from e
         except _Mismatch as m:
             failures.append(f"{kind} traced a graph that computes something else: {m}")
             details.append(f"--- {kind} graph ---\n{gm.graph}")
@@ -256,6 +267,11 @@ def trace(
         if hint is not None:
             log.info("input shape differs from the first conv's (%s), but the model takes it", hint[0])
         return Traced(gm=gm, tracer=kind, fingerprint=fingerprint(gm, kind), validated_on=shapes)
+    broken = eager_failure(model, example_inputs)
+    if broken is not None:  # no tracer can help: say what the model itself raised
+        err = TraceError(broken if hint is None else _with_hint(broken, hint[0]))
+        err.detail = "\n".join(details)
+        raise err
     if hint is not None:  # the likelier cause first; the tracers' failures with -v
         err = TraceError(f"{hint[0]} (tracing {mname} on this input failed: {failures[-1]})")
         err.detail = "\n".join(details)

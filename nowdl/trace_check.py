@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -22,7 +23,9 @@ from torch import nn
 from nowdl.errors import TraceError
 from nowdl.trace_where import _user_frame
 
-__all__ = ["check_inputs", "shape_hint"]
+log = logging.getLogger(__name__)
+
+__all__ = ["check_inputs", "shape_hint", "eager_failure"]
 
 # Inputs larger than this many elements per sample are validated on a shrunk copy (the fx
 # graph does not depend on the spatial size), so a 16384^2 plan needs no 16384^2 forward.
@@ -223,6 +226,7 @@ def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Te
     """
     was_training = model.training
     last_err: Exception | None = None
+    ran_on: Sequence[torch.Tensor] = ()
     if train:
         inputs = _full_inputs(example_inputs)
         for mode in (True, False):  # train mode (batch statistics, dropout), then eval mode
@@ -230,7 +234,7 @@ def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Te
             try:
                 ref = _run(m, inputs, seed=1234)
             except Exception as e:
-                last_err = e
+                last_err, ran_on = e, inputs
                 break
             _compare(ref, g, inputs, "train" if mode else "eval")
         else:
@@ -243,20 +247,50 @@ def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Te
                 try:
                     ref = _run(model, inputs, seed=1234)
                 except Exception as e:  # this size does not fit the model; try another
-                    last_err = e
+                    last_err, ran_on = e, inputs
                     continue
                 _compare(ref, gm, inputs, "eval")
                 return tuple(tuple(x.shape) for x in inputs)
         finally:
             model.train(was_training)
             gm.train(was_training)
-    where = _user_frame(last_err) if last_err else ""
-    raise TraceError(
-        f"the model fails on the example input {[list(x.shape) for x in example_inputs]}"
-        f"{' (checked on a smaller copy)' if last_err else ''}: "
-        f"{type(last_err).__name__}: {last_err}{' at ' + where if where else ''}. "
-        "Check the input's shape (batch, channels, spatial...) against the model."
-    )
+    raise TraceError(_fails_as_is(model, last_err, example_inputs, ran_on))
+
+
+def _fails_as_is(model: nn.Module, err: BaseException | None, example_inputs: Sequence[torch.Tensor],
+                 ran_on: Sequence[torch.Tensor] = ()) -> str:
+    """The message for a model that fails on the input (``ran_on``: the copy it ran on) with no
+    tracing involved."""
+    where = _user_frame(err) if err is not None else ""
+    first = str(err).strip().splitlines()[0] if err is not None and str(err).strip() else ""
+    shapes = [list(x.shape) for x in example_inputs]
+    small = [list(x.shape) for x in ran_on]
+    copy_note = f" (run on a smaller copy, {small})" if small and small != shapes else ""
+    return (f"{type(model).__name__} fails on the example input {shapes}{copy_note} when run as is, without nowdl: "
+            f"{type(err).__name__}: {first}{' at ' + where if where else ''}. "
+            "Make the model run on the example input first (its dtype, shape and device).")
+
+
+def eager_failure(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> str | None:
+    """The message when the model itself (no tracing) fails on the example input, in eval mode
+    on the sizes the check uses; None when it runs on one of them."""
+    was_training = model.training
+    model.eval()
+    err: Exception | None = None
+    ran_on: Sequence[torch.Tensor] = ()
+    try:
+        for inputs in _shrunk_inputs(example_inputs):
+            try:
+                _run(model, inputs, seed=1234)
+                return None
+            except Exception as e:  # noqa: BLE001 (any failure of the user's model is the answer)
+                err, ran_on = e, inputs
+    except Exception as e:  # noqa: BLE001 (an example too large to allocate: say nothing)
+        log.debug("could not run the model eagerly: %s", e)
+        return None
+    finally:
+        model.train(was_training)
+    return None if err is None else _fails_as_is(model, err, example_inputs, ran_on)
 
 
 class _Mismatch(Exception):

@@ -85,6 +85,7 @@ def test_the_list_covers_what_the_issue_asks() -> None:
     trained = {p.values[0].net for p in TRAIN}
     assert len(trained) >= 6 and {"batch", "instance", "group"} <= {k for t in trained for k in by_id(t).norms}
     assert not [t for t in trained if by_id(t).random_in_training], "random training cannot match one process"
+    assert not [t for t in trained if by_id(t).no_float64], "the training check runs in float64"
     for n in NETS:  # the norms each entry claims are the norm layers the built net has
         m = build(n)
         found = {k for k, t in _NORMS.items() if any(isinstance(x, t) for x in m.modules())}

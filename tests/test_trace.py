@@ -195,6 +195,30 @@ def test_wrong_number_of_inputs_names_the_arguments() -> None:
         trace(Small(), (torch.randn(1, 3, 16, 16), torch.randn(1, 3, 16, 16)))
 
 
+class FloatGrid(nn.Module):
+    """Keeps a float32 grid as a plain attribute (``.double()`` leaves it), as MONAI's GlobalNet
+    does, and loops over the input's shape (fx cannot trace that)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 3, padding=1)
+        self.grid = torch.ones(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for side in x.shape[2:]:
+            assert side == 8
+        return self.conv(x) @ self.grid
+
+
+def test_model_that_fails_by_itself_is_named_as_the_cause(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(TraceError) as e:
+        trace(FloatGrid().double(), (torch.randn(1, 1, 8, 8, dtype=torch.float64),))
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("FloatGrid fails on the example input [[1, 1, 8, 8]] when run as is, without nowdl: RuntimeError"), first
+    assert "test_trace.py" in first and "self.grid" in first
+    assert "fake_tensor" not in capfd.readouterr().err  # torch's own log of the failing op stays quiet
+
+
 def test_large_input_validated_on_shrunk_copy() -> None:
     t = trace(Small(), (torch.empty(1, 3, 4096, 4096, device="meta"),))
     assert t.validated_on[0][2] <= 256
