@@ -151,10 +151,11 @@ def summary(rows: list[Row], trained: dict[str, list[str]]) -> str:
     equal = [r for r in planned if r.stage_diff is not None and r.stage_diff <= 1e-5]
     cli = [r for r in rows if r.cli == "exit 0"]
     exact = [n for n, texts in trained.items() if any(t.startswith("yes") for t in texts)]
+    ran = [n for n, texts in trained.items() if not all(t.startswith("not run") for t in texts)]
     tiles = [r for r in rows if r.tiles == "yes"]
     return (f"**Summary**: of {len(rows)} networks, {len(planned)} plan in 4 stages ({len(clean)} without changing "
             f"the model's state), {len(equal)} run their stages equal to the model, {len(cli)} plan from the "
-            f"CLI, {len(exact)} of the {len(trained)} trained match one process exactly, and {len(tiles)} run "
+            f"CLI, {len(exact)} of the {len(ran)} trained match one process exactly, and {len(tiles)} run "
             "on tiles whole.")
 
 
