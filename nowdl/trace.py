@@ -36,7 +36,7 @@ from nowdl.trace_check import (
     eager_failure,
     shape_hint,
 )
-from nowdl.trace_where import _where
+from nowdl.trace_where import _refused_by_model, _user_frame, _where
 
 __all__ = ["Traced", "trace", "fingerprint", "check_inputs"]
 
@@ -232,6 +232,7 @@ def trace(
     mname = type(model).__name__
     failures: list[str] = []
     details: list[str] = []
+    refused: Exception | None = None  # the model's own code raised while torch.export ran it
     order = ["fx", "export"] if tracer == "auto" else [tracer]
     for kind in order:
         check: Callable[[], tuple[tuple[int, ...], ...]]
@@ -249,6 +250,8 @@ def trace(
             failures.append(f"{kind} failed{' in ' + where if where else ''}: {type(e).__name__}: {first}")
             details.append(f"--- {kind} ---\n" + getattr(e, "nowdl_printed", "") + "".join(traceback.format_exception(e)))
             log.info("tracing %s with %s failed: %s", mname, kind, e)
+            if kind == "export" and _refused_by_model(e):
+                refused = e
             continue
         try:
             shapes = check()
@@ -270,6 +273,14 @@ def trace(
     broken = eager_failure(model, example_inputs)
     if broken is not None:  # no tracer can help: say what the model itself raised
         err = TraceError(broken if hint is None else _with_hint(broken, hint[0]))
+        err.detail = "\n".join(details)
+        raise err
+    if refused is not None:  # it runs at a small size but raises at this one: the size is refused
+        first = str(refused).strip().splitlines()[0] if str(refused).strip() else ""
+        msg = (f"{mname} refuses the example input {[list(x.shape) for x in example_inputs]}: "
+               f"{type(refused).__name__}: {first} at {_user_frame(refused)} (its own code raised this while "
+               "torch.export ran it on fake tensors of that size): give an input the model accepts")
+        err = TraceError(msg if hint is None else _with_hint(msg, hint[0]))
         err.detail = "\n".join(details)
         raise err
     if hint is not None:  # the likelier cause first; the tracers' failures with -v

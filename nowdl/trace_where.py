@@ -53,3 +53,13 @@ def _where(exc: BaseException, model: nn.Module) -> str:
             break
     line = _user_frame(exc)
     return ", ".join(p for p in (module, f"at {line}" if line else "") if p)
+
+
+def _refused_by_model(exc: BaseException) -> bool:
+    """Whether the user's own code raised ``exc`` on purpose (a builtin exception from a ``raise``
+    or ``assert`` line): the model refuses its input, as opposed to a tracer's limitation."""
+    if type(exc).__module__ != "builtins":
+        return False
+    frames = _user_frames(exc)
+    line = (frames[-1][0].line or "").strip() if frames else ""
+    return line.startswith(("raise ", "raise(", "assert "))

@@ -219,6 +219,30 @@ def test_model_that_fails_by_itself_is_named_as_the_cause(capfd: pytest.CaptureF
     assert "fake_tensor" not in capfd.readouterr().err  # torch's own log of the failing op stays quiet
 
 
+class SizeGate(nn.Module):
+    """Refuses images over 256 pixels a side (as HoVerNet's fast mode refuses all but 256x256)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] > 256:
+            raise ValueError("at most 256 pixels a side")
+        return self.conv(x)
+
+
+def test_input_size_the_model_refuses_is_named_not_blamed_on_tracing() -> None:
+    # runs at the small size the check tries, raises at the example's: fx cannot trace the
+    # branch, torch.export meets the raise; the error is the model's, not "cannot trace"
+    with pytest.raises(TraceError) as e:
+        trace(SizeGate(), (torch.empty(1, 1, 1024, 1024, device="meta"),))
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("SizeGate refuses the example input [[1, 1, 1024, 1024]]: ValueError: at most 256 "
+                            "pixels a side at "), first
+    assert "cannot trace" not in first and "test_trace.py" in first
+
+
 def test_large_input_validated_on_shrunk_copy() -> None:
     t = trace(Small(), (torch.empty(1, 3, 4096, 4096, device="meta"),))
     assert t.validated_on[0][2] <= 256
