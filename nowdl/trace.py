@@ -270,28 +270,30 @@ def trace(
         if hint is not None:
             log.info("input shape differs from the first conv's (%s), but the model takes it", hint[0])
         return Traced(gm=gm, tracer=kind, fingerprint=fingerprint(gm, kind), validated_on=shapes)
+    raise _failure(model, example_inputs, hint, refused, failures, details)
+
+
+def _failure(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], hint: tuple[str, str] | None,
+             refused: Exception | None, failures: list[str], details: list[str]) -> TraceError:
+    """The error when neither tracer gave a graph, most likely cause first: the model failing by
+    itself, the model refusing the input's size, the input's shape, else the tracers' failures
+    (their tracebacks and graph dumps in ``detail``, shown with -v)."""
+    mname = type(model).__name__
     broken = eager_failure(model, example_inputs)
     if broken is not None:  # no tracer can help: say what the model itself raised
-        err = TraceError(broken if hint is None else _with_hint(broken, hint[0]))
-        err.detail = "\n".join(details)
-        raise err
-    if refused is not None:  # it runs at a small size but raises at this one: the size is refused
+        msg = broken
+    elif refused is not None:  # it runs at a small size but raises at this one: the size is refused
         first = str(refused).strip().splitlines()[0] if str(refused).strip() else ""
         msg = (f"{mname} refuses the example input {[list(x.shape) for x in example_inputs]}: "
                f"{type(refused).__name__}: {first} at {_user_frame(refused)} (its own code raised this while "
                "torch.export ran it on fake tensors of that size): give an input the model accepts")
-        err = TraceError(msg if hint is None else _with_hint(msg, hint[0]))
-        err.detail = "\n".join(details)
-        raise err
-    if hint is not None:  # the likelier cause first; the tracers' failures with -v
-        err = TraceError(f"{hint[0]} (tracing {mname} on this input failed: {failures[-1]})")
-        err.detail = "\n".join(details)
-        raise err
-    err = TraceError(
-        f"nowdl cannot trace {mname}: " + "; ".join(failures) + ". "
-        "What to do: make that forward() free of Python branches on tensor values and of writes into "
-        "slices, or keep the module opaque with leaf_modules=[ThatModule] (nowdl then places it whole "
-        "in one stage)."
-    )
+    elif hint is not None:
+        msg = f"tracing {mname} on this input failed: {failures[-1]}"
+    else:
+        msg = (f"nowdl cannot trace {mname}: " + "; ".join(failures) + ". "
+               "What to do: make that forward() free of Python branches on tensor values and of writes into "
+               "slices, or keep the module opaque with leaf_modules=[ThatModule] (nowdl then places it whole "
+               "in one stage).")
+    err = TraceError(msg if hint is None else _with_hint(msg, hint[0]))
     err.detail = "\n".join(details)
-    raise err
+    return err
