@@ -38,10 +38,19 @@ from nowdl.partitioner.costmodel import (
     message_latency_s,
     predict_step,
 )
+from nowdl.partitioner.infeasible import (
+    describe,
+    first_untileable,
+    infeasible_message,
+    no_candidate_message,
+)
 from nowdl.partitioner.lpbound import memory_floor
-from nowdl.partitioner.plan import format_bytes
 from nowdl.partitioner.problem import Partition, Problem
 from nowdl.partitioner.solve import SolveCache, final_split, proven, solve
+from nowdl.partitioner.space import batch_of as _batch
+from nowdl.partitioner.space import max_stages as _max_stages
+from nowdl.partitioner.space import tileable_ends as _tileable_ends
+from nowdl.partitioner.space import uncapped as _uncapped
 from nowdl.partitioner.spread import idle_stages, idle_warning
 
 __all__ = ["search", "SearchResult", "FINALISTS", "FINALIST_RESERVE_S", "SCREEN_MILP_S", "build_plan", "timed_search"]
@@ -95,31 +104,6 @@ class _Eval:
 
 def _as_memory(p: Problem) -> Problem:
     return p if p.objective == "memory" else dataclasses.replace(p, objective="memory")
-
-
-def _uncapped(p: Problem) -> Problem:
-    return dataclasses.replace(p, mem_cap=None)
-
-
-def _batch(costs: Costs) -> int:
-    shapes = costs.profile.input_shapes
-    return int(shapes[0][0]) if shapes and shapes[0] else 1
-
-
-def _tileable_ends(costs: Costs) -> tuple[bool, bool]:
-    """Does the graph start with tileable ops, and does it end with them (UNet decoder)?"""
-    prof = costs.profile
-    rules = costs.rules
-    compute = [n for n in prof.nodes if n.op not in ("placeholder", "output", "get_attr")]
-    if not compute:
-        return False, False
-    front = rules[compute[0].name].tileable if compute[0].name in rules else False
-    out_inputs = [u for u, v in prof.edges if prof[v].op == "output"]
-    back = bool(out_inputs) and all(rules.get(u) is not None and rules[u].tileable for u in out_inputs)
-    if back:
-        # every node must be tileable for a mirrored decoder region to make sense (fully convolutional)
-        back = all(rules[n.name].tileable for n in compute if n.name in rules)
-    return front, back
 
 
 def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, cache: SolveCache,
@@ -179,7 +163,7 @@ def search(
     cands = list(enumerate_candidates(req, tileable_front=front, tileable_back=back,
                                       max_stages=_max_stages(costs, req), micro_batch=batch))
     if not cands:
-        raise NowdlError(_no_candidate_message(req, front, _first_untileable(costs, front)))
+        raise NowdlError(no_candidate_message(req, front, first_untileable(costs, front)))
     entries: list[tuple[Candidate, Problem, Bounds]] = []
     for cand in cands:
         problem = build_problem(costs, cand, req.balance)
@@ -192,7 +176,6 @@ def search(
     evals: list[_Eval] = []
     best_lb = 0.0
     pruned = over = 0
-    floors: dict[int, float] = {}  # lower bounds over the cap of the candidates they rule out
     for done, i in enumerate(order):
         cand, problem, b = entries[i]
         if progress is not None:
@@ -203,7 +186,6 @@ def search(
         if costs.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
             floor = memory_floor(_as_memory(problem), costs.mem_cap * (1 + _REL), b.mem_lb)
             if floor > costs.mem_cap * (1 + _REL):
-                floors[i] = floor
                 over += 1
                 continue
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
@@ -218,12 +200,10 @@ def search(
     screen_s = time.perf_counter() - t0
     results = _finalists(costs, req, evals, cache, batch, deadline=t0 + req.time_limit)
     fitting = [e for e in results if e.fits]
-    if not fitting:
-        # the least a screened split needs, or a bound of one the bounds ruled out (> the cap)
-        min_mem = min([e.part.bottleneck_mem for e in results] + list(floors.values()), default=math.inf)
-        if not results and not floors:
-            min_mem = min((e[2].mem_lb for e in entries), default=math.inf)
-        raise InfeasibleError(_infeasible_message(costs, req, min_mem))
+    if not fitting:  # the leanest split screened, and more: [Note: infeasible figures]
+        lean = min(results, key=lambda e: e.part.bottleneck_mem, default=None)
+        searched = (lean.part.bottleneck_mem, describe(lean.cand, req.gpus)) if lean is not None else (math.inf, "")
+        raise InfeasibleError(infeasible_message(costs, req, searched))
     best = min(fitting, key=lambda e: e.key())
     if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap
         part = solve(best.problem, cache=cache, start=best.part, mip_gap=req.mip_gap)
@@ -294,87 +274,6 @@ def _finalists(costs: Costs, req: PlanRequest, evals: list[_Eval], cache: SolveC
         done = _finish(costs, ev, max(0.5, share), cache, batch, req.mip_gap)
         out.append(done if done is not None else dataclasses.replace(ev, fits=False))
     return out
-
-
-def _max_stages(costs: Costs, req: PlanRequest | None = None) -> int:
-    """Stages a search may try: one per compute node; a pinned count may go up to one per node
-    (the plan then warns about the idle GPUs)."""
-    compute = max(1, sum(1 for n in costs.profile.nodes if n.op not in ("placeholder", "output", "get_attr")))
-    if req is not None and req.stages is not None:
-        return max(compute, min(req.stages, len(costs.profile.nodes)))
-    return compute
-
-
-def _first_untileable(costs: Costs, front: bool) -> str:
-    """Why the model cannot be spatial to its end: the first node that cannot run on tiles."""
-    for n in costs.profile.nodes:
-        rule = costs.rules.get(n.name)
-        if n.op not in ("placeholder", "output", "get_attr") and rule is not None and not rule.tileable:
-            where = "is the model's first operation" if not front else "ends the spatial region"
-            return f" Node {n.name!r} {where}: {rule.reason}."
-    return ""
-
-
-def _no_candidate_message(req: PlanRequest, front: bool, untileable: str = "") -> str:
-    pins = {k: getattr(req, k) for k in ("stages", "dp", "replicas", "spatial_parts", "spatial_stages", "global_batch") if getattr(req, k)}
-    why = ""
-    if (req.spatial_parts or req.spatial_stages) and not front:
-        why = " The model's first operation cannot run on image tiles, so no spatial stage is possible." + untileable
-    elif req.spatial_parts not in (None, 1) or req.spatial_stages:
-        why = (" Spatial stages need a non-spatial stage after them unless the whole model runs on tiles."
-               + untileable)
-    return (
-        f"no configuration of {req.gpus} GPUs matches the pinned settings {pins}: ranks per pipeline "
-        "(stages, plus (parts - 1) for each spatial stage) times dp must equal gpus." + why +
-        " Drop a pinned setting or change gpus."
-    )
-
-
-def _infeasible_message(costs: Costs, req: PlanRequest, min_mem: float) -> str:
-    cap = costs.mem_cap or 0.0
-    heaviest = max(costs.profile.nodes, key=lambda n: n.static_bytes)
-    if heaviest.static_bytes > cap:
-        return (
-            f"nothing fits in {format_bytes(cap)} per GPU: node {heaviest.name} ({heaviest.target}) alone "
-            f"holds {format_bytes(heaviest.static_bytes)} of weights, gradients and optimizer state, "
-            "which no pipeline or spatial split divides; with the best configuration of "
-            f"{req.gpus} GPUs the fullest GPU needs {format_bytes(min_mem)}. Raise the cap to at least "
-            f"{format_bytes(min_mem)} (--gpu-memory), or use a lighter optimizer (--optimizer sgd)."
-        )
-    need_gpus = _smallest_gpus(costs, req)
-    gpu_txt = f"at least {need_gpus} GPUs would fit it" if need_gpus else "no GPU count up to 4096 fits it (the largest single node does not fit)"
-    return (
-        f"nothing fits in {format_bytes(cap)} per GPU with {req.gpus} GPUs: the best configuration "
-        f"needs {format_bytes(min_mem)} on its fullest GPU. Raise the cap to at least "
-        f"{format_bytes(min_mem)} (--gpu-memory), or use more GPUs: {gpu_txt}."
-    )
-
-
-def _smallest_gpus(costs: Costs, req: PlanRequest) -> int | None:
-    front, back = _tileable_ends(costs)
-    cache = SolveCache()
-    g = req.gpus * 2
-    while g <= 4096:
-        try:
-            r = PlanRequest(gpus=g, balance="memory", micro_batches=req.micro_batches, schedule=req.schedule,
-                            replicas=req.replicas, slice=req.slice, time_limit=req.time_limit)
-        except NowdlError:
-            return None
-        cands = [c for c in enumerate_candidates(r, tileable_front=front, tileable_back=back, max_stages=_max_stages(costs))
-                 if c.dp == 1 and c.replicas == 1]
-        if not cands:
-            return None
-        # the deepest pipeline and the widest spatial split are the memory-lean ones
-        cands.sort(key=lambda c: (-(c.stages * c.parts), c.micro_batches))
-        for c in cands[:4]:
-            try:
-                part = solve(_uncapped(build_problem(costs, c, "memory")), ilp=False, cache=cache)
-            except InfeasibleError:
-                continue
-            if costs.mem_cap is not None and part.bottleneck_mem <= costs.mem_cap:
-                return g
-        g *= 2
-    return None
 
 
 def timed_search(costs: Costs, req: PlanRequest, progress: Callable[[int, int], None] | None = None) -> tuple[SearchResult, float]:
