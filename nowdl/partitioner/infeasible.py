@@ -116,7 +116,7 @@ def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, st
     cap = costs.mem_cap or 0.0
     deadline = time.perf_counter() + BUDGET_S
     found = min(searched, leanest(costs, req, deadline))
-    need = (f"the leanest split found needs {format_bytes(found[0])} on its fullest GPU ({found[1]})"
+    need = (f"the leanest split found needs {cap_text(found[0])} on its fullest GPU ({found[1]})"
             if math.isfinite(found[0]) else "no split of it was found")
     heaviest = max(costs.profile.nodes, key=lambda n: n.static_bytes)
     if heaviest.static_bytes > cap:
