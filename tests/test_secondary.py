@@ -114,6 +114,25 @@ def test_more_stages_than_work_warns(caplog: pytest.LogCaptureFixture) -> None:
     assert "warning:" in str(plan)
 
 
+def test_memory_split_that_idles_a_stage_says_why_and_offers_compute() -> None:
+    # a small MONAI UNet in 2 pinned stages, MASTER: each rank holds a stage 0 (two micro-batches
+    # in flight) and a stage 1 (one), so any node moved to stage 0 raises both ranks' memory and the
+    # memory optimum gives stage 0 the input alone, though the model has work enough to share
+    from monai.networks.nets import UNet
+
+    model = UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2))
+    x = torch.randn(1, 1, 64, 64)
+    plan = nowdl.compile(model, gpus=2, stages=2, micro_batches=2, dp=1, replicas=2, mode="estimate",
+                         device_spec="h100", progress=False, cache=False).plan(x)
+    assert plan.warnings, "expected stage 0 to hold the input alone"
+    text = plan.warnings[0]
+    assert "keeps the fullest GPU lowest leaves it (almost) no work" in text and "less work than" not in text
+    assert "--balance compute" in text
+    balanced = nowdl.compile(model, gpus=2, stages=2, micro_batches=2, dp=1, replicas=2, balance="compute",
+                             mode="estimate", device_spec="h100", progress=False, cache=False).plan(x)
+    assert not balanced.warnings and all(len(s.nodes) > 1 for s in balanced.stages)
+
+
 def test_plan_warnings_roundtrip_and_old_plans_load(tmp_path: Path) -> None:
     old = REPO / "experiments" / "unet_2048_8gpu_memory.json"
     d = json.loads(old.read_text())

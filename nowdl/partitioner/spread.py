@@ -70,10 +70,16 @@ def idle_warning(problem: Problem, stage_of: Sequence[int], names: Sequence[str]
         parts.append(f"stage {s} ({what}): {_ms(work[s])}, {work[s] / top:.1%}")
     fix = (f"pin fewer stages (--stages {max(1, problem.k - len(idle))})" if pinned
            else "pin the stage count or micro-batches yourself")
+    if balance == "memory":  # work is not what memory balances: e.g. a stage holding more
+        # micro-batches in flight is kept light, down to the input alone on a small model
+        why = "the split that keeps the fullest GPU lowest leaves " + ("it" if len(idle) == 1 else "them") + \
+            " (almost) no work"
+        fix += " or balance compute (--balance compute)"
+    else:
+        why = f"the model has less work than {problem.k} stages can share"
     return (
         f"{len(idle)} of {problem.k} stages get less than {IDLE_FRACTION:.0%} of the busiest "
         f"stage's work ({_ms(top)} per micro-batch): " + "; ".join(parts) + ". No split with "
         f"the optimal {balance} bottleneck spreads the work further, in any configuration "
-        f"searched: the model has less work than {problem.k} stages can share. "
-        f"{fix[0].upper() + fix[1:]} to use every GPU."
+        f"searched: {why}. {fix[0].upper() + fix[1:]} to use every GPU."
     )
