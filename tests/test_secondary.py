@@ -127,7 +127,7 @@ def test_memory_split_that_idles_a_stage_says_why_and_offers_compute() -> None:
     assert plan.warnings, "expected stage 0 to hold the input alone"
     text = plan.warnings[0]
     assert "keeps the fullest GPU lowest leaves it (almost) no work" in text and "less work than" not in text
-    assert "--balance compute" in text
+    assert "--balance compute" in text and "each GPU works already" in text
     balanced = nowdl.compile(model, gpus=2, stages=2, micro_batches=2, dp=1, replicas=2, balance="compute",
                              mode="estimate", device_spec="h100", progress=False, cache=False).plan(x)
     assert not balanced.warnings and all(len(s.nodes) > 1 for s in balanced.stages)

@@ -77,9 +77,14 @@ def idle_warning(problem: Problem, stage_of: Sequence[int], names: Sequence[str]
         fix += " or balance compute (--balance compute)"
     else:
         why = f"the model has less work than {problem.k} stages can share"
+    # MASTER: a rank also holds the other replica's mirrored stage, so no GPU idles; the empty
+    # stages only pass micro-batches through
+    shared = any(len(r) > 1 for r in problem.rank_stages())
+    goal = ("to give every stage work (each GPU works already: it also holds the other replica's "
+            "mirrored stage)") if shared else "to use every GPU"
     return (
         f"{len(idle)} of {problem.k} stages get less than {IDLE_FRACTION:.0%} of the busiest "
         f"stage's work ({_ms(top)} per micro-batch): " + "; ".join(parts) + ". No split with "
         f"the optimal {balance} bottleneck spreads the work further, in any configuration "
-        f"searched: {why}. {fix[0].upper() + fix[1:]} to use every GPU."
+        f"searched: {why}. {fix[0].upper() + fix[1:]} {goal}."
     )
