@@ -159,9 +159,22 @@ def test_memory_cap_respected_and_infeasible_message() -> None:
     cap = float(raise_to.group(1)) * units[raise_to.group(2)]
     nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1, gpu_memory=int(cap)).plan(x)
     if more is None:  # this small net's weights and input keep every split above the cap
-        assert "no GPU count up to 4096 was found to fit it (the leanest split, " in msg, msg
+        assert "no GPU count up to 4096 was found to fit it (the leanest split found, " in msg, msg
     else:
         nowdl.compile(model, gpus=int(more.group(1)), micro_batches=1, gpu_memory=int(peak * 0.3)).plan(x)
+
+
+def test_infeasible_message_says_when_its_search_ran_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nowdl.partitioner.infeasible as infeasible
+
+    monkeypatch.setattr(infeasible, "BUDGET_S", 0.0)
+    with pytest.raises(InfeasibleError) as e:
+        nowdl.compile(_small_unet(), gpus=4, stages=4, dp=1, replicas=1, micro_batches=1,
+                      gpu_memory=45_000).plan(torch.randn(1, 1, 32, 32))
+    msg = str(e.value)
+    # no claim about splits never made or GPU counts never tried
+    assert "with 4 GPUs: no split of it was made within the 0 s for this search" in msg, msg
+    assert "no GPU count up to 4 fits it, and the 0 s for this search ran out at 8 GPUs: try a larger --gpus" in msg, msg
 
 
 def test_infeasible_figures_are_splits_that_exist() -> None:

@@ -91,12 +91,14 @@ def leanest(costs: Costs, req: PlanRequest, deadline: float) -> tuple[float, str
     return best
 
 
-def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float) -> tuple[int | None, tuple[float, str]]:
+def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float
+                  ) -> tuple[int | None, tuple[float, str], int]:
     """The smallest doubling of ``req.gpus`` (no pins but the schedule's) whose leanest split fits
-    ``cap``, or None; and the leanest split found on the way."""
+    ``cap``, or None; the leanest split found on the way; and the largest GPU count tried in full
+    (less than MAX_GPUS when the time ran out)."""
     lean: tuple[float, str] = (math.inf, "")
-    g = req.gpus * 2
-    while g <= MAX_GPUS and time.perf_counter() < deadline:
+    g, tried = req.gpus * 2, req.gpus
+    while g <= MAX_GPUS:
         try:
             r = PlanRequest(gpus=g, balance="memory", micro_batches=req.micro_batches, schedule=req.schedule,
                             slice=req.slice, time_limit=req.time_limit)
@@ -105,9 +107,12 @@ def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float) -
         found = leanest(costs, r, deadline)
         lean = min(lean, found)
         if found[0] <= cap:
-            return g, found
+            return g, found, g
+        if time.perf_counter() >= deadline:
+            break  # g was perhaps cut short: the counts tried in full end before it
+        tried = g
         g *= 2
-    return None, lean
+    return None, lean, (MAX_GPUS if g > MAX_GPUS else tried)
 
 
 def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, str]) -> str:
@@ -117,7 +122,7 @@ def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, st
     deadline = time.perf_counter() + BUDGET_S
     found = min(searched, leanest(costs, req, deadline))
     need = (f"the leanest split found needs {cap_text(found[0])} on its fullest GPU ({found[1]})"
-            if math.isfinite(found[0]) else "no split of it was found")
+            if math.isfinite(found[0]) else f"no split of it was made within the {BUDGET_S:.0f} s for this search")
     heaviest = max(costs.profile.nodes, key=lambda n: n.static_bytes)
     if heaviest.static_bytes > cap:
         return (
@@ -127,14 +132,16 @@ def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, st
             f"(--gpu-memory){' to ' + cap_text(found[0]) if math.isfinite(found[0]) else ''}, or use a "
             "lighter optimizer (--optimizer sgd)."
         )
-    gpus, lean = _fitting_gpus(costs, req, cap, deadline)
+    gpus, lean, tried = _fitting_gpus(costs, req, cap, deadline)
+    leanest_txt = f"the leanest split found, {lean[1]}, needs {format_bytes(lean[0])}" if math.isfinite(lean[0]) else ""
     if gpus is not None:
         more = f"{gpus} GPUs would fit it ({lean[1]}, {format_bytes(lean[0])})"
-    elif math.isfinite(lean[0]):
-        more = (f"no GPU count up to {MAX_GPUS} was found to fit it (the leanest split, {lean[1]}, needs "
-                f"{format_bytes(lean[0])}; spatial parts go up to 16: pin more with --spatial-parts)")
+    elif tried < MAX_GPUS and time.perf_counter() >= deadline:
+        more = (f"no GPU count up to {tried} fits it, and the {BUDGET_S:.0f} s for this search ran out at "
+                f"{2 * tried} GPUs{' (' + leanest_txt + ')' if leanest_txt else ''}: try a larger --gpus")
     else:
-        more = "no larger GPU count was found to fit it"
+        more = (f"no GPU count up to {tried} was found to fit it"
+                + (f" ({leanest_txt}; spatial parts go up to 16: pin more with --spatial-parts)" if leanest_txt else ""))
     raise_to = f" to {cap_text(found[0])}" if math.isfinite(found[0]) else ""
     return (f"nothing fits in {format_bytes(cap)} per GPU with {req.gpus} GPUs: {need}. Raise the cap{raise_to} "
             f"(--gpu-memory), or use more GPUs: {more}.")
