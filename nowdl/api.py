@@ -25,7 +25,7 @@ from nowdl.partitioner.spatial import spatial_rules
 from nowdl.profiler import check_precision
 from nowdl.profiler.cost import Profile
 from nowdl.profiler.losscost import loss_cost_for, with_loss
-from nowdl.progress import Progress
+from nowdl.progress import Progress, status
 from nowdl.trace import Traced, trace
 from nowdl.units import parse_bytes
 
@@ -80,8 +80,9 @@ class CompiledModel:
     def trace(self, *example_inputs: torch.Tensor) -> Traced:
         """The validated fx graph of the model (cached per input shapes)."""
         key = tuple(tuple(x.shape) for x in example_inputs)
-        if key not in self._traced:
-            self._traced[key] = trace(self.model, example_inputs, leaf_modules=self.leaf_modules, tracer=self.tracer)
+        if key not in self._traced:  # torch.export on a large model takes a while: say so on a terminal
+            with status(f"tracing {type(self.model).__name__}", enabled=self.progress):
+                self._traced[key] = trace(self.model, example_inputs, leaf_modules=self.leaf_modules, tracer=self.tracer)
         return self._traced[key]
 
     def _resolved_mode(self) -> str:
@@ -105,9 +106,7 @@ class CompiledModel:
     def _spec_arg(self) -> Any:
         if self.device_spec is not None:
             return self.device_spec
-        if self._resolved_mode() == "estimate":
-            return "h100"
-        return None
+        return "h100" if self._resolved_mode() == "estimate" else None
 
     def _spec(self) -> Any:
         from nowdl.profiler import get_device_spec

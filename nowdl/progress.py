@@ -1,11 +1,27 @@
-"""A progress bar for long planning (tqdm on stderr, silent when not a terminal)."""
+"""Progress on long planning: a tqdm bar, or a status line (stderr, silent when not a terminal)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "status"]
+
+
+@contextlib.contextmanager
+def status(text: str, *, enabled: bool) -> Iterator[None]:
+    """One line on stderr while a long step runs ("nowdl: tracing UNet ..."), erased after it;
+    silent when not a terminal or disabled."""
+    show = enabled and sys.stderr.isatty()
+    if show:
+        print(f"nowdl: {text} ...", end="\r", file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        if show:
+            print(" " * (len(text) + 11), end="\r", file=sys.stderr, flush=True)
 
 
 class Progress:

@@ -123,3 +123,20 @@ def test_untraceable_model_one_paragraph_dump_only_with_verbose(
     assert main([*argv, "-v"]) == 2
     verbose = capsys.readouterr().err
     assert "Traceback" in verbose and verbose.count("\n") > 5
+
+
+def test_status_line_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from nowdl.progress import status
+
+    with status("tracing Net", enabled=True):
+        pass
+    assert capsys.readouterr().err == ""  # not a terminal: nothing
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with status("tracing Net", enabled=True):
+        assert capsys.readouterr().err == "nowdl: tracing Net ...\r"
+    assert capsys.readouterr().err.strip() == ""  # erased once done
+    with status("tracing Net", enabled=False):
+        pass
+    assert capsys.readouterr().err == ""
