@@ -31,6 +31,7 @@ from nowdl.trace_check import (
     _Mismatch,
     _run,
     _shrunk_inputs,
+    _TrainModeOnly,
     _validate,
     check_inputs,
     eager_failure,
@@ -52,6 +53,9 @@ class Traced:
     tracer: str  # "fx" or "export"
     fingerprint: str
     validated_on: tuple[tuple[int, ...], ...]  # input shapes the eager/traced check ran on
+    # [Note: training-mode graphs] why the graph equals the model in training only ("": in both
+    # modes): a forward that branches on self.training is planned and run as training runs it
+    train_only: str = ""
 
 
 def _with_hint(message: str, hint: str) -> str:
@@ -104,7 +108,12 @@ def _fx_trace(model: nn.Module, leaf_modules: Sequence[type | str]) -> fx.GraphM
     types = tuple(t for t in leaf_modules if isinstance(t, type))
     names = frozenset(t for t in leaf_modules if isinstance(t, str))
     tracer = _LeafTracer(types, names)
-    graph = tracer.trace(model)
+    was_training = model.training
+    model.train()  # a forward that branches on self.training is traced as training runs it
+    try:
+        graph = tracer.trace(model)
+    finally:
+        model.train(was_training)
     name = type(model).__name__
     return fx.GraphModule(tracer.root, graph, name)
 
@@ -259,6 +268,12 @@ def trace(
             if hint is None:
                 raise
             raise TraceError(_with_hint(str(e), hint[0])) from e
+        except _TrainModeOnly as e:  # [Note: training-mode graphs]
+            log.warning("%s returns something else in eval mode than in training (%s): nowdl traced its "
+                        "training-mode graph, which training needs; cm(x), eval_step and the plan's stages "
+                        "return what training returns (deep supervision's extra outputs, say)", mname, e.why)
+            return Traced(gm=gm, tracer=kind, fingerprint=fingerprint(gm, kind), validated_on=e.shapes,
+                          train_only=e.why)
         except _Mismatch as m:
             failures.append(f"{kind} traced a graph that computes something else: {m}")
             details.append(f"--- {kind} graph ---\n{gm.graph}")

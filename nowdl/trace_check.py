@@ -236,7 +236,12 @@ def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Te
             except Exception as e:
                 last_err, ran_on = e, inputs
                 break
-            _compare(ref, g, inputs, "train" if mode else "eval")
+            try:
+                _compare(ref, g, inputs, "train" if mode else "eval")
+            except _Mismatch as m:
+                if not mode:  # training matched just before: the forward branches on self.training
+                    raise _TrainModeOnly(tuple(tuple(x.shape) for x in inputs), str(m)) from m
+                raise
         else:
             return tuple(tuple(x.shape) for x in inputs)
     else:
@@ -249,7 +254,12 @@ def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Te
                 except Exception as e:  # this size does not fit the model; try another
                     last_err, ran_on = e, inputs
                     continue
-                _compare(ref, gm, inputs, "eval")
+                try:
+                    _compare(ref, gm, inputs, "eval")
+                except _Mismatch as m:  # traced in training mode: does it hold there?
+                    if _train_mode_matches(model, gm, inputs):
+                        raise _TrainModeOnly(tuple(tuple(x.shape) for x in inputs), str(m)) from m
+                    raise
                 return tuple(tuple(x.shape) for x in inputs)
         finally:
             model.train(was_training)
@@ -295,6 +305,29 @@ def eager_failure(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> s
 
 class _Mismatch(Exception):
     pass
+
+
+class _TrainModeOnly(Exception):
+    """The graph computes what the model computes in training but not in eval mode: its forward
+    branches on ``self.training`` (MONAI's DynUNet returns its deep-supervision heads only in
+    training). ``shapes``: the input shapes checked; ``why``: the eval-mode difference."""
+
+    def __init__(self, shapes: tuple[tuple[int, ...], ...], why: str) -> None:
+        super().__init__(why)
+        self.shapes = shapes
+        self.why = why
+
+
+def _train_mode_matches(model: nn.Module, gm: nn.Module, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether the graph returns what the model returns in training mode, on copies (the running
+    statistics of the model's norms do not move)."""
+    m, g = copy.deepcopy(model).train(), copy.deepcopy(gm).train()
+    try:
+        ref = _run(m, inputs, seed=1234)
+        _compare(ref, g, inputs, "train")
+    except Exception:  # noqa: BLE001 (any failure: not a training-mode graph either)
+        return False
+    return True
 
 
 def _compare(ref: object, gm: nn.Module, inputs: Sequence[torch.Tensor], mode: str) -> None:

@@ -407,3 +407,50 @@ def test_model_with_two_inputs_trains_exactly(cfg: dict[str, Any], world: int) -
     sd = results[0][1]
     for k, ref in ref_sd.items():
         torch.testing.assert_close(sd[k], ref, rtol=1e-9, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class _DeepSupervision(nn.Module):
+    """Returns an auxiliary head beside the main one in training only (MONAI's DynUNet with
+    deep_supervision=True does this): planned and trained as training runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(1, 4, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(4)
+        self.b = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.head = nn.Conv2d(4, 2, 1)
+        self.aux = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.a(x)))
+        g = torch.relu(self.b(h))
+        if self.training:
+            return torch.stack([self.head(g), self.aux(h)], dim=1)
+        return self.head(g)
+
+
+def _deep_sup_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(2, 1, 8, 8, generator=g, dtype=torch.float64),
+            torch.randn(2, 2, 2, 8, 8, generator=g, dtype=torch.float64))
+
+
+def _deep_sup_worker(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    cm = nowdl.compile(_DeepSupervision().double(), gpus=world, stages=2, micro_batches=2, dp=1, replicas=1,
+                       spatial_parts=1, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
+                       progress=False, timeout_s=60)
+    losses = [cm.train_step(*_deep_sup_data(step)) for step in range(STEPS)]
+    return losses, cm.state_dict()
+
+
+def test_training_only_outputs_train_exactly() -> None:
+    results = run_workers(_deep_sup_worker, 2, timeout_s=240)
+    torch.manual_seed(0)
+    model = _DeepSupervision().double()
+    ref_losses, ref_sd = train_reference(model, _adam(model.parameters()), nn.MSELoss(), _deep_sup_data, 2, STEPS)
+    for losses, _ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=1e-12)
+    sd = results[0][1]
+    for k, ref in ref_sd.items():
+        torch.testing.assert_close(sd[k], ref, rtol=1e-9, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")

@@ -243,6 +243,42 @@ def test_input_size_the_model_refuses_is_named_not_blamed_on_tracing() -> None:
     assert "cannot trace" not in first and "test_trace.py" in first
 
 
+class DeepSupervision(nn.Module):
+    """Returns an auxiliary head's output beside the main one in training only, as MONAI's
+    DynUNet(deep_supervision=True) does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4)
+        self.head = nn.Conv2d(4, 2, 1)
+        self.aux = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.a(x)))
+        if self.training:
+            return torch.stack([self.head(h), self.aux(h)], dim=1)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_forward_that_branches_on_training_is_traced_as_training_runs_it(tracer: str, mode: str) -> None:
+    model = DeepSupervision()
+    model.train(mode == "train")  # the mode the user left it in does not decide the graph
+    x = torch.randn(2, 1, 8, 8)
+    t = trace(model, (x,), tracer=tracer)
+    assert "in eval mode" in t.train_only and model.training == (mode == "train")
+    model.train()
+    t.gm.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model(x)
+        for k, v in before.items():  # the graph runs the model's own modules: same statistics
+            model.state_dict()[k].copy_(v)
+        assert torch.allclose(t.gm(x), want)
+
+
 def test_large_input_validated_on_shrunk_copy() -> None:
     t = trace(Small(), (torch.empty(1, 3, 4096, 4096, device="meta"),))
     assert t.validated_on[0][2] <= 256
