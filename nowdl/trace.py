@@ -37,7 +37,7 @@ from nowdl.trace_check import (
     eager_failure,
     shape_hint,
 )
-from nowdl.trace_where import _refused_by_model, _user_frame, _where
+from nowdl.trace_where import _first_line, _refused_by_model, _user_frame, _where
 
 __all__ = ["Traced", "trace", "fingerprint", "check_inputs"]
 
@@ -188,7 +188,7 @@ def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]
                 small_gm = _export_trace(model, small)
             except Exception as e:
                 raise _Mismatch(f"the check at shape {[list(x.shape) for x in small]} does not export "
-                                f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
+                                f"({type(e).__name__}: {_first_line(e)})") from e
             shapes = _validate(model, small_gm, small, train=True)
             if _structure(small_gm) != _structure(gm):
                 raise _Mismatch(f"the graph exported at {[list(x.shape) for x in example_inputs]} has other nodes "
@@ -255,7 +255,7 @@ def trace(
                 gm, check = _export(model, example_inputs)
         except Exception as e:
             where = getattr(e, "nowdl_where", None) or _where(e, model)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            first = _first_line(e)
             failures.append(f"{kind} failed{' in ' + where if where else ''}: {type(e).__name__}: {first}")
             details.append(f"--- {kind} ---\n" + getattr(e, "nowdl_printed", "") + "".join(traceback.format_exception(e)))
             log.info("tracing %s with %s failed: %s", mname, kind, e)
@@ -298,9 +298,8 @@ def _failure(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], hint: t
     if broken is not None:  # no tracer can help: say what the model itself raised
         msg = broken
     elif refused is not None:  # it runs at a small size but raises at this one: the size is refused
-        first = str(refused).strip().splitlines()[0] if str(refused).strip() else ""
         msg = (f"{mname} refuses the example input {[list(x.shape) for x in example_inputs]}: "
-               f"{type(refused).__name__}: {first} at {_user_frame(refused)} (its own code raised this while "
+               f"{type(refused).__name__}: {_first_line(refused)} at {_user_frame(refused)} (its own code raised this while "
                "torch.export ran it on fake tensors of that size): give an input the model accepts")
     elif hint is not None:
         msg = f"tracing {mname} on this input failed: {failures[-1]}"

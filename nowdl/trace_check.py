@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from nowdl.errors import TraceError
-from nowdl.trace_where import _user_frame
+from nowdl.trace_where import _first_line, _user_frame
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ def _fails_as_is(model: nn.Module, err: BaseException | None, example_inputs: Se
     """The message for a model that fails on the input (``ran_on``: the copy it ran on) with no
     tracing involved."""
     where = _user_frame(err) if err is not None else ""
-    first = str(err).strip().splitlines()[0] if err is not None and str(err).strip() else ""
+    first = _first_line(err) if err is not None else ""
     shapes = [list(x.shape) for x in example_inputs]
     small = [list(x.shape) for x in ran_on]
     copy_note = f" (run on a smaller copy, {small})" if small and small != shapes else ""
@@ -335,8 +335,7 @@ def _compare(ref: object, gm: nn.Module, inputs: Sequence[torch.Tensor], mode: s
     try:
         got = _run(gm, inputs, seed=1234)
     except Exception as e:  # the graph fails where the model runs: the trace is wrong
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise _Mismatch(f"the graph fails in {mode} mode where the model runs ({type(e).__name__}: {first})") from e
+        raise _Mismatch(f"the graph fails in {mode} mode where the model runs ({type(e).__name__}: {_first_line(e)})") from e
     ok, why = _same(ref, got)
     if not ok:
         raise _Mismatch(f"{why} in {mode} mode")

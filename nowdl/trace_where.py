@@ -55,6 +55,12 @@ def _where(exc: BaseException, model: nn.Module) -> str:
     return ", ".join(p for p in (module, f"at {line}" if line else "") if p)
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message ("" when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def _refused_by_model(exc: BaseException) -> bool:
     """Whether the user's own code raised ``exc`` on purpose (a builtin exception from a ``raise``
     or ``assert`` line): the model refuses its input, as opposed to a tracer's limitation."""

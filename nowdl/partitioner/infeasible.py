@@ -7,7 +7,8 @@ bounds are not used for either: a candidate's bound can lie far below what any s
 needs (UNet at 16384² on 8 GPUs: a 4-stage, 4-tile candidate bounded at 48.7 GiB needs 222.9),
 and a cap raised to a bound would fail again. The leanest split of a candidate space is looked
 for among its memory-lean candidates (one micro-batch where not pinned, no dp copies), each
-split by the heuristic solvers without the cap, within ``BUDGET_S`` seconds in all.
+split by the heuristic solvers without the cap, within ``BUDGET_S`` seconds in all, with the
+search's ``SolveCache`` (the graph's ideals are enumerated once for every GPU count).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def describe(c: Candidate, gpus: int) -> str:
     return f"{gpus} GPUs: " + ", ".join(parts)
 
 
-def leanest(costs: Costs, req: PlanRequest, deadline: float) -> tuple[float, str]:
+def leanest(costs: Costs, req: PlanRequest, deadline: float, cache: SolveCache) -> tuple[float, str]:
     """The least peak memory of a split found among ``req``'s memory-lean candidates, and the
     candidate in words; (inf, "") when none was split before ``deadline``."""
     front, back = tileable_ends(costs)
@@ -78,7 +79,6 @@ def leanest(costs: Costs, req: PlanRequest, deadline: float) -> tuple[float, str
             continue
     ranked.sort(key=lambda e: e[0])
     best: tuple[float, str] = (math.inf, "")
-    cache = SolveCache()
     for lb, c, problem in ranked:
         if lb >= best[0] or time.perf_counter() > deadline:
             break
@@ -91,7 +91,7 @@ def leanest(costs: Costs, req: PlanRequest, deadline: float) -> tuple[float, str
     return best
 
 
-def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float
+def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float, cache: SolveCache
                   ) -> tuple[int | None, tuple[float, str], int]:
     """The smallest doubling of ``req.gpus`` (no pins but the schedule's) whose leanest split fits
     ``cap``, or None; the leanest split found on the way; and the largest GPU count tried in full
@@ -104,7 +104,7 @@ def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float
                             slice=req.slice, time_limit=req.time_limit)
         except NowdlError:
             break
-        found = leanest(costs, r, deadline)
+        found = leanest(costs, r, deadline, cache)
         lean = min(lean, found)
         if found[0] <= cap:
             return g, found, g
@@ -115,12 +115,12 @@ def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float
     return None, lean, (MAX_GPUS if g > MAX_GPUS else tried)
 
 
-def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, str]) -> str:
+def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, str], cache: SolveCache) -> str:
     """The error for a search that fitted nothing: ``searched`` is the leanest split it made
     (peak bytes and the candidate in words). See [Note: infeasible figures]."""
     cap = costs.mem_cap or 0.0
     deadline = time.perf_counter() + BUDGET_S
-    found = min(searched, leanest(costs, req, deadline))
+    found = min(searched, leanest(costs, req, deadline, cache))
     need = (f"the leanest split found needs {cap_text(found[0])} on its fullest GPU ({found[1]})"
             if math.isfinite(found[0]) else f"no split of it was made within the {BUDGET_S:.0f} s for this search")
     heaviest = max(costs.profile.nodes, key=lambda n: n.static_bytes)
@@ -132,7 +132,7 @@ def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, st
             f"(--gpu-memory){' to ' + cap_text(found[0]) if math.isfinite(found[0]) else ''}, or use a "
             "lighter optimizer (--optimizer sgd)."
         )
-    gpus, lean, tried = _fitting_gpus(costs, req, cap, deadline)
+    gpus, lean, tried = _fitting_gpus(costs, req, cap, deadline, cache)
     leanest_txt = f"the leanest split found, {lean[1]}, needs {format_bytes(lean[0])}" if math.isfinite(lean[0]) else ""
     if gpus is not None:
         more = f"{gpus} GPUs would fit it ({lean[1]}, {format_bytes(lean[0])})"

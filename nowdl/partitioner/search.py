@@ -203,7 +203,7 @@ def search(
     if not fitting:  # the leanest split screened, and more: [Note: infeasible figures]
         lean = min(results, key=lambda e: e.part.bottleneck_mem, default=None)
         searched = (lean.part.bottleneck_mem, describe(lean.cand, req.gpus)) if lean is not None else (math.inf, "")
-        raise InfeasibleError(infeasible_message(costs, req, searched))
+        raise InfeasibleError(infeasible_message(costs, req, searched, cache))  # the graph's lattices, solved splits
     best = min(fitting, key=lambda e: e.key())
     if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap
         part = solve(best.problem, cache=cache, start=best.part, mip_gap=req.mip_gap)
