@@ -75,6 +75,9 @@ Tables 4-6 (issue 10: halo overlap and the memory model; code in ``spatial_measu
 * Table 5, the step (forward + backward) of a whole spatial stage with overlap on vs off, at the
   Table 2 side: a stack of 4 of those layers (``tile_forward``), and the planned stages of Table 2
   (``TiledStage``), timed as Table 4 (slowest rank per repeat). Target: on / off <= 0.85.
+  "alone" runs the same module on the rank's tile with no exchange at all (zero padding at the
+  tile's edges, norms on the tile's statistics): what a perfect overlap would leave, so
+  ``alone / off`` is the floor of ``on / off`` for that stage.
 * Table 6, measured peak vs predicted per rank: nowdl's UNet (depth 2, width 8, long skips,
   transposed convs) planned in estimate mode with 2 spatial parts, M = 2, 1F1B, Adam, MSE, at
   256² (``--quick``: 128²): one spatial stage on 2 ranks, and a spatial stage on 2 ranks followed
@@ -550,8 +553,8 @@ def worker(rank: int, world: int, cfg: Settings, do_search: bool) -> dict[str, A
     for name in ("conv_stack", *MODELS):
         if rank == 0:
             log(f"P={world}: stage step with and without overlap, {name} at {cfg.mem_side}x{cfg.mem_side}")
-        run = sm.conv_stack_stage(cfg.mem_side, world) if name == "conv_stack" else _stage_run(name, world, cfg.mem_side)
-        out["step"][name] = sm.step_case(run, cfg.warmup, cfg.repeats)
+        run, alone = sm.conv_stack_stage(cfg.mem_side, world) if name == "conv_stack" else _stage_run(name, world, cfg.mem_side)
+        out["step"][name] = sm.step_case(run, cfg.warmup, cfg.repeats, alone)
     for name in MODELS:
         if rank == 0:
             log(f"P={world}: activation memory of {name} at {cfg.mem_side}x{cfg.mem_side}")
@@ -567,8 +570,9 @@ def worker(rank: int, world: int, cfg: Settings, do_search: bool) -> dict[str, A
     return out
 
 
-def _stage_run(name: str, p: int, side: int) -> Callable[[], Tensor]:
-    """Forward of the planned spatial stage of ``name`` on this rank's tile (for Table 5)."""
+def _stage_run(name: str, p: int, side: int) -> tuple[Callable[[], Tensor], Callable[[], Tensor]]:
+    """Forward of the planned spatial stage of ``name`` on this rank's tile (for Table 5), tiled
+    and alone (its module on the tile, no exchange: ``spatial_measures.step_case``)."""
     b = build(name, p, side)
     mod = b.stage.module.to(_device()).train()
     tiled = TiledStage(b.stage, b.grid, tuple(range(p)), dist.get_rank(), None, fused=b.fused)
@@ -579,7 +583,12 @@ def _stage_run(name: str, p: int, side: int) -> Callable[[], Tensor]:
         mod.zero_grad(set_to_none=True)
         return tiled([tile], [(side, side)])[0][0]
 
-    return run
+    def alone() -> Tensor:
+        mod.zero_grad(set_to_none=True)
+        out = mod(tile)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    return run, alone
 
 
 def peak_rows(cfg: Settings, tmp: str) -> list[dict[str, Any]]:
@@ -772,17 +781,18 @@ def print_overlap_tables(cfg: Settings, ps: Sequence[int], runs: dict[int, list[
                   f"| {ms(total)} | {ms(exposed)} | {h:.0f}% | {tgt} |")
     print(f"\n## 5. Spatial stage forward + backward, overlap on vs off ({cfg.mem_side}x{cfg.mem_side}, batch 1; "
           "target on / off <= 0.85)\n")
-    print("| stage | P | off ms | on ms | on / off | target |")
-    print("|---|---|---|---|---|---|")
+    print("| stage | P | off ms | on ms | alone ms (no exchange) | on / off | floor (alone / off) | target |")
+    print("|---|---|---|---|---|---|---|---|")
     ratios: list[float] = []
     old_ratios: list[float] = []
     for p in ps:
         for name in runs[p][0]["step"]:
             rows = [r["step"][name] for r in runs[p]]
-            off, on = sm.slowest(rows, "off"), sm.slowest(rows, "on")
+            off, on, alone = (sm.slowest(rows, k) for k in ("off", "on", "alone"))
             ratios.append(on / off)
             old_ratios.append(max(r["on"] for r in rows) / max(r["off"] for r in rows))
-            print(f"| {name} | {p} | {ms(off)} | {ms(on)} | {on / off:.2f} | {mark(on / off <= 0.85)} |")
+            print(f"| {name} | {p} | {ms(off)} | {ms(on)} | {ms(alone)} | {on / off:.2f} | {alone / off:.2f} "
+                  f"| {mark(on / off <= 0.85)} |")
     print(f"\nWith the earlier definition (per-rank medians, then the slowest rank): halo hidden "
           f"{min(old_hidden):.0f}–{max(old_hidden):.0f}%; overlap step ratio {min(old_ratios):.2f}–{max(old_ratios):.2f}.")
     print(f"\n## 6. Peak memory per rank vs the plan's prediction (nowdl UNet depth 2 width 8, "

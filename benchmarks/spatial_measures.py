@@ -92,22 +92,29 @@ def conv_stack(depth: int = 4) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def step_case(run_stage: Callable[[], torch.Tensor], warmup: int, repeats: int) -> dict[str, float]:
+def step_case(run_stage: Callable[[], torch.Tensor], warmup: int, repeats: int,
+              alone: Callable[[], torch.Tensor] | None = None) -> dict[str, float]:
     """Medians (this rank) of a spatial stage's forward + backward with overlap off and on.
 
-    ``run_stage()`` runs the stage's forward on this rank's tile and returns an output tile.
+    ``run_stage()`` runs the stage's forward on this rank's tile and returns an output tile;
+    ``alone()``, when given, the same module on the tile with no exchange at all (zero padding
+    at the tile's edges, norms on the tile's own statistics): the compute a perfect overlap
+    would leave, so ``alone / off`` is the floor of ``on / off``.
     """
-    def step(on: bool) -> Callable[[], None]:
+    def step(fn: Callable[[], torch.Tensor], on: bool) -> Callable[[], None]:
         def run() -> None:
             set_halo_overlap(on)
-            y = run_stage()
+            y = fn()
             y.backward(torch.ones_like(y))
         return run
 
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    runs = {"off": step(run_stage, False), "on": step(run_stage, True)}
+    if alone is not None:
+        runs["alone"] = step(alone, True)
+    times: dict[str, list[float]] = {k: [] for k in runs}
     for i in range(warmup + repeats):
-        for k in (("off", "on") if i % 2 == 0 else ("on", "off")):
-            t = _timed(step(k == "on"))
+        for k in (list(runs) if i % 2 == 0 else list(reversed(runs))):
+            t = _timed(runs[k])
             if i >= warmup:
                 times[k].append(t)
     set_halo_overlap(True)
@@ -125,8 +132,9 @@ def slowest(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(max(r["raw"][key][i] for r in rows) for i in range(len(rows[0]["raw"][key])))
 
 
-def conv_stack_stage(side: int, p: int) -> Callable[[], torch.Tensor]:
-    """The conv stack on this rank's tile of a 1 x 16 x side x side image."""
+def conv_stack_stage(side: int, p: int) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor]]:
+    """The conv stack on this rank's tile of a 1 x 16 x side x side image: tiled, and alone
+    (the plain stack on the tile, no exchange; see ``step_case``)."""
     rank = dist.get_rank()
     grid = TileGrid.for_rank((side, side), slice_grid("square", p, 2), rank, tuple(range(p)))
     stack = conv_stack()
@@ -137,7 +145,11 @@ def conv_stack_stage(side: int, p: int) -> Callable[[], torch.Tensor]:
         stack.zero_grad(set_to_none=True)
         return tile_forward(stack, tile, grid)[0]
 
-    return run
+    def alone() -> torch.Tensor:
+        stack.zero_grad(set_to_none=True)
+        return stack(tile)
+
+    return run, alone
 
 
 # ---- Table 6: measured peak vs predicted -------------------------------------------------------

@@ -24,33 +24,76 @@ __all__ = ["batchnorm_tile", "groupnorm_tile", "instancenorm_tile"]
 # norms: statistics reduced over the tiles
 
 
+def _group_slot(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(this rank's index in ``group``, the group's size); None is the default group."""
+    if group is None:
+        return dist.get_rank(), dist.get_world_size()
+    return group.rank(), group.size()
+
+
+def _global_stats(x: Tensor, dims: list[int], group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean, biased var, count) over ``dims`` of every tile: two local passes and ONE collective.
+
+    Each tile's (count, mean, biased var) is gathered (an all-reduce of a zero buffer holding
+    each rank's own slot: exact) and combined by Chan et al.'s pairwise formula in float64,
+    identically on every rank: no centred second pass over ``x`` and no second round trip.
+    """
+    local_n = math.prod(x.shape[i] for i in dims)
+    if local_n:  # two passes: torch.var_mean's Welford kernel is 5x slower on CPU
+        mean_l = x.mean(dim=dims, keepdim=True)
+        var_l = (x - mean_l).square_().mean(dim=dims, keepdim=True)
+    else:
+        shape = [1 if i in dims else n for i, n in enumerate(x.shape)]
+        var_l = mean_l = x.new_zeros(shape)
+    slot, size = _group_slot(group)
+    s = mean_l.numel()
+    buf = torch.zeros(size, 2 * s + 1, dtype=torch.float64, device=x.device)
+    buf[slot, 0] = float(local_n)
+    buf[slot, 1:s + 1] = mean_l.reshape(-1)
+    buf[slot, s + 1:] = var_l.reshape(-1)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    n_i = buf[:, :1]
+    count = n_i.sum()
+    mean = (n_i * buf[:, 1:s + 1]).sum(0) / count
+    m2 = (n_i * buf[:, s + 1:]).sum(0) + (n_i * (buf[:, 1:s + 1] - mean) ** 2).sum(0)
+    return (mean.to(x.dtype).reshape(mean_l.shape), (m2 / count).to(x.dtype).reshape(mean_l.shape), count)
+
+
+def _stat_channels(t: Tensor, dims: list[int]) -> Tensor | None:
+    """``t`` viewed as (N', C', ...) with one statistic per C' (what ATen's batch-norm kernels
+    reduce), or None when ``dims`` is neither BatchNorm's [0, 2, ...] nor a trailing run."""
+    nd = t.dim()
+    if dims == [0, *range(2, nd)]:
+        return t
+    if dims and dims == list(range(dims[0], nd)):
+        return t.reshape(1, math.prod(t.shape[:dims[0]]), -1)
+    return None
+
+
 class _TileNorm(torch.autograd.Function):
     """``(x - mean) / sqrt(var + eps) * weight + bias`` with statistics over ``dims`` of EVERY tile.
 
-    Sums and centred sums of squares are all-reduced over the tile group (counts from the real,
-    uneven tiles). Like ATen's norms it saves only the input and the per-channel statistics, not
-    the normalised tensor; its backward all-reduces the two per-channel sums it needs.
+    [Note: tile norm cost] Forward: the tile's own mean and centred variance (two passes), one
+    all-reduce of the tiles' (count, mean, var), combined as Chan et al. do, and one pass
+    ``x * scale + shift`` (ATen's
+    CPU batch norm has the same form). Backward, where the weight is constant over ``dims``
+    (BatchNorm, InstanceNorm): ATen's ``native_batch_norm_backward`` gives the two per-channel
+    sums (= the local weight and bias gradients) in one pass, one all-reduce, then
+    ``gx = gy * c1 - (x - mean) * c2 + c0`` in three passes. The composed version before made
+    about 6 passes and 2 round trips forward and 13 passes back: 3.1x a native InstanceNorm's
+    forward + backward on a 4 x 512 x 256 tile. GroupNorm's per-channel weight varies inside a
+    group, so its backward keeps the composed sums. Like ATen's norms it saves only the input and
+    the statistics, not the normalised tensor.
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, dims: list[int],  # type: ignore[override]
                 group: dist.ProcessGroup | None, eps: float, stats: list[tuple[Tensor, Tensor, Tensor]]) -> Tensor:
-        local_n = math.prod(x.shape[i] for i in dims)
-        s = x.sum(dim=dims, keepdim=True)
-        packed = torch.cat([s.reshape(-1), s.new_full((1,), float(local_n))])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        count = packed[-1]
-        mean = packed[:-1].reshape(s.shape) / count
-        y = x - mean
-        sq = (y * y).sum(dim=dims, keepdim=True).reshape(-1)
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-        var = sq.reshape(s.shape) / count
+        mean, var, count = _global_stats(x, dims, group)
         rstd = torch.rsqrt(var + eps)
-        y.mul_(rstd)
-        if weight is not None:
-            y.mul_(weight)
-        if bias is not None:
-            y.add_(bias)
+        scale = rstd if weight is None else rstd * weight
+        shift = -mean * scale if bias is None else bias - mean * scale
+        y = torch.addcmul(shift.to(x.dtype), x, scale.to(x.dtype))
         stats.append((mean, var, count))
         ctx.dims, ctx.group, ctx.count = dims, group, float(count)
         ctx.has_weight = weight is not None
@@ -62,12 +105,40 @@ class _TileNorm(torch.autograd.Function):
     def backward(ctx: Any, gy: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, weight, mean, rstd = ctx.saved_tensors
         dims = ctx.dims
+        flat = all(weight.shape[d] == 1 for d in dims) if weight is not None else True
+        xc, gc = _stat_channels(x, dims), _stat_channels(gy, dims)
+        if not flat or xc is None or gc is None:
+            return _TileNorm._composed_backward(ctx, gy, x, weight, mean, rstd)
+        # per statistic: sum(gy * xhat) and sum(gy), local (= this tile's affine gradients)
+        _, b_loc, a_loc = torch.ops.aten.native_batch_norm_backward(
+            gc.contiguous(), xc.contiguous(), None, None, None, mean.reshape(-1), rstd.reshape(-1), True, 0.0,
+            [False, True, True])
+        a_loc, b_loc = a_loc.reshape(mean.shape), b_loc.reshape(mean.shape)
+        gw = b_loc.sum_to_size(weight.shape) if ctx.has_weight and ctx.needs_input_grad[1] else None
+        gb = a_loc.sum_to_size(ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            packed = torch.cat([a_loc.reshape(-1), b_loc.reshape(-1)])
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=ctx.group)
+            k = a_loc.numel()
+            a_all = packed[:k].reshape(mean.shape) / ctx.count
+            b_all = packed[k:].reshape(mean.shape) / ctx.count
+            c1 = rstd if weight is None else (rstd * weight).to(x.dtype)
+            gx = torch.addcmul(-c1 * a_all, gy, c1)
+            gx.addcmul_(x - mean, c1 * rstd * b_all, value=-1)
+        return gx, gw, gb, None, None, None, None
+
+    @staticmethod
+    def _composed_backward(ctx: Any, gy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor,
+                           rstd: Tensor) -> tuple[Any, ...]:
+        """The backward from composed ops: a weight that varies inside ``dims`` (GroupNorm)."""
+        dims = ctx.dims
         xhat = (x - mean) * rstd
-        gw = (gy * xhat).sum_to_size(weight.shape) if ctx.has_weight and ctx.needs_input_grad[1] else None
+        gw = (gy * xhat).sum_to_size(weight.shape) if weight is not None and ctx.needs_input_grad[1] else None
         gb = gy.sum_to_size(ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
         gx = None
         if ctx.needs_input_grad[0]:
-            gxhat = gy * weight if ctx.has_weight else gy
+            gxhat = gy * weight if weight is not None else gy
             a = gxhat.sum(dim=dims, keepdim=True)
             b = (gxhat * xhat).sum(dim=dims, keepdim=True)
             packed = torch.cat([a.reshape(-1), b.reshape(-1)])
