@@ -9,11 +9,11 @@ import textwrap
 
 import pytest
 
-from nowdl.runtime import cpumem
+from nowdl import cpumem
 
 _SCRIPT = textwrap.dedent("""
     import ctypes, json, resource, sys, torch
-    from nowdl.runtime.cpumem import keep_freed_memory
+    from nowdl.cpumem import keep_freed_memory
     class Info(ctypes.Structure):  # glibc's struct mallinfo2
         _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                     "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

@@ -5,7 +5,7 @@ Layers, lowest first (a module may import its own layer and every lower one)::
     trace (0) -> profiler (1) -> partitioner (2) -> codegen (3) -> runtime (4)
         -> api, cli, __main__ and the package ``nowdl/__init__`` (5)
 
-Leaves (errors, units, functional, geometry, models) sit below every layer: anyone may import
+Leaves (errors, units, functional, geometry, models, cpumem) sit below every layer: anyone may import
 them, and they import only other leaves. ``nowdl.exported`` normalizes torch.export graphs
 for tracing, so it is part of the trace layer, not a leaf.
 
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "nowdl"
 MAX_LINES = 400
 
-LEAVES = ("nowdl.errors", "nowdl.units", "nowdl.functional", "nowdl.geometry", "nowdl.models")
+LEAVES = ("nowdl.errors", "nowdl.units", "nowdl.functional", "nowdl.geometry", "nowdl.models", "nowdl.cpumem")
 LAYERS = {
     "nowdl.trace": 0,
     "nowdl.trace_check": 0,

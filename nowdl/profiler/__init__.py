@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from nowdl.cpumem import keep_freed_memory
 from nowdl.profiler.cache import (
     cache_key,
     graph_digest,
@@ -130,6 +131,8 @@ def profile(
         key_parts["device"] = device_label(dev)
         key_parts["repeats"] = repeats
         key_parts["threads"] = torch.get_num_threads() if dev.type == "cpu" else None
+        # time nodes under the allocator settings the runtime uses ([Note: CPU freed memory])
+        key_parts["keep_freed"] = keep_freed_memory() if dev.type == "cpu" else None
         key_parts["whole_pass"] = 1  # [Note: whole-pass scale]
     else:
         spec = get_device_spec(device_spec, cache_dir=cache_dir)

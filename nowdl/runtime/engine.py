@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.codegen.stage import StageModule
+from nowdl.cpumem import keep_freed_memory
 from nowdl.errors import NowdlError
 from nowdl.partitioner.plan import Plan
 from nowdl.profiler import PRECISIONS as AUTOCAST_DTYPES
 from nowdl.profiler import check_precision
-from nowdl.runtime.cpumem import keep_freed_memory
 from nowdl.runtime.gradsync import GradSync
 from nowdl.runtime.halo import Window
 from nowdl.runtime.launch import wait

@@ -8,7 +8,11 @@ page fault per 4 KiB: measured on this project's 2-core machine (one thread), a 
 forward at 128² took 26-29 ms against 22.2 ms for the sum of its nodes measured one by one (the
 profiler reruns a node into memory it just freed), its backward 36-40 ms against 33-35 ms.
 With the pages kept (no mmap for heap blocks, no trimming below 2 GiB) the forward is 23 ms:
-the step is faster and the measure-mode profile predicts it. CUDA needs none of this (its
+the step is faster. Measure mode applies the same setting before it times nodes on the CPU
+(``nowdl.profiler.profile``), so the profile sees the allocator the runtime will run under
+(``bench_runtime.py --quick``, which plans in its parent, two runs each: the predicted stage
+forwards were 10.1-12.5 ms before, 9.8-10.2 ms after, against 8.9-10.5 ms measured in both).
+CUDA needs none of this (its
 caching allocator keeps blocks); the process's resident memory then stays at its peak, as a
 GPU's reserved memory does.
 
