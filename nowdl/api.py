@@ -27,6 +27,7 @@ from nowdl.profiler.cost import Profile
 from nowdl.profiler.losscost import loss_cost_for, with_loss
 from nowdl.progress import Progress, status
 from nowdl.trace import Traced, trace
+from nowdl.trace_check import stand_in
 from nowdl.units import parse_bytes
 
 __all__ = ["compile", "CompiledModel", "profile_model", "MODES"]
@@ -98,7 +99,7 @@ class CompiledModel:
         mode = self._resolved_mode()
         inputs = example_inputs
         if mode == "measure" and any(x.device.type == "meta" for x in example_inputs):
-            inputs = tuple(torch.randn(x.shape, dtype=x.dtype) for x in example_inputs)
+            inputs = tuple(stand_in(x.shape, x.dtype) for x in example_inputs)
         return _profile(t.gm, tuple(inputs), mode=mode, device=self.device, device_spec=self._spec_arg(),
                         optimizer=self.optimizer_kind, cache=self.cache, progress=self.progress,
                         fingerprint=t.fingerprint, precision=self.precision)

@@ -25,7 +25,7 @@ from nowdl.trace_where import _first_line, _user_frame
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_inputs", "shape_hint", "eager_failure"]
+__all__ = ["check_inputs", "shape_hint", "eager_failure", "stand_in"]
 
 # Inputs larger than this many elements per sample are validated on a shrunk copy (the fx
 # graph does not depend on the spatial size), so a 16384^2 plan needs no 16384^2 forward.
@@ -50,6 +50,8 @@ def check_inputs(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> No
                 "(meta tensors are fine for planning: torch.empty(shape, device='meta'))"
             )
         if not x.is_floating_point():
+            if i > 0 and not x.is_complex():  # an index input beside the image: time steps, labels
+                continue
             raise TraceError(
                 f"example input {i} has dtype {x.dtype}; images must be floating point "
                 f"(the model's parameters are {sorted(str(d) for d in pdtypes) or ['float32']}): "
@@ -141,6 +143,14 @@ def _in_channels(m: nn.Module) -> int:
 _EXPORT_MAX_ELEMENTS = 2**26
 
 
+def stand_in(shape: Sequence[int], dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A real tensor standing in for a meta example: random values for a floating input, zeros
+    for an integer one (time steps, labels: 0 is a valid index wherever any is)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(tuple(shape), generator=generator, dtype=dtype)
+    return torch.zeros(tuple(shape), dtype=dtype)
+
+
 def _full_inputs(example_inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Real tensors of exactly the example's shapes (torch.export specialises on shapes)."""
     if all(x.device.type != "meta" for x in example_inputs):
@@ -152,7 +162,7 @@ def _full_inputs(example_inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, 
             f"{[list(x.shape) for x in example_inputs]} ({total} elements), too large to allocate for a check"
         )
     g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(x.shape, generator=g, dtype=x.dtype) for x in example_inputs)
+    return tuple(stand_in(x.shape, x.dtype, g) for x in example_inputs)
 
 
 def _shrunk_inputs(example_inputs: Sequence[torch.Tensor]) -> Iterable[tuple[torch.Tensor, ...]]:
@@ -167,7 +177,7 @@ def _shrunk_inputs(example_inputs: Sequence[torch.Tensor]) -> Iterable[tuple[tor
             shape = list(x.shape[:2]) + [min(int(d), side) for d in x.shape[2:]]
             shape[0] = min(shape[0], 2)
             g = torch.Generator().manual_seed(0)
-            shrunk.append(torch.randn(shape, generator=g, dtype=x.dtype))
+            shrunk.append(stand_in(shape, x.dtype, g))
         yield tuple(shrunk)
 
 

@@ -35,6 +35,7 @@ from distributed import run_workers
 from monai_zoo import NETS, Net, build, by_id
 from reference import train_reference
 from torch import nn
+from torch.utils._pytree import tree_structure
 
 import nowdl
 
@@ -66,6 +67,10 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 
 
 def _assert_same_outputs(got: Any, want: Any, what: str) -> None:
+    # the same structure too: a torch.export graph's split stages once returned a 1-tuple
+    # where the model returns a tensor
+    assert tree_structure(got) == tree_structure(want), (
+        f"{what}: returns {tree_structure(got)} where the model returns {tree_structure(want)}")
     g, w = _tensors(got), _tensors(want)
     assert len(g) == len(w), f"{what}: {len(g)} output tensors instead of {len(w)}"
     for i, (a, b) in enumerate(zip(g, w, strict=True)):

@@ -10,6 +10,7 @@ copy's running statistics see only its own micro-batches, as with DistributedDat
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -371,32 +372,64 @@ def _two_images(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Ten
             torch.randn(2, 1, 16, 16, generator=g, dtype=torch.float64))
 
 
-def _two_images_worker(rank: int, world: int, cfg: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+class _TimeConditioned(nn.Module):
+    """A diffusion-style net: forward(x, t) with integer time steps ``t`` (embedded twice, so the
+    integer input is read by a later stage too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.a = nn.Conv2d(1, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+        self.emb2 = nn.Embedding(10, 4)
+        self.c = nn.Conv2d(4, 1, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x) + self.emb(t)[:, :, None, None])
+        h = torch.relu(self.b(h))
+        return self.c(h + self.emb2(t)[:, :, None, None])
+
+
+def _time_conditioned(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    return ((torch.randn(2, 1, 16, 16, generator=g, dtype=torch.float64), torch.randint(0, 10, (2,), generator=g)),
+            torch.randn(2, 1, 16, 16, generator=g, dtype=torch.float64))
+
+
+_MULTI_INPUT: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any]]] = {
+    "two_images": (_TwoImages, _two_images), "time_conditioned": (_TimeConditioned, _time_conditioned)}
+
+
+def _multi_input_worker(rank: int, world: int, name: str, cfg: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    make, data = _MULTI_INPUT[name]
     torch.manual_seed(0)
-    cm = nowdl.compile(_TwoImages().double(), gpus=world, micro_batches=2, dp=1, replicas=1, mode="estimate",
+    cm = nowdl.compile(make().double(), gpus=world, micro_batches=2, dp=1, replicas=1, mode="estimate",
                        optimizer=_adam, loss_fn=nn.MSELoss(), cache=False, progress=False, timeout_s=60, **cfg)
-    losses = [cm.train_step(*_two_images(step)) for step in range(STEPS)]
+    losses = [cm.train_step(*data(step)) for step in range(STEPS)]
     return losses, cm.state_dict()
 
 
-@pytest.mark.parametrize(("cfg", "world"), [
-    ({"stages": 2, "spatial_parts": 1, "schedule": "1f1b"}, 2),
-    ({"stages": 2, "spatial_parts": 2, "spatial_stages": 1}, 3),
-], ids=["pipeline", "spatial-then-plain"])
-def test_model_with_two_inputs_trains_exactly(cfg: dict[str, Any], world: int) -> None:
-    """train_step((moving, fixed), y): every input is planned for, split into micro-batches (and
-    tiles) and fed to its placeholder; the run equals one process's."""
-    results = run_workers(_two_images_worker, world, cfg, timeout_s=240)
+@pytest.mark.parametrize(("name", "cfg", "world"), [
+    ("two_images", {"stages": 2, "spatial_parts": 1, "schedule": "1f1b"}, 2),
+    ("two_images", {"stages": 2, "spatial_parts": 2, "spatial_stages": 1}, 3),
+    ("time_conditioned", {"stages": 2, "spatial_parts": 1, "schedule": "1f1b"}, 2),
+], ids=["pipeline", "spatial-then-plain", "integer-time-steps"])
+def test_model_with_two_inputs_trains_exactly(name: str, cfg: dict[str, Any], world: int) -> None:
+    """train_step((a, b), y): every input is planned for, split into micro-batches (and tiles)
+    and fed to its placeholder; an integer input (diffusion time steps) crosses stages without
+    a gradient; the run equals one process's."""
+    results = run_workers(_multi_input_worker, world, name, cfg, timeout_s=240)
+    make, data = _MULTI_INPUT[name]
     torch.manual_seed(0)
-    model = _TwoImages().double()
+    model = make().double()
     ref_losses: list[float] = []
     opt = _adam(model.parameters())
     for step in range(STEPS):  # train_reference chunks one tensor; here two inputs
-        (moving, fixed), y = _two_images(step)
+        inputs, y = data(step)
         opt.zero_grad(set_to_none=True)
         acc = 0.0
-        for a, b, t in zip(moving.chunk(2), fixed.chunk(2), y.chunk(2), strict=True):
-            loss = nn.functional.mse_loss(model(a, b), t)
+        for *parts, t in zip(*(i.chunk(2) for i in inputs), y.chunk(2), strict=True):
+            loss = nn.functional.mse_loss(model(*parts), t)
             (loss / 2).backward()
             acc += float(loss.detach())
         opt.step()

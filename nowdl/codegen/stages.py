@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
@@ -33,7 +35,13 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return where[node.name]
 
     ordered = _stage_ordered(gm, where)
-    return split_module(ordered, ordered, stage_of, keep_original_order=True)
+    out = split_module(ordered, ordered, stage_of, keep_original_order=True)
+    if getattr(gm.graph._codegen, "pytree_info", None) is not None:
+        # a torch.export graph takes and returns the model's own structures (pytree code
+        # generation); split_module's module would return the flat tuple of leaves
+        out.graph._codegen = copy.deepcopy(gm.graph._codegen)
+        out.recompile()
+    return out
 
 
 def _stage_ordered(gm: fx.GraphModule, where: dict[str, int]) -> fx.GraphModule:
