@@ -31,6 +31,9 @@ __all__ = ["check_inputs", "shape_hint", "eager_failure", "stand_in"]
 # graph does not depend on the spatial size), so a 16384^2 plan needs no 16384^2 forward.
 _VALIDATE_MAX_ELEMENTS = 3 * 256 * 256
 _SHRINK_SIDES = (64, 128, 256, 32, 512)
+# volumes: a 64^3 check of SwinUNETR (feature size 48) ran 2.3 s a forward, four forwards per
+# check; 32^3 is 8x less and still deep enough for five halvings
+_SHRINK_SIDES_3D = (32, 64, 16, 128, 256)
 
 
 def check_inputs(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> None:
@@ -171,7 +174,8 @@ def _shrunk_inputs(example_inputs: Sequence[torch.Tensor]) -> Iterable[tuple[tor
     if (per_sample <= _VALIDATE_MAX_ELEMENTS and all(x.device.type != "meta" for x in example_inputs)):
         yield _full_inputs(example_inputs)
         return
-    for side in _SHRINK_SIDES:
+    volume = max(x.dim() for x in example_inputs) >= 5
+    for side in _SHRINK_SIDES_3D if volume else _SHRINK_SIDES:
         shrunk = []
         for x in example_inputs:
             shape = list(x.shape[:2]) + [min(int(d), side) for d in x.shape[2:]]
