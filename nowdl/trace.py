@@ -30,12 +30,11 @@ from nowdl.trace_check import (
     _VALIDATE_MAX_ELEMENTS,
     _full_inputs,
     _Mismatch,
-    _run,
-    _shrunk_inputs,
     _TrainModeOnly,
     _validate,
     check_inputs,
     eager_failure,
+    first_fitting,
     shape_hint,
 )
 from nowdl.trace_where import _first_line, _refused_by_model, _user_frame, _where
@@ -197,23 +196,20 @@ def _export(model: nn.Module, example_inputs: tuple[torch.Tensor, ...]
         return _validate(model, gm, example_inputs, train=True)
 
     def _check_small() -> tuple[tuple[int, ...], ...]:
-        for small in _shrunk_inputs(example_inputs):
-            try:
-                _run(copy.deepcopy(model).eval(), small, seed=0)
-            except Exception:  # this size does not fit the model; try another
-                continue
-            try:
-                small_gm = _export_trace(model, small)
-            except Exception as e:
-                raise _Mismatch(f"the check at shape {[list(x.shape) for x in small]} does not export "
-                                f"({type(e).__name__}: {_first_line(e)})") from e
-            shapes = _validate(model, small_gm, small, train=True)
-            if _structure(small_gm) != _structure(gm):
-                raise _Mismatch(f"the graph exported at {[list(x.shape) for x in example_inputs]} has other nodes "
-                                f"than the one checked at {[list(x.shape) for x in small]}")
-            return shapes
-        raise _Mismatch("no smaller input of the same rank runs through the model, so the export at full size "
-                        "cannot be checked: pass a real example tensor")
+        small = first_fitting(model, example_inputs)[0]
+        if small is None:
+            raise _Mismatch("no smaller input of the same rank runs through the model, so the export at full size "
+                            "cannot be checked: pass a real example tensor")
+        try:
+            small_gm = _export_trace(model, small)
+        except Exception as e:
+            raise _Mismatch(f"the check at shape {[list(x.shape) for x in small]} does not export "
+                            f"({type(e).__name__}: {_first_line(e)})") from e
+        shapes = _validate(model, small_gm, small, train=True)
+        if _structure(small_gm) != _structure(gm):
+            raise _Mismatch(f"the graph exported at {[list(x.shape) for x in example_inputs]} has other nodes "
+                            f"than the one checked at {[list(x.shape) for x in small]}")
+        return shapes
 
     return gm, check
 

@@ -25,7 +25,7 @@ from nowdl.trace_where import _first_line, _user_frame
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_inputs", "shape_hint", "eager_failure", "stand_in"]
+__all__ = ["check_inputs", "shape_hint", "eager_failure", "first_fitting", "stand_in"]
 
 # Inputs larger than this many elements per sample are validated on a shrunk copy (the fx
 # graph does not depend on the spatial size), so a 16384^2 plan needs no 16384^2 forward.
@@ -244,18 +244,15 @@ def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Te
     if train:
         inputs = _full_inputs(example_inputs)
         for mode in (True, False):  # train mode (batch statistics, dropout), then eval mode
-            m, g = copy.deepcopy(model).train(mode), copy.deepcopy(gm).train(mode)
             try:
-                ref = _run(m, inputs, seed=1234)
-            except Exception as e:
-                last_err, ran_on = e, inputs
-                break
-            try:
-                _compare(ref, g, inputs, "train" if mode else "eval")
+                _compare_copies(model, gm, inputs, mode)
             except _Mismatch as m:
                 if not mode:  # training matched just before: the forward branches on self.training
                     raise _TrainModeOnly(tuple(tuple(x.shape) for x in inputs), str(m)) from m
                 raise
+            except Exception as e:  # the model itself fails (the graph's failures are mismatches)
+                last_err, ran_on = e, inputs
+                break
         else:
             return tuple(tuple(x.shape) for x in inputs)
     else:
@@ -295,9 +292,10 @@ def _fails_as_is(model: nn.Module, err: BaseException | None, example_inputs: Se
             "Make the model run on the example input first (its dtype, shape and device).")
 
 
-def eager_failure(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> str | None:
-    """The message when the model itself (no tracing) fails on the example input, in eval mode
-    on the sizes the check uses; None when it runs on one of them."""
+def first_fitting(model: nn.Module, example_inputs: Sequence[torch.Tensor]
+                  ) -> tuple[tuple[torch.Tensor, ...] | None, Exception | None, Sequence[torch.Tensor]]:
+    """The first of the check's sizes (``_shrunk_inputs``) the model runs on in eval mode, or
+    None; the last failure and the inputs it failed on. Raises what allocating them raises."""
     was_training = model.training
     model.eval()
     err: Exception | None = None
@@ -306,15 +304,23 @@ def eager_failure(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> s
         for inputs in _shrunk_inputs(example_inputs):
             try:
                 _run(model, inputs, seed=1234)
-                return None
-            except Exception as e:  # noqa: BLE001 (any failure of the user's model is the answer)
+                return inputs, None, ()
+            except Exception as e:  # noqa: BLE001 (this size does not fit the model; try another)
                 err, ran_on = e, inputs
+    finally:
+        model.train(was_training)
+    return None, err, ran_on
+
+
+def eager_failure(model: nn.Module, example_inputs: Sequence[torch.Tensor]) -> str | None:
+    """The message when the model itself (no tracing) fails on the example input, in eval mode
+    on the sizes the check uses; None when it runs on one of them."""
+    try:
+        fits, err, ran_on = first_fitting(model, example_inputs)
     except Exception as e:  # noqa: BLE001 (an example too large to allocate: say nothing)
         log.debug("could not run the model eagerly: %s", e)
         return None
-    finally:
-        model.train(was_training)
-    return None if err is None else _fails_as_is(model, err, example_inputs, ran_on)
+    return None if fits is not None or err is None else _fails_as_is(model, err, example_inputs, ran_on)
 
 
 class _Mismatch(Exception):
@@ -332,13 +338,17 @@ class _TrainModeOnly(Exception):
         self.why = why
 
 
+def _compare_copies(model: nn.Module, gm: nn.Module, inputs: Sequence[torch.Tensor], train: bool) -> None:
+    """``_compare`` on copies in train or eval mode (the running statistics of the model's norms
+    do not move); the model's own failure propagates as it is."""
+    m, g = copy.deepcopy(model).train(train), copy.deepcopy(gm).train(train)
+    _compare(_run(m, inputs, seed=1234), g, inputs, "train" if train else "eval")
+
+
 def _train_mode_matches(model: nn.Module, gm: nn.Module, inputs: Sequence[torch.Tensor]) -> bool:
-    """Whether the graph returns what the model returns in training mode, on copies (the running
-    statistics of the model's norms do not move)."""
-    m, g = copy.deepcopy(model).train(), copy.deepcopy(gm).train()
+    """Whether the graph returns what the model returns in training mode."""
     try:
-        ref = _run(m, inputs, seed=1234)
-        _compare(ref, g, inputs, "train")
+        _compare_copies(model, gm, inputs, True)
     except Exception:  # noqa: BLE001 (any failure: not a training-mode graph either)
         return False
     return True
