@@ -36,7 +36,7 @@ def _global_stats(x: Tensor, dims: list[int], group: dist.ProcessGroup | None) -
 
     Each tile's (count, mean, biased var) is gathered (an all-reduce of a zero buffer holding
     each rank's own slot: exact) and combined by Chan et al.'s pairwise formula in float64,
-    identically on every rank: no centred second pass over ``x`` and no second round trip.
+    identically on every rank: no pass over ``x`` waits for a round trip, and there is one.
     """
     local_n = math.prod(x.shape[i] for i in dims)
     if local_n:  # two passes: torch.var_mean's Welford kernel is 5x slower on CPU
@@ -57,6 +57,13 @@ def _global_stats(x: Tensor, dims: list[int], group: dist.ProcessGroup | None) -
     mean = (n_i * buf[:, 1:s + 1]).sum(0) / count
     m2 = (n_i * buf[:, s + 1:]).sum(0) + (n_i * (buf[:, 1:s + 1] - mean) ** 2).sum(0)
     return (mean.to(x.dtype).reshape(mean_l.shape), (m2 / count).to(x.dtype).reshape(mean_l.shape), count)
+
+
+def _tile_means(a: Tensor, b: Tensor, group: dist.ProcessGroup | None, count: float) -> tuple[Tensor, Tensor]:
+    """Two per-statistic sums over every tile (one all-reduce), divided by the whole count."""
+    packed = torch.cat([a.reshape(-1), b.reshape(-1)])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return packed[:a.numel()].reshape(a.shape) / count, packed[a.numel():].reshape(b.shape) / count
 
 
 def _stat_channels(t: Tensor, dims: list[int]) -> Tensor | None:
@@ -118,11 +125,7 @@ class _TileNorm(torch.autograd.Function):
         gb = a_loc.sum_to_size(ctx.bias_shape) if ctx.bias_shape is not None and ctx.needs_input_grad[2] else None
         gx = None
         if ctx.needs_input_grad[0]:
-            packed = torch.cat([a_loc.reshape(-1), b_loc.reshape(-1)])
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=ctx.group)
-            k = a_loc.numel()
-            a_all = packed[:k].reshape(mean.shape) / ctx.count
-            b_all = packed[k:].reshape(mean.shape) / ctx.count
+            a_all, b_all = _tile_means(a_loc, b_loc, ctx.group, ctx.count)
             c1 = rstd if weight is None else (rstd * weight).to(x.dtype)
             gx = torch.addcmul(-c1 * a_all, gy, c1)
             gx.addcmul_(x - mean, c1 * rstd * b_all, value=-1)
@@ -141,10 +144,7 @@ class _TileNorm(torch.autograd.Function):
             gxhat = gy * weight if weight is not None else gy
             a = gxhat.sum(dim=dims, keepdim=True)
             b = (gxhat * xhat).sum(dim=dims, keepdim=True)
-            packed = torch.cat([a.reshape(-1), b.reshape(-1)])
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=ctx.group)
-            a_all = packed[: a.numel()].reshape(a.shape) / ctx.count
-            b_all = packed[a.numel():].reshape(b.shape) / ctx.count
+            a_all, b_all = _tile_means(a, b, ctx.group, ctx.count)
             gx = (gxhat - a_all - xhat * b_all) * rstd
         return gx, gw, gb, None, None, None, None
 
