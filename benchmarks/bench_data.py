@@ -10,7 +10,7 @@ spatial stage of P = 4 square tiles (``gpus=4, stages=1, spatial_parts=4``) on `
 crops (the whole image by default), ``--batch`` crops per step, through
 ``nowdl.data.crops(...).lazy_batch``: each rank's engine reads its own tile of every crop from
 the TIFF (the halo arrives from the neighbours), and the ranks that compute the loss read the
-mask crop. The reads go through ``nowdl.runtime.prefetch.TileReadAhead``, as in ``nowdl run``:
+mask crop. The reads go through ``nowdl.runtime.data.prefetch.TileReadAhead``, as in ``nowdl run``:
 the first step learns each rank's windows, and from then on the next step's windows are read
 on a background thread while a step runs.
 
@@ -46,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from distributed import run_workers  # noqa: E402
 
 import nowdl  # noqa: E402
-from nowdl.runtime.feed import label_loss  # noqa: E402
-from nowdl.runtime.loader import StepSampler  # noqa: E402
-from nowdl.runtime.prefetch import TileReadAhead  # noqa: E402
+from nowdl.runtime.data.feed import label_loss  # noqa: E402
+from nowdl.runtime.data.loader import StepSampler  # noqa: E402
+from nowdl.runtime.data.prefetch import TileReadAhead  # noqa: E402
 
 P = 4
 

@@ -4,7 +4,7 @@ What is measured
 ----------------
 Table 1 (quality). For nowdl's UNet, ResNet-110-v2, AmoebaNet-D and MONAI's UNet, at
 1024² and 2048² (batch 1, a meta input), and K = 2, 4, 8 pipeline stages, the model is traced
-with ``nowdl.trace.trace`` and profiled in estimate mode on the built-in ``h100`` device spec
+with ``nowdl.trace.tracer.trace`` and profiled in estimate mode on the built-in ``h100`` device spec
 (Adam optimizer state). The partition Problem is built with
 ``build_problem(Costs(..., mem_cap=None), Candidate(stages=K, micro_batches=K,
 schedule="1f1b", replicas=1, dp=1, parts=1, front=0, back=0, slice="square"), objective)``
@@ -63,22 +63,22 @@ from torch import nn
 
 import nowdl
 from nowdl.models import amoebanetd, resnet, resnet110v2, unet
-from nowdl.partitioner.blockpartition import (
+from nowdl.partitioner.baselines import (
     balance_by_count,
     balance_by_params,
     balance_by_weights,
 )
-from nowdl.partitioner.config import Candidate
-from nowdl.partitioner.costmodel import Costs, build_problem
-from nowdl.partitioner.plan import Plan
-from nowdl.partitioner.problem import Partition, Problem
-from nowdl.partitioner.solve import solve
-from nowdl.partitioner.spatial import spatial_rules
-from nowdl.partitioner.structure import topological_order
+from nowdl.partitioner.costs.costmodel import Costs, build_problem
+from nowdl.partitioner.costs.problem import Partition, Problem
+from nowdl.partitioner.costs.structure import topological_order
+from nowdl.partitioner.search.config import Candidate
+from nowdl.partitioner.solver import solve
+from nowdl.partitioner.spatial.tileable import spatial_rules
+from nowdl.plan.plan import Plan
 from nowdl.profiler import get_device_spec, profile
 
-# ``trace`` is imported from its module: ``nowdl.trace`` the attribute may be shadowed.
-from nowdl.trace import trace
+# ``trace`` is imported from its module: ``nowdl.trace.tracer`` the attribute may be shadowed.
+from nowdl.trace.tracer import trace
 
 GIB = 2.0**30
 DEVICE_SPEC = "h100"
@@ -612,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = get_device_spec(DEVICE_SPEC)
     print(heading("Setup", md))
     print(notes([
-        f"Profiles: nowdl.trace.trace + nowdl.profiler.profile(mode='estimate', "
+        f"Profiles: nowdl.trace.tracer.trace + nowdl.profiler.profile(mode='estimate', "
         f"device_spec='{DEVICE_SPEC}', optimizer='{OPTIMIZER}') on a meta input of batch 1; "
         f"link {spec.link_bw / 1e9:g} GB/s; torch {torch.__version__}.",
         *[f"{label}: {desc}." for label, _, desc in models],
@@ -622,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"nowdl: solve(problem, time_limit={args.time_limit:g}) (exact coarsening; the exact DP "
         "over the DAG's ideals where it has at most 3,000 of them, else the HiGHS MILP started "
         "from the DP over one topological order, threads=1); 'solve s' is its wall time.",
-        "Baselines split the same topological order (nowdl.partitioner.structure.topological_order) "
+        "Baselines split the same topological order (nowdl.partitioner.costs.structure.topological_order) "
         "contiguously and are evaluated by the same cost model (evaluate()).",
         "params: balance_by_params: exact min-max contiguous split of the per-node static bytes "
         "(parameters + grads + Adam states, proportional to the parameter count).",

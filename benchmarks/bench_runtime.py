@@ -91,10 +91,10 @@ from distributed import run_workers  # noqa: E402
 
 import nowdl  # noqa: E402
 from nowdl.codegen import StageModule, build_stages  # noqa: E402
-from nowdl.partitioner.plan import Plan, format_bytes  # noqa: E402
+from nowdl.plan.plan import Plan, format_bytes  # noqa: E402
 from nowdl.profiler.memory import AllocTracker  # noqa: E402
-from nowdl.runtime.metrics import peak_of  # noqa: E402
-from nowdl.trace import trace  # noqa: E402
+from nowdl.runtime.training.metrics import peak_of  # noqa: E402
+from nowdl.trace.tracer import trace  # noqa: E402
 
 SEED = 0
 LR = 1e-3
@@ -689,7 +689,7 @@ def notes(results: list[Result], load: tuple[float, float]) -> None:
         print("- measured above predicted (" + "; ".join(over) + "): the cost model charges static + "
               "inflight x saved + recv_held x received + send_held x sent + workspace, where the workspace "
               "is the largest gradient set of one node's backward (its output's and its inputs' gradients, "
-              "[Note: held buffers] in nowdl/partitioner/held.py); gradients that wait longer (a skip's, "
+              "[Note: held buffers] in nowdl/partitioner/costs/held_tensors.py); gradients that wait longer (a skip's, "
               "until its block's branch is done) are not in it.")
     under = []
     for r in results:
@@ -751,7 +751,7 @@ def device_spec(given: str | None, tmp: Path, quick: bool) -> tuple[str, str]:
     """The spec file the plans use, and a label for the tables: ``given``, else calibrated here."""
     if given is not None:
         return given, given
-    from nowdl.profiler.calibrate import calibrate
+    from nowdl.profiler.calibrate.command import calibrate
 
     log("calibrating links (2 gloo processes) and compute (1 thread)")
     spec = calibrate(2, quick=quick, say=log)

@@ -41,7 +41,7 @@ from torch import nn
 
 import nowdl
 from nowdl.models import resnet110v2, unet
-from nowdl.partitioner.plan import Plan, format_bytes
+from nowdl.plan.plan import Plan, format_bytes
 
 GPUS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 LIMIT_S = 60.0  # the target for planning 2,048 GPUs

@@ -4,7 +4,7 @@ What is measured
 ----------------
 A spatial stage cuts every activation of an ``(N, C, H, W)`` tensor into P tiles (square grid
 ``slice_grid("square", P, 2)``: P=2 -> 1x2, P=4 -> 2x2) held by P ranks, with exact halo
-exchange (``nowdl.runtime.halo``). Every measured run of P ranks is P gloo CPU processes
+exchange (``nowdl.runtime.spatial``). Every measured run of P ranks is P gloo CPU processes
 spawned once for that P (``OMP_NUM_THREADS=1`` each); the same processes do all the work of
 that P (every image side, every model, the search). P=1 runs in the parent process.
 
@@ -65,7 +65,7 @@ Tables 4-6 (issue 10: halo overlap and the memory model; code in ``spatial_measu
   variants alternating: ``compute`` = the unpadded conv on an already assembled window (no
   communication); ``off`` = the tiled conv (``tile_forward``) with ``set_halo_overlap(False)``:
   the halo exchange completes before the op; ``on`` = the same with overlap ([Note: halo
-  overlap] in ``nowdl/runtime/halo/window_op.py``: forward posts the exchange, computes the
+  overlap] in ``nowdl/runtime/spatial/window_op.py``: forward posts the exchange, computes the
   interior, then the border frame; backward posts the halo gradients' return, then computes the
   weight gradient). halo = off - compute (what the exchange costs when nothing hides it);
   exposed = on - compute; hidden = 1 - exposed / halo. Each time is the slowest rank's of each
@@ -82,7 +82,7 @@ Tables 4-6 (issue 10: halo overlap and the memory model; code in ``spatial_measu
   transposed convs) planned in estimate mode with 2 spatial parts, M = 2, 1F1B, Adam, MSE, at
   256² (``--quick``: 128²): one spatial stage on 2 ranks, and a spatial stage on 2 ranks followed
   by a plain stage, each with ``halo_fusion="off"`` and ``"auto"`` (fused runs). Measured as
-  bench_runtime does (``nowdl.runtime.metrics.peak_of`` on the third ``train_step``: parameters,
+  bench_runtime does (``nowdl.runtime.training.metrics.peak_of`` on the third ``train_step``: parameters,
   buffers and Adam state + the peak of the storages aten ops allocate during the step, via
   ``AllocTracker``; not RSS). Target: within ±10% of ``plan.ranks[r].predicted_peak_bytes``.
 
@@ -132,10 +132,10 @@ from torch import Tensor, nn
 
 import nowdl
 from nowdl.codegen.stage import StageModule, build_stages
-from nowdl.partitioner.spatial import slice_grid
-from nowdl.runtime.halo import halo_exchange, sum_weight_grads
-from nowdl.runtime.spatial_stage import TiledStage, full_grid
-from nowdl.runtime.tiles import TileGrid
+from nowdl.partitioner.spatial.tileable import slice_grid
+from nowdl.runtime.spatial import halo_exchange, sum_weight_grads
+from nowdl.runtime.spatial.stage import TiledStage, full_grid
+from nowdl.runtime.spatial.tiles import TileGrid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import spatial_measures as sm  # noqa: E402

@@ -7,10 +7,10 @@ the functions named ``*_case`` run inside that script's spawned gloo ranks, one 
   tile, forward + backward, three ways, all ranks at once, a barrier before each repeat:
   ``compute`` the same unpadded conv on an already assembled window (no communication),
   ``off`` the tiled conv with the halo exchange completed before the op, ``on`` the tiled conv
-  overlapping it ([Note: halo overlap] in ``nowdl/runtime/halo/window_op.py``). The repeats of
+  overlapping it ([Note: halo overlap] in ``nowdl/runtime/spatial/window_op.py``). The repeats of
   the three alternate, so machine load drifts hit all of them alike.
 * :func:`step_case` (Table 5): forward + backward of a whole spatial stage, overlap on vs off.
-* :func:`memory_case` (Table 6): peak bytes of one training step (``nowdl.runtime.metrics.
+* :func:`memory_case` (Table 6): peak bytes of one training step (``nowdl.runtime.training.metrics.
   peak_of``: parameters, buffers and Adam state + the peak of storages aten ops allocate, as
   bench_runtime measures them) against the plan's ``predicted_peak_bytes`` of the rank.
 """
@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import nowdl
-from nowdl.partitioner.spatial import slice_grid
-from nowdl.runtime.halo import halo_exchange, set_halo_overlap, tile_forward
-from nowdl.runtime.metrics import peak_of
-from nowdl.runtime.tiles import TileGrid
+from nowdl.partitioner.spatial.tileable import slice_grid
+from nowdl.runtime.spatial import halo_exchange, set_halo_overlap, tile_forward
+from nowdl.runtime.spatial.tiles import TileGrid
+from nowdl.runtime.training.metrics import peak_of
 
 __all__ = ["overlap_case", "step_case", "slowest", "memory_case", "MEMORY_CASES", "memory_model", "memory_batch"]
 

@@ -4,14 +4,23 @@ Example:
     >>> import nowdl, torch
     >>> cm = nowdl.compile(nowdl.models.unet(), gpus=8, balance="memory")
     >>> print(cm.plan(torch.empty(1, 3, 2048, 2048, device="meta")))
+
+``import nowdl`` loads the planner's entry points only; the distributed runtime, the data
+readers and matplotlib load on first use.
 """
 
-from nowdl import data, models
-from nowdl.api import CompiledModel, compile
-from nowdl.api import profile_model as profile
+from typing import TYPE_CHECKING
+
+from nowdl import models
 from nowdl.errors import InfeasibleError, NowdlError, PlanError, ProfileError, TraceError
-from nowdl.partitioner.plan import Plan
-from nowdl.runtime.tiles import TiledInput
+from nowdl.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from nowdl import data
+    from nowdl.api import CompiledModel, compile
+    from nowdl.api import profile_model as profile
+    from nowdl.plan.plan import Plan
+    from nowdl.runtime.spatial.tiles import TiledInput
 
 __version__ = "0.1.0"
 
@@ -19,3 +28,20 @@ __all__ = [
     "compile", "CompiledModel", "Plan", "TiledInput", "profile", "models", "data",
     "NowdlError", "TraceError", "ProfileError", "PlanError", "InfeasibleError", "__version__",
 ]
+
+_lazy = lazy_exports(__name__, {
+    "compile": "api", "CompiledModel": "api", "Plan": "plan.plan", "TiledInput": "runtime.spatial.tiles",
+})
+
+
+def __getattr__(name: str) -> object:
+    if name == "profile":  # nowdl.profile is the API's profile_model
+        from nowdl.api import profile_model
+
+        globals()["profile"] = profile_model
+        return profile_model
+    if name == "data":
+        import nowdl.data
+
+        return nowdl.data
+    return _lazy(name)

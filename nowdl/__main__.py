@@ -2,6 +2,6 @@
 
 import sys
 
-from nowdl.cli import main
+from nowdl.cli.commands import main
 
 sys.exit(main())

@@ -15,19 +15,19 @@ from torch import nn
 
 from nowdl.errors import NowdlError, PlanError
 from nowdl.optimizers import build_optimizer, optimizer_kind
-from nowdl.partitioner.config import PlanRequest
-from nowdl.partitioner.costmodel import Costs, tied_nodes
-from nowdl.partitioner.fusion import check_policy, plan_fusion
-from nowdl.partitioner.placement import request_topology
-from nowdl.partitioner.plan import Plan
-from nowdl.partitioner.search import build_plan, timed_search
-from nowdl.partitioner.spatial import spatial_rules
+from nowdl.partitioner.costs.costmodel import Costs, tied_nodes
+from nowdl.partitioner.placement.layout import request_topology
+from nowdl.partitioner.search.best_plan import build_plan, timed_search
+from nowdl.partitioner.search.config import PlanRequest
+from nowdl.partitioner.spatial.halo_fusion import check_policy, plan_fusion
+from nowdl.partitioner.spatial.tileable import spatial_rules
+from nowdl.plan.plan import Plan
 from nowdl.profiler import check_precision
 from nowdl.profiler.cost import Profile
-from nowdl.profiler.losscost import loss_cost_for, with_loss
+from nowdl.profiler.loss_cost import loss_cost_for, with_loss
 from nowdl.progress import Progress, status
-from nowdl.trace import Traced, trace
-from nowdl.trace_check import stand_in
+from nowdl.trace.check import stand_in
+from nowdl.trace.tracer import Traced, trace
 from nowdl.units import parse_bytes
 
 __all__ = ["compile", "CompiledModel", "profile_model", "MODES"]
@@ -143,7 +143,7 @@ class CompiledModel:
             return plan
         assert self.request is not None  # compile() guarantees a request or a plan path
         prof = self.profile(*example_inputs)
-        loss = loss_cost_for(prof, self.loss_fn, target)  # [Note: loss memory] in profiler/losscost.py
+        loss = loss_cost_for(prof, self.loss_fn, target)  # [Note: loss memory] in profiler/loss_cost.py
         prof, t2 = with_loss(prof, loss), time.perf_counter()
         spec = self._spec()
         req = self.request
@@ -183,7 +183,7 @@ class CompiledModel:
     # ---- training (the distributed runtime) -------------------------------------------------------
     def _train(self) -> Any:
         if self._trainer is None:
-            from nowdl.runtime.trainer import Trainer
+            from nowdl.runtime.training.trainer import Trainer
 
             self._trainer = Trainer(self, optimizer=self.optimizer, loss_fn=self.loss_fn,
                                     timeout_s=self.timeout_s, backend=self.backend)

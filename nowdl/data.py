@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from nowdl.runtime.datasets import CropDataset, label_loss
-from nowdl.runtime.loader import StepSampler, default_workers, loader
-from nowdl.runtime.prefetch import TileReadAhead
-from nowdl.runtime.readers import ImageArray, open_images
-from nowdl.runtime.tiles import TiledInput
+from nowdl.runtime.data.datasets import CropDataset, label_loss
+from nowdl.runtime.data.loader import StepSampler, default_workers, loader
+from nowdl.runtime.data.prefetch import TileReadAhead
+from nowdl.runtime.data.readers import ImageArray, open_images
+from nowdl.runtime.spatial.tiles import TiledInput
 
 __all__ = ["loader", "crops", "tile_batches", "label_loss", "CropDataset", "StepSampler", "ImageArray",
            "open_images", "default_workers"]

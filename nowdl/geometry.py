@@ -1,14 +1,14 @@
 """Window geometry of tiled ops: pure arithmetic on shapes and modules, no tensors moved.
 
-Shared by the planner (``nowdl.partitioner.fusion`` prices halo fusion with
-:func:`chain_geometry`) and the runtime (``nowdl.runtime.halo`` and ``nowdl.runtime.fusion``
+Shared by the planner (``nowdl.partitioner.spatial.halo_fusion`` prices halo fusion with
+:func:`chain_geometry`) and the runtime (``nowdl.runtime.spatial`` and ``nowdl.runtime.spatial.fusion``
 run the ops), so it sits below both as a leaf module: it imports only torch.
 
 * :func:`split_bounds`: how a dim of ``size`` pixels is cut into tiles (the first
   ``size % parts`` tiles are one pixel larger).
 * conv/pool output sizes and paddings (``_conv_pads``, ``_pool_out``, ``_tup``), and the
   pointwise modules a tile runs as they are (``_POINTWISE``).
-* halo fusion (see :mod:`nowdl.runtime.fusion` for the exactness argument): which modules can
+* halo fusion (see :mod:`nowdl.runtime.spatial.fusion` for the exactness argument): which modules can
   sit in a fused run (:func:`fusable`), each op's window along each dim walked back from the
   final output tile (``_steps``, ``_walk``, ``_plans``), and what fusing a run costs
   (:func:`chain_geometry`). Along each spatial dim, from the last op back::

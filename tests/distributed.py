@@ -10,7 +10,7 @@ returns the ranks' return values in rank order.
 The rendezvous store is hosted by the parent (like torchrun's agent store, via
 TORCHELASTIC_USE_AGENT_STORE), so there is no free-port race between picking a port and a
 worker binding it. By default the worker joins the gloo group itself before calling ``fn``;
-with ``init_group=False``, ``fn`` must call ``nowdl.runtime.launch.init_distributed()``
+with ``init_group=False``, ``fn`` must call ``nowdl.runtime.launch.group.init_distributed()``
 (or ``dist.init_process_group``) itself. Either way the group is destroyed afterwards.
 
 A rank that raises, exits without returning, or is still running at ``timeout_s`` makes

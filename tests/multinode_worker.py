@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import nowdl
-from nowdl.runtime.launch import launch_env
+from nowdl.runtime.launch.group import launch_env
 
 LR = 0.05
 

@@ -8,7 +8,7 @@ import random
 import pytest
 from test_ilp import check_valid, random_problem
 
-from nowdl.partitioner.blockpartition import (
+from nowdl.partitioner.baselines import (
     balance_by_count,
     balance_by_params,
     balance_by_time,

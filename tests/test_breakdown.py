@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nowdl
-from nowdl.partitioner.breakdown import MEMORY_KEYS
+from nowdl.partitioner.costs.memory_breakdown import MEMORY_KEYS
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_breakdown_sums_to_peak(kw: dict[str, object]) -> None:
 
 def test_held_buffers_by_hand() -> None:
     """[Note: held buffers]: what a stage holds at its peak, counted by hand."""
-    from nowdl.partitioner.held import held_buffers
+    from nowdl.partitioner.costs.held_tensors import held_buffers
 
     # 1F1B, K=2, M=4, last stage (F0 B0 F1 B1 ...): 1 in flight + F1's input posted during B0;
     # output gradients: B3's buffer posted during B2 (cool-down), and the pool keeps both
@@ -56,8 +56,8 @@ def test_held_buffers_by_hand() -> None:
 
 def test_held_factors_in_a_tiny_plan() -> None:
     """The stage memory of a 3-node chain split in two, with the runtime's factors, by hand."""
-    from nowdl.partitioner.held import held_buffers
-    from nowdl.partitioner.problem import NodeVectors, Problem, StageSpec, evaluate
+    from nowdl.partitioner.costs.held_tensors import held_buffers
+    from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec, evaluate
 
     # a -> b -> c; b's output (out=10 bytes) crosses from stage 0 to stage 1
     vec = NodeVectors(act=[100.0, 50.0, 30.0], time=[1.0, 1.0, 1.0], workspace=[0.0, 7.0, 3.0],
@@ -80,7 +80,7 @@ def test_held_factors_in_a_tiny_plan() -> None:
 
 def test_backward_grad_bytes_by_hand() -> None:
     """Gradients alive during each node's backward, for x -> conv -> relu -> add(conv, relu) -> out."""
-    from nowdl.partitioner.held import backward_grad_bytes
+    from nowdl.partitioner.costs.held_tensors import backward_grad_bytes
 
     ops = ["placeholder", "call_module", "call_function", "call_function", "output"]
     out = [12, 40, 40, 40, 0]
@@ -93,7 +93,7 @@ def test_backward_grad_bytes_by_hand() -> None:
 
 def test_backward_grad_bytes_cat_is_views() -> None:
     """A cat's input gradients are views of its output's: only that gradient counts."""
-    from nowdl.partitioner.held import backward_grad_bytes
+    from nowdl.partitioner.costs.held_tensors import backward_grad_bytes
 
     ops = ["placeholder", "call_module", "call_module", "call_function", "output"]
     out = [12, 40, 40, 80, 0]
@@ -108,9 +108,9 @@ def test_cat_is_recognised_in_both_tracers_profiles() -> None:
     of VIEW_GRAD_TARGETS, so a cat's backward is charged its output's gradient only either way."""
     import torch
 
-    from nowdl.partitioner.held import VIEW_GRAD_TARGETS
+    from nowdl.partitioner.costs.held_tensors import VIEW_GRAD_TARGETS
     from nowdl.profiler import profile
-    from nowdl.trace import trace
+    from nowdl.trace.tracer import trace
 
     class Cat(torch.nn.Module):
         def __init__(self) -> None:
@@ -132,9 +132,9 @@ def test_cat_is_recognised_in_both_tracers_profiles() -> None:
 def test_freed_by_the_peak_by_hand() -> None:
     """[Note: freed by the peak] on a 4-node chain in one stage: saved 100, 50, 30, 20 bytes,
     workspaces 0, 200, 10, 40: the peak is at node b (150 saved so far + 200), not 200 + 200."""
-    from nowdl.partitioner.breakdown import stage_memory
-    from nowdl.partitioner.config import Candidate
-    from nowdl.partitioner.costmodel import Costs
+    from nowdl.partitioner.costs.costmodel import Costs
+    from nowdl.partitioner.costs.memory_breakdown import stage_memory
+    from nowdl.partitioner.search.config import Candidate
     from nowdl.profiler.cost import NodeCost, Profile
 
     acts, wss = [100, 50, 30, 20], [0, 200, 10, 40]
@@ -149,12 +149,12 @@ def test_freed_by_the_peak_by_hand() -> None:
 
 
 def test_tiled_max_pool_charges_no_indices() -> None:
-    """A tiled max pool saves its input window and recomputes (runtime/halo/window_op.py): its
+    """A tiled max pool saves its input window and recomputes (runtime/spatial/window_op.py): its
     tiled activation is its output tile, without the int64 indices the plain pool saves."""
     from torch import nn
 
-    from nowdl.partitioner.costmodel import Costs, _tiled_vectors
-    from nowdl.partitioner.spatial import spatial_rules
+    from nowdl.partitioner.costs.costmodel import Costs, _tiled_vectors
+    from nowdl.partitioner.spatial.tileable import spatial_rules
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1))
     cm = nowdl.compile(model, gpus=2, mode="estimate", progress=False, cache=False)
@@ -173,9 +173,9 @@ def test_tiled_max_pool_charges_no_indices() -> None:
 def test_fused_runs_raise_the_predicted_peak_by_their_window() -> None:
     """[Note: fused workspace]: a fused halo run's first op holds its window's gradient and its
     input gradient over the window; the plan charges it, consistently in stages and ranks."""
-    from nowdl.partitioner.costmodel import _grad_workspace, dtype_bytes
-    from nowdl.partitioner.fusion import fused_workspace
-    from nowdl.partitioner.spatial import halo_elements
+    from nowdl.partitioner.costs.costmodel import _grad_workspace, dtype_bytes
+    from nowdl.partitioner.spatial.halo_fusion import fused_workspace
+    from nowdl.partitioner.spatial.tileable import halo_elements
 
     def plan(fusion: str) -> tuple[nowdl.Plan, nowdl.CompiledModel]:
         cm = nowdl.compile(nowdl.models.unet(1, 2, depth=2, base_width=8), gpus=2, stages=1, spatial_parts=2,

@@ -14,13 +14,13 @@ import torch.nn.functional as F  # noqa: N812
 from distributed import run_workers
 
 import nowdl
-from nowdl.cli import main
-from nowdl.partitioner.placement import allreduce_s
-from nowdl.partitioner.traffic import format_node_map
+from nowdl.cli.commands import main
+from nowdl.partitioner.placement.layout import allreduce_s
+from nowdl.partitioner.placement.traffic import format_node_map
+from nowdl.plan.topology import Link, Topology
 from nowdl.profiler import BUILTIN_SPECS, DeviceSpec
-from nowdl.profiler.calibrate_links import fit_line, probe_links
+from nowdl.profiler.calibrate.links import fit_line, probe_links
 from nowdl.profiler.flops import OpCostMode
-from nowdl.profiler.topology import Link, Topology
 
 TINY = {"depth": 8, "version": 1, "width": 4, "num_classes": 3}
 
@@ -137,7 +137,7 @@ def _probe_worker(rank: int, world: int, cache: str) -> dict[str, Any]:
         def emit(self, record: logging.LogRecord) -> None:
             seen.append(record.getMessage())
 
-    logging.getLogger("nowdl.profiler.calibrate_links").addHandler(Keep())
+    logging.getLogger("nowdl.profiler.calibrate.links").addHandler(Keep())
     first, where1 = probe_links(cache, repeats=2)
     second, where2 = probe_links(cache, repeats=2)
     torch.distributed.barrier()
@@ -158,7 +158,7 @@ def test_run_probe_is_cached_and_a_corrupt_cache_is_measured_again(tmp_path: Pat
 
 
 def _in_job_worker(rank: int, world: int) -> dict[str, Any]:
-    from nowdl.profiler.calibrate import calibrate
+    from nowdl.profiler.calibrate.command import calibrate
 
     return calibrate(quick=True, repeats=2).to_dict()
 

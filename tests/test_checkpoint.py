@@ -13,8 +13,8 @@ from distributed import run_workers
 from test_runtime import _adam, _data, _loss, _make
 
 import nowdl
-from nowdl.runtime import checkpoint as ckmod
-from nowdl.runtime.checkpoint import CheckpointError
+from nowdl.runtime.training import checkpoint as ckmod
+from nowdl.runtime.training.checkpoint import CheckpointError
 
 NAME = "resnet_bn"
 TOTAL = 4  # samples per step in every plan below

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nowdl.cli import main
+from nowdl.cli.commands import main
 
 MONAI_ARGS = '{"spatial_dims": 2, "in_channels": 1, "out_channels": 2, "channels": [8, 16, 32], "strides": [2, 2]}'
 

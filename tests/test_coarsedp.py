@@ -9,11 +9,11 @@ import random
 import pytest
 from test_ilp import check_valid, random_problem
 
-from nowdl.partitioner.coarsedp import coarse_split
-from nowdl.partitioner.ideals import solve_ideals
-from nowdl.partitioner.lattice import enumerate_ideals
-from nowdl.partitioner.problem import NodeVectors, Problem
-from nowdl.partitioner.structure import objective_values
+from nowdl.partitioner.costs.problem import NodeVectors, Problem
+from nowdl.partitioner.costs.structure import objective_values
+from nowdl.partitioner.exact.coarse_dp import coarse_split
+from nowdl.partitioner.exact.downsets import enumerate_ideals
+from nowdl.partitioner.exact.ideal_dp import solve_ideals
 
 
 def _problem(seed: int) -> Problem:
@@ -90,8 +90,7 @@ def test_master_gets_none() -> None:
 def test_pair_matrices_are_kept_least_recently_used_within_a_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ideal DP's pair matrices are shared between solves of one graph: every kind of stage
     keeps its own while they fit ``_BASES_BYTES``, the least recently used goes first."""
-    from nowdl.partitioner import ideals
-
+    from nowdl.partitioner.exact import ideal_dp as ideals
     problem = random_problem(random.Random(5), 8, 3, spatial=True)  # kinds "plain" and "tile2"
     lat = enumerate_ideals(problem)
     assert lat is not None

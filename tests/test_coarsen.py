@@ -8,11 +8,11 @@ import random
 import pytest
 from test_ilp import check_valid, close, resnet_like
 
-from nowdl.partitioner.coarsen import coarsen, compose_groups, expand
-from nowdl.partitioner.ilp import solve_ilp
-from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
-from nowdl.partitioner.solve import solve
-from nowdl.partitioner.structure import objective_values, topological_order
+from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
+from nowdl.partitioner.costs.structure import objective_values, topological_order
+from nowdl.partitioner.exact.coarsen import coarsen, compose_groups, expand
+from nowdl.partitioner.milp.solve import solve_ilp
+from nowdl.partitioner.solver import solve
 
 
 def chain_heavy(rng: random.Random, n: int, k: int, *, objective: str = "memory") -> Problem:

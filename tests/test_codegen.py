@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch import nn
 
 import nowdl
-from nowdl.cli import main
+from nowdl.cli.commands import main
 from nowdl.codegen import StageModule, build_stages, split_stages, stage_source, write_sources
 from nowdl.errors import NowdlError
 

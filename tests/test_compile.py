@@ -165,7 +165,7 @@ def test_memory_cap_respected_and_infeasible_message() -> None:
 
 
 def test_infeasible_message_says_when_its_search_ran_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    import nowdl.partitioner.infeasible as infeasible
+    import nowdl.partitioner.search.infeasible as infeasible
 
     monkeypatch.setattr(infeasible, "BUDGET_S", 0.0)
     with pytest.raises(InfeasibleError) as e:
@@ -212,7 +212,7 @@ def test_spatial_plan_keeps_global_ops_out_of_spatial_stages() -> None:
     cm = nowdl.compile(model, gpus=5, spatial_parts=4, spatial_stages=1, dp=1, replicas=1, slice="square")
     plan = cm.plan(x)
     assert plan.stages[0].parts == 4 and plan.stages[0].grid == [2, 2] and len(plan.stages[0].ranks) == 4
-    rules = __import__("nowdl.partitioner.spatial", fromlist=["spatial_rules"]).spatial_rules(cm.trace(x).gm)
+    rules = __import__("nowdl.partitioner.spatial.tileable", fromlist=["spatial_rules"]).spatial_rules(cm.trace(x).gm)
     assert all(rules[n].tileable for n in plan.stages[0].nodes)
 
 

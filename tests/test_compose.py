@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from nowdl.profiler import Profile, compose, profile
-from nowdl.trace import trace
+from nowdl.trace.tracer import trace
 
 
 def _net() -> nn.Module:
@@ -33,7 +33,7 @@ def test_scaled_to_a_whole_pass(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(out)
         return out
 
-    monkeypatch.setattr("nowdl.profiler.whole_pass", spy)
+    monkeypatch.setattr("nowdl.profiler.profile_graph.whole_pass", spy)
     prof = _profile()
     (whole_fwd, whole_bwd), (f, b) = seen[0], prof.time_scale
     lo, hi = compose.SCALE_BOUNDS

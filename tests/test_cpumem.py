@@ -13,6 +13,7 @@ from nowdl import cpumem
 
 _SCRIPT = textwrap.dedent("""
     import ctypes, json, resource, sys, torch
+    import nowdl.runtime.pipeline.engine  # a rank's process: the engine keeps freed memory
     from nowdl.cpumem import keep_freed_memory
     class Info(ctypes.Structure):  # glibc's struct mallinfo2
         _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd",

@@ -11,9 +11,9 @@ import torch
 
 import nowdl
 from nowdl.errors import NowdlError
-from nowdl.runtime.datasets import check_sample
-from nowdl.runtime.loader import StepSampler, epoch_order
-from nowdl.runtime.readers import open_images
+from nowdl.runtime.data.datasets import check_sample
+from nowdl.runtime.data.loader import StepSampler, epoch_order
+from nowdl.runtime.data.readers import open_images
 
 tifffile = pytest.importorskip("tifffile")
 zarr = pytest.importorskip("zarr")
@@ -157,7 +157,7 @@ def test_check_sample() -> None:
 
 def test_read_ahead(tmp_path: Path, files: dict[str, np.ndarray]) -> None:
     """Windows read in step 0 are read ahead for the next steps: same tensors, same pixels, none past the end."""
-    from nowdl.runtime.prefetch import TileReadAhead
+    from nowdl.runtime.data.prefetch import TileReadAhead
 
     ds = nowdl.data.crops(f"tiff:{tmp_path}/img.tif", (3, 32, 32), labels=f"tiff:{tmp_path}/mask.tif")
     ref = nowdl.data.crops(f"tiff:{tmp_path}/img.tif", (3, 32, 32), labels=f"tiff:{tmp_path}/mask.tif")

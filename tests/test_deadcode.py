@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nowdl.trace import trace
+from nowdl.trace.tracer import trace
 
 
 class _Heads(nn.Module):

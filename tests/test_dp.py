@@ -18,9 +18,9 @@ from test_ilp import (
 )
 
 from nowdl.errors import InfeasibleError
-from nowdl.partitioner.dp import solve_dp
-from nowdl.partitioner.problem import Problem
-from nowdl.partitioner.structure import make_partition, objective_values, topological_order
+from nowdl.partitioner.costs.problem import Problem
+from nowdl.partitioner.costs.structure import make_partition, objective_values, topological_order
+from nowdl.partitioner.exact.order_dp import solve_dp
 
 
 def order_splits(problem: Problem, order: list[int]) -> list[tuple[int, ...]]:

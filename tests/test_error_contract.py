@@ -17,7 +17,7 @@ import torch.distributed as dist
 from distributed import WorkerError, run_workers
 
 import nowdl
-from nowdl.cli import main
+from nowdl.cli.commands import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}'
@@ -213,12 +213,12 @@ def test_torchrun_bad_input_prints_once() -> None:
     assert res.returncode != 0
     assert res.stderr.count("nowdl run: error: --steps must be a positive integer") == 1, res.stderr
     assert res.stderr.startswith("nowdl run: error: --steps must be a positive integer, got 0\n"), res.stderr
-    assert "nowdl/cli.py" not in res.stderr and "nowdl/runtime" not in res.stderr  # no worker traceback
+    assert "nowdl/cli/commands.py" not in res.stderr and "nowdl/runtime" not in res.stderr  # no worker traceback
     assert res.stderr.count("exitcode  : 2") >= 1  # torchrun's own summary (and its traceback) follow
 
 
 def _fail_on_rank1(rank: int, world: int) -> None:
-    from nowdl.runtime.failure import open_channel
+    from nowdl.runtime.launch.failure import open_channel
 
     ch = open_channel(rank, world, report=lambda m: print(f"nowdl run: error: {m}", file=sys.stderr, flush=True))
     assert ch is not None

@@ -1,4 +1,4 @@
-"""torch.export graphs made plannable (nowdl.exported): modules lifted, guards gone, train/eval live."""
+"""torch.export graphs made plannable (nowdl.trace.exported): modules lifted, guards gone, train/eval live."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nowdl.exported import ModeAware
-from nowdl.trace import trace
+from nowdl.trace.exported import ModeAware
+from nowdl.trace.tracer import trace
 
 
 class ShapeNet(nn.Module):

@@ -1,4 +1,4 @@
-"""In-place writes made out-of-place (nowdl.functional): every kind, data flow kept, views refused."""
+"""In-place writes made out-of-place (nowdl.trace.functional): every kind, data flow kept, views refused."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from torch import nn
 
 import nowdl
 from nowdl.codegen import build_stages
-from nowdl.functional import functionalize, inplace_write
-from nowdl.trace import trace
+from nowdl.trace.functional import functionalize, inplace_write
+from nowdl.trace.tracer import trace
 
 
 class Writes(nn.Module):

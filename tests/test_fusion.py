@@ -19,9 +19,9 @@ import torch
 from distributed import run_workers
 from torch import nn
 
-from nowdl.runtime.fusion import chain_geometry, fusable, fused_forward
-from nowdl.runtime.halo import TileTooSmallError, exchange, sum_weight_grads, tile_forward
-from nowdl.runtime.tiles import TileGrid
+from nowdl.runtime.spatial import TileTooSmallError, exchange, sum_weight_grads, tile_forward
+from nowdl.runtime.spatial.fusion import chain_geometry, fusable, fused_forward
+from nowdl.runtime.spatial.tiles import TileGrid
 
 TOL = 1e-5
 D64 = torch.float64

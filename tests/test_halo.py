@@ -19,14 +19,14 @@ import torch
 from distributed import run_workers
 from torch import nn
 
-from nowdl.partitioner.spatial import slice_grid
-from nowdl.runtime.halo import (
+from nowdl.partitioner.spatial.tileable import slice_grid
+from nowdl.runtime.spatial import (
     TileTooSmallError,
     halo_exchange,
     sum_weight_grads,
     tile_forward,
 )
-from nowdl.runtime.tiles import TileGrid, split_bounds
+from nowdl.runtime.spatial.tiles import TileGrid, split_bounds
 
 TOL = 1e-5
 D64 = torch.float64
@@ -253,7 +253,7 @@ _OVERLAP_CASES = ("conv_k3", "conv_k5", "conv_k3_nopad", "conv_k3_s2", "conv_k4_
 def _overlap_worker(rank: int, world: int, methods: list[str]) -> dict[str, float]:
     """Every case with overlap off and on (float64, uneven tiles); counts the ops that took the
     overlapped path (a border frame recomputed after an interior computed before the wait)."""
-    from nowdl.runtime.halo import set_halo_overlap, window_op
+    from nowdl.runtime.spatial import set_halo_overlap, window_op
 
     split = {"n": 0, "padded": 0}
     boxes = window_op.border_boxes
@@ -311,7 +311,7 @@ def test_halo_overlap_square_grid_four_ranks() -> None:
 
 
 def _overlap_setting(rank: int, world: int) -> bool:
-    from nowdl.runtime.halo import halo_overlap
+    from nowdl.runtime.spatial import halo_overlap
 
     return halo_overlap()
 
@@ -330,8 +330,8 @@ def test_halo_overlap_variable_reaches_ranks_forked_after_import() -> None:
 def test_border_boxes_partition_the_output_tile(k: int, s: int, d: int, pad: int, size: int, parts: int) -> None:
     """Interior + border boxes cover each output pixel once; interior pixels read only this
     tile or padding (so they are final before the halo arrives)."""
-    from nowdl.runtime.halo.tiled_ops import _out_grid, _strided_windows
-    from nowdl.runtime.halo.window_op import border_boxes
+    from nowdl.runtime.spatial.tiled_ops import _out_grid, _strided_windows
+    from nowdl.runtime.spatial.window_op import border_boxes
 
     shape = (size, size + 3)
     out_shape = [(n + 2 * pad - d * (k - 1) - 1) // s + 1 for n in shape]

@@ -12,7 +12,7 @@ from distributed import run_workers
 from torch import nn
 
 import nowdl
-from nowdl.runtime.metrics import peak_of
+from nowdl.runtime.training.metrics import peak_of
 
 SIZE = 32
 OUT_BYTES = 8 * SIZE * SIZE * 4  # one 8-channel activation of one micro-batch

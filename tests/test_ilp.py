@@ -13,13 +13,13 @@ import pulp
 import pytest
 
 from nowdl.errors import InfeasibleError
-from nowdl.partitioner.chain import spread_ok
-from nowdl.partitioner.dp import solve_dp
-from nowdl.partitioner.ilp import available_solvers, build_ilp, solve_ilp
-from nowdl.partitioner.lpbound import assignment_lower_bound
-from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
-from nowdl.partitioner.spread import stage_work
-from nowdl.partitioner.structure import make_partition, objective_values, simple_lower_bound
+from nowdl.partitioner.costs.no_idle import stage_work
+from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
+from nowdl.partitioner.costs.structure import make_partition, objective_values, simple_lower_bound
+from nowdl.partitioner.exact.chain_dp import spread_ok
+from nowdl.partitioner.exact.order_dp import solve_dp
+from nowdl.partitioner.milp.lp_bound import assignment_lower_bound
+from nowdl.partitioner.milp.solve import available_solvers, build_ilp, solve_ilp
 
 log = logging.getLogger(__name__)
 
@@ -384,8 +384,8 @@ def test_no_better_split_in_time_keeps_the_start_with_the_solvers_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """When the MILP, narrowed by the start's value, finds nothing in its time, the start split
     comes back with the gap to the solver's lower bound (not an unknown gap)."""
-    import nowdl.partitioner.ilp as ilp_mod
-    from nowdl.partitioner.ilp_run import Run
+    import nowdl.partitioner.milp.solve as ilp_mod
+    from nowdl.partitioner.milp.run import Run
 
     p = resnet_like(blocks=6, k=3, seed=1)
     start = solve_dp(p)
@@ -429,7 +429,7 @@ def test_simple_lower_bound_is_below_every_split(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_memory_floor_solves_the_lp_only_when_it_could_pass_the_limit(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    import nowdl.partitioner.lpbound as lpb
+    import nowdl.partitioner.milp.lp_bound as lpb
 
     rng = random.Random(seed)
     p = random_problem(rng, rng.randint(4, 9), rng.randint(2, 4), master=seed % 2 == 0)
@@ -463,8 +463,8 @@ def test_time_limited_gap_uses_the_better_of_the_solvers_and_the_assignment_boun
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A run stopped with a split reports its gap against max(solver's bound, assignment LP
     bound): a solver that has not finished its root LP says ~100%, the LP says less."""
-    import nowdl.partitioner.ilp as ilp_mod
-    from nowdl.partitioner.ilp_run import Run
+    import nowdl.partitioner.milp.solve as ilp_mod
+    from nowdl.partitioner.milp.run import Run
 
     p = resnet_like(blocks=6, k=3, seed=1)
     start = solve_dp(p)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from distributed import WorkerError, run_workers
 
 from nowdl.errors import NowdlError
-from nowdl.runtime.launch import (
+from nowdl.runtime.launch.group import (
     LaunchEnv,
     PeerError,
     default_backend,
@@ -133,7 +133,7 @@ def test_init_distributed_single_process() -> None:
 
 def test_the_group_nowdl_made_is_destroyed_before_the_interpreter_ends() -> None:
     """A program that never destroys its process group (a training script's usual end) still
-    gets it destroyed at exit, before finalization (gloo can abort there: runtime/pgexit.py).
+    gets it destroyed at exit, before finalization (gloo can abort there: runtime/launch/group_exit.py).
     The script's own exit hook, registered first, runs last and sees it gone."""
     import subprocess
     import sys
@@ -141,7 +141,7 @@ def test_the_group_nowdl_made_is_destroyed_before_the_interpreter_ends() -> None
     script = (
         "import atexit, torch.distributed as dist\n"
         "atexit.register(lambda: print('alive at the end:', dist.is_initialized()))\n"
-        "from nowdl.runtime.launch import init_distributed\n"
+        "from nowdl.runtime.launch.group import init_distributed\n"
         "init_distributed(environ={}, backend='gloo', expected_world_size=1)\n"
         "print('alive after init:', dist.is_initialized())\n"
     )

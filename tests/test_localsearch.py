@@ -8,10 +8,10 @@ import random
 import pytest
 from test_ilp import all_splits, check_valid, close, lex_reference, random_problem
 
-from nowdl.partitioner.lattice import near_ideals
-from nowdl.partitioner.localsearch import _Graph, _masks, _step, improve_split
-from nowdl.partitioner.problem import Problem
-from nowdl.partitioner.structure import make_partition, objective_values
+from nowdl.partitioner.costs.problem import Problem
+from nowdl.partitioner.costs.structure import make_partition, objective_values
+from nowdl.partitioner.exact.downsets import near_ideals
+from nowdl.partitioner.exact.local_search import _Graph, _masks, _step, improve_split
 
 
 def _problem(seed: int) -> Problem:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nowdl
-from nowdl.profiler.losscost import default_loss_cost, measure_loss_cost, output_bytes
+from nowdl.profiler.loss_cost import default_loss_cost, measure_loss_cost, output_bytes
 
 
 def test_cross_entropy_measured() -> None:

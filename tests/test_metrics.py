@@ -1,4 +1,4 @@
-"""runtime/metrics.py: the metrics.jsonl format, TensorBoard being optional, and the peak meter."""
+"""runtime/training/metrics.py: the metrics.jsonl format, TensorBoard being optional, and the peak meter."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nowdl
-from nowdl.runtime.metrics import METRICS_FILE, MetricsWriter, PeakMeter
+from nowdl.runtime.training.metrics import METRICS_FILE, MetricsWriter, PeakMeter
 
 
 def test_writer_format_and_nothing_before_the_first_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

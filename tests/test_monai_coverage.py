@@ -276,7 +276,7 @@ TRAIN = [
                  marks=pytest.mark.slow),
     pytest.param(Train("DenseNet2d", _PIPE4), id="DenseNet2d-batch-pipeline", marks=pytest.mark.slow),
     pytest.param(Train("SENet2d", _PIPE4), id="SENet2d-batch-pipeline-sizes-cross-stages", marks=pytest.mark.slow),
-    # its unused deep-supervision heads are dropped from the graph (nowdl.deadcode), so it tiles whole
+    # its unused deep-supervision heads are dropped from the graph (nowdl.trace.deadcode), so it tiles whole
     pytest.param(Train("BasicUNetPlusPlus2d", {**_TILED, "slice": "vertical"}),
                  id="BasicUNetPlusPlus2d-instance-export-dead-heads-tiles", marks=pytest.mark.slow),
 ]

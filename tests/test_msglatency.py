@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nowdl
-from nowdl.partitioner.plan import Plan
+from nowdl.plan.plan import Plan
 from nowdl.profiler import BUILTIN_SPECS
 
 TINY: dict[str, Any] = {"depth": 14, "version": 1, "width": 4, "num_classes": 3}

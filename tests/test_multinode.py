@@ -19,8 +19,8 @@ from torch import nn
 
 import nowdl
 from nowdl.errors import NowdlError
-from nowdl.runtime.launch import LaunchEnv, launch_env
-from nowdl.runtime.nodes import job_topology, split_groups
+from nowdl.runtime.launch.group import LaunchEnv, launch_env
+from nowdl.runtime.launch.nodes import job_topology, split_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "tests" / "multinode_worker.py")
@@ -109,8 +109,7 @@ def test_a_launch_that_splits_a_tile_group_is_refused(tmp_path: Path) -> None:
     assert [0, 1] in plan.topology["together"]  # the 2 tiles of stage 0 share node 0
     assert split_groups(plan, ["a", "a", "b", "b"]) == []
     assert split_groups(plan, ["a", "b", "a", "b"]) == [([0, 1], ["a", "b"])]  # 1 process per node, interleaved
-    from nowdl.runtime import nodes
-
+    from nowdl.runtime.launch.group import nodes
     orig = nodes.node_ids
     nodes.node_ids = lambda world, environ=None: ["node 0", "node 1", "node 2", "node 3"]  # type: ignore[assignment]
     try:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from nowdl.cli import main
-from nowdl.partitioner.plan import Plan
+from nowdl.cli.commands import main
+from nowdl.plan.plan import Plan
 from nowdl.plot import memory_bars, stage_graph, timeline
 from nowdl.plot.graph import main_layers
 from nowdl.plot.memory import KIND_COLORS
-from nowdl.runtime.schedule import build_schedule, simulate
+from nowdl.schedule import build_schedule, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = {
@@ -180,7 +180,7 @@ def test_missing_matplotlib_says_how_to_install(tmp_path: Path, monkeypatch: pyt
 
 
 def test_core_imports_without_matplotlib() -> None:
-    code = ("import sys; sys.modules['matplotlib'] = None; import nowdl, nowdl.cli, nowdl.plot, nowdl.report; "
+    code = ("import sys; sys.modules['matplotlib'] = None; import nowdl, nowdl.cli.commands, nowdl.plot, nowdl.cli.report; "
             "from nowdl.plot import memory_bars, timeline, stage_graph; print('ok')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr

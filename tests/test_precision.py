@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nowdl
-from nowdl.cli import main
+from nowdl.cli.commands import main
 
 
 def _plan(precision: str, mode: str = "estimate") -> nowdl.Plan:

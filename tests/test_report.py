@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from nowdl.cli import main
+from nowdl.cli.commands import main
+from nowdl.cli.report import rank_peaks, read_metrics, summary
 from nowdl.errors import NowdlError
-from nowdl.report import rank_peaks, read_metrics, summary
 
 GiB = 2**30
 

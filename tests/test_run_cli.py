@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import nowdl
-from nowdl.cli import main
+from nowdl.cli.commands import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}'
@@ -94,7 +94,7 @@ def test_torchrun_impossible_pins_fail_on_every_rank() -> None:
     assert res.returncode != 0
     assert "nowdl run: error: no configuration of 2 GPUs matches the pinned settings" in res.stderr  # rank 0
     assert res.stderr.count("nowdl run: error:") == 1, res.stderr  # rank 1 prints nothing of it
-    assert "nowdl/cli.py" not in res.stderr and "nowdl/runtime" not in res.stderr  # no worker traceback
+    assert "nowdl/cli/commands.py" not in res.stderr and "nowdl/runtime" not in res.stderr  # no worker traceback
     assert res.stderr.count("exitcode  : 2") >= 1  # the ranks exit 2, torchrun's summary reports it
     assert not STEP.search(res.stdout)
 

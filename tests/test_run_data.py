@@ -16,7 +16,7 @@ from test_data import make_files, write_tiff
 from test_run_cli import _steps, _torchrun
 
 import nowdl
-from nowdl.cli import main
+from nowdl.cli.commands import main
 
 pytest.importorskip("tifffile")
 pytest.importorskip("zarr")

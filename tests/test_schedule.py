@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from nowdl import Plan
-from nowdl.cli import main
-from nowdl.runtime.schedule import (
+from nowdl.cli.commands import main
+from nowdl.schedule import (
     Action,
     Deps,
     Schedule,

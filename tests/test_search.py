@@ -22,22 +22,28 @@ from test_ilp import (
 
 from nowdl.errors import InfeasibleError
 from nowdl.models import resnet
-from nowdl.partitioner.bounds import candidate_bounds
-from nowdl.partitioner.config import PlanRequest, enumerate_candidates
-from nowdl.partitioner.costmodel import Costs, build_problem, predict_step, tied_nodes
-from nowdl.partitioner.ideals import IdealCosts, beam_ideals, enumerate_ideals, solve_ideals
-from nowdl.partitioner.ilp import solve_ilp
-from nowdl.partitioner.lpbound import assignment_lower_bound
-from nowdl.partitioner.master import master_split
-from nowdl.partitioner.master_exact import lagrangian_bound
-from nowdl.partitioner.problem import NodeVectors, Problem, StageSpec
-from nowdl.partitioner.search import _as_memory, _batch, _max_stages, _tileable_ends, search
-from nowdl.partitioner.solve import SolveCache, proven, solve
-from nowdl.partitioner.spatial import spatial_rules
-from nowdl.partitioner.spread import idle_stages
-from nowdl.partitioner.structure import make_partition, objective_values
+from nowdl.partitioner.costs.costmodel import Costs, build_problem, predict_step, tied_nodes
+from nowdl.partitioner.costs.no_idle import idle_stages
+from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
+from nowdl.partitioner.costs.structure import make_partition, objective_values
+from nowdl.partitioner.exact.ideal_dp import IdealCosts, beam_ideals, enumerate_ideals, solve_ideals
+from nowdl.partitioner.master.exact import lagrangian_bound
+from nowdl.partitioner.master.pairing import master_split
+from nowdl.partitioner.milp.lp_bound import assignment_lower_bound
+from nowdl.partitioner.milp.solve import solve_ilp
+from nowdl.partitioner.search.best_plan import (
+    _as_memory,
+    _batch,
+    _max_stages,
+    _tileable_ends,
+    search,
+)
+from nowdl.partitioner.search.bounds import candidate_bounds
+from nowdl.partitioner.search.config import PlanRequest, enumerate_candidates
+from nowdl.partitioner.solver import SolveCache, proven, solve
+from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.profiler import get_device_spec, profile
-from nowdl.trace import trace
+from nowdl.trace.tracer import trace
 
 
 def _costs(depth: int = 8, side: int = 64) -> Costs:
@@ -399,7 +405,7 @@ def test_finalists_run_best_first_each_keeping_a_reserve_for_the_rest(monkeypatc
     import time
     from types import SimpleNamespace
 
-    import nowdl.partitioner.search as search_mod
+    import nowdl.partitioner.search.best_plan as search_mod
 
     given: list[tuple[int, float]] = []
     spent = {0: 3.0, 1: 0.0, 2: 0.0}  # seconds each finalist's MILP "runs"

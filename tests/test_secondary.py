@@ -15,13 +15,13 @@ from torch import nn
 
 import nowdl
 from nowdl.models import unet
-from nowdl.partitioner.chain import IDLE_FRACTION, lexicographic, spread_ok
-from nowdl.partitioner.dp import _OrderCosts, _SegmentCosts, solve_dp
-from nowdl.partitioner.ilp import solve_ilp
-from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec
-from nowdl.partitioner.solve import solve
-from nowdl.partitioner.spread import idle_stages, stage_work
-from nowdl.partitioner.structure import objective_values, topological_order
+from nowdl.partitioner.costs.no_idle import idle_stages, stage_work
+from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec
+from nowdl.partitioner.costs.structure import objective_values, topological_order
+from nowdl.partitioner.exact.chain_dp import IDLE_FRACTION, lexicographic, spread_ok
+from nowdl.partitioner.exact.order_dp import _OrderCosts, _SegmentCosts, solve_dp
+from nowdl.partitioner.milp.solve import solve_ilp
+from nowdl.partitioner.solver import solve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,7 +104,7 @@ def test_spread_never_worsens_the_primary(seed: int) -> None:
 def test_more_stages_than_work_warns(caplog: pytest.LogCaptureFixture) -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     x = torch.randn(4, 64)
-    with caplog.at_level(logging.WARNING, logger="nowdl.partitioner.search"):
+    with caplog.at_level(logging.WARNING, logger="nowdl.partitioner.search.best_plan"):
         plan = nowdl.compile(model, gpus=3, stages=3, balance="compute", mode="estimate",
                              device_spec="h100", progress=False, cache=False).plan(x)
     assert plan.config["stages"] == 3

@@ -1,6 +1,6 @@
 """Long-skip gradient waits: the replayed counts, the cost model, the solvers, and the runtime.
 
-[Note: long-skip gradient waits] in nowdl/partitioner/skipwait.py.
+[Note: long-skip gradient waits] in nowdl/schedule/orders.py.
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from test_ilp import SOLVERS, brute_force, feasible, random_problem
 from torch import nn
 
 import nowdl
-from nowdl.partitioner import waitsearch
-from nowdl.partitioner.chain import spread_ok
-from nowdl.partitioner.ilp import build_ilp, solve_ilp
-from nowdl.partitioner.problem import NodeVectors, Problem, StageSpec, evaluate
-from nowdl.partitioner.skipwait import pending_grads, skip_waits, stage_order, without_waits
-from nowdl.partitioner.solve import solve
-from nowdl.partitioner.structure import check_problem, make_partition, objective_values
-from nowdl.runtime.schedule import stage_actions
+from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec, evaluate
+from nowdl.partitioner.costs.skip_waits import without_waits
+from nowdl.partitioner.costs.structure import check_problem, make_partition, objective_values
+from nowdl.partitioner.exact import wait_search as waitsearch
+from nowdl.partitioner.exact.chain_dp import spread_ok
+from nowdl.partitioner.milp.solve import build_ilp, solve_ilp
+from nowdl.partitioner.solver import solve
+from nowdl.schedule import stage_actions
+from nowdl.schedule.orders import pending_grads, skip_waits, stage_order
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
@@ -177,7 +178,7 @@ def _work(problem: Problem, stage_of: Sequence[int]) -> list[float]:
 def test_chain_search_is_the_lexicographic_optimum(objective: str) -> None:
     """``solve_waits`` on the whole lattice against brute force: both levels, with a cap, and
     a level-1 gap that is a true bound."""
-    from nowdl.partitioner.lattice import enumerate_ideals
+    from nowdl.partitioner.exact.downsets import enumerate_ideals
 
     checked = secondary = 0
     for seed in range(30):
@@ -232,8 +233,7 @@ _SCHEDULES = ("1f1b", "gpipe", "zb")
 def _count_worker(rank: int, world: int, m: int) -> dict[str, tuple[list[dict[str, int]], Any]]:
     """Per schedule, per backward of this rank: how many gradient sends of each tensor are
     still held (one process group for the three schedules: spawning costs more than a step)."""
-    from nowdl.runtime import transfers
-
+    from nowdl.runtime.pipeline import transfers
     seen: list[dict[str, int]] = []
     held: list[Any] = []
     release = transfers.Transfers._release_done
@@ -333,7 +333,7 @@ def _best_without_free_stages(problem: Problem, free: set[int]) -> float:
 def test_exact_merges_stay_exact_with_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Merging a free node into its producer lets its tensor start stages earlier; with waits
     that may cost more, so the merge also needs no stage to fit in between."""
-    from nowdl.partitioner.coarsen import _Groups, coarsen
+    from nowdl.partitioner.exact.coarsen import _Groups, coarsen
 
     def misses() -> int:
         bad = merged = 0

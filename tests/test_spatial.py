@@ -8,7 +8,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from nowdl.partitioner.spatial import halo_elements, slice_grid, spatial_rules, tile_shape
+from nowdl.partitioner.spatial.tileable import halo_elements, slice_grid, spatial_rules, tile_shape
 
 
 class Net(nn.Module):
@@ -55,7 +55,7 @@ class Repeats(nn.Module):
 def test_repeat_runs_on_tiles_only_over_batch_and_channels() -> None:
     """VNet's input block repeats its input over channels (``x.repeat(1, 16, 1, 1, 1)``): tileable."""
     for tracer in ("fx", "export"):
-        from nowdl.trace import trace
+        from nowdl.trace.tracer import trace
 
         t = trace(Repeats(), (torch.randn(1, 1, 4, 4),), tracer=tracer)
         ranks = {n.name: 4 for n in t.gm.graph.nodes}  # what the profile gives an fx graph (out_shape)
@@ -109,7 +109,7 @@ class AtenNet(nn.Module):
 
 
 def test_aten_rules_of_an_exported_graph() -> None:
-    from nowdl.trace import trace
+    from nowdl.trace.tracer import trace
 
     t = trace(AtenNet(), (torch.randn(1, 2, 8, 8),))
     assert t.tracer == "export"
@@ -132,8 +132,8 @@ def test_aten_rules_of_an_exported_graph() -> None:
 def test_exposed_halo_time_of_overlapped_ops() -> None:
     """[Note: halo overlap cost]: convs and pools wait for max(0, halo - compute) + the border
     frame; transposed convs and upsampling for the whole exchange each way."""
-    from nowdl.partitioner.costmodel import _border_fraction, _exposed_halo_s
-    from nowdl.partitioner.spatial import SpatialRule
+    from nowdl.partitioner.costs.costmodel import _border_fraction, _exposed_halo_s
+    from nowdl.partitioner.spatial.tileable import SpatialRule
 
     conv, pool, up = SpatialRule(True, "", (1, 1), "conv"), SpatialRule(True, "", (1, 1), "pool"), \
         SpatialRule(True, "", (1,), "upsample")

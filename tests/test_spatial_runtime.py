@@ -219,7 +219,7 @@ def test_functional_pool_interpolate_and_cat_on_square_tiles() -> None:
 def test_exported_graph_with_aten_ops_on_square_tiles() -> None:
     """A model only torch.export traces runs wholly on 2x2 tiles: its ATen pad, upsample, cat and
     pointwise ops, the lifted conv/BN/pool modules, BN statistics over all tiles."""
-    from nowdl.trace import trace
+    from nowdl.trace.tracer import trace
 
     assert trace(ExportNet(), (torch.randn(2, *_SHAPES["exportnet"]),)).tracer == "export"
     layout = _compare("exportnet", 4, {"stages": 1, "spatial_parts": 4, "slice": "square", "micro_batches": 2,
@@ -292,7 +292,7 @@ def test_halo_fusion_policies_in_the_plan() -> None:
 
 def test_tiled_stage_refuses_untileable_nodes_and_bad_chains() -> None:
     from nowdl.codegen import build_stages
-    from nowdl.runtime.spatial_stage import TiledStage
+    from nowdl.runtime.spatial.stage import TiledStage
 
     plan, gm = _convnet_plan(halo_fusion="off")
     stages = build_stages(gm, plan)

@@ -10,15 +10,14 @@ import torch
 from torch import nn
 
 import nowdl
-from nowdl.cli import main
+from nowdl.cli.commands import main
 from nowdl.errors import NowdlError, PlanError
-from nowdl.partitioner.config import Candidate, PlanRequest
-from nowdl.partitioner.costmodel import Costs, build_problem, grad_sync_s
-from nowdl.partitioner.placement import allreduce_s, place
-from nowdl.partitioner.spatial import spatial_rules
-from nowdl.partitioner.traffic import cross_node_bytes, format_node_map
-from nowdl.profiler import DeviceSpec
-from nowdl.profiler.topology import (
+from nowdl.partitioner.costs.costmodel import Costs, build_problem, grad_sync_s
+from nowdl.partitioner.placement.layout import allreduce_s, place
+from nowdl.partitioner.placement.traffic import cross_node_bytes, format_node_map
+from nowdl.partitioner.search.config import Candidate, PlanRequest
+from nowdl.partitioner.spatial.tileable import spatial_rules
+from nowdl.plan.topology import (
     BUILTIN_NODES,
     Link,
     NodeSpec,
@@ -26,7 +25,8 @@ from nowdl.profiler.topology import (
     make_topology,
     node_spec_for,
 )
-from nowdl.trace import trace
+from nowdl.profiler import DeviceSpec
+from nowdl.trace.tracer import trace
 
 ROOT = Path(__file__).resolve().parents[1]
 H100_NVLINK = 450e9

@@ -10,7 +10,7 @@ from torch import nn
 
 import nowdl
 from nowdl.errors import TraceError
-from nowdl.trace import fingerprint, trace
+from nowdl.trace.tracer import fingerprint, trace
 
 
 class Small(nn.Module):

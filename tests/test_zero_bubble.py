@@ -15,15 +15,15 @@ from test_runtime import _adam, _compare, _data, _loss, _make, _reference, _work
 from torch import nn
 
 import nowdl
-from nowdl.partitioner.zborder import zb_held, zb_slots
-from nowdl.runtime import zerobubble
-from nowdl.runtime.schedule import (
+from nowdl.runtime.pipeline import deferred_wgrad as zerobubble
+from nowdl.schedule import (
     chain_deps,
     inflight_peaks,
     simulate,
     validate_schedule,
     zero_bubble,
 )
+from nowdl.schedule.zero_bubble_order import zb_held, zb_slots
 
 _ORDERS = [(k, m, r) for k, m in [(1, 3), (2, 4), (3, 5), (4, 4), (4, 8), (6, 3)] for r in (1, 2)
            if r == 1 or k >= 2]  # MASTER (replicas=2) needs two stages
@@ -153,8 +153,7 @@ def test_one_process_defers_and_matches() -> None:
 def _small_buckets_worker(*args: Any) -> Any:
     """test_runtime's worker with 512-byte gradient buckets: many all-reduces per stage, each
     launched from inside the last backward (or W) as its parameters' gradients become final."""
-    from nowdl.runtime import gradsync
-
+    from nowdl.runtime.pipeline import grad_sync as gradsync
     gradsync.BUCKET_BYTES = 512
     return _worker(*args)
 

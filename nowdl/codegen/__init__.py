@@ -1,7 +1,17 @@
 """Per-stage module generation from a Plan: runnable stage modules and their readable source."""
 
-from nowdl.codegen.source import stage_source, write_sources
-from nowdl.codegen.stage import StageModule, build_stages
-from nowdl.codegen.stages import split_stages
+from typing import TYPE_CHECKING
+
+from nowdl.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from nowdl.codegen.source import stage_source, write_sources
+    from nowdl.codegen.stage import StageModule, build_stages
+    from nowdl.codegen.stages import split_stages
 
 __all__ = ["split_stages", "StageModule", "build_stages", "stage_source", "write_sources"]
+
+__getattr__ = lazy_exports(__name__, {
+    "stage_source": "source", "write_sources": "source", "StageModule": "stage",
+    "build_stages": "stage", "split_stages": "stages",
+})

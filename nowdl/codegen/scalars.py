@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from nowdl.errors import NowdlError
-from nowdl.partitioner.plan import Plan
+from nowdl.plan.plan import Plan
 
 __all__: list[str] = []  # private helpers of nowdl.codegen.stage
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nowdl.codegen.stage import DATA, StageModule
-from nowdl.partitioner.plan import Plan
+from nowdl.plan.plan import Plan
 
 __all__ = ["stage_source", "write_sources", "readme_text"]
 

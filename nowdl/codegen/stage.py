@@ -47,7 +47,7 @@ import torch.fx as fx
 from nowdl.codegen.outputs import OutputSlot, fill_outputs, model_outputs, output_tree
 from nowdl.codegen.scalars import _fold_scalars
 from nowdl.errors import NowdlError, PlanError
-from nowdl.partitioner.plan import Plan
+from nowdl.plan.plan import Plan
 
 # model_outputs, output_tree, fill_outputs and OutputSlot live in nowdl.codegen.outputs
 __all__ = ["StageModule", "build_stages", "model_outputs", "output_tree", "fill_outputs", "OutputSlot", "DATA"]

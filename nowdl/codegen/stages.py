@@ -8,7 +8,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from nowdl.errors import PlanError
-from nowdl.partitioner.plan import Plan
+from nowdl.plan.plan import Plan
 
 __all__ = ["split_stages"]
 

@@ -1,13 +1,32 @@
-"""Graph partitioning: the ILP, its DP fallback, spatial rules, configuration search, Plan."""
+"""The partitioner: the best split of a traced, profiled model into stages, tiles and copies.
 
-from nowdl.partitioner.coarsen import coarsen, expand
-from nowdl.partitioner.dp import solve_dp
-from nowdl.partitioner.ilp import available_solvers, solve_ilp
-from nowdl.partitioner.plan import Plan
-from nowdl.partitioner.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
-from nowdl.partitioner.solve import solve
+``solve`` is the entry point for one configuration: it coarsens the graph, splits exactly where
+that is cheap (``exact``) and otherwise solves the MILP (``milp``), with GEMS-MASTER pairing in
+``master``. ``costs`` turns a profile into the Problem every solver reads; ``search`` tries
+configurations and assembles the Plan; ``spatial`` says which nodes may run on tiles;
+``placement`` puts the plan's parts on a cluster's ranks; ``baselines`` holds torchgpipe's
+block partition and other simple splits to compare against.
+"""
+
+from typing import TYPE_CHECKING
+
+from nowdl.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
+    from nowdl.partitioner.exact.coarsen import coarsen, expand
+    from nowdl.partitioner.exact.order_dp import solve_dp
+    from nowdl.partitioner.milp.solve import available_solvers, solve_ilp
+    from nowdl.partitioner.solver import solve
 
 __all__ = [
-    "NodeVectors", "StageSpec", "Problem", "Partition", "evaluate", "Plan",
+    "NodeVectors", "StageSpec", "Problem", "Partition", "evaluate",
     "solve", "solve_ilp", "solve_dp", "coarsen", "expand", "available_solvers",
 ]
+
+__getattr__ = lazy_exports(__name__, {
+    "NodeVectors": "costs.problem", "Partition": "costs.problem", "Problem": "costs.problem",
+    "StageSpec": "costs.problem", "evaluate": "costs.problem", "coarsen": "exact.coarsen",
+    "expand": "exact.coarsen", "solve_dp": "exact.order_dp", "available_solvers": "milp.solve",
+    "solve_ilp": "milp.solve", "solve": "solver",
+})

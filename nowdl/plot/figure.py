@@ -6,11 +6,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nowdl.partitioner.plan import Plan, format_bytes
+from nowdl.plan.plan import Plan, format_bytes
 from nowdl.plot._mpl import check_plot_path, new_figure, save_figure
 from nowdl.plot.graph import draw_graph, graph_height
 from nowdl.plot.memory import draw_memory
-from nowdl.plot.timeline import draw_timeline
+from nowdl.plot.schedule_timeline import draw_timeline
 
 __all__ = ["plan_figure", "plot_plan"]
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from nowdl.partitioner.plan import Plan, StagePlan, format_bytes
+from nowdl.plan.plan import Plan, StagePlan, format_bytes
 
 __all__ = ["StageBox", "StageEdge", "StageGraph", "stage_graph", "main_layers", "draw_graph", "graph_height", "stage_color"]
 

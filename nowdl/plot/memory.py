@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nowdl.partitioner.plan import Plan, StagePlan, format_bytes
+from nowdl.plan.plan import Plan, StagePlan, format_bytes
 
 __all__ = ["KIND_COLORS", "RankMemory", "memory_bars", "stage_memory_parts", "draw_memory"]
 

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nowdl.cli.report import Metrics, rank_peaks
 from nowdl.plot._mpl import check_plot_path, new_figure, save_figure
-from nowdl.report import Metrics, rank_peaks
 
 __all__ = ["report_figure", "plot_report"]
 

@@ -36,7 +36,7 @@ class DeviceSpec:
     rate for float32 convolutions/matmuls when TF32 is allowed (None: no TF32).
     ``link_bw`` is the one-direction GPU-to-GPU bandwidth (NVLink) the planner charges
     for boundary tensors inside a node. A spec JSON may also hold a ``"node"`` object (GPUs
-    per node, inter-node bandwidth and latency: see ``nowdl.profiler.topology``). ``memory_bytes`` is the device memory as reported by the driver.
+    per node, inter-node bandwidth and latency: see ``nowdl.plan.topology``). ``memory_bytes`` is the device memory as reported by the driver.
 
     Optional, measured by ``nowdl calibrate`` (docs/calibrate.md; None: not measured):
     ``link_latency_s`` (seconds per point-to-point message, used for halo exchanges),
@@ -96,7 +96,7 @@ class DeviceSpec:
         if not isinstance(d, dict):
             raise NowdlError(f"device spec must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known - {"node"})  # "node": the cluster's nodes (profiler/topology.py)
+        unknown = sorted(set(d) - known - {"node"})  # "node": the cluster's nodes (plan/topology.py)
         if unknown:
             raise NowdlError(
                 f"device spec has unknown field(s) {unknown}; valid fields: {sorted(known)}"

@@ -1,24 +1,13 @@
-"""Distributed runtime: launch, schedules, the pipeline engine and the trainer."""
+"""The distributed runtime: what runs a Plan on torch.distributed ranks.
 
-from nowdl.runtime.engine import PipelineEngine
-from nowdl.runtime.launch import (
-    LaunchEnv,
-    PeerError,
-    default_backend,
-    init_distributed,
-    launch_env,
-    wait,
-)
-from nowdl.runtime.schedule import (
-    Action,
-    ScheduleError,
-    build_schedule,
-    format_grid,
-    rank_actions,
-    simulate,
-)
+* ``pipeline``: the engine that runs one rank's schedule, its transfers and gradient sync;
+* ``spatial``: a stage run on image tiles with exact halo exchange and tile norms;
+* ``data``: readers of large images, datasets, a DataLoader every rank agrees on, read-ahead;
+* ``launch``: who am I, joining the process group, the job's nodes, one error report per job;
+* ``training``: the trainer behind ``CompiledModel.train_step``, its state, checkpoints, metrics.
 
-__all__ = [
-    "PipelineEngine", "LaunchEnv", "PeerError", "default_backend", "init_distributed", "launch_env", "wait",
-    "Action", "ScheduleError", "build_schedule", "rank_actions", "simulate", "format_grid",
-]
+Nothing here is imported by ``import nowdl`` or by planning; it loads on the first train,
+eval or run.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,383 @@
+"""The nowdl command line: profile | plan | show | codegen | run | calibrate | report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from nowdl.errors import NowdlError, ReportedError, error_text
+from nowdl.models.resolve import resolve_model
+from nowdl.units import parse_bytes, parse_parts, parse_shape
+
+__all__ = ["main", "resolve_model"]
+
+_EPILOG_MODEL = (
+    "MODEL is a built-in name (see `nowdl models`) or 'package.module:callable' "
+    "called with --model-args, e.g. monai.networks.nets:UNet --model-args "
+    "'{\"spatial_dims\": 2, \"in_channels\": 1, \"out_channels\": 2, \"channels\": [16, 32, 64], \"strides\": [2, 2]}'"
+)
+
+
+def _example(shape_texts: list[str] | None, default: list[int] | None, mode: str) -> tuple[torch.Tensor, ...]:
+    """One tensor per ``--input`` (a model whose forward() takes several images gets several)."""
+    if not shape_texts:
+        if default is None:
+            raise NowdlError("give --input SHAPE (e.g. --input 1x3x2048x2048): this model has no default input")
+        shapes = [default]
+    else:
+        shapes = [parse_shape(t) for t in shape_texts]
+    if mode == "measure":
+        return tuple(torch.randn(s) for s in shapes)
+    return tuple(torch.empty(s, device="meta") for s in shapes)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="built-in model name or package.module:callable")
+    p.add_argument("--model-args", metavar="JSON", help="keyword arguments for the model, as a JSON object")
+    p.add_argument("--input", metavar="SHAPE", action="append",
+                   help="one micro-batch's input shape, e.g. 1x3x2048x2048 (default: the built-in model's "
+                   "default); give it once per forward() argument for a model that takes several inputs")
+    p.add_argument("--mode", choices=("auto", "estimate", "measure"), default="auto",
+                   help="estimate: shapes/FLOPs on meta tensors, times from --device-spec (nothing allocated); "
+                   "measure: real tensors node by node; auto: measure on CUDA, else estimate (default)")
+    p.add_argument("--device", help="device for --mode measure (default: cuda if available, else cpu)")
+    p.add_argument("--device-spec", help="v100, a100, h100, h200, cpu or a JSON file (default: h100 when estimating)")
+    p.add_argument("--optimizer", default="adam", choices=("sgd", "momentum", "adam", "adamw"),
+                   help="optimizer whose state memory is counted (default: adam)")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the profile cache")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what nowdl does")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from nowdl import __version__
+
+    ap = _Parser(prog="nowdl", description="Plan pipeline, spatial and data parallelism for CNNs on very large images.")
+    ap.add_argument("--version", action="version", version=f"nowdl {__version__} (torch {torch.__version__})")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.add_parser("models", help="list the built-in models and their default inputs",
+                   description="List the built-in model names MODEL accepts, with their default input shapes.")
+
+    pp = sub.add_parser("plan", help="plan MODEL for N GPUs and print the plan", epilog=_EPILOG_MODEL,
+                        description="Trace, profile and partition MODEL; print the plan (and save it with --out).")
+    _add_model_args(pp)
+    pp.add_argument("--gpus", type=int, required=True, help="total number of GPUs (ranks)")
+    pp.add_argument("--balance", choices=("memory", "compute"), default="memory",
+                    help="minimise the largest per-GPU peak memory (default) or the slowest stage's time")
+    pp.add_argument("--gpu-memory", metavar="SIZE", help="per-GPU memory cap, e.g. 80GiB (default: the device spec's memory)")
+    pp.add_argument("--stages", type=int, help="pin the number of pipeline stages")
+    pp.add_argument("--micro-batches", type=int, help="pin micro-batches per step (the input is one micro-batch)")
+    pp.add_argument("--schedule", choices=("1f1b", "gpipe", "zb"),
+                    help="pin the pipeline schedule (default 1f1b; zb: zero bubble, ZB-H1)")
+    pp.add_argument("--spatial-parts", type=parse_parts, metavar="P[,P2..]",
+                    help="pin the spatial parts P of each spatial stage (4), or of each in order (4,2)")
+    pp.add_argument("--halo-fusion", default="auto", metavar="auto|off|N",
+                    help="fuse runs of convs/pools into one deeper halo exchange: where the cost model says it "
+                         "is faster (auto, default), never (off), or up to N per exchange")
+    pp.add_argument("--spatial-stages", type=int, help="pin how many leading stages are spatial (UNets: mirrored at the end too)")
+    pp.add_argument("--slice", choices=("vertical", "horizontal", "square", "depth", "cube"), help="tile shape (default square)")
+    pp.add_argument("--replicas", type=int, choices=(1, 2), help="2: GEMS-MASTER mirrored second replica")
+    pp.add_argument("--dp", type=int, help="pin the data-parallel degree")
+    pp.add_argument("--nodes", type=int, help="cluster nodes; nodes x --gpus-per-node must equal --gpus "
+                    "(default: the device spec's node, e.g. 8-GPU DGX H100 nodes for h100, when it divides --gpus)")
+    pp.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the device spec's node, else all on one)")
+    pp.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                    help="plan for mixed-precision training: activations and sent tensors at that width (autocast), "
+                         "weights, gradients and optimizer state in float32 (default fp32)")
+    pp.add_argument("--time-limit", type=float, default=30.0, help="seconds planning may take end to end; the MILP, for graphs too wide for the exact DP, "
+                    "gets what tracing and profiling leave (default 30)")
+    pp.add_argument("--mip-gap", type=float, default=0.01, help="the MILP stops once its split is proven within "
+                    "this relative gap of the optimum; the plan records the gap reached (default 0.01; 0: exact)")
+    pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
+    pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
+    pp.add_argument("--plot", metavar="FILE", help="also draw the plan (memory per rank, schedule, stage graph) "
+                    "into FILE (.png, .svg or .pdf; needs pip install 'nowdl[plot]')")
+
+    pc = sub.add_parser("codegen", help="write each stage of a saved plan as Python", epilog=_EPILOG_MODEL,
+                        description="Rebuild the plan's model, cut it into the plan's stages and write "
+                        "stage_<i>.py (and README.txt: which rank runs which file) into --out.")
+    pc.add_argument("plan", metavar="PLAN.json")
+    pc.add_argument("--out", metavar="DIR", required=True, help="folder for stage_<i>.py and README.txt")
+    pc.add_argument("--model", metavar="MODEL", help="the plan's model (default: the one `nowdl plan` recorded in it)")
+    pc.add_argument("--model-args", metavar="JSON", help="keyword arguments for --model, as a JSON object")
+
+    pr = sub.add_parser("profile", help="print per-node costs of MODEL", epilog=_EPILOG_MODEL,
+                        description="Trace and profile MODEL on one micro-batch; print the costliest nodes.")
+    _add_model_args(pr)
+    pr.add_argument("--top", type=int, default=20, help="how many nodes to print (0: all; default 20)")
+    pr.add_argument("--sort", default="time", choices=("time", "flops", "act", "saved", "params", "out", "order"),
+                    help="sort key (default time = fwd + bwd)")
+    pr.add_argument("--out", metavar="FILE", help="save the profile JSON here")
+
+    from nowdl.cli.runspec import add_run_arguments
+
+    prun = sub.add_parser("run", help="train (or evaluate) MODEL on synthetic, image-folder, large-image or Dataset data",
+                          epilog=_EPILOG_MODEL + ". Launch with torchrun --nproc-per-node N -m nowdl run ...",
+                          description="Plan (or load a plan), then train or run inference for --steps steps on "
+                          "every rank of the job; rank 0 prints the loss and images/s of each step.")
+    add_run_arguments(prun)
+
+    ps = sub.add_parser("show", help="print a saved plan", description="Validate and print a saved plan JSON file.")
+    ps.add_argument("plan", metavar="PLAN.json")
+    ps.add_argument("--nodes", action="store_true", help="list every stage's nodes")
+    ps.add_argument("--schedule", action="store_true",
+                    help="after the plan, draw its pipeline schedule (ranks x time steps)")
+    ps.add_argument("--plot", metavar="FILE", help="draw the plan (memory per rank, schedule, stage graph) into "
+                    "FILE (.png, .svg or .pdf; needs pip install 'nowdl[plot]'); see docs/pictures.md")
+
+    pk = sub.add_parser("calibrate", help="measure links and compute here; write a device spec JSON",
+                        description="Measure point-to-point latency and bandwidth and the all-reduce between "
+                        "--ranks local processes (or the ranks of a torchrun job), and per-op compute rates on "
+                        "this device; write a device spec for --device-spec FILE (docs/calibrate.md).")
+    pk.add_argument("--out", metavar="FILE", default="device-spec.json", help="where to write (default device-spec.json)")
+    pk.add_argument("--ranks", type=int, default=2, help="local processes to spawn (default 2; ignored under torchrun)")
+    pk.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with that many CUDA devices, else gloo")
+    pk.add_argument("--threads", type=int, help="CPU threads for the compute measurement (default 1, as torchrun gives a rank)")
+    pk.add_argument("--repeats", type=int, help="timed repeats per measurement (default: 7 links / 3 ops with --quick)")
+    pk.add_argument("--quick", action="store_true", help="fewer sizes, smaller ops (about 15 s on 2 CPU cores)")
+    pk.add_argument("-v", "--verbose", action="store_true", help="log what nowdl does")
+
+    pg = sub.add_parser("report", help="summarise (and draw) the metrics log of `nowdl run --log-dir DIR`",
+                        description="Read DIR/metrics.jsonl; print steps, images/s, loss and measured against "
+                        "predicted peak memory per rank.")
+    pg.add_argument("dir", metavar="DIR", help="the --log-dir of a `nowdl run`")
+    pg.add_argument("--plot", metavar="FILE", help="draw loss per step and peak memory per rank into FILE "
+                    "(.png, .svg or .pdf; needs pip install 'nowdl[plot]')")
+    return ap
+
+
+def _print_profile(prof: Any, top: int, sort: str) -> None:
+    from nowdl.plan.plan import format_bytes
+
+    keyf = {
+        "time": lambda n: n.fwd_s + n.bwd_s, "flops": lambda n: n.flops, "act": lambda n: n.act_bytes,
+        "saved": lambda n: n.saved_bytes, "params": lambda n: n.param_bytes, "out": lambda n: n.out_bytes,
+        "order": None,
+    }[sort]
+    nodes = list(prof.nodes)
+    if keyf is not None:
+        nodes.sort(key=keyf, reverse=True)
+    if top:
+        nodes = nodes[:top]
+    print(f"profile ({prof.source} on {prof.device}, {prof.dtype}, {prof.optimizer}): {len(prof.nodes)} nodes, "
+          f"input {prof.input_shapes}, made in {prof.wall_s:.2f} s")
+    hdr = f"{'node':<28} {'target':<22} {'fwd':>9} {'bwd':>9} {'GFLOP':>9} {'out':>10} {'saved':>10} {'act':>10} {'params':>10}"
+    print(hdr)
+    print("-" * len(hdr))
+    for n in nodes:
+        print(f"{n.name[:28]:<28} {n.target.split('.')[-1][:22]:<22} {n.fwd_s * 1e3:>7.2f}ms {n.bwd_s * 1e3:>7.2f}ms "
+              f"{n.flops / 1e9:>9.2f} {format_bytes(n.out_bytes):>10} {format_bytes(n.saved_bytes):>10} "
+              f"{format_bytes(n.act_bytes):>10} {format_bytes(n.param_bytes):>10}")
+    t = prof.totals()
+    print("-" * len(hdr))
+    print(f"{'total':<28} {'':<22} {t['fwd_s'] * 1e3:>7.2f}ms {t['bwd_s'] * 1e3:>7.2f}ms {t['flops'] / 1e9:>9.2f} "
+          f"{'':>10} {format_bytes(t['saved_bytes']):>10} {format_bytes(t['act_bytes']):>10} {format_bytes(t['param_bytes']):>10}")
+
+
+def _codegen(args: argparse.Namespace) -> int:
+    """`nowdl codegen`: rebuild the plan's model, check it is the planned one, write the stages."""
+    import nowdl
+    from nowdl.codegen import build_stages, write_sources
+    from nowdl.trace.tracer import trace
+
+    plan = nowdl.Plan.load(args.plan)
+    spec, margs = args.model, args.model_args
+    if spec is None:
+        src = plan.model.get("source")
+        if not isinstance(src, dict) or not isinstance(src.get("spec"), str):
+            raise NowdlError(
+                f"{args.plan} does not record how to build its model ({plan.model.get('name', '?')}): pass "
+                "--model MODEL [--model-args JSON], the same as given to `nowdl plan`"
+            )
+        spec, margs = src["spec"], json.dumps(src.get("args") or {})
+    elif margs is None:
+        src = plan.model.get("source")
+        if isinstance(src, dict) and src.get("spec") == spec:
+            margs = json.dumps(src.get("args") or {})
+    model, _, _ = resolve_model(spec, margs)
+    xs = tuple(torch.empty(shape, device="meta") for shape in plan.model["inputs"])
+    traced = trace(model, xs, tracer=str(plan.model.get("tracer", "auto")))
+    plan.check_model(traced.fingerprint)
+    paths = write_sources(build_stages(traced.gm, plan), plan, args.out)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def _rank() -> int:
+    """This process's rank as its launcher describes it (0 when alone or unreadable)."""
+    from nowdl.runtime.launch.group import launch_env
+
+    try:
+        return launch_env().rank
+    except NowdlError:
+        return 0
+
+
+#: Seconds a rank other than 0 waits before exiting on an error every rank hit alike.
+_QUIET_EXIT_S = 3.0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors in nowdl's form: one line, on rank 0 only, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        if _rank() == 0:
+            print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        _let_rank0_speak()
+        sys.exit(2)
+
+
+def _say_error(command: str, e: BaseException, verbose: bool) -> None:
+    """Print ``e`` as one paragraph (rank 0 only): the message first, details with -v."""
+    if _rank() != 0:
+        return
+    print(f"nowdl {command}: error: {error_text(e)}", file=sys.stderr)
+    if verbose:
+        detail = getattr(e, "detail", "") or "".join(traceback.format_exception(e))
+        print(detail, file=sys.stderr)
+
+
+def _let_rank0_speak() -> None:
+    """On ranks other than 0 of a launched job, wait a moment before exiting with an error that
+    every rank hit alike (a bad option), so the launcher does not kill rank 0 before it prints."""
+    from nowdl.runtime.launch.group import launch_env
+
+    try:
+        env = launch_env()
+    except NowdlError:
+        return
+    if env.rank != 0 and env.world_size > 1:
+        time.sleep(_QUIET_EXIT_S)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `nowdl` console script; returns the exit status (2 on any error)."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help()
+        return 2
+    verbose = bool(getattr(args, "verbose", False))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format=f"nowdl[rank {_rank()}]: %(name)s: %(message)s")
+    logging.captureWarnings(_rank() != 0)  # other ranks' Python warnings say which rank printed them
+    try:
+        return _run(args)
+    except ReportedError:  # printed once for the whole job (runtime/launch/failure.py)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        _say_error(args.command, e, verbose)
+        _let_rank0_speak()
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    import nowdl
+
+    if args.command == "show":
+        plan = nowdl.Plan.load(args.plan)
+        if args.plot:
+            from nowdl.cli.pictures import check_plot
+
+            check_plot(args.plot)
+        print(plan)
+        if args.nodes:
+            for s in plan.stages:
+                print(f"stage {s.index}: {' '.join(s.nodes)}")
+        from nowdl.partitioner.placement.traffic import format_node_map
+
+        print(format_node_map(plan))
+        if args.schedule:
+            from nowdl.schedule import format_plan_schedule
+
+            print()
+            print(format_plan_schedule(plan))
+        if args.plot:
+            from nowdl.cli.pictures import draw_plan
+
+            draw_plan(plan, args.plot)
+        return 0
+    if args.command == "report":
+        from nowdl.cli.pictures import report_command
+
+        return report_command(args.dir, args.plot)
+    if args.command == "models":
+        from nowdl.models import DEFAULT_INPUTS, MODELS
+
+        for name in sorted(MODELS):
+            shape = DEFAULT_INPUTS.get(name)
+            doc = (MODELS[name].__doc__ or "").strip().splitlines()
+            print(f"{name:<12} input {'x'.join(map(str, shape)) if shape else '-':<16} {doc[0] if doc else ''}")
+        print("or any 'package.module:callable' returning an nn.Module, e.g. monai.networks.nets:UNet "
+              "with --model-args JSON")
+        return 0
+    if args.command == "codegen":
+        return _codegen(args)
+    if args.command == "run":
+        from nowdl.cli.run import run_main
+
+        return run_main(args)
+    if args.command == "calibrate":
+        from nowdl.profiler.calibrate.command import calibrate_command
+        from nowdl.runtime.launch.group import init_distributed, launch_env
+
+        in_job = launch_env().world_size > 1  # under torchrun: measure the job's own links
+        if in_job:
+            init_distributed()
+        try:
+            return calibrate_command(args.out, ranks=args.ranks, backend=args.backend, threads=args.threads,
+                                     repeats=args.repeats, quick=args.quick)
+        finally:
+            if in_job:
+                torch.distributed.destroy_process_group()
+    model, default, name = resolve_model(args.model, args.model_args)
+    cache = not args.no_cache
+    if args.command == "profile":
+        x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate")
+        prof = nowdl.profile(model, *x, mode=args.mode, device=args.device, device_spec=args.device_spec,
+                             optimizer=args.optimizer, cache=cache)
+        _print_profile(prof, args.top, args.sort)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(prof.to_json())
+        return 0
+    if args.plot:
+        from nowdl.cli.pictures import check_plot
+
+        check_plot(args.plot)
+    x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate")
+    cap = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    cm = nowdl.compile(model, gpus=args.gpus, balance=args.balance, stages=args.stages,
+                       micro_batches=args.micro_batches, schedule=args.schedule, replicas=args.replicas,
+                       dp=args.dp, spatial_parts=args.spatial_parts, spatial_stages=args.spatial_stages,
+                       slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
+                       device_spec=args.device_spec, optimizer=args.optimizer, time_limit=args.time_limit,
+                       mip_gap=args.mip_gap, cache=cache, halo_fusion=args.halo_fusion, precision=args.precision,
+                       nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    plan = cm.plan(*x)
+    plan.model["name"] = name
+    plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}
+    if args.out:
+        plan.save(args.out)
+    print(plan.to_json() if args.json else plan)
+    if args.out and not args.json:
+        print(f"saved {args.out}")
+    if args.plot:
+        from nowdl.cli.pictures import draw_plan
+
+        draw_plan(plan, args.plot, quiet=args.json)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Stopping ``nowdl run`` on a signal, and what a checkpoint says about resuming it."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nowdl.cli.runspec import pin_conflicts
+from nowdl.runtime.training.checkpoint import Checkpoint, CheckpointError
+
+__all__ = ["StopSignal", "run_state", "reusable_plan"]
+
+
+class StopSignal:
+    """SIGTERM/SIGINT ask the run to stop after the current step (a second one stops at once)."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = signum
+        for sig, old in self._old.items():  # the next signal acts as it did before
+            signal.signal(sig, old)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def agreed(self, world: int) -> int:
+        """The signal any rank got (0: none); every rank gets the same answer."""
+        if world == 1:
+            return self.signum
+        t = torch.tensor([self.signum], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+
+def run_state(ck: Checkpoint, args: argparse.Namespace) -> dict[str, Any]:
+    """The ``nowdl run`` state of a checkpoint, checked against this run's model."""
+    run = ck.record.get("run")
+    if not isinstance(run, dict) or not isinstance(run.get("batch_size"), int):
+        raise CheckpointError(f"{ck.dir} was not saved by `nowdl run` (no run state in nowdl.json): load it with "
+                              "CompiledModel.load_checkpoint, or use another --checkpoint folder")
+    spec = str(args.model)
+    if not spec.lower().endswith(".json") and run.get("model") != spec:
+        raise CheckpointError(f"--checkpoint {ck.dir.parent} holds a run of {run.get('model')!r}, not {spec!r}: "
+                              "use another folder for this model")
+    return run
+
+
+def reusable_plan(ck: Checkpoint, args: argparse.Namespace, world: int) -> bool:
+    """Whether the checkpoint's plan runs this job as asked (else the run re-plans and reshards)."""
+    config = ck.record.get("plan", {}).get("config", {})
+    return bool(config.get("gpus") == world and not pin_conflicts(args, config))

@@ -1,0 +1,242 @@
+"""What ``nowdl run`` runs: its options, where the model and the plan come from, the optimizer."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from nowdl.errors import NowdlError
+from nowdl.units import parse_parts
+
+__all__ = ["add_run_arguments", "RunSource", "output_shape", "run_source", "check_pins", "pin_conflicts",
+           "make_optimizer"]
+
+_PRECISIONS = ("fp32", "bf16", "fp16")
+_OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the options of ``nowdl run`` to ``p``."""
+    p.add_argument("model", metavar="MODEL|PLAN.json",
+                   help="built-in model name, package.module:callable, or a plan JSON saved by `nowdl plan --out`")
+    p.add_argument("--model-args", metavar="JSON", help="keyword arguments for the model, as a JSON object")
+    p.add_argument("--input", metavar="CxHxW",
+                   help="ONE sample's shape, without the batch dimension, e.g. 3x1024x1024 "
+                   "(default: the built-in model's or the plan's)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer (or inference) steps to run")
+    p.add_argument("--batch-size", type=int, help="GLOBAL batch per step = micro-batch (1 sample when planning) "
+                   "x micro-batches x replicas x dp (default with a plan: the plan's)")
+    p.add_argument("--micro-batches", type=int, help="pin micro-batches per step")
+    p.add_argument("--stages", type=int, help="pin the number of pipeline stages")
+    p.add_argument("--dp", type=int, help="pin the data-parallel degree")
+    p.add_argument("--replicas", type=int, choices=(1, 2), help="pin replicas (2: GEMS-MASTER mirrored replica)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "zb"), help="pin the pipeline schedule (zb: zero bubble)")
+    p.add_argument("--spatial-parts", type=parse_parts, metavar="P[,P2..]",
+                   help="pin spatial parts (image tiles) per spatial stage: 4, or one per stage: 4,2 (1: none)")
+    p.add_argument("--spatial-stages", type=int, help="pin how many leading stages are spatial")
+    p.add_argument("--slice", choices=("vertical", "horizontal", "square", "depth", "cube"), help="tile shape")
+    p.add_argument("--halo-fusion", default="auto", metavar="auto|off|N",
+                   help="fuse conv/pool runs into one deeper halo exchange (auto, off, or up to N per exchange)")
+    p.add_argument("--balance", choices=("memory", "compute"), default="memory",
+                   help="what the planner balances (default memory)")
+    p.add_argument("--num-classes", type=int, metavar="C",
+                   help="label classes (default: the model's output channels; built-in models are built "
+                   "with it unless --model-args says otherwise)")
+    p.add_argument("--data", default="synthetic", metavar="SOURCE",
+                   help="synthetic (seeded random, default), imagefolder:PATH (PATH/<class>/<image or .npy>), "
+                   "zarr:PATH[:ARRAY], tiff:PATH[:level=N] (a file or a folder of them), h5:PATH:DATASET "
+                   "(seeded --input crops of large images), or package.module:callable returning a torch Dataset")
+    p.add_argument("--data-args", metavar="JSON", help="keyword arguments for --data package.module:callable")
+    p.add_argument("--labels", metavar="SOURCE",
+                   help="masks for zarr:/tiff:/h5: data, same layout and shape as the images (segmentation)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="DataLoader worker processes per rank (default min(4, CPU cores); 0: load in the loop)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="write DIR/metrics.jsonl (rank 0; one line per step) and TensorBoard events if installed")
+    p.add_argument("--eval", action="store_true", help="inference steps (eval_step) instead of training")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adam",
+                   help="adam (default), adamw, sgd, or momentum (SGD with momentum 0.9)")
+    p.add_argument("--precision", choices=_PRECISIONS, default="fp32", help="numeric precision (default fp32)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="resume from DIR if it holds a checkpoint (re-planned and resharded when the job has "
+                   "other GPUs or pins); save there after the last step, every --save-every steps, and on "
+                   "SIGTERM/SIGINT")
+    p.add_argument("--save-every", type=int, metavar="N", help="also save the checkpoint every N steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds any rank waits for a peer before failing, naming it (default 300)")
+    p.add_argument("--gpu-memory", metavar="SIZE", help="per-GPU memory cap for planning, e.g. 80GiB")
+    p.add_argument("--device-spec", help="device spec the planner estimates with (default h100)")
+    p.add_argument("--no-link-probe", action="store_true",
+                   help="when planning, keep the device spec's link figures instead of measuring this job's "
+                   "point-to-point and all-reduce links first (cached per host, backend, world size and device)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what nowdl does")
+
+
+
+# ---- model and plan -----------------------------------------------------------------------------------
+def output_shape(model: nn.Module, sample_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of ``model``'s output for a batch of 2 samples, found on meta tensors.
+
+    Raises:
+        NowdlError: the model does not return one tensor.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        x = torch.empty((2, *sample_shape), device="meta")
+        try:
+            meta = {k: torch.empty_like(v, device="meta")
+                    for k, v in itertools.chain(model.named_parameters(), model.named_buffers())}
+            with torch.no_grad():
+                out = torch.func.functional_call(model, meta, (x,))
+        except Exception:  # an op without a meta kernel: run once on real zeros
+            with torch.no_grad():
+                out = model(torch.zeros((2, *sample_shape)))
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor):
+        raise NowdlError(f"nowdl run trains models that return one tensor; this one returns {type(out).__name__}")
+    return tuple(out.shape)
+
+
+def _builtin_class_arg(spec: str) -> str | None:
+    """The keyword a built-in model takes for its class count (None: not a built-in)."""
+    from nowdl.models import MODELS
+
+    if ":" in spec or spec not in MODELS:
+        return None
+    params = inspect.signature(MODELS[spec]).parameters
+    return next((k for k in ("num_classes", "out_channels") if k in params), None)
+
+
+@dataclass
+class RunSource:
+    spec: str
+    model_args: str | None
+    sample_shape: tuple[int, ...]
+    plan_path: str | None
+    plan_config: dict[str, Any] | None
+    plan_batch: int | None
+
+
+def _is_plan_arg(model: str) -> bool:
+    return model.lower().endswith(".json") or (os.path.isfile(model) and ":" not in model)
+
+
+def _sample_shape(text: str | None, default: Sequence[int] | None, what: str) -> tuple[int, ...]:
+    from nowdl.units import parse_shape
+
+    if text is None:
+        if default is None:
+            raise NowdlError(f"give --input CxHxW (one sample's shape, e.g. --input 3x512x512): {what} has no default input")
+        return tuple(default)
+    shape = tuple(parse_shape(text))
+    if default is not None and len(shape) == len(default) + 1 and shape[0] == 1:
+        raise NowdlError(f"--input {text} looks like it has a batch dimension: --input is ONE sample's shape, "
+                         f"e.g. {'x'.join(map(str, shape[1:]))} (the batch is --batch-size)")
+    return shape
+
+
+def _with_num_classes(spec: str, model_args: str | None, num_classes: int | None) -> str | None:
+    """``model_args`` with ``--num-classes`` added for a built-in model that takes it (unless given)."""
+    key = _builtin_class_arg(spec)
+    if num_classes is None or key is None:
+        return model_args
+    try:
+        kwargs = json.loads(model_args) if model_args else {}
+    except json.JSONDecodeError:
+        return model_args  # resolve_model says what is wrong with it
+    if isinstance(kwargs, dict) and key not in kwargs:
+        kwargs[key] = num_classes
+        return json.dumps(kwargs)
+    return model_args
+
+
+def run_source(args: argparse.Namespace, ckpt_plan: str | None) -> RunSource:
+    """Where the model and the plan come from: MODEL, a plan JSON, or a checkpoint's plan."""
+    from nowdl.models import DEFAULT_INPUTS
+    from nowdl.plan.plan import Plan
+
+    plan_path = args.model if _is_plan_arg(args.model) else None
+    margs: str | None
+    if plan_path is not None:
+        plan = Plan.load(plan_path)
+        src = plan.model.get("source")
+        if not isinstance(src, dict) or not isinstance(src.get("spec"), str):
+            raise NowdlError(
+                f"{plan_path} does not record how to build its model ({plan.model.get('name', '?')}): "
+                "re-plan with `nowdl plan MODEL ... --out PLAN.json` (which records it), or run the model "
+                "by name: `nowdl run MODEL --model-args JSON --stages ... --micro-batches ...`"
+            )
+        spec, margs = str(src["spec"]), json.dumps(src.get("args") or {})
+        if args.model_args is not None:
+            try:
+                given = json.loads(args.model_args)
+            except json.JSONDecodeError:
+                given = None
+            if given != (src.get("args") or {}):
+                raise NowdlError(f"--model-args {args.model_args} differ from the ones {plan_path} was made "
+                                 f"with ({margs}): drop --model-args or re-plan")
+    else:
+        spec, margs = args.model, _with_num_classes(args.model, args.model_args, args.num_classes)
+    where = ckpt_plan if ckpt_plan is not None else plan_path
+    if where is None:
+        default_in = DEFAULT_INPUTS.get(spec)
+        shape = _sample_shape(args.input, tuple(default_in[1:]) if default_in else None, spec)
+        return RunSource(spec, margs, shape, None, None, None)
+    plan = Plan.load(where)
+    inputs = plan.model.get("inputs") or [[1]]
+    default = tuple(int(d) for d in inputs[0][1:])
+    c = plan.config
+    per = int(inputs[0][0]) * int(c["micro_batches"]) * int(c["replicas"]) * int(c["dp"])
+    shape = _sample_shape(args.input, default, where)
+    if shape != default:
+        raise NowdlError(f"--input {'x'.join(map(str, shape))} differs from the plan's sample shape "
+                         f"{'x'.join(map(str, default))} ({where}): drop --input or re-plan")
+    return RunSource(spec, margs, shape, where, dict(c), per)
+
+
+def pin_conflicts(args: argparse.Namespace, config: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(flag, pinned, plan's)`` for every pinned option the plan ``config`` disagrees with."""
+    out = []
+    for opt in ("stages", "micro_batches", "dp", "replicas", "schedule"):
+        want = getattr(args, opt)
+        if want is not None and want != config.get(opt):
+            out.append(("--" + opt.replace("_", "-"), want, config.get(opt)))
+    return out
+
+
+def check_pins(args: argparse.Namespace, config: dict[str, Any], where: str) -> None:
+    """Raise if a pinned option disagrees with the plan in ``where``."""
+    for flag, want, have in pin_conflicts(args, config):
+        raise NowdlError(f"{flag} {want} but the plan in {where} has {flag[2:].replace('-', '_')} {have}: drop {flag} "
+                         "(the plan fixes it) or use another plan")
+
+
+def make_optimizer(name: str, lr: float) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+    if not (lr > 0 and math.isfinite(lr)):
+        raise NowdlError(f"--lr {lr} must be a positive number")
+
+    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        if name == "adam":
+            return torch.optim.Adam(params, lr=lr)
+        if name == "adamw":
+            return torch.optim.AdamW(params, lr=lr)
+        if name == "momentum":
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        return torch.optim.SGD(params, lr=lr)
+
+    return make
+

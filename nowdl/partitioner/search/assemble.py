@@ -1,0 +1,142 @@
+"""The Plan of a finished search: stages, rank map, cross-stage tensors, predictions, solver."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from nowdl.partitioner.costs.costmodel import Costs, layout_of, message_latency_s, stage_sums
+from nowdl.partitioner.costs.memory_breakdown import stage_memory
+from nowdl.partitioner.costs.problem import Partition
+from nowdl.partitioner.placement.traffic import cross_node_bytes, halo_bytes, together_groups
+from nowdl.partitioner.search.config import Candidate, PlanRequest
+from nowdl.partitioner.spatial.tileable import slice_grid
+from nowdl.plan.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
+
+__all__ = ["SearchResult", "build_plan", "charge_fused_workspace"]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The chosen configuration, its split and prediction, and how the search went."""
+
+    candidate: Candidate
+    partition: Partition
+    predicted: dict[str, float]
+    screened: int  # candidate configurations enumerated
+    stats: dict[str, object] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+def build_plan(
+    costs: Costs,
+    req: PlanRequest,
+    result: SearchResult,
+    *,
+    model_info: dict[str, object],
+    profile_info: dict[str, object],
+    solver_seconds: float,
+    created_by: str,
+    params_per_node: dict[str, int],
+) -> Plan:
+    """Assemble the Plan (stages, rank map, cross-stage tensors, predictions) for a solved search."""
+    cand, part = result.candidate, result.partition
+    prof = costs.profile
+    k = cand.stages
+    parts = cand.stage_parts()
+    groups = cand.group_sizes()
+    lay = layout_of(costs, cand)  # [Note: placement]: on one node, rank = d x rpp + slot start + q
+    rank_of = lay.rank_of
+    sums = stage_sums(costs, cand, part.stage_of)
+    mem = stage_memory(costs, cand, part.stage_of)  # [Note: memory breakdown]
+    sp_dims = max(1, len(prof.input_shapes[0]) - 2) if prof.input_shapes else 2
+    stage_nodes: list[list[str]] = [[] for _ in range(k)]
+    for i, n in enumerate(prof.nodes):
+        stage_nodes[part.stage_of[i]].append(n.name)
+    halo = halo_bytes(costs, cand, part.stage_of)
+    stages = []
+    lat = message_latency_s(costs, cand, part.stage_of)  # [Note: message latency]
+    time_s = [part.stage_time[s] + lat[s] for s in range(k)]
+    peak = [part.stage_mem[s] - mem[s]["freed_bytes"] for s in range(k)]  # [Note: freed by the peak]
+    for s in range(k):
+        comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"])
+        stages.append(StagePlan(
+            index=s, nodes=stage_nodes[s], ranks=[rank_of[(0, s, q)] for q in range(parts[s])],
+            parts=parts[s], slice=cand.slice if parts[s] > 1 else None,
+            grid=list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 else [],
+            params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
+            param_bytes=int(sums[s]["param_bytes"]),
+            predicted={
+                "peak_bytes": peak[s], "static_bytes": sums[s]["static_bytes"],
+                "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
+                "comm_s": max(0.0, comm), "time_s": time_s[s],
+                "inflight": float(cand.inflight()[s]), "deferred": float(cand.deferred()[s]), "halo_bytes": halo[s],
+                **mem[s],
+            },
+        ))
+    ranks: list[RankPlan] = []
+    for d in range(cand.dp):
+        for j in range(k):
+            for q in range(groups[j]):
+                held = []
+                if q < parts[j]:
+                    held.append({"replica": 0, "stage": j, "part": q})
+                if cand.replicas == 2 and q < parts[k - 1 - j]:
+                    held.append({"replica": 1, "stage": k - 1 - j, "part": q})
+                ranks.append(RankPlan(
+                    rank=rank_of[(d, j, q)], dp=d, stages=held,
+                    predicted_peak_bytes=sum(peak[h["stage"]] for h in held),
+                    predicted_time_s=sum(time_s[h["stage"]] for h in held),
+                ))
+    ranks.sort(key=lambda r: r.rank)
+    consumers: dict[int, set[int]] = {}
+    for u, v in costs.edges:
+        su, sv = part.stage_of[u], part.stage_of[v]
+        if sv > su:
+            consumers.setdefault(u, set()).add(sv)
+    tensors = []
+    for ui in sorted(consumers):
+        n = prof.nodes[ui]
+        tensors.append(TensorPlan(producer=n.name, from_stage=part.stage_of[ui], to_stages=sorted(consumers[ui]),
+                                  shape=list(n.out_shape or []), dtype=n.out_dtype, bytes=int(n.out_bytes)))
+    spatial = ({"stages": cand.spatial_stages(), "parts": cand.parts, "slice": cand.slice,
+                "stage_parts": [parts[s] for s in cand.spatial_stages()]} if cand.parts > 1 else {})
+    config = {
+        "gpus": req.gpus, "balance": req.balance, "stages": k, "micro_batches": cand.micro_batches,
+        "schedule": cand.schedule, "replicas": cand.replicas, "dp": cand.dp, "spatial": spatial,
+        "gpu_memory": costs.mem_cap,
+        "pinned": {key: getattr(req, key) for key in ("stages", "micro_batches", "schedule", "replicas", "dp",
+                                                     "spatial_parts", "spatial_stages", "slice") if getattr(req, key) is not None},
+    }
+    topology = lay.topo.to_dict()
+    topology["node_of_rank"] = [lay.node(r.rank) for r in ranks]
+    plan = Plan(
+        model=dict(model_info), profile=dict(profile_info), config=config, stages=stages, ranks=ranks,
+        tensors=tensors, schedule={"name": cand.schedule, "micro_batches": cand.micro_batches,
+                                   "inflight": cand.inflight()},
+        predicted={**result.predicted, "peak_bytes": max(r.predicted_peak_bytes for r in ranks)},
+        solver={"name": part.solver, "status": part.status, "gap": part.gap, "seconds": round(solver_seconds, 3),
+                "ilp_seconds": round(part.seconds, 3), "candidates": result.screened,
+                "search": dict(result.stats)},
+        version=PLAN_VERSION, created_by=created_by, warnings=list(result.warnings), topology=topology,
+    )
+    plan.topology["together"] = together_groups(plan)
+    plan.topology["cross_node_bytes"] = cross_node_bytes(plan)
+    return plan
+
+
+def charge_fused_workspace(plan: Plan, costs: Costs, result: SearchResult, fused_ws: Mapping[str, float]) -> None:
+    """Raise the predicted peaks of ``plan`` (its stages, ranks and whole) by what the fused
+    halo runs chosen after planning hold in their backward ([Note: fused workspace] in
+    partitioner/spatial/halo_fusion.py); ``fused_ws`` maps a run's first node to that workspace."""
+    if not fused_ws:
+        return
+    mem = stage_memory(costs, result.candidate, result.partition.stage_of, fused_ws)
+    for st, m in zip(plan.stages, mem, strict=True):
+        p = st.predicted
+        delta = (m["workspace_bytes"] - p["workspace_bytes"]) - (m["freed_bytes"] - p["freed_bytes"])
+        p.update(workspace_bytes=m["workspace_bytes"], freed_bytes=m["freed_bytes"], peak_bytes=p["peak_bytes"] + delta)
+    peak = {st.index: st.predicted["peak_bytes"] for st in plan.stages}
+    for r in plan.ranks:
+        r.predicted_peak_bytes = sum(peak[h["stage"]] for h in r.stages)
+    plan.predicted["peak_bytes"] = max(r.predicted_peak_bytes for r in plan.ranks)

@@ -1,0 +1,173 @@
+"""Why no configuration fits, said with figures a user can act on.
+
+[Note: infeasible figures] When nothing fits the memory cap, the error gives two figures, both
+of splits that exist: the leanest split found with the requested GPUs (its peak is a cap that
+would fit) and the smallest doubling of the GPU count whose leanest split fits the cap. Lower
+bounds are not used for either: a candidate's bound can lie far below what any split of it
+needs (UNet at 16384² on 8 GPUs: a 4-stage, 4-tile candidate bounded at 48.7 GiB needs 222.9),
+and a cap raised to a bound would fail again. The leanest split of a candidate space is looked
+for among its memory-lean candidates (one micro-batch where not pinned, no dp copies), each
+split by the heuristic solvers without the cap, within ``BUDGET_S`` seconds in all, with the
+search's ``SolveCache`` (the graph's ideals are enumerated once for every GPU count).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from nowdl.errors import InfeasibleError, NowdlError
+from nowdl.partitioner.costs.costmodel import Costs, build_problem
+from nowdl.partitioner.search.bounds import candidate_bounds
+from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
+from nowdl.partitioner.search.model_space import batch_of, max_stages, tileable_ends, uncapped
+from nowdl.partitioner.solver import SolveCache, solve
+from nowdl.plan.plan import format_bytes
+
+__all__ = ["cap_text", "describe", "infeasible_message", "leanest", "no_candidate_message", "first_untileable", "BUDGET_S",
+           "MAX_GPUS"]
+
+BUDGET_S = 20.0  # seconds for the leanest splits of the requested and of the doubled GPU counts
+MAX_GPUS = 4096
+
+
+def cap_text(n: float) -> str:
+    """A cap that holds ``n`` bytes, as ``format_bytes`` writes it but rounded up (120.23 GiB ->
+    '120.3 GiB': a cap of '120.2 GiB' would not fit it)."""
+    text = format_bytes(n)
+    value, unit = text.split()
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+    if float(value) * scale >= n or unit == "B":
+        return text
+    return f"{math.ceil(n / scale * 10) / 10:.1f} {unit}"
+
+
+def describe(c: Candidate, gpus: int) -> str:
+    """A candidate in words: '64 GPUs: 4 stages, 16 tiles in the spatial stages, 1 micro-batch'."""
+    parts = [f"{c.stages} stage{'s' if c.stages != 1 else ''}"]
+    if c.parts > 1:
+        parts.append(f"{c.parts} tiles in the spatial stages")
+    if c.replicas > 1:
+        parts.append("MASTER")
+    if c.dp > 1:
+        parts.append(f"dp {c.dp}")
+    parts.append(f"{c.micro_batches} micro-batch{'es' if c.micro_batches != 1 else ''}")
+    return f"{gpus} GPUs: " + ", ".join(parts)
+
+
+def leanest(costs: Costs, req: PlanRequest, deadline: float, cache: SolveCache) -> tuple[float, str]:
+    """The least peak memory of a split found among ``req``'s memory-lean candidates, and the
+    candidate in words; (inf, "") when none was split before ``deadline``."""
+    front, back = tileable_ends(costs)
+    try:
+        cands = list(enumerate_candidates(req, tileable_front=front, tileable_back=back,
+                                          max_stages=max_stages(costs, req), micro_batch=batch_of(costs)))
+    except NowdlError:  # this GPU count allows no configuration
+        return math.inf, ""
+    if not cands:
+        return math.inf, ""
+    least_m = min(c.micro_batches for c in cands)  # fewer micro-batches in flight hold less
+    least_dp = min(c.dp for c in cands)  # dp copies hold as much each and leave fewer ranks per pipeline
+    ranked = []
+    for c in cands:
+        if c.micro_batches != least_m or c.dp != least_dp:
+            continue
+        problem = uncapped(build_problem(costs, c, "memory"))
+        try:
+            ranked.append((candidate_bounds(costs, c, problem, batch_of(costs)).mem_lb, c, problem))
+        except InfeasibleError:
+            continue
+    ranked.sort(key=lambda e: e[0])
+    best: tuple[float, str] = (math.inf, "")
+    for lb, c, problem in ranked:
+        if lb >= best[0] or time.perf_counter() > deadline:
+            break
+        try:
+            part = solve(problem, ilp=False, cache=cache)
+        except InfeasibleError:
+            continue
+        if part.bottleneck_mem < best[0]:
+            best = (part.bottleneck_mem, describe(c, req.gpus))
+    return best
+
+
+def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float, cache: SolveCache
+                  ) -> tuple[int | None, tuple[float, str], int]:
+    """The smallest doubling of ``req.gpus`` (no pins but the schedule's) whose leanest split fits
+    ``cap``, or None; the leanest split found on the way; and the largest GPU count tried in full
+    (less than MAX_GPUS when the time ran out)."""
+    lean: tuple[float, str] = (math.inf, "")
+    g, tried = req.gpus * 2, req.gpus
+    while g <= MAX_GPUS:
+        try:
+            r = PlanRequest(gpus=g, balance="memory", micro_batches=req.micro_batches, schedule=req.schedule,
+                            slice=req.slice, time_limit=req.time_limit)
+        except NowdlError:
+            break
+        found = leanest(costs, r, deadline, cache)
+        lean = min(lean, found)
+        if found[0] <= cap:
+            return g, found, g
+        if time.perf_counter() >= deadline:
+            break  # g was perhaps cut short: the counts tried in full end before it
+        tried = g
+        g *= 2
+    return None, lean, (MAX_GPUS if g > MAX_GPUS else tried)
+
+
+def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, str], cache: SolveCache) -> str:
+    """The error for a search that fitted nothing: ``searched`` is the leanest split it made
+    (peak bytes and the candidate in words). See [Note: infeasible figures]."""
+    cap = costs.mem_cap or 0.0
+    deadline = time.perf_counter() + BUDGET_S
+    found = min(searched, leanest(costs, req, deadline, cache))
+    need = (f"the leanest split found needs {cap_text(found[0])} on its fullest GPU ({found[1]})"
+            if math.isfinite(found[0]) else f"no split of it was made within the {BUDGET_S:.0f} s for this search")
+    heaviest = max(costs.profile.nodes, key=lambda n: n.static_bytes)
+    if heaviest.static_bytes > cap:
+        return (
+            f"nothing fits in {format_bytes(cap)} per GPU: node {heaviest.name} ({heaviest.target}) alone "
+            f"holds {format_bytes(heaviest.static_bytes)} of weights, gradients and optimizer state, "
+            f"which no pipeline or spatial split divides; with {req.gpus} GPUs {need}. Raise the cap "
+            f"(--gpu-memory){' to ' + cap_text(found[0]) if math.isfinite(found[0]) else ''}, or use a "
+            "lighter optimizer (--optimizer sgd)."
+        )
+    gpus, lean, tried = _fitting_gpus(costs, req, cap, deadline, cache)
+    leanest_txt = f"the leanest split found, {lean[1]}, needs {format_bytes(lean[0])}" if math.isfinite(lean[0]) else ""
+    if gpus is not None:
+        more = f"{gpus} GPUs would fit it ({lean[1]}, {format_bytes(lean[0])})"
+    elif tried < MAX_GPUS and time.perf_counter() >= deadline:
+        more = (f"no GPU count up to {tried} fits it, and the {BUDGET_S:.0f} s for this search ran out at "
+                f"{2 * tried} GPUs{' (' + leanest_txt + ')' if leanest_txt else ''}: try a larger --gpus")
+    else:
+        more = (f"no GPU count up to {tried} was found to fit it"
+                + (f" ({leanest_txt}; spatial parts go up to 16: pin more with --spatial-parts)" if leanest_txt else ""))
+    raise_to = f" to {cap_text(found[0])}" if math.isfinite(found[0]) else ""
+    return (f"nothing fits in {format_bytes(cap)} per GPU with {req.gpus} GPUs: {need}. Raise the cap{raise_to} "
+            f"(--gpu-memory), or use more GPUs: {more}.")
+
+
+def first_untileable(costs: Costs, front: bool) -> str:
+    """Why the model cannot be spatial to its end: the first node that cannot run on tiles."""
+    for n in costs.profile.nodes:
+        rule = costs.rules.get(n.name)
+        if n.op not in ("placeholder", "output", "get_attr") and rule is not None and not rule.tileable:
+            where = "is the model's first operation" if not front else "ends the spatial region"
+            return f" Node {n.name!r} {where}: {rule.reason}."
+    return ""
+
+
+def no_candidate_message(req: PlanRequest, front: bool, untileable: str = "") -> str:
+    """The error for pinned settings that no configuration of ``req.gpus`` GPUs matches."""
+    pins = {k: getattr(req, k) for k in ("stages", "dp", "replicas", "spatial_parts", "spatial_stages", "global_batch") if getattr(req, k)}
+    why = ""
+    if (req.spatial_parts or req.spatial_stages) and not front:
+        why = " The model's first operation cannot run on image tiles, so no spatial stage is possible." + untileable
+    elif req.spatial_parts not in (None, 1) or req.spatial_stages:
+        why = (" Spatial stages need a non-spatial stage after them unless the whole model runs on tiles."
+               + untileable)
+    return (
+        f"no configuration of {req.gpus} GPUs matches the pinned settings {pins}: ranks per pipeline "
+        "(stages, plus (parts - 1) for each spatial stage) times dp must equal gpus." + why +
+        " Drop a pinned setting or change gpus."
+    )

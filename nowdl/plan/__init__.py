@@ -1,0 +1,20 @@
+"""The Plan: a versioned, fingerprinted JSON description of how a model runs on N GPUs.
+
+Written by the partitioner, read by codegen, the runtime, the pictures and the CLI. It holds
+the stages and their nodes, every rank's role, the tensors crossing stages and the predicted
+memory and time (docs/plan-format.md).
+"""
+
+from typing import TYPE_CHECKING
+
+from nowdl.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from nowdl.plan.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
+
+__all__ = ["Plan", "StagePlan", "TensorPlan", "RankPlan", "PLAN_VERSION"]
+
+__getattr__ = lazy_exports(__name__, {
+    "PLAN_VERSION": "plan", "Plan": "plan", "RankPlan": "plan", "StagePlan": "plan",
+    "TensorPlan": "plan",
+})

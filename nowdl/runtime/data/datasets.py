@@ -1,0 +1,201 @@
+"""Datasets for training on large images: seeded random crops of image files, with mask crops.
+
+``CropDataset(images, masks, (C, H, W))[i]`` is crop ``i``: an image and an origin drawn from
+``(seed, i)``, read from disk by region (only that crop). Given a tile of the crop to read
+(``lazy_batch``), a rank of a spatial stage reads only its tile: the batch is a
+:class:`~nowdl.runtime.spatial.tiles.TiledInput` and the engine asks for this rank's window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from nowdl.errors import NowdlError
+from nowdl.models.resolve import import_callable
+from nowdl.runtime.data.readers import ImageArray, ReadCounter, to_tensor
+from nowdl.runtime.spatial.tiles import TiledInput
+
+__all__ = ["CropDataset", "check_sample", "dataset_from_callable", "label_loss"]
+
+
+class CropDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Seeded random crops shaped ``sample_shape`` of large images (the whole image if it is that size).
+
+    Args:
+        images: the images (``nowdl.runtime.data.readers.open_images``).
+        masks: one integer mask per image, of the image's spatial shape (None: no labels; ``y`` is 0).
+        sample_shape: ``(C, *spatial)`` of one crop (the model's input without the batch).
+        seed: crop origins are a function of ``(seed, index)``.
+        crops: crops per image per epoch (default: as many as would tile the image).
+
+    Raises:
+        NowdlError: channels that differ from ``sample_shape``, an image smaller than the crop, a mask
+            whose shape differs from its image's, or a different number of masks and images.
+    """
+
+    def __init__(self, images: Sequence[ImageArray], masks: Sequence[ImageArray] | None,
+                 sample_shape: Sequence[int], *, seed: int = 0, crops: int | None = None) -> None:
+        self.images, self.masks = list(images), None if masks is None else list(masks)
+        self.sample_shape = tuple(int(d) for d in sample_shape)
+        self.seed = seed
+        self.counter = ReadCounter()
+        size = "x".join(map(str, self.sample_shape))
+        for im in self.images:
+            if im.shape[0] != self.sample_shape[0]:
+                raise NowdlError(f"{im.path} has {im.shape[0]} channel(s) but --input {size} has "
+                                 f"{self.sample_shape[0]}: fix --input")
+            if any(s < c for s, c in zip(im.spatial, self.sample_shape[1:], strict=True)):
+                raise NowdlError(f"{im.path} is {'x'.join(map(str, im.spatial))}, smaller than the crop --input {size}: "
+                                 "use a smaller --input or a larger image (or a lower pyramid level)")
+        if self.masks is not None:
+            if len(self.masks) != len(self.images):
+                raise NowdlError(f"--labels gives {len(self.masks)} mask(s) for {len(self.images)} image(s): give one "
+                                 "mask per image, in the same order (same file names in a folder)")
+            for im, mk in zip(self.images, self.masks, strict=True):
+                if mk.spatial != im.spatial:
+                    raise NowdlError(f"the mask {mk.path} is {'x'.join(map(str, mk.spatial))} but its image {im.path} "
+                                     f"is {'x'.join(map(str, im.spatial))}: a mask must have its image's shape")
+        if crops is None:
+            big = max(math.prod(im.spatial) for im in self.images)
+            crops = max(1, big // math.prod(self.sample_shape[1:]))
+        self.crops = crops
+
+    def __len__(self) -> int:
+        return len(self.images) * self.crops
+
+    def origin(self, index: int) -> tuple[int, tuple[int, ...]]:
+        """(image, crop start per spatial dim) of crop ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"crop {index} of a dataset of {len(self)}")
+        im = index % len(self.images)
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
+        starts = tuple(int(torch.randint(0, s - c + 1, (1,), generator=g))
+                       for s, c in zip(self.images[im].spatial, self.sample_shape[1:], strict=True))
+        return im, starts
+
+    def _region(self, starts: Sequence[int], bounds: Sequence[tuple[int, int]] | None) -> list[tuple[int, int]]:
+        b = bounds if bounds is not None else [(0, c) for c in self.sample_shape[1:]]
+        return [(s + lo, s + hi) for s, (lo, hi) in zip(starts, b, strict=True)]
+
+    def read(self, index: int, bounds: Sequence[tuple[int, int]] | None = None, *, mask: bool = False) -> torch.Tensor:
+        """Crop ``index`` (or its window ``bounds``, relative to the crop): pixels ``(C, ...)`` or a mask ``(...)``."""
+        im, starts = self.origin(index)
+        region = self._region(starts, bounds)
+        if mask:
+            if self.masks is None:
+                return torch.zeros([hi - lo for lo, hi in region], dtype=torch.long)
+            return to_tensor(self.masks[im].read(region, self.counter)[0], label=True)
+        return to_tensor(self.images[im].read(region, self.counter))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read(index), self.read(index, mask=True)
+
+    def lazy_batch(self, indices: Sequence[int]) -> tuple[TiledInput, TiledInput]:
+        """The crops ``indices`` as ``(x, y)`` TiledInputs: nothing is read until a rank reads its window."""
+        idx = list(indices)
+        c, spatial = self.sample_shape[0], self.sample_shape[1:]
+
+        def read_x(sl: tuple[slice, ...]) -> torch.Tensor:
+            bounds = [(s.start, s.stop) for s in sl[2:]]
+            return torch.stack([self.read(i, bounds) for i in idx[sl[0]]])[:, sl[1]]
+
+        def read_y(sl: tuple[slice, ...]) -> torch.Tensor:
+            bounds = [(s.start, s.stop) for s in sl[1:]]
+            return torch.stack([self.read(i, bounds, mask=True) for i in idx[sl[0]]])
+
+        x = TiledInput((len(idx), c, *spatial), read_x)
+        y = _Labels((len(idx), *spatial), read_y)
+        return x, y
+
+
+class _Labels(TiledInput):
+    """A lazy label batch ``(N, *spatial)`` (TiledInput wants (N, C, ...); labels have no C)."""
+
+    def __init__(self, shape: Sequence[int], read: Any) -> None:
+        self.shape = torch.Size(int(s) for s in shape)
+        self._read = read
+        self.dtype = torch.long
+        self._rows = (0, self.shape[0])
+
+    def rows(self, start: int, stop: int) -> _Labels:
+        out = _Labels((stop - start, *self.shape[1:]), self._read)
+        out._rows = (self._rows[0] + start, self._rows[0] + stop)
+        return out
+
+    def read(self, bounds: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+        sp = [(0, s) for s in self.shape[1:]] if bounds is None else list(bounds)
+        return self._read((slice(*self._rows), *(slice(a, b) for a, b in sp)))
+
+
+def label_loss(loss: nn.Module) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """``loss`` that first reads a lazy label batch (``lazy_batch``'s y), on the ranks that compute the loss."""
+    def fn(out: torch.Tensor, y: Any) -> torch.Tensor:
+        if isinstance(y, TiledInput):
+            y = y.read().to(out.device)
+        return loss(out, y)
+
+    return fn
+
+
+# ---- user datasets -------------------------------------------------------------------------------
+def dataset_from_callable(spec: str, args_json: str | None) -> Any:
+    """``package.module:callable`` called with ``args_json`` (keyword arguments), returning a Dataset.
+
+    Raises:
+        NowdlError: unimportable, not callable, it fails, or it does not return a sized Dataset.
+    """
+    try:
+        kwargs = json.loads(args_json) if args_json else {}
+    except json.JSONDecodeError as e:
+        raise NowdlError(f"--data-args is not valid JSON ({e.msg} at column {e.colno}): write e.g. "
+                         "'{\"root\": \"/data\"}'") from None
+    if not isinstance(kwargs, dict):
+        raise NowdlError(f"--data-args must be a JSON object of keyword arguments, got {type(kwargs).__name__}")
+    fn = import_callable(spec, f"--data {spec}",
+                         f"--data {spec} is not callable: name a function or class that returns a Dataset")
+    try:
+        ds = fn(**kwargs)
+    except Exception as e:
+        raise NowdlError(f"--data {spec}(**{kwargs}) failed: {type(e).__name__}: {e}. Check --data-args.") from None
+    if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
+        raise NowdlError(f"--data {spec} returned a {type(ds).__name__}, not a map-style torch Dataset "
+                         "(with __getitem__ and __len__)")
+    if len(ds) < 1:
+        raise NowdlError(f"--data {spec} returned an empty dataset")
+    return ds
+
+
+def check_sample(item: Any, index: int, where: str, sample_shape: Sequence[int],
+                 label_shape: Sequence[int] | None) -> None:
+    """Raise a NowdlError naming sample ``index`` of ``where`` unless it is ``(x, y)`` of the right shapes.
+
+    ``label_shape`` None: the labels are not checked (inference).
+    """
+    shape = "x".join(map(str, sample_shape))
+    head = f"sample {index} of {where}"
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise NowdlError(f"{head} is a {type(item).__name__}: the Dataset must return (x, y), x a float tensor "
+                         f"shaped {shape} (--input) and y its label")
+    x, y = item
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        what = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+        raise NowdlError(f"{head}: x is {what}; return a float tensor shaped {shape} (e.g. torch.from_numpy(a).float())")
+    if tuple(x.shape) != tuple(sample_shape):
+        raise NowdlError(f"{head}: x has shape {tuple(x.shape)} but --input is {shape}: crop or resize the "
+                         "samples, or fix --input")
+    if label_shape is None:
+        return
+    if isinstance(y, (int, np.integer)) and not label_shape:
+        return
+    if not isinstance(y, torch.Tensor) or y.is_floating_point() or tuple(y.shape) != tuple(label_shape):
+        what = f"a {y.dtype} tensor of shape {tuple(y.shape)}" if isinstance(y, torch.Tensor) else f"a {type(y).__name__}"
+        want = "an int class index" if not label_shape else f"an integer tensor shaped {tuple(label_shape)} (class per pixel)"
+        raise NowdlError(f"{head}: y is {what}; the model's output needs {want}")

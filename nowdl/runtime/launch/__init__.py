@@ -1,0 +1,27 @@
+"""Launching: who am I, how many are we, joining the process group, and failing as one job.
+
+``group`` reads torchrun/srun/mpirun's environment and joins; ``group_exit`` destroys the group
+at interpreter exit; ``nodes`` checks the job's nodes against the plan; ``failure`` reports the
+first failing rank's error once.
+"""
+
+from typing import TYPE_CHECKING
+
+from nowdl.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from nowdl.runtime.launch.group import (
+        LaunchEnv,
+        PeerError,
+        default_backend,
+        init_distributed,
+        launch_env,
+        wait,
+    )
+
+__all__ = ["LaunchEnv", "PeerError", "launch_env", "default_backend", "init_distributed", "wait"]
+
+__getattr__ = lazy_exports(__name__, {
+    "LaunchEnv": "group", "PeerError": "group", "default_backend": "group",
+    "init_distributed": "group", "launch_env": "group", "wait": "group",
+})

@@ -1,0 +1,168 @@
+"""Gradient sync and the optimizer step of one rank: bucketed all-reduce, fp16 loss scaling, the loss mean.
+
+[Note: gradient sync] During this rank's last gradient action of a stage in a step (its last
+backward; zero bubble: its last ``W``), each parameter's gradient is final as soon as it is
+accumulated: it joins a bucket, and every full bucket (``BUCKET_BYTES``) is flattened and
+all-reduced (SUM, never an average) asynchronously over every rank holding a copy of the stage
+(MASTER mirror, data-parallel copies, tiles), overlapping the rest of that backward and
+whatever the rank runs next; what is left goes out when the action ends. The optimizer steps
+once every bucket has arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nowdl.codegen.stage import StageModule
+from nowdl.runtime.launch.group import wait
+from nowdl.runtime.pipeline.ranks import Placement
+
+__all__ = ["GradSync", "BUCKET_BYTES"]
+
+log = logging.getLogger("nowdl.runtime.pipeline.engine")
+
+BUCKET_BYTES = 1 << 20
+"""Gradients of at least this many bytes go out in one all-reduce as soon as they are final."""
+
+_Bucket = tuple[int, Any, torch.Tensor, list[nn.Parameter]]  # stage, work, flat buffer, its parameters
+
+
+class _Buckets:
+    """Buckets of one stage's final gradients, each all-reduced (SUM, async) once full.
+
+    :meth:`ready` is called with each parameter whose gradient just became final: by a
+    post-accumulate-grad hook during the last backward (autograd runs a leaf's accumulation
+    once per backward, its uses summed), or by the zero-bubble ``W`` (``run_weight_grads``).
+    Every rank of the group runs the same graph, so the buckets are the same everywhere.
+    """
+
+    def __init__(self, stage: int, params: list[nn.Parameter], group: Any, device: torch.device,
+                 cap: int) -> None:
+        self.stage, self.params, self.group, self.device, self.cap = stage, params, group, device, cap
+        self.todo = {id(p) for p in params}
+        self.cur: list[nn.Parameter] = []
+        self.size = 0
+        self.launched: list[_Bucket] = []
+        self.hooks = [p.register_post_accumulate_grad_hook(self.ready) for p in params if p.requires_grad]
+
+    def ready(self, p: torch.Tensor) -> None:
+        if id(p) not in self.todo:
+            return
+        self.todo.discard(id(p))
+        self.cur.append(p)  # type: ignore[arg-type]
+        self.size += p.numel() * p.element_size()
+        if self.size >= self.cap:
+            self._launch()
+
+    def _launch(self) -> None:
+        if not self.cur:
+            return
+        for p in self.cur:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in self.cur])  # type: ignore[union-attr]
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.launched.append((self.stage, work, flat, self.cur))
+        self.cur, self.size = [], 0
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        for p in self.params:  # the rest, in parameter order (no gradient: zeros)
+            if id(p) in self.todo:
+                self.todo.discard(id(p))
+                self.cur.append(p)
+        self._launch()
+
+
+class GradSync:
+    """The gradient part of :class:`~nowdl.runtime.pipeline.engine.PipelineEngine` (a mixin)."""
+
+    place: Placement
+    stages: dict[int, StageModule]
+    m: int
+    device: torch.device
+    timeout_s: float
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer | None
+    loss_fn: Any
+    loss_scale: float
+    _scaling: bool
+    _good_steps: int
+    _groups: dict[int, Any]
+
+    def _sync_initial_weights(self) -> None:
+        """Every copy of a stage starts from the lowest rank's weights (they must be equal)."""
+        for s, g in self._groups.items():
+            if g is None:
+                continue
+            src = self.place.group_ranks(s)[0]
+            for t in list(self.stages[s].module.parameters()) + list(self.stages[s].module.buffers()):
+                with torch.no_grad():
+                    dist.broadcast(t.data, src=src, group=g)
+
+    def _open_buckets(self, stage: int) -> _Buckets | None:
+        """Before this rank's last gradient action of ``stage`` in a step: reduce its gradients in
+        buckets as they become final ([Note: gradient sync]); None when no other rank holds it."""
+        g = self._groups.get(stage)
+        if g is None:
+            return None
+        return _Buckets(stage, list(self.stages[stage].module.parameters()), g, self.device, BUCKET_BYTES)
+
+    def _close_buckets(self, b: _Buckets) -> list[_Bucket]:
+        """After that action: launch what is left (parameters without a gradient as zeros)."""
+        b.close()
+        return b.launched
+
+    def _finish_sync(self, pending: list[_Bucket]) -> None:
+        for stage, work, flat, params in pending:
+            wait(work, timeout_s=self.timeout_s, what=f"gradient all-reduce of stage {stage}", peer=None)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                g = p.grad
+                if g is not None:  # set by _Buckets._launch
+                    g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+
+    def _step(self) -> None:
+        """Optimizer step; with fp16 loss scaling, every rank agrees to skip on an overflow."""
+        if self.optimizer is None and not self._scaling:
+            return
+        if self._scaling:
+            bad = torch.tensor([0.0], device=self.device)
+            for p in self.params:
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    bad.fill_(1.0)
+                    break
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            if bad.item() > 0:
+                self.loss_scale /= 2.0
+                self._good_steps = 0
+                log.warning("fp16 overflow: step skipped on every rank, loss scale now %g", self.loss_scale)
+                return
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self.loss_scale)
+            self._good_steps += 1
+            if self._good_steps % 2000 == 0:
+                self.loss_scale *= 2.0
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def _mean_loss(self, local_sum: float) -> float:
+        if self.loss_fn is None:
+            return float("nan")
+        total = self.place.dp * self.place.replicas * self.m
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return local_sum / total
+        t = torch.tensor([local_sum], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return float(t.item()) / total

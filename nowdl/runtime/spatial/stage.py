@@ -1,0 +1,273 @@
+"""Run one pipeline stage's fx graph on image tiles: the spatial stage of a plan.
+
+[Note: spatial stage] In a stage with ``parts = P > 1`` every rank of its tile group holds the
+full weights and one tile of every activation. :class:`TiledStage` walks the stage's graph and
+runs each node on tiles, tracking the :class:`TileGrid` of every value (its full spatial shape
+and this rank's bounds):
+
+* conv, conv-transpose, pooling, upsampling: :func:`nowdl.runtime.spatial.tile_forward` (halo
+  exchange with the neighbours, exact at tile borders and at the image boundary);
+* BatchNorm / InstanceNorm / GroupNorm: statistics reduced over the tile group;
+* elementwise ops, residual adds, channel ``torch.cat``: run on the tiles as they are (the
+  operands are tiles of the same image region);
+* a run of consecutive convs/pools listed in the plan's ``fused`` chains: one deeper halo
+  exchange for the whole run (:mod:`nowdl.runtime.spatial.fusion`).
+
+Anything else is refused when the stage is built, naming the node and why (the planner does
+not put such nodes in spatial stages: see ``nowdl.partitioner.spatial.tileable``). Weight gradients are
+this tile's contribution; the engine sums them (never averages) over the tile group together
+with the data-parallel and MASTER copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nowdl.codegen.stage import StageModule
+from nowdl.errors import NowdlError
+from nowdl.partitioner.spatial.tileable import aten_upsample_scales, spatial_rules
+from nowdl.runtime.spatial.dispatch import tile_forward
+from nowdl.runtime.spatial.tiles import TileGrid
+
+__all__ = ["TiledStage", "full_grid"]
+
+_CAT = (torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default, torch.ops.aten.concat.default)
+_aten = torch.ops.aten
+_ATEN_UP: dict[Any, str] = {
+    _aten.upsample_nearest1d.vec: "nearest", _aten.upsample_nearest2d.vec: "nearest",
+    _aten.upsample_nearest3d.vec: "nearest", _aten.upsample_linear1d.vec: "linear",
+    _aten.upsample_bilinear2d.vec: "bilinear", _aten.upsample_trilinear3d.vec: "trilinear",
+}
+_POOL_FN: dict[Any, type[nn.Module]] = {
+    F.max_pool1d: nn.MaxPool1d, F.max_pool2d: nn.MaxPool2d, F.max_pool3d: nn.MaxPool3d,
+    F.avg_pool1d: nn.AvgPool1d, F.avg_pool2d: nn.AvgPool2d, F.avg_pool3d: nn.AvgPool3d,
+}
+_POOL_ARGS = {
+    "max": ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
+    "avg": ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+}
+_INTERP_ARGS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
+
+
+def full_grid(grid: Sequence[int], ndim: int) -> tuple[int, ...]:
+    """A plan's per-stage ``grid`` padded with leading 1s to ``ndim`` spatial dims."""
+    g = tuple(int(v) for v in grid)
+    if len(g) > ndim:
+        raise NowdlError(f"the plan's tile grid {list(g)} has more dims than the tensor's {ndim} spatial dims")
+    return (1,) * (ndim - len(g)) + g
+
+
+class TiledStage:
+    """A StageModule run on tiles by the ranks of one tile group.
+
+    Args:
+        stage: the stage (its GraphModule is run node by node, on tiles).
+        grid: tiles per spatial dim (the plan's ``StagePlan.grid``).
+        ranks: the global ranks of the tile group, in part order (row-major over ``grid``).
+        rank: this process's global rank (one of ``ranks``).
+        group: the tile group's process group (halo exchanges and norm statistics).
+        fused: chains of node names whose halo exchanges are fused into one.
+
+    Raises:
+        NowdlError: a node of the stage cannot run on tiles (names the node and why).
+    """
+
+    def __init__(self, stage: StageModule, grid: Sequence[int], ranks: Sequence[int], rank: int,
+                 group: dist.ProcessGroup | None, fused: Sequence[Sequence[str]] = ()) -> None:
+        self.stage = stage
+        self.grid = tuple(int(g) for g in grid)
+        self.ranks = tuple(int(r) for r in ranks)
+        self.rank = rank
+        self.group = group
+        gm = stage.module
+        rules = spatial_rules(gm)
+        bad = [(n, rules[n.name].reason) for n in gm.graph.nodes if not rules[n.name].tileable]
+        if bad:
+            shown = "; ".join(f"{n.name!r} ({r})" for n, r in bad[:3])
+            raise NowdlError(
+                f"stage {stage.index} is spatial but node(s) {shown}{' ...' if len(bad) > 3 else ''} cannot run on "
+                "tiles: re-plan so that the spatial region ends before them (fewer spatial stages, or "
+                "spatial_parts=1)"
+            )
+        # by call target: a module shared by several paths is listed once by named_modules()
+        self._mods = {str(n.target): gm.get_submodule(str(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
+        self._chains: dict[str, list[fx.Node]] = {}
+        self._skip: set[str] = set()
+        self._check_chains(fused)
+
+    def _check_chains(self, fused: Sequence[Sequence[str]]) -> None:
+        from nowdl.runtime.spatial.fusion import fusable
+
+        by_name = {n.name: n for n in self.stage.module.graph.nodes}
+        for chain in fused:
+            nodes = [by_name.get(c) for c in chain]
+            if len(chain) < 2 or any(n is None for n in nodes):
+                raise NowdlError(f"fused chain {list(chain)} of stage {self.stage.index} names nodes that are not "
+                                 "in the stage (or has fewer than 2): the plan was made for another model; re-plan")
+            ns = [n for n in nodes if n is not None]
+            for a, b in zip(ns, ns[1:], strict=False):
+                if list(a.users) != [b] or b.all_input_nodes != [a]:
+                    raise NowdlError(f"fused chain {list(chain)}: {a.name!r} must feed only {b.name!r} and "
+                                     f"{b.name!r} take only {a.name!r}; re-plan")
+            for n in ns:
+                if n.op != "call_module" or not fusable(self._mods[str(n.target)]):
+                    raise NowdlError(f"fused chain {list(chain)}: node {n.name!r} is not a module halo fusion runs "
+                                     "(convs, pools and pointwise activations); re-plan")
+            self._chains[ns[0].name] = ns
+            self._skip.update(n.name for n in ns[1:])
+
+    def grid_of(self, full_spatial: Sequence[int]) -> TileGrid:
+        """This rank's TileGrid of a value with spatial shape ``full_spatial``."""
+        return TileGrid.for_rank(full_spatial, full_grid(self.grid, len(full_spatial)), self.rank, self.ranks)
+
+    def __call__(self, tiles: Sequence[Tensor], shapes: Sequence[Sequence[int]]) -> tuple[list[Tensor], list[TileGrid]]:
+        """Run the stage on this rank's input tiles.
+
+        Args:
+            tiles: one tile per stage input (``stage.inputs`` order).
+            shapes: each input's FULL spatial shape (the image, not the tile).
+
+        Returns:
+            The output tiles (``stage.outputs`` order) and their grids.
+        """
+        gm = self.stage.module
+        env: dict[str, Any] = {}
+        grids: dict[str, TileGrid | None] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(tiles):
+            raise NowdlError(f"stage {self.stage.index} takes {len(placeholders)} inputs, got {len(tiles)}")
+        for ph, t, shape in zip(placeholders, tiles, shapes, strict=True):
+            env[ph.name] = t
+            g = self.grid_of(shape)
+            if tuple(t.shape[2:]) != g.tile_shape():
+                raise NowdlError(f"stage {self.stage.index} input {ph.name!r}: got a tile of shape {tuple(t.shape)}, "
+                                 f"expected spatial {g.tile_shape()} (tile {g.coords} of {g.shape} cut {g.grid})")
+            grids[ph.name] = g
+        out: Any = None
+        last = self._last_uses()
+        for node in gm.graph.nodes:
+            if node.op == "placeholder" or node.name in self._skip:
+                continue
+            if node.op == "output":
+                out = node.args[0]
+                break
+            self._run_node(node, env, grids)
+            for name in last.get(node.name, ()):  # free what no later node reads (as fx's codegen does)
+                env.pop(name, None)
+        names = [a.name for a in (out if isinstance(out, (tuple, list)) else (out,))]
+        outs, ogrids = [], []
+        for nm in names:
+            og = grids.get(nm)
+            if og is None:
+                raise NowdlError(f"stage {self.stage.index} output {nm!r} is not an image tile; a spatial stage "
+                                 "can only pass on (N, C, *spatial) tensors: re-plan")
+            outs.append(env[nm])
+            ogrids.append(og)
+        return outs, ogrids
+
+    def _last_uses(self) -> dict[str, list[str]]:
+        """Per node (a fused chain: its head), the values read for the last time there.
+
+        Values the output returns are never freed; a fused chain's inner values live only
+        inside :func:`nowdl.runtime.spatial.fusion.fused_forward`.
+        """
+        head = {n.name: h for h, chain in self._chains.items() for n in chain}
+        last: dict[str, str] = {}
+        for node in self.stage.module.graph.nodes:
+            if node.op == "output":
+                for a in node.all_input_nodes:
+                    last.pop(a.name, None)
+                continue
+            for a in node.all_input_nodes:
+                last[a.name] = head.get(node.name, node.name)
+        out: dict[str, list[str]] = {}
+        for value, user in last.items():
+            out.setdefault(user, []).append(value)
+        return out
+
+    def _run_node(self, node: fx.Node, env: dict[str, Any], grids: dict[str, TileGrid | None]) -> None:
+        """Run one node (a fused chain's head: the whole chain) into ``env`` and ``grids``."""
+        args: Any = fx.node.map_arg(node.args, lambda a: env[a.name])
+        kwargs: Any = fx.node.map_arg(node.kwargs, lambda a: env[a.name])
+        tiled = [grids[a.name] for a in node.all_input_nodes if grids.get(a.name) is not None]
+        if node.op == "get_attr":
+            env[node.name] = _fetch_attr(self.stage.module, str(node.target))
+            grids[node.name] = None
+            return
+        if node.name in self._chains:
+            from nowdl.runtime.spatial.fusion import fused_forward
+
+            chain = self._chains[node.name]
+            mods = [self._mods[str(n.target)] for n in chain]
+            yf, gf = fused_forward(mods, args[0], _one(tiled, node), self.group)
+            env[chain[-1].name], grids[chain[-1].name] = yf, gf
+            return
+        env[node.name], grids[node.name] = self._run(node, args, kwargs, tiled)
+
+    def _run(self, node: fx.Node, args: Any, kwargs: dict[str, Any],
+             tiled: list[TileGrid | None]) -> tuple[Any, TileGrid | None]:
+        if node.op == "call_module":
+            mod = self._mods[str(node.target)]
+            return tile_forward(mod, args[0], _one(tiled, node), self.group)
+        target = node.target
+        if node.op == "call_function" and target in _POOL_FN:
+            kind = "max" if "max" in getattr(target, "__name__", "") else "avg"
+            mod = _POOL_FN[target](**_bind(args[1:], kwargs, _POOL_ARGS[kind]))
+            return tile_forward(mod, args[0], _one(tiled, node), self.group)
+        if node.op == "call_function" and target is F.interpolate:
+            opts = _bind(args[1:], kwargs, _INTERP_ARGS)
+            opts.pop("antialias", None)
+            up = nn.Upsample(**opts)
+            return tile_forward(up, args[0], _one(tiled, node), self.group)
+        if node.op == "call_function" and target in _ATEN_UP:
+            scales = aten_upsample_scales(node)
+            if scales is None:  # pragma: no cover - spatial_rules refuses these
+                raise NowdlError(f"node {node.name!r} upsamples to a fixed size: it cannot run on tiles")
+            up = nn.Upsample(scale_factor=scales, mode=_ATEN_UP[target], align_corners=False if _ATEN_UP[target] != "nearest" else None)
+            return tile_forward(up, args[0], _one(tiled, node), self.group)
+        if node.op == "call_function" and target in _CAT:
+            grids = {(g.shape, g.grid, g.coords) for g in tiled if g is not None}
+            if len(grids) > 1:
+                raise NowdlError(f"node {node.name!r} concatenates tiles of different images/grids {sorted(grids)}")
+        elif tiled:
+            shapes = {g.shape for g in tiled if g is not None}
+            if len(shapes) > 1:
+                raise NowdlError(f"node {node.name!r} combines tensors of spatial shapes {sorted(shapes)}; "
+                                 "an elementwise op on tiles needs equal shapes")
+        fn: Any = target if node.op == "call_function" else getattr(args[0], str(target))
+        y = fn(*args, **kwargs) if node.op == "call_function" else fn(*args[1:], **kwargs)
+        g = next((t for t in tiled if t is not None), None)
+        if g is not None and isinstance(y, Tensor) and tuple(y.shape[2:]) != g.tile_shape():
+            raise NowdlError(f"node {node.name!r} ({getattr(target, '__name__', target)}) changed the tile's spatial "
+                             f"shape {g.tile_shape()} to {tuple(y.shape[2:])}: it cannot run on tiles; re-plan")
+        return y, g
+
+
+def _one(tiled: list[TileGrid | None], node: fx.Node) -> TileGrid:
+    g = next((t for t in tiled if t is not None), None)
+    if g is None:
+        raise NowdlError(f"node {node.name!r} of a spatial stage has no tiled input")
+    return g
+
+
+def _bind(args: Sequence[Any], kwargs: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    out = dict(zip(names, args, strict=False))
+    out.update({k: v for k, v in kwargs.items() if k in names or k == "antialias"})
+    if out.get("antialias"):
+        raise NowdlError("F.interpolate(antialias=True) is not tiled")
+    return out
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+

@@ -1,0 +1,360 @@
+"""The training API behind CompiledModel.train_step / eval_step / state_dict / checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nowdl.errors import NowdlError
+from nowdl.plan.plan import Plan
+from nowdl.runtime.launch.nodes import check_node_map
+from nowdl.runtime.pipeline.engine import PipelineEngine
+from nowdl.runtime.spatial.tiles import TiledInput
+from nowdl.runtime.training.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
+from nowdl.runtime.training.state import (
+    bind_optimizer,
+    load_optimizer_state,
+    optimizer_groups,
+    optimizer_tensors,
+    stage_tensors,
+    state_names,
+)
+
+__all__ = ["Trainer", "Compiled", "plan_on_rank0"]
+
+log = logging.getLogger(__name__)
+
+
+class Compiled(Protocol):
+    """What the trainer needs of a compiled model (``nowdl.CompiledModel`` is one)."""
+
+    model: nn.Module
+    plan_path: str | None
+    request: Any
+    precision: str
+    device: str | torch.device | None
+    activation_checkpointing: bool | list[int]
+
+    def trace(self, *example_inputs: torch.Tensor) -> Any: ...
+
+    def plan(self, *example_inputs: torch.Tensor, target: Any = None) -> Plan: ...
+
+
+def _example(t: Any) -> Any:
+    return t.meta() if isinstance(t, TiledInput) else t
+
+
+def _first_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, (torch.Tensor, TiledInput)):
+        return _example(x)
+    if isinstance(x, (list, tuple)) and x and isinstance(x[0], (torch.Tensor, TiledInput)):
+        return _example(x[0])
+    raise NowdlError(f"train_step/eval_step take a tensor (or a tuple of tensors) as x, got {type(x).__name__}")
+
+
+def plan_on_rank0(make: Callable[[], Plan], *, rank: int, world: int) -> Plan:
+    """Rank 0 runs ``make()`` and broadcasts the plan; every rank returns the same Plan.
+
+    If rank 0 fails, the other ranks (which would otherwise wait for the plan) raise a NowdlError
+    carrying rank 0's message, and rank 0 re-raises its own error.
+    """
+    box: list[Any] = [None]
+    failure: Exception | None = None
+    if rank == 0:
+        try:
+            box[0] = make().to_json()
+        except Exception as e:
+            failure = e
+            box[0] = {"error": str(e) if isinstance(e, NowdlError) else f"{type(e).__name__}: {e}"}
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], dict):
+        raise NowdlError(f"rank 0 could not plan: {box[0]['error']}")
+    return Plan.from_json(str(box[0]), source="plan from rank 0")
+
+
+class Trainer:
+    """Owns this rank's engine; set up lazily on the first step (plans if needed)."""
+
+    def __init__(self, cm: Compiled, *, optimizer: torch.optim.Optimizer | None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, timeout_s: float = 300.0,
+                 backend: str | None = None) -> None:
+        self.cm = cm
+        self.optimizer = optimizer  # over the model's parameters; bound to the stages' at set-up
+        self.steps = 0  # optimizer steps taken (restored by load_checkpoint)
+        self.pending_state: dict[str, torch.Tensor] | None = None  # load_state_dict before set-up
+        self.loss_fn = loss_fn
+        self.timeout_s = timeout_s
+        self.backend = backend
+        self.engine: PipelineEngine | None = None
+        self.plan: Plan | None = None
+        self.rank = 0
+        self.world = 1
+        self._aliases: dict[str, list[str]] = {}
+        self._unused: dict[str, torch.Tensor] = {}
+        self._order: list[str] = []  # the model's state_dict() keys, in its order
+        self._keys: set[str] = set()
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def _setup(self, x: Any, y: Any = None) -> PipelineEngine:
+        if self.engine is not None:
+            return self.engine
+        from nowdl.codegen import build_stages
+        from nowdl.runtime.launch.group import init_distributed, launch_env
+
+        env = launch_env()
+        if env.world_size > 1 or dist.is_initialized():
+            init_distributed(backend=self.backend, timeout_s=self.timeout_s)
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        first = _first_tensor(x)
+        plan = self._plan_everywhere(x, y)
+        if plan.config["gpus"] != self.world:
+            raise NowdlError(
+                f"this plan needs {plan.config['gpus']} ranks (gpus) but the job has {self.world}: launch with "
+                f"torchrun --nproc-per-node {plan.config['gpus']} (or re-plan with gpus={self.world})"
+            )
+        check_node_map(plan, self.world)  # a launch that splits a tile group / MASTER pair the plan keeps on one node
+        per = plan.config["dp"] * plan.config["replicas"] * plan.config["micro_batches"]
+        mb = plan.model["inputs"][0][0]
+        if first.shape[0] != mb * per:
+            raise NowdlError(
+                f"the global batch has {first.shape[0]} samples but this plan takes {mb * per} per step "
+                f"(micro-batch {mb} x micro_batches {plan.config['micro_batches']} x replicas "
+                f"{plan.config['replicas']} x dp {plan.config['dp']}): pass {mb * per} samples or re-plan"
+            )
+        example = tuple(_example(t)[:mb] for t in (x if isinstance(x, (list, tuple)) else (x,)))
+        traced = self.cm.trace(*example)
+        plan.check_model(traced.fingerprint, [list(t.shape) for t in example])
+        stages = build_stages(traced.gm, plan)
+        self._aliases, self._unused, self._order = state_names(self.cm.model, stages)
+        self._keys = set(self._order)
+        device = self._device()
+        self.plan = plan
+        opt = self.optimizer
+        self.engine = PipelineEngine(plan, stages, self.rank, optimizer=None if opt is None else (lambda _params: opt),
+                                     loss_fn=self.loss_fn, device=device, timeout_s=self.timeout_s,
+                                     precision=self.cm.precision, checkpointing=self.cm.activation_checkpointing)
+        if opt is not None:
+            bind_optimizer(opt, self.cm.model, [self.engine.stages[s] for _, s in self.engine.held])
+        if self.pending_state is not None:
+            sd, self.pending_state = self.pending_state, None
+            self.load_state_dict(sd)
+        return self.engine
+
+    def _device(self) -> torch.device:
+        if self.cm.device is not None:
+            return torch.device(self.cm.device)
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _plan_everywhere(self, x: Any, y: Any = None) -> Plan:
+        """Rank 0 plans (or loads) and broadcasts the plan, so every rank runs the same one."""
+        if self.cm.plan_path is not None:
+            return Plan.load(self.cm.plan_path)
+        return plan_on_rank0(lambda: self._plan_here(x, y), rank=self.rank, world=self.world)
+
+    def _plan_here(self, x: Any, y: Any = None) -> Plan:
+        """Plan for one micro-batch of every model input (a model may take several)."""
+        xs = tuple(_example(t) for t in (x if isinstance(x, (list, tuple)) else (x,)))
+        first = xs[0]
+        req = self.cm.request
+        n = int(first.shape[0])
+        b = 1  # micro-batch size: one sample, unless m, replicas and dp are all pinned
+        if req is not None and req.micro_batches and req.replicas and req.dp:
+            per = req.micro_batches * req.replicas * req.dp
+            if n % per:
+                raise NowdlError(f"the global batch of {n} samples does not split into micro_batches "
+                                 f"{req.micro_batches} x replicas {req.replicas} x dp {req.dp} = {per}")
+            b = n // per
+        if req is not None and req.global_batch is None:
+            self.cm.request = dataclasses.replace(req, global_batch=n)
+        examples = tuple(torch.empty((b,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta") for t in xs)
+        target = y[:b] if isinstance(y, torch.Tensor) and y.dim() and y.shape[0] == n else None  # [Note: loss memory]
+        return self.cm.plan(*examples, target=target)
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def train_step(self, x: Any, y: Any) -> float:
+        eng = self._setup(x, y)
+        loss, _ = eng.run(x, y, train=True)
+        self.steps += 1
+        return loss
+
+    def eval_step(self, x: Any) -> Any:
+        """Outputs on the ranks that run the last stage (part 0 of a spatial one, tiles gathered); None elsewhere.
+
+        The micro-batches' outputs are concatenated along the batch, in the structure the model
+        returns (a tensor, or a tuple/list/dict of tensors)."""
+        eng = self._setup(x)
+        _, outs = eng.run(x, None, train=False)
+        if not outs:
+            return None
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        flat = [tree_flatten(o) for o in outs]
+        leaves = [torch.cat([f[0][i] for f in flat]) if isinstance(flat[0][0][i], torch.Tensor) else flat[0][0][i]
+                  for i in range(len(flat[0][0]))]
+        return tree_unflatten(leaves, flat[0][1])
+
+    # ---- state -----------------------------------------------------------------------------------
+    def _owned(self) -> dict[str, torch.Tensor]:
+        """This rank's share of the model under original names (replica 0, dp copy 0 owners)."""
+        eng = self._require()
+        out: dict[str, torch.Tensor] = {}
+        for st in self._owner_stages():
+            for orig, t, _ in stage_tensors(st, self._keys if self._order else None):
+                out[orig] = t.detach().cpu().clone()
+                for alias in self._aliases.get(orig, ()):
+                    out[alias] = out[orig]
+        if self.rank == 0 and eng.dp_index == 0:
+            out.update(self._unused)
+        return out
+
+    def _owner_stages(self) -> list[Any]:
+        """The stages whose state this rank writes: replica 0, dp copy 0, tile 0 of each."""
+        eng = self._require()
+        if eng.dp_index != 0:
+            return []
+        return [eng.stages[s] for rep, s in eng.held if rep == 0 and eng.part[(rep, s)] == 0]
+
+    def _require(self) -> PipelineEngine:
+        if self.engine is None:
+            raise NowdlError("the model has not run a step yet: call train_step or eval_step first "
+                             "(the plan and the stages are built on the first step)")
+        return self.engine
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state under its original names, on rank 0 ({} on other ranks)."""
+        mine = self._owned()
+        if self.world == 1:
+            return self._in_model_order(mine)
+        parts: list[Any] = [None] * self.world if self.rank == 0 else []
+        dist.gather_object(mine, parts if self.rank == 0 else None, dst=0)
+        if self.rank != 0:
+            return {}
+        merged: dict[str, torch.Tensor] = {}
+        for p in parts:
+            merged.update(p)
+        return self._in_model_order(merged)
+
+    def _in_model_order(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rank = {k: i for i, k in enumerate(self._order)}
+        return dict(sorted(sd.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load original-name weights (every rank passes the same dict, or rank 0 and others {})."""
+        eng = self._require()
+        if self.world > 1:
+            box: list[Any] = [sd if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            sd = box[0]
+        for _, s in eng.held:
+            for orig, t, _ in stage_tensors(eng.stages[s], self._keys if self._order else None):
+                if orig not in sd:
+                    raise NowdlError(f"state dict has no entry {orig!r} (stage {s}); it was saved from another model")
+                with torch.no_grad():
+                    t.copy_(sd[orig])
+        for key in self._unused:  # parameters no stage uses: kept for state_dict() only
+            if key in sd:
+                self._unused[key] = sd[key].detach().cpu().clone()
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def _named_held(self) -> dict[str, nn.Parameter]:
+        eng = self._require()
+        named: dict[str, nn.Parameter] = {}
+        for _, s in eng.held:
+            for orig, t, is_param in stage_tensors(eng.stages[s]):
+                if is_param:
+                    named[orig] = t  # type: ignore[assignment]
+        return named
+
+    def save_checkpoint(self, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None,
+                        keep: int = 1) -> None:
+        """Every rank writes what it owns (weights, optimizer state, its RNG state) under the model's
+        original names with torch.distributed.checkpoint; ``extra`` (JSON) is kept beside it.
+        Atomic: the previous checkpoint stays valid until this one is complete."""
+        eng = self._require()
+        tensors: dict[str, torch.Tensor] = {}
+        for st in self._owner_stages():
+            for orig, t, _ in stage_tensors(st, self._keys if self._order else None):
+                tensors[f"model/{orig}"] = t.detach()
+        if self.rank == 0 and eng.dp_index == 0:
+            tensors.update({f"model/{k}": v for k, v in self._unused.items()})
+        scalars: list[str] = []
+        groups = None
+        opt = self.optimizer
+        if opt is not None:
+            owned = {orig for st in self._owner_stages() for orig, _, p in stage_tensors(st) if p}
+            named = {k: v for k, v in self._named_held().items() if k in owned}
+            more, scalars = optimizer_tensors(opt, named)
+            tensors.update(more)
+            names = {id(p): n for n, p in self.cm.model.named_parameters()}
+            names.update({id(p): n for n, p in self._named_held().items()})
+            groups = optimizer_groups(opt, names)
+        tensors[f"rng/{self.rank}"] = torch.get_rng_state()
+        gathered: list[Any] = [scalars]
+        if self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, scalars)
+        meta = {"fingerprint": eng.plan.fingerprint, "plan": eng.plan.to_dict(), "steps": self.steps,
+                "optimizer": None if opt is None else {"class": type(opt).__name__, "groups": groups,
+                                                       "scalars": sorted({k for g in gathered for k in g})},
+                **(extra or {})}
+        save_checkpoint(directory, self.steps, tensors, meta, keep=keep)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str], x: Any = None) -> dict[str, Any]:
+        """Resume from the latest checkpoint in ``directory`` (written by any plan of this model:
+        weights and optimizer state are resharded by name). ``x`` (a batch) sets the engine up if no
+        step ran yet. Returns the checkpoint's record (``nowdl.json``)."""
+        if self.engine is None:
+            if x is None:
+                raise NowdlError("load_checkpoint needs the engine: run a step first or pass a batch as x")
+            self._setup(x)
+        eng = self._require()
+        ck = open_checkpoint(directory)
+        if ck is None:
+            raise CheckpointError(f"no checkpoint in {directory}: save one first (cm.save_checkpoint / nowdl run "
+                                  "--checkpoint), or check the folder")
+        wanted: dict[str, tuple[int, ...] | None] = {}
+        for _, s in eng.held:
+            for orig, t, _ in stage_tensors(eng.stages[s], self._keys if self._order else None):
+                wanted[f"model/{orig}"] = tuple(t.shape)
+        optional = set()
+        if self.rank == 0:
+            for k, v in self._unused.items():
+                wanted[f"model/{k}"] = tuple(v.shape)
+                optional.add(f"model/{k}")
+        index = ck.index()
+        named = self._named_held()
+        saved_opt = ck.record.get("optimizer")
+        if self.optimizer is not None and saved_opt is not None:
+            for name in named:
+                wanted.update({k: None for k in index if k.startswith(f"optim/{name}/")})
+        same_run = ck.world == self.world and ck.record.get("plan", {}).get("config") == eng.plan.config
+        if same_run:
+            wanted[f"rng/{self.rank}"] = None
+            optional.add(f"rng/{self.rank}")
+        got = ck.read(wanted, optional=frozenset(optional))
+        for _, s in eng.held:
+            for orig, t, _ in stage_tensors(eng.stages[s], self._keys if self._order else None):
+                with torch.no_grad():
+                    t.copy_(got[f"model/{orig}"])
+        for k in self._unused:
+            if f"model/{k}" in got:
+                self._unused[k] = got[f"model/{k}"].clone()
+        if self.optimizer is not None and saved_opt is not None:
+            load_optimizer_state(self.optimizer, named, got, saved_opt.get("scalars", []), saved_opt.get("groups"),
+                                 str(ck.dir))
+        if f"rng/{self.rank}" in got:
+            torch.set_rng_state(got[f"rng/{self.rank}"])
+        self.steps = int(ck.record.get("steps", ck.step))
+        return ck.record
