@@ -3,49 +3,28 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.run_cli import STEP
+from helpers.run_cli import run_under_torchrun as _torchrun
+from helpers.run_cli import step_losses as _steps
 
 import nowdl
 from nowdl.cli.commands import main
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}'
 PIPE = ["resnet", "--model-args", TINY, "--input", "3x16x16", "--batch-size", "4", "--stages", "2",
         "--micro-batches", "2", "--dp", "1", "--replicas", "1"]
-STEP = re.compile(r"^step (\d+)/(\d+)  loss (\d+\.\d{4})  \d+\.\d\d s  [\d.]+ images/s$", re.M)
 MEAN = re.compile(r"^mean: [\d.]+ images/s over steps (\d+)\.\.(\d+) \(first step excluded", re.M)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _torchrun(*args: str, n: int = 2) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(NOWDL_BACKEND="gloo", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "nowdl", "run", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 def _ckpt_step(ckpt: Path) -> int:
     record = json.loads((ckpt / (ckpt / "latest").read_text() / "nowdl.json").read_text())
     assert record["run"]["step"] == record["step"]
     return int(record["step"])
-
-
-def _steps(out: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(3) for m in STEP.finditer(out)}
 
 
 @pytest.fixture

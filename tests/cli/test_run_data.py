@@ -11,16 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from distributed import run_workers
-from test_data import make_files, write_tiff
-from test_run_cli import _steps, _torchrun
+from helpers.distributed import run_workers
+from helpers.image_files import make_files, write_tiff
+from helpers.run_cli import run_under_torchrun, step_losses
 
 import nowdl
 from nowdl.cli.commands import main
-
-pytest.importorskip("tifffile")
-pytest.importorskip("zarr")
-pytest.importorskip("h5py")
 
 UNET = ["unet", "--model-args", '{"depth": 2, "base_width": 4, "out_channels": 2}', "--input", "3x32x32"]
 PINS = ["--micro-batches", "2", "--dp", "1", "--replicas", "1"]
@@ -70,14 +66,14 @@ def test_tiff_with_metrics(files: Path, capsys: pytest.CaptureFixture[str]) -> N
     log = files / "log"
     out = _run([*UNET, "--batch-size", "2", "--steps", "3", "--data", f"tiff:{files}/img.tif", "--labels",
                 f"tiff:{files}/mask.tif", "--workers", "2", "--log-dir", str(log)], capsys)
-    assert "tiff (1 image, 4 crops/epoch) data" in out and sorted(_steps(out)) == [1, 2, 3]
+    assert "tiff (1 image, 4 crops/epoch) data" in out and sorted(step_losses(out)) == [1, 2, 3]
     lines = [json.loads(s) for s in (log / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["meta"]["model"] == "unet" and lines[0]["meta"]["world"] == 1
     assert lines[0]["meta"]["config"]["micro_batches"] == 2
     assert [r["step"] for r in lines[1:]] == [1, 2, 3]
     for r in lines[1:]:
         assert set(r) == {"step", "time", "loss", "images_per_s", "step_s", "data_wait_s", "ranks"}
-        assert f"{r['loss']:.4f}" == _steps(out)[r["step"]]
+        assert f"{r['loss']:.4f}" == step_losses(out)[r["step"]]
         assert r["step_s"] > 0 and r["images_per_s"] > 0 and r["data_wait_s"] >= 0
         (rk,) = r["ranks"]
         assert rk["rank"] == 0 and rk["peak_bytes"] > 0 and rk["predicted_bytes"] > 0
@@ -87,9 +83,9 @@ def test_tiff_with_metrics(files: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 def test_zarr_h5_level_and_eval(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = [*UNET, "--batch-size", "2", "--steps", "2", "--workers", "0"]
-    z = _steps(_run([*base, "--data", f"zarr:{files}/img.zarr:x", "--labels", f"zarr:{files}/img.zarr:y"], capsys))
-    h = _steps(_run([*base, "--data", f"h5:{files}/img.h5:x", "--labels", f"h5:{files}/img.h5:y"], capsys))
-    t = _steps(_run([*base, "--data", f"tiff:{files}/img.tif", "--labels", f"tiff:{files}/mask.tif"], capsys))
+    z = step_losses(_run([*base, "--data", f"zarr:{files}/img.zarr:x", "--labels", f"zarr:{files}/img.zarr:y"], capsys))
+    h = step_losses(_run([*base, "--data", f"h5:{files}/img.h5:x", "--labels", f"h5:{files}/img.h5:y"], capsys))
+    t = step_losses(_run([*base, "--data", f"tiff:{files}/img.tif", "--labels", f"tiff:{files}/mask.tif"], capsys))
     assert z == h == t  # the same pixels through three readers
     out = _run([*base, "--data", f"tiff:{files}/img.tif:level=1", "--eval"], capsys)  # 32x32: the whole level
     assert "tiff (1 image, 1 crops/epoch) data" in out and re.search(r"^step 2/2  [\d.]+ s", out, re.M)
@@ -97,8 +93,8 @@ def test_zarr_h5_level_and_eval(files: Path, capsys: pytest.CaptureFixture[str])
 
 def test_dataset_callable(capsys: pytest.CaptureFixture[str]) -> None:
     base = [*UNET, "--batch-size", "2", "--steps", "2", "--data", "test_run_data:make_dataset"]
-    w0 = _steps(_run([*base, "--data-args", '{"n": 5}', "--workers", "0"], capsys))
-    w2 = _steps(_run([*base, "--data-args", '{"n": 5}', "--workers", "2"], capsys))
+    w0 = step_losses(_run([*base, "--data-args", '{"n": 5}', "--workers", "0"], capsys))
+    w2 = step_losses(_run([*base, "--data-args", '{"n": 5}', "--workers", "2"], capsys))
     assert sorted(w0) == [1, 2] and w0 == w2
 
 
@@ -151,18 +147,18 @@ def test_torchrun_tiff_matches_one_process(files: Path, capsys: pytest.CaptureFi
     """2 ranks (2 pipeline stages; a 2-tile spatial stage reading tiles lazily) train the losses of one process."""
     argv = [*UNET, "--batch-size", "2", "--steps", "3", "--data", f"tiff:{files}/img.tif", "--labels",
             f"tiff:{files}/mask.tif", *PINS]
-    one = _steps(_run([*argv, "--stages", "1"], capsys))
-    pipe = _torchrun(*argv, "--stages", "2", "--workers", "1")
+    one = step_losses(_run([*argv, "--stages", "1"], capsys))
+    pipe = run_under_torchrun(*argv, "--stages", "2", "--workers", "1")
     assert pipe.returncode == 0, pipe.stderr
-    assert _steps(pipe.stdout) == one, (pipe.stdout, one)
+    assert step_losses(pipe.stdout) == one, (pipe.stdout, one)
     log = files / "log"
-    tiles = _torchrun(*argv, "--stages", "1", "--spatial-parts", "2", "--spatial-stages", "1", "--slice", "vertical",
+    tiles = run_under_torchrun(*argv, "--stages", "1", "--spatial-parts", "2", "--spatial-stages", "1", "--slice", "vertical",
                       "--log-dir", str(log))
     assert tiles.returncode == 0, tiles.stderr
-    assert "spatial stage 0: 2 tiles" in tiles.stdout and _steps(tiles.stdout) == one
+    assert "spatial stage 0: 2 tiles" in tiles.stdout and step_losses(tiles.stdout) == one
     last = json.loads((log / "metrics.jsonl").read_text().splitlines()[-1])
     assert [r["rank"] for r in last["ranks"]] == [0, 1]
-    bad = _torchrun(*argv, "--stages", "2", "--data", f"tiff:{files}/nope.tif")  # every rank fails the same way
+    bad = run_under_torchrun(*argv, "--stages", "2", "--data", f"tiff:{files}/nope.tif")  # every rank fails the same way
     assert bad.returncode != 0 and bad.stderr.count(f"nowdl run: error: {files}/nope.tif does not exist") == 1, \
         bad.stderr  # printed once, by rank 0
 

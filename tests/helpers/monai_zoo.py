@@ -167,7 +167,7 @@ LEFT_OUT: dict[str, str] = {
     "VoxelMorph": "forward(moving, fixed) takes two images, which this list's one input shape cannot give; "
     "tried by hand: `nowdl plan monai.networks.nets:VoxelMorph --input 1x1x32x32x32 --input 1x1x32x32x32 "
     "--gpus 4 --stages 4` plans in 6.9 s (322 nodes, torch.export) and its stages equal the model; "
-    "two-input training is tested on a net of the same shape (tests/test_runtime.py)",
+    "two-input training is tested on a net of the same shape (tests/runtime/test_training.py)",
     "Generator, Critic": "take a latent vector or score images for adversarial training (Generator tried by "
     "hand: a 16-vector in, plans in 0.1 s, stages equal the model); Discriminator and Regressor above are "
     "the same blocks",
@@ -178,7 +178,7 @@ LEFT_OUT: dict[str, str] = {
     "one input shape cannot give; tried by hand (2026-11-25; channels (8, 16), attention at the second level, "
     "1x1x32x32 and one time step): plans in 4 stages in 5.0 s (torch.export), its stages equal the model, and "
     "3 Adam steps on 2 pipeline ranks in float64 match one process (losses equal, weights within 3e-12); "
-    "integer inputs beside the image are tested on a small net (tests/test_runtime.py)",
+    "integer inputs beside the image are tested on a small net (tests/runtime/test_training.py)",
     "VISTA3D, AutoencoderKL, ControlNet, VQVAE, SPADE* nets, PatchDiscriminator, "
     "MultiScalePatchDiscriminator": "generative or promptable models with extra inputs (prompts, "
     "conditioning) or several outputs; not tried",

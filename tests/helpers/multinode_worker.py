@@ -1,9 +1,9 @@
 """Test helper (not a test module): one rank of a multi-node job, started by torchrun or with srun's variables.
 
-    python tests/multinode_worker.py PLAN.json OUT_DIR MODEL_KIND STEPS
+    python tests/helpers/multinode_worker.py PLAN.json OUT_DIR MODEL_KIND STEPS
 
 Trains ``STEPS`` SGD steps of the plan's model (float64, seeded weights and data, as
-``tests/test_multinode.py`` builds them) and writes ``OUT_DIR/rank<r>.json`` (what the launcher
+``tests/runtime/test_multinode.py`` builds them) and writes ``OUT_DIR/rank<r>.json`` (what the launcher
 told this rank) and, on rank 0, ``OUT_DIR/result.pt`` (losses and the whole state dict).
 """
 
@@ -19,6 +19,8 @@ from torch import nn
 
 import nowdl
 from nowdl.runtime.launch.group import launch_env
+
+__all__ = ["LR", "batch", "main", "make_model", "sgd"]
 
 LR = 0.05
 

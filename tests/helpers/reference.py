@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+__all__ = ["train_reference"]
+
 
 def train_reference(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Callable[[Any, Any], torch.Tensor],
                     data: Callable[[int], tuple[torch.Tensor, torch.Tensor]], total: int, steps: int
@@ -15,7 +17,7 @@ def train_reference(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Calla
     """``steps`` optimizer steps, each over ``total`` micro-batches of ``data(step)`` with gradient
     accumulation of ``loss / total``: what one device computes for the same micro-batches.
 
-    Runs on one thread, as the ranks of ``distributed.run_workers`` do (OMP_NUM_THREADS=1): a
+    Runs on one thread, as the ranks of ``helpers.distributed.run_workers`` do (OMP_NUM_THREADS=1): a
     kernel's reduction order depends on its thread count, and some cases amplify that rounding
     (SENet2d's 3 Adam steps in float64: step 1's loss differs by 9e-5 between 1 and 2 threads of
     the same single process).

@@ -6,7 +6,7 @@ import itertools
 import random
 
 import pytest
-from test_ilp import check_valid, random_problem
+from helpers.problems import check_valid, random_problem
 
 from nowdl.partitioner.baselines import (
     balance_by_count,

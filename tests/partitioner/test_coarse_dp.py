@@ -7,7 +7,7 @@ import dataclasses
 import random
 
 import pytest
-from test_ilp import check_valid, random_problem
+from helpers.problems import check_valid, random_problem
 
 from nowdl.partitioner.costs.problem import NodeVectors, Problem
 from nowdl.partitioner.costs.structure import objective_values

@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 import pytest
-from test_ilp import check_valid, close, resnet_like
+from helpers.problems import check_valid, close, resnet_like
 
 from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
 from nowdl.partitioner.costs.structure import objective_values, topological_order

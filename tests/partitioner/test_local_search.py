@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 import pytest
-from test_ilp import all_splits, check_valid, close, lex_reference, random_problem
+from helpers.problems import all_splits, check_valid, close, lex_reference, random_problem
 
 from nowdl.partitioner.costs.problem import Problem
 from nowdl.partitioner.costs.structure import make_partition, objective_values

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_ilp import check_valid, close, random_problem
+from helpers.problems import check_valid, close, random_problem
 from torch import nn
 
 import nowdl
@@ -23,7 +23,7 @@ from nowdl.partitioner.exact.order_dp import _OrderCosts, _SegmentCosts, solve_d
 from nowdl.partitioner.milp.solve import solve_ilp
 from nowdl.partitioner.solver import solve
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _stage_work(plan: nowdl.Plan) -> list[float]:

@@ -7,7 +7,7 @@ import itertools
 import random
 
 import pytest
-from test_ilp import (
+from helpers.problems import (
     brute_force,
     check_levels,
     check_valid,

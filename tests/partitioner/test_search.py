@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_ilp import (
+from helpers.problems import (
     all_splits,
     check_levels,
     check_valid,

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from distributed import run_workers
-from test_ilp import SOLVERS, brute_force, feasible, random_problem
+from helpers.distributed import run_workers
+from helpers.problems import SOLVERS, brute_force, feasible, random_problem
 from torch import nn
 
 import nowdl

@@ -28,7 +28,7 @@ from nowdl.plan.topology import (
 from nowdl.profiler import DeviceSpec
 from nowdl.trace.tracer import trace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 H100_NVLINK = 450e9
 TINY = '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}'
 

@@ -15,7 +15,7 @@ from nowdl.plot.graph import main_layers
 from nowdl.plot.memory import KIND_COLORS
 from nowdl.schedule import build_schedule, simulate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLANS = {
     "pipeline": ROOT / "experiments" / "unet_2048_8gpu_memory.json",
     "master": ROOT / "experiments" / "resnet110v2_1024_4gpu_master.json",

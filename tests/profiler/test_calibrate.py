@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
-from distributed import run_workers
+from helpers.distributed import run_workers
 
 import nowdl
 from nowdl.cli.commands import main

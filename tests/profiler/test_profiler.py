@@ -8,11 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-try:
-    from test_profiler_models import SmallNet, TinyUNet
-except ImportError:  # tests/ imported as a package
-    from tests.test_profiler_models import SmallNet, TinyUNet
+from helpers.profiler_models import SmallNet, TinyUNet
 from torch import nn
 
 from nowdl.errors import ProfileError

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from distributed import run_workers
-from test_runtime import _adam, _data, _loss, _make
+from helpers.distributed import run_workers
+from helpers.exactness import adam, make_batch, make_loss, make_model
 
 import nowdl
 from nowdl.runtime.training import checkpoint as ckmod
@@ -21,12 +21,12 @@ TOTAL = 4  # samples per step in every plan below
 
 
 def _cm(gpus: int, cfg: dict[str, Any]) -> nowdl.CompiledModel:
-    return nowdl.compile(_make(NAME), gpus=gpus, spatial_parts=1, mode="estimate", optimizer=_adam, loss_fn=_loss(NAME),
+    return nowdl.compile(make_model(NAME), gpus=gpus, spatial_parts=1, mode="estimate", optimizer=adam, loss_fn=make_loss(NAME),
                          cache=False, progress=False, timeout_s=60, **cfg)
 
 
 def _train(cm: nowdl.CompiledModel, steps: range) -> list[float]:
-    return [cm.train_step(*_data(NAME, TOTAL, s)) for s in steps]
+    return [cm.train_step(*make_batch(NAME, TOTAL, s)) for s in steps]
 
 
 def _save_after_two(rank: int, world: int, cfg: dict[str, Any], ckpt: str) -> list[float]:
@@ -38,7 +38,7 @@ def _save_after_two(rank: int, world: int, cfg: dict[str, Any], ckpt: str) -> li
 
 def _resume_two(rank: int, world: int, cfg: dict[str, Any], ckpt: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     cm = _cm(world, cfg)
-    cm.load_checkpoint(ckpt, _data(NAME, TOTAL, 2)[0])
+    cm.load_checkpoint(ckpt, make_batch(NAME, TOTAL, 2)[0])
     return _train(cm, range(2, 4)), cm.state_dict()
 
 
@@ -82,10 +82,10 @@ def _saved(tmp_path: Path) -> Path:
 
 
 def _load(ckpt: Path, name: str = NAME) -> None:
-    cm = _cm(1, ONE) if name == NAME else nowdl.compile(_make(name), gpus=1, stages=1, micro_batches=4, dp=1,
-                                                         replicas=1, spatial_parts=1, mode="estimate", optimizer=_adam,
-                                                         loss_fn=_loss(name), cache=False, progress=False)
-    cm.load_checkpoint(ckpt, _data(name, TOTAL, 0)[0])
+    cm = _cm(1, ONE) if name == NAME else nowdl.compile(make_model(name), gpus=1, stages=1, micro_batches=4, dp=1,
+                                                         replicas=1, spatial_parts=1, mode="estimate", optimizer=adam,
+                                                         loss_fn=make_loss(name), cache=False, progress=False)
+    cm.load_checkpoint(ckpt, make_batch(name, TOTAL, 0)[0])
 
 
 def _shard(ckpt: Path) -> Path:
@@ -178,7 +178,7 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
 def _damaged_rank1(rank: int, world: int, ckpt: str) -> str:
     cm = _cm(world, PIPE2)
     try:
-        cm.load_checkpoint(ckpt, _data(NAME, TOTAL, 0)[0])
+        cm.load_checkpoint(ckpt, make_batch(NAME, TOTAL, 0)[0])
     except CheckpointError as e:
         return str(e)
     return "loaded"
@@ -196,9 +196,9 @@ def test_damaged_shard_fails_every_rank_alike(tmp_path: Path) -> None:
 
 # ---- the API's shape -----------------------------------------------------------------------------
 def test_optimizer_and_state_before_the_first_step() -> None:
-    model = _make(NAME)
+    model = make_model(NAME)
     cm = nowdl.compile(model, gpus=1, stages=1, micro_batches=4, dp=1, replicas=1, spatial_parts=1, mode="estimate",
-                       optimizer=_adam, loss_fn=_loss(NAME), cache=False, progress=False)
+                       optimizer=adam, loss_fn=make_loss(NAME), cache=False, progress=False)
     assert isinstance(cm.optimizer, torch.optim.Adam)
     sched = torch.optim.lr_scheduler.StepLR(cm.optimizer, step_size=1, gamma=0.5)
     assert [n for n, _ in cm.named_parameters()] == [n for n, _ in model.named_parameters()]
@@ -208,17 +208,17 @@ def test_optimizer_and_state_before_the_first_step() -> None:
     sd = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
     cm.load_state_dict(sd)
     # a plain PyTorch loop: batches from a DataLoader, a scheduler stepped after each step
-    data = [_data(NAME, TOTAL, s) for s in range(3)]
+    data = [make_batch(NAME, TOTAL, s) for s in range(3)]
     loader = torch.utils.data.DataLoader(data, batch_size=None)
-    ref = _make(NAME)
+    ref = make_model(NAME)
     ref.load_state_dict(sd)
-    ref_opt = _adam(ref.parameters())
+    ref_opt = adam(ref.parameters())
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
     for x, y in loader:
         loss = cm.train_step(x, y)
         sched.step()
         ref_opt.zero_grad()
-        ref_loss = sum(_loss(NAME)(ref(xc), yc) for xc, yc in zip(x.chunk(4), y.chunk(4), strict=True)) / 4
+        ref_loss = sum(make_loss(NAME)(ref(xc), yc) for xc, yc in zip(x.chunk(4), y.chunk(4), strict=True)) / 4
         ref_loss.backward()
         ref_opt.step()
         ref_sched.step()
@@ -235,9 +235,9 @@ def test_optimizer_and_state_before_the_first_step() -> None:
 
 
 def test_named_optimizer_trains() -> None:
-    cm = nowdl.compile(_make(NAME), gpus=1, stages=1, micro_batches=4, dp=1, replicas=1, spatial_parts=1,
-                       mode="estimate", optimizer="sgd", loss_fn=_loss(NAME), cache=False, progress=False)
+    cm = nowdl.compile(make_model(NAME), gpus=1, stages=1, micro_batches=4, dp=1, replicas=1, spatial_parts=1,
+                       mode="estimate", optimizer="sgd", loss_fn=make_loss(NAME), cache=False, progress=False)
     assert isinstance(cm.optimizer, torch.optim.SGD)
     before = {k: v.clone() for k, v in cm.state_dict().items()}
-    cm.train_step(*_data(NAME, TOTAL, 0))
+    cm.train_step(*make_batch(NAME, TOTAL, 0))
     assert any(not torch.equal(before[k], v) for k, v in cm.state_dict().items() if v.is_floating_point())

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from distributed import run_workers
+from helpers.distributed import run_workers
 from torch import nn
 
 from nowdl.runtime.spatial import TileTooSmallError, exchange, sum_weight_grads, tile_forward

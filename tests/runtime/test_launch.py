@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import WorkerError, run_workers
+from helpers.distributed import WorkerError, run_workers
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.launch.group import (

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-from multinode_worker import batch, make_model, sgd
-from reference import train_reference
+from helpers.multinode_worker import batch, make_model, sgd
+from helpers.reference import train_reference
 from torch import nn
 
 import nowdl
@@ -22,8 +22,8 @@ from nowdl.errors import NowdlError
 from nowdl.runtime.launch.group import LaunchEnv, launch_env
 from nowdl.runtime.launch.nodes import job_topology, split_groups
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = str(ROOT / "tests" / "multinode_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = str(ROOT / "tests" / "helpers" / "multinode_worker.py")
 STEPS = 2
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "TORCHELASTIC_USE_AGENT_STORE")

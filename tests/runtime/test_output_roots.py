@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from distributed import run_workers
+from helpers.distributed import run_workers
 from torch import nn
 
 import nowdl

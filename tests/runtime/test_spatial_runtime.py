@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_workers
-from reference import train_reference
+from helpers.distributed import run_workers
+from helpers.reference import train_reference
 from torch import nn
 
 import nowdl
@@ -84,7 +84,7 @@ class ExportNet(nn.Module):
 
 
 def _make(name: str) -> nn.Module:
-    """Models without a bias right before a norm (see tests/test_runtime.py: Adam amplifies the
+    """Models without a bias right before a norm (see tests/runtime/test_training.py: Adam amplifies the
     round-off of such zero-gradient biases)."""
     torch.manual_seed(0)
     if name == "monai_unet":

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from distributed import run_workers
+from helpers.distributed import run_workers
 from torch import nn
 
 from nowdl.partitioner.spatial.tileable import slice_grid

@@ -16,134 +16,56 @@ from typing import Any
 
 import pytest
 import torch
-from distributed import run_workers
-from reference import train_reference
+from helpers.distributed import run_workers
+from helpers.exactness import LR, STEPS, adam, compare, make_batch, make_loss, make_model
+from helpers.reference import train_reference
 from torch import nn
 
 import nowdl
-
-STEPS = 3
-LR = 1e-2
-
-
-def _make(name: str) -> nn.Module:
-    """Test models without a bias directly before a norm layer: such a bias has a true gradient of
-    zero, so it only sees float round-off (~1e-9), which Adam's g / (sqrt(v) + eps) turns into
-    steps of about the learning rate: any two correct summation orders then disagree."""
-    torch.manual_seed(0)
-    if name == "monai_unet":
-        from monai.networks.nets import UNet
-
-        return UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2), num_res_units=1,
-                    bias=False)
-    if name == "resnet_bn":
-        return nowdl.models.resnet(depth=8, version=1, num_classes=3, width=4, conv_bias=False)
-    raise ValueError(name)
-
-
-def _data(name: str, total: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    if name == "monai_unet":
-        return torch.randn(total, 1, 16, 16, generator=g), torch.randn(total, 2, 16, 16, generator=g)
-    return torch.randn(total, 3, 16, 16, generator=g), torch.randint(0, 3, (total,), generator=g)
-
-
-def _loss(name: str) -> nn.Module:
-    return nn.MSELoss() if name == "monai_unet" else nn.CrossEntropyLoss()
-
-
-def _adam(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=LR)
-
-
-def _worker(rank: int, world: int, name: str, gpus: int, cfg: dict[str, Any], ckpt: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _make(name)
-    cm = nowdl.compile(model, gpus=gpus, spatial_parts=1, mode="estimate", optimizer=_adam, loss_fn=_loss(name),
-                       cache=False, progress=False, timeout_s=60, **cfg)
-    total = cfg["micro_batches"] * cfg.get("dp", 1) * cfg.get("replicas", 1)
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(name, total, step)
-        losses.append(cm.train_step(x, y))
-        if ckpt is not None and step == 0:
-            cm.save_checkpoint(ckpt)
-    if ckpt is not None:  # resume from step 1 and redo steps 1..: must give the same run
-        cm2 = nowdl.compile(_make(name), gpus=gpus, spatial_parts=1, mode="estimate", optimizer=_adam,
-                            loss_fn=_loss(name), cache=False, progress=False, timeout_s=60, **cfg)
-        cm2.load_checkpoint(ckpt, _data(name, total, 0)[0])
-        again = [cm2.train_step(*_data(name, total, step)) for step in range(1, STEPS)]
-        assert again == losses[1:], (again, losses[1:])
-        sd2 = cm2.state_dict()
-        sd1 = cm.state_dict()
-        for k in sd1:
-            assert torch.equal(sd1[k], sd2[k]), k
-    return losses, cm.state_dict()
-
-
-def _reference(name: str, total: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _make(name)
-    return train_reference(model, _adam(model.parameters()), _loss(name), lambda step: _data(name, total, step), total,
-                           STEPS)
-
-
-def _compare(name: str, gpus: int, cfg: dict[str, Any], *, ckpt: str | None = None, worker: Any = _worker) -> None:
-    total = cfg["micro_batches"] * cfg.get("dp", 1) * cfg.get("replicas", 1)
-    results = run_workers(worker, gpus, name, gpus, cfg, ckpt, timeout_s=240)
-    ref_losses, ref_sd = _reference(name, total)
-    losses, sd = results[0]
-    for r, (other_losses, _) in enumerate(results):
-        assert other_losses == losses, f"rank {r} reports another loss"
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-7)
-    one_copy = cfg.get("dp", 1) == 1 and cfg.get("replicas", 1) == 1
-    assert set(sd) == set(ref_sd)
-    for k, ref in ref_sd.items():
-        if not ref.is_floating_point() or (not one_copy and ("running" in k)):
-            continue
-        torch.testing.assert_close(sd[k], ref, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_pipeline_resnet_bn(schedule: str, m: int) -> None:
-    _compare("resnet_bn", 2, {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": m, "schedule": schedule})
+    compare("resnet_bn", 2, {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": m, "schedule": schedule})
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_monai_unet_long_skips(schedule: str) -> None:
-    _compare("monai_unet", 4, {"stages": 4, "dp": 1, "replicas": 1, "micro_batches": 4, "schedule": schedule})
+    compare("monai_unet", 4, {"stages": 4, "dp": 1, "replicas": 1, "micro_batches": 4, "schedule": schedule})
 
 
 @pytest.mark.parametrize("name", ["resnet_bn", "monai_unet"])
 def test_master(name: str) -> None:
-    _compare(name, 2, {"stages": 2, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "1f1b"})
+    compare(name, 2, {"stages": 2, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "1f1b"})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet_bn", "monai_unet"])
 def test_pipeline_times_dp(name: str) -> None:
-    _compare(name, 4, {"stages": 2, "dp": 2, "replicas": 1, "micro_batches": 2, "schedule": "1f1b"})
+    compare(name, 4, {"stages": 2, "dp": 2, "replicas": 1, "micro_batches": 2, "schedule": "1f1b"})
 
 
 @pytest.mark.slow
 def test_master_times_dp() -> None:
-    _compare("resnet_bn", 4, {"stages": 2, "dp": 2, "replicas": 2, "micro_batches": 2, "schedule": "1f1b"})
+    compare("resnet_bn", 4, {"stages": 2, "dp": 2, "replicas": 2, "micro_batches": 2, "schedule": "1f1b"})
 
 
 @pytest.mark.slow
 def test_master_odd_stages() -> None:
-    _compare("resnet_bn", 3, {"stages": 3, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "gpipe"})
+    compare("resnet_bn", 3, {"stages": 3, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "gpipe"})
 
 
 def test_checkpoint_resume_is_exact(tmp_path: Path) -> None:
-    _compare("resnet_bn", 2, {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": 2, "schedule": "1f1b"},
+    compare("resnet_bn", 2, {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": 2, "schedule": "1f1b"},
              ckpt=str(tmp_path / "ckpt"))
 
 
 def _dies(rank: int, world: int, name: str) -> None:
-    model = _make(name)
+    model = make_model(name)
     cm = nowdl.compile(model, gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2, mode="estimate",
-                       optimizer=_adam, loss_fn=_loss(name), cache=False, progress=False, timeout_s=5)
-    x, y = _data(name, 2, 0)
+                       optimizer=adam, loss_fn=make_loss(name), cache=False, progress=False, timeout_s=5)
+    x, y = make_batch(name, 2, 0)
     cm.train_step(x, y)
     if rank == 1:
         os._exit(3)  # a rank dies between steps
@@ -157,13 +79,13 @@ def test_killed_rank_fails_fast() -> None:
 
 
 def _options_worker(rank: int, world: int, precision: str, ckpt: bool | list[int]) -> list[float]:
-    model = _make("resnet_bn")
+    model = make_model("resnet_bn")
     cm = nowdl.compile(model, gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2, mode="estimate",
-                       optimizer=_adam, loss_fn=_loss("resnet_bn"), cache=False, progress=False, timeout_s=60,
+                       optimizer=adam, loss_fn=make_loss("resnet_bn"), cache=False, progress=False, timeout_s=60,
                        precision=precision, activation_checkpointing=ckpt)
     losses = []
     for step in range(STEPS):
-        losses.append(cm.train_step(*_data("resnet_bn", 2, step)))
+        losses.append(cm.train_step(*make_batch("resnet_bn", 2, step)))
         if step == 0:
             assert cm.optimizer is not None
             sched = torch.optim.lr_scheduler.StepLR(cm.optimizer, step_size=1, gamma=0.5)
@@ -173,16 +95,16 @@ def _options_worker(rank: int, world: int, precision: str, ckpt: bool | list[int
 
 
 def _reference_with_halving_lr() -> list[float]:
-    model = _make("resnet_bn").train()
-    opt = _adam(model.parameters())
+    model = make_model("resnet_bn").train()
+    opt = adam(model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     out = []
     for step in range(STEPS):
-        x, y = _data("resnet_bn", 2, step)
+        x, y = make_batch("resnet_bn", 2, step)
         opt.zero_grad()
         acc = 0.0
         for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):
-            loss = _loss("resnet_bn")(model(xc), yc)
+            loss = make_loss("resnet_bn")(model(xc), yc)
             (loss / 2).backward()
             acc += float(loss.detach())
         opt.step()
@@ -206,7 +128,7 @@ def test_reduced_precision_trains_close_to_fp32(precision: str) -> None:
 
 def test_bad_precision() -> None:
     with pytest.raises(nowdl.NowdlError, match="unknown precision"):
-        nowdl.compile(_make("resnet_bn"), gpus=1, precision="fp8")
+        nowdl.compile(make_model("resnet_bn"), gpus=1, precision="fp8")
 
 
 def test_pinned_micro_batches_of_several_samples() -> None:
@@ -214,30 +136,30 @@ def test_pinned_micro_batches_of_several_samples() -> None:
     cfg = {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": 2, "schedule": "1f1b"}
     results = run_workers(_worker_batch, 2, cfg, timeout_s=240)
     assert results[0][1] == [4, 3, 16, 16]
-    ref_model = _make("resnet_bn").train()
-    opt = _adam(ref_model.parameters())
-    x, y = _data("resnet_bn", 8, 0)
+    ref_model = make_model("resnet_bn").train()
+    opt = adam(ref_model.parameters())
+    x, y = make_batch("resnet_bn", 8, 0)
     opt.zero_grad()
     acc = 0.0
     for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):
-        loss = _loss("resnet_bn")(ref_model(xc), yc)
+        loss = make_loss("resnet_bn")(ref_model(xc), yc)
         (loss / 2).backward()
         acc += float(loss.detach())
     assert abs(results[0][0] - acc / 2) <= 1e-5 * abs(acc / 2)
 
 
 def _worker_batch(rank: int, world: int, cfg: dict[str, Any]) -> tuple[float, list[int]]:
-    cm = nowdl.compile(_make("resnet_bn"), gpus=2, spatial_parts=1, mode="estimate", optimizer=_adam,
-                       loss_fn=_loss("resnet_bn"), cache=False, progress=False, timeout_s=60, **cfg)
-    loss = cm.train_step(*_data("resnet_bn", 8, 0))
+    cm = nowdl.compile(make_model("resnet_bn"), gpus=2, spatial_parts=1, mode="estimate", optimizer=adam,
+                       loss_fn=make_loss("resnet_bn"), cache=False, progress=False, timeout_s=60, **cfg)
+    loss = cm.train_step(*make_batch("resnet_bn", 8, 0))
     assert cm._trainer.plan is not None
     return loss, cm._trainer.plan.model["inputs"][0]
 
 
 def _load_worker(rank: int, world: int) -> dict[str, torch.Tensor]:
-    cm = nowdl.compile(_make("resnet_bn"), gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2,
-                       mode="estimate", optimizer=_adam, loss_fn=_loss("resnet_bn"), cache=False, progress=False)
-    cm.train_step(*_data("resnet_bn", 2, 0))
+    cm = nowdl.compile(make_model("resnet_bn"), gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2,
+                       mode="estimate", optimizer=adam, loss_fn=make_loss("resnet_bn"), cache=False, progress=False)
+    cm.train_step(*make_batch("resnet_bn", 2, 0))
     torch.manual_seed(123)
     other = nowdl.models.resnet(depth=8, version=1, num_classes=3, width=4, conv_bias=False).state_dict()
     cm.load_state_dict(other if rank == 0 else {})  # rank 0's dict is broadcast
@@ -273,7 +195,7 @@ class _Twice(nn.Module):
 def test_state_dict_has_the_models_keys_aliases_and_unused_parameters_included() -> None:
     torch.manual_seed(0)
     model = _Twice()
-    cm = nowdl.compile(model, gpus=1, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
+    cm = nowdl.compile(model, gpus=1, mode="estimate", optimizer=adam, loss_fn=nn.MSELoss(), cache=False,
                        progress=False)
     x, y = torch.randn(2, 1, 6, 6), torch.randn(2, 2, 6, 6)
     cm.train_step(x, y)
@@ -318,7 +240,7 @@ def _two_heads_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _two_heads_worker(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor], Any]:
     torch.manual_seed(0)
     cm = nowdl.compile(_TwoHeads().double(), gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2,
-                       mode="estimate", optimizer=_adam, loss_fn=_two_heads_loss, cache=False, progress=False,
+                       mode="estimate", optimizer=adam, loss_fn=_two_heads_loss, cache=False, progress=False,
                        timeout_s=60)
     losses = [cm.train_step(*_two_heads_data(step)) for step in range(STEPS)]
     return losses, cm.state_dict(), cm.eval_step(_two_heads_data(0)[0])
@@ -328,7 +250,7 @@ def test_loss_and_eval_step_see_the_models_output_structure() -> None:
     results = run_workers(_two_heads_worker, 2, timeout_s=240)
     torch.manual_seed(0)
     model = _TwoHeads().double()
-    ref_losses, ref_sd = train_reference(model, _adam(model.parameters()), _two_heads_loss, _two_heads_data, 2, STEPS)
+    ref_losses, ref_sd = train_reference(model, adam(model.parameters()), _two_heads_loss, _two_heads_data, 2, STEPS)
     losses, sd, _ = results[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=1e-12)
     for k, ref in ref_sd.items():
@@ -346,7 +268,7 @@ def test_loss_and_eval_step_see_the_models_output_structure() -> None:
 def test_master_four_stages(schedule: str) -> None:
     """Regression: with a recycled receive-buffer pool, 4-stage MASTER under GPipe drifted from step 3
     on (a gradient stolen into .grad through a view shared the buffer the next receive reused)."""
-    _compare("resnet_bn", 4, {"stages": 4, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": schedule})
+    compare("resnet_bn", 4, {"stages": 4, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": schedule})
 
 
 class _TwoImages(nn.Module):
@@ -404,7 +326,7 @@ def _multi_input_worker(rank: int, world: int, name: str, cfg: dict[str, Any]) -
     make, data = _MULTI_INPUT[name]
     torch.manual_seed(0)
     cm = nowdl.compile(make().double(), gpus=world, micro_batches=2, dp=1, replicas=1, mode="estimate",
-                       optimizer=_adam, loss_fn=nn.MSELoss(), cache=False, progress=False, timeout_s=60, **cfg)
+                       optimizer=adam, loss_fn=nn.MSELoss(), cache=False, progress=False, timeout_s=60, **cfg)
     losses = [cm.train_step(*data(step)) for step in range(STEPS)]
     return losses, cm.state_dict()
 
@@ -423,7 +345,7 @@ def test_model_with_two_inputs_trains_exactly(name: str, cfg: dict[str, Any], wo
     torch.manual_seed(0)
     model = make().double()
     ref_losses: list[float] = []
-    opt = _adam(model.parameters())
+    opt = adam(model.parameters())
     for step in range(STEPS):  # train_reference chunks one tensor; here two inputs
         inputs, y = data(step)
         opt.zero_grad(set_to_none=True)
@@ -471,7 +393,7 @@ def _deep_sup_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _deep_sup_worker(rank: int, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     cm = nowdl.compile(_DeepSupervision().double(), gpus=world, stages=2, micro_batches=2, dp=1, replicas=1,
-                       spatial_parts=1, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
+                       spatial_parts=1, mode="estimate", optimizer=adam, loss_fn=nn.MSELoss(), cache=False,
                        progress=False, timeout_s=60)
     losses = [cm.train_step(*_deep_sup_data(step)) for step in range(STEPS)]
     return losses, cm.state_dict()
@@ -481,7 +403,7 @@ def test_training_only_outputs_train_exactly() -> None:
     results = run_workers(_deep_sup_worker, 2, timeout_s=240)
     torch.manual_seed(0)
     model = _DeepSupervision().double()
-    ref_losses, ref_sd = train_reference(model, _adam(model.parameters()), nn.MSELoss(), _deep_sup_data, 2, STEPS)
+    ref_losses, ref_sd = train_reference(model, adam(model.parameters()), nn.MSELoss(), _deep_sup_data, 2, STEPS)
     for losses, _ in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=1e-12)
     sd = results[0][1]

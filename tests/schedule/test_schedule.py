@@ -28,7 +28,7 @@ from nowdl.schedule import (
     validate_schedule,
 )
 
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 PLANS = sorted(EXPERIMENTS.glob("*.json"))
 BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 

@@ -1,6 +1,6 @@
 """Zero bubble (ZB-H1): the order, deferred weight gradients, and exactness against one process.
 
-The distributed cases train 3 Adam steps with gloo processes, as tests/test_runtime.py does,
+The distributed cases train 3 Adam steps with gloo processes, as tests/runtime/test_training.py does,
 and compare losses and every parameter with one process running the same micro-batches.
 """
 
@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 import torch
-from test_runtime import _adam, _compare, _data, _loss, _make, _reference, _worker
+from helpers.exactness import (
+    adam,
+    compare,
+    make_batch,
+    make_loss,
+    make_model,
+    reference_run,
+    train_worker,
+)
 from torch import nn
 
 import nowdl
@@ -120,29 +128,29 @@ def test_queued_weight_gradient_holds_no_graph() -> None:
 
 @pytest.mark.parametrize("m", [2, 4])
 def test_zb_two_stages(m: int) -> None:
-    _compare("resnet_bn", 2, {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": m, "schedule": "zb"})
+    compare("resnet_bn", 2, {"stages": 2, "dp": 1, "replicas": 1, "micro_batches": m, "schedule": "zb"})
 
 
 def test_zb_four_stages_long_skips() -> None:
-    _compare("monai_unet", 4, {"stages": 4, "dp": 1, "replicas": 1, "micro_batches": 4, "schedule": "zb"})
+    compare("monai_unet", 4, {"stages": 4, "dp": 1, "replicas": 1, "micro_batches": 4, "schedule": "zb"})
 
 
 def test_zb_four_stages_master() -> None:
-    _compare("resnet_bn", 4, {"stages": 4, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "zb"})
+    compare("resnet_bn", 4, {"stages": 4, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "zb"})
 
 
 def test_zb_master_times_dp() -> None:
-    _compare("resnet_bn", 4, {"stages": 2, "dp": 2, "replicas": 2, "micro_batches": 2, "schedule": "zb"})
+    compare("resnet_bn", 4, {"stages": 2, "dp": 2, "replicas": 2, "micro_batches": 2, "schedule": "zb"})
 
 
 def test_one_process_defers_and_matches() -> None:
     """K = 1: the engine really defers (W actions, swapped layers) and trains like the reference."""
-    cm = nowdl.compile(_make("resnet_bn"), gpus=1, stages=1, micro_batches=2, schedule="zb", mode="estimate",
-                       optimizer=_adam, loss_fn=_loss("resnet_bn"), cache=False, progress=False)
-    losses = [cm.train_step(*_data("resnet_bn", 2, step)) for step in range(3)]
+    cm = nowdl.compile(make_model("resnet_bn"), gpus=1, stages=1, micro_batches=2, schedule="zb", mode="estimate",
+                       optimizer=adam, loss_fn=make_loss("resnet_bn"), cache=False, progress=False)
+    losses = [cm.train_step(*make_batch("resnet_bn", 2, step)) for step in range(3)]
     eng = cm._trainer.engine
     assert eng.deferred == {0} and [a.kind for a in eng.actions] == ["F", "B", "W", "F", "B", "W"]
-    ref_losses, ref_sd = _reference("resnet_bn", 2)
+    ref_losses, ref_sd = reference_run("resnet_bn", 2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=1e-7)
     sd = cm.state_dict()
     for k, ref in ref_sd.items():
@@ -155,10 +163,10 @@ def _small_buckets_worker(*args: Any) -> Any:
     launched from inside the last backward (or W) as its parameters' gradients become final."""
     from nowdl.runtime.pipeline import grad_sync as gradsync
     gradsync.BUCKET_BYTES = 512
-    return _worker(*args)
+    return train_worker(*args)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_bucketed_allreduce_dp_is_exact(schedule: str) -> None:
-    _compare("resnet_bn", 4, {"stages": 2, "dp": 2, "replicas": 1, "micro_batches": 2, "schedule": schedule},
+    compare("resnet_bn", 4, {"stages": 2, "dp": 2, "replicas": 1, "micro_batches": 2, "schedule": schedule},
              worker=_small_buckets_worker)
