@@ -4,7 +4,7 @@ What is measured
 ----------------
 A synthetic ``--size``² single-channel uint8 TIFF, tiled ``--tile``² (512² by default), and a
 mask of the same layout are written to a temporary folder. Four CPU processes (gloo,
-``tests/distributed.py``'s ``run_workers``, one thread each) train nowdl's UNet
+``tests/helpers/distributed.py``'s ``run_workers``, one thread each) train nowdl's UNet
 (``unet(in_channels=1, out_channels=2, depth=2, base_width=--width)``) planned with one
 spatial stage of P = 4 square tiles (``gpus=4, stages=1, spatial_parts=4``) on ``--crop``²
 crops (the whole image by default), ``--batch`` crops per step, through
@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from distributed import run_workers  # noqa: E402
+from helpers.distributed import run_workers  # noqa: E402
 
 import nowdl  # noqa: E402
 from nowdl.runtime.data.feed import label_loss  # noqa: E402

@@ -15,7 +15,7 @@ processes, so the plan prices boundary bytes at the measured link; or ``--device
 and ``balance="compute"``. The plan is made once in the parent process and handed to the
 workers as a plan file.
 
-For every (K, M, schedule) K gloo CPU processes are spawned (``tests/distributed.py``'s
+For every (K, M, schedule) K gloo CPU processes are spawned (``tests/helpers/distributed.py``'s
 ``run_workers``; ``OMP_NUM_THREADS=1`` in every worker). Each rank builds two copies of the
 model from the same seed (same weights) and runs, from the same global batches:
 
@@ -87,7 +87,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from distributed import run_workers  # noqa: E402
+from helpers.distributed import run_workers  # noqa: E402
 
 import nowdl  # noqa: E402
 from nowdl.codegen import StageModule, build_stages  # noqa: E402

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import WorkerError, run_workers
+from helpers.distributed import WorkerError, run_workers
+from helpers.run_cli import free_port, step_losses
 
 import nowdl
 from nowdl.cli.commands import main
@@ -201,10 +202,8 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(*args: str, n: int = 2) -> subprocess.CompletedProcess[str]:
-    from test_run_cli import _free_port
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "nowdl", *args]
+           "--master-port", str(free_port()), "-m", "nowdl", *args]
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
 
 
@@ -247,9 +246,7 @@ def _popen(args: list[str], cwd: Path) -> subprocess.Popen[str]:
 
 
 def _losses(out: str) -> dict[int, str]:
-    from test_run_cli import _steps
-
-    return _steps(out)
+    return step_losses(out)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
@@ -288,9 +285,7 @@ def test_signal_saves_and_resumes_exactly(tmp_path: Path, sig: signal.Signals) -
 def test_srun_and_mpirun_bad_input_prints_once(tmp_path: Path, launcher: str) -> None:
     """Two processes described as srun or mpirun would: rank 0 prints the paragraph, rank 1
     nothing, both exit 2 (bad input found before the process group forms)."""
-    from test_run_cli import _free_port
-
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = {k: v for k, v in _env().items() if not k.startswith(("SLURM", "OMPI", "PMI", "MV2"))}

@@ -206,3 +206,20 @@ def test_no_crowded_folders() -> None:
             silent.append(str(init.relative_to(ROOT)))
     assert not crowded, f"folders over {MAX_MODULES} modules: {crowded}"
     assert not silent, f"package __init__ files without a docstring: {silent}"
+
+
+def test_tests_import_no_test_module() -> None:
+    """No file under tests/ imports a test module (``test_*``): what tests share lives in
+    ``tests/helpers/``, so a test module can move without breaking another."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(a.name for a in node.names)]
+            else:
+                continue
+            if any(part.startswith("test_") for name in names for part in name.split(".")):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, f"imports of test modules (move what they share to tests/helpers/): {bad}"

@@ -1,4 +1,4 @@
-"""Coverage over third-party models: the MONAI networks of tests/monai_zoo.py.
+"""Coverage over third-party models: the MONAI networks of tests/helpers/monai_zoo.py.
 
 For every network (issue #9, part 2):
 
@@ -31,9 +31,9 @@ from typing import Any
 
 import pytest
 import torch
-from distributed import run_workers
-from monai_zoo import NETS, Net, build, by_id
-from reference import train_reference
+from helpers.distributed import run_workers
+from helpers.monai_zoo import NETS, Net, build, by_id
+from helpers.reference import train_reference
 from torch import nn
 from torch.utils._pytree import tree_structure
 

@@ -27,7 +27,7 @@ needs it: the last stage must run its ``m`` forwards and ``B``'s by step ``3m - 
 first stage to finish by ``3m + K - 1``, leaving its last ``min(m, K) - 1`` ``W``'s pending.
 
 With F = B = W this reaches ZB-H1's step, ``3m + K - 1`` units against 1F1B's ``3(m + K - 1)``,
-for every (K, m) tried (K = 2..8, m = K..2K; ``tests/test_zero_bubble.py``).
+for every (K, m) tried (K = 2..8, m = K..2K; ``tests/schedule/test_zero_bubble.py``).
 
 Both ``B`` and ``W`` keep micro-batch order, so the gradients accumulate in the order of a
 single process. :func:`zb_slots` replays the orders with real proportions of F, B and W (the
