@@ -101,7 +101,7 @@ def _check_device_spec(spec: object) -> None:
 
 
 def _check_backend(backend: object) -> None:
-    if backend is None:
+    if backend is None or not torch.distributed.is_available():  # without torch.distributed, init says so
         return
     known = [b for b in torch.distributed.Backend.backend_list if b not in ("undefined", "fake")]
     # torch's "cpu:gloo,cuda:nccl" form names a backend per device type
