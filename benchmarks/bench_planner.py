@@ -414,7 +414,7 @@ def plan_once(build: Callable[[], nn.Module], image: int, balance: str, stages: 
     x = torch.empty(1, 3, image, image, device="meta")
     cm = nowdl.compile(model, gpus=SPEED_GPUS, balance=balance, stages=stages, mode="estimate",
                        device_spec=DEVICE_SPEC, optimizer=OPTIMIZER, progress=False, cache=False,
-                       time_limit=time_limit)
+                       planner=nowdl.PlannerOptions(time_limit=time_limit))
     t0 = time.perf_counter()
     plan = cm.plan(x)
     return plan, time.perf_counter() - t0
@@ -575,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "and the two smallest speed graphs")
     ap.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     ap.add_argument("--time-limit", type=float, default=30.0,
-                    help="solve(time_limit=...) and compile(time_limit=...) in seconds (default "
+                    help="solve(time_limit=...) and compile(planner=PlannerOptions(time_limit=...)) in seconds (default "
                          "30, nowdl's default)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="end-to-end runs per Table 2 row; the median is shown (default 3)")

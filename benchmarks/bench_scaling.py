@@ -6,7 +6,7 @@ For ResNet-110-v2 at 1024² and nowdl's UNet at 8192² and 16384² (one sample p
 a meta input), and 8, 16, 32, ..., 2,048 GPUs of DGX H100 nodes (8 GPUs per node: NVLink
 450 GB/s inside a node, InfiniBand 50 GB/s per GPU between nodes; the built-in ``h100`` spec
 and its ``dgx-h100`` node), ``nowdl.compile(model, gpus=N, mode="estimate",
-device_spec="h100", gpu_memory="80GiB", time_limit=60).plan(x)`` picks the configuration
+device_spec="h100", gpu_memory="80GiB", planner=nowdl.PlannerOptions(time_limit=60)).plan(x)`` picks the configuration
 (pipeline stages, spatial tiles, MASTER, data parallelism, micro-batches) with the highest
 predicted throughput, placed on the nodes ([Note: placement]) and costed per link crossed
 ([Note: links per crossing]). Each row prints the predicted throughput (images/s), the
@@ -94,7 +94,7 @@ def plan_row(label: str, build: Callable[[], nn.Module], image: int, gpus: int, 
     t0 = time.perf_counter()
     try:
         cm = nowdl.compile(build(), gpus=gpus, mode="estimate", device_spec="h100", gpu_memory="80GiB",
-                           time_limit=LIMIT_S, cache=cache, progress=False)
+                           cache=cache, progress=False, planner=nowdl.PlannerOptions(time_limit=LIMIT_S))
         plan = cm.plan(x)
     except nowdl.NowdlError as e:
         return Row(label, gpus, None, time.perf_counter() - t0, str(e).split(":")[0])

@@ -17,20 +17,22 @@ from nowdl.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nowdl import data
-    from nowdl.api import CompiledModel, compile
+    from nowdl.api import compile
     from nowdl.api import profile_model as profile
+    from nowdl.compiled import CompiledModel
+    from nowdl.options import PlannerOptions
     from nowdl.plan.plan import Plan
     from nowdl.runtime.spatial.tiles import TiledInput
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "compile", "CompiledModel", "Plan", "TiledInput", "profile", "models", "data",
+    "compile", "CompiledModel", "PlannerOptions", "Plan", "TiledInput", "profile", "models", "data",
     "NowdlError", "TraceError", "ProfileError", "PlanError", "InfeasibleError", "__version__",
 ]
 
 _lazy = lazy_exports(__name__, {
-    "compile": "api", "CompiledModel": "api", "Plan": "plan.plan", "TiledInput": "runtime.spatial.tiles",
+    "compile": "api", "CompiledModel": "compiled", "PlannerOptions": "options", "Plan": "plan.plan", "TiledInput": "runtime.spatial.tiles",
 })
 
 

@@ -3,56 +3,72 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
 
 from nowdl.errors import NowdlError
 
-__all__ = ["optimizer_kind", "build_optimizer"]
+__all__ = ["OptimizerFactory", "OptimizerSpec", "OPTIMIZER_NAMES", "check_optimizer", "optimizer_kind", "build_optimizer"]
+
+#: ``params -> torch.optim.Optimizer``, called on each rank's parameters
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+#: a name of :data:`OPTIMIZER_NAMES` (torch's defaults) or a factory
+OptimizerSpec = str | OptimizerFactory
+
+_NAMED_OPTIMIZERS: dict[str, OptimizerFactory] = {
+    "adam": lambda ps: torch.optim.Adam(ps),
+    "adamw": lambda ps: torch.optim.AdamW(ps),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+}
+OPTIMIZER_NAMES = tuple(_NAMED_OPTIMIZERS)
 
 
-def optimizer_kind(optimizer: Any) -> str:
-    """The optimizer-state family ("sgd", "momentum", "adam") of a name or a factory."""
+def check_optimizer(optimizer: object) -> OptimizerSpec:
+    """``optimizer`` if it is a name of OPTIMIZER_NAMES or a callable (else a NowdlError naming the fix)."""
     if isinstance(optimizer, str):
+        if optimizer not in _NAMED_OPTIMIZERS:
+            raise NowdlError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZER_NAMES)}: pass one of them "
+                             "or a factory params -> torch.optim.Optimizer (e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3))")
         return optimizer
     if not callable(optimizer):
-        raise NowdlError(f"optimizer must be a name ('sgd', 'momentum', 'adam') or a callable "
-                         f"params -> torch.optim.Optimizer, got {type(optimizer).__name__}")
-    probe = optimizer([nn.Parameter(torch.zeros(1))])
-    if not isinstance(probe, torch.optim.Optimizer):
-        raise NowdlError(f"the optimizer factory returned {type(probe).__name__}, not a torch.optim.Optimizer")
-    name = type(probe).__name__.lower()
-    if "adam" in name:
+        raise NowdlError(f"optimizer={optimizer!r} is neither a name nor a callable: pass one of "
+                         f"{', '.join(OPTIMIZER_NAMES)} or a factory params -> torch.optim.Optimizer")
+    return cast(OptimizerFactory, optimizer)  # optimizer_kind's probe checks what it returns
+
+
+def _built(optimizer: OptimizerFactory, params: list[nn.Parameter], what: str) -> torch.optim.Optimizer:
+    try:
+        opt = optimizer(params)
+    except Exception as e:
+        raise NowdlError(f"the optimizer factory failed on {what}: {type(e).__name__}: {e}") from None
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise NowdlError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer: "
+                         "make it return one, e.g. lambda ps: torch.optim.Adam(ps)")
+    return opt
+
+
+def optimizer_kind(optimizer: OptimizerSpec) -> str:
+    """The optimizer-state family ("sgd", "momentum", "adam", "adamw") of a name or a factory."""
+    if isinstance(optimizer, str):
+        check_optimizer(optimizer)
+        return optimizer
+    probe = _built(optimizer, [nn.Parameter(torch.zeros(1))], "a probe parameter")
+    if "adam" in type(probe).__name__.lower():
         return "adam"
     if any(g.get("momentum", 0) for g in probe.param_groups):
         return "momentum"
     return "sgd"
 
 
-_NAMED_OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
-    "adam": lambda ps: torch.optim.Adam(ps),
-    "adamw": lambda ps: torch.optim.AdamW(ps),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3),
-    "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
-}
-
-
-def build_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer | None:
+def build_optimizer(optimizer: OptimizerSpec, model: nn.Module) -> torch.optim.Optimizer | None:
     """The optimizer over ``model.parameters()``: a name (torch's defaults) or a factory's result."""
     params = list(model.parameters())
     if not params:
         return None
     if isinstance(optimizer, str):
-        if optimizer not in _NAMED_OPTIMIZERS:
-            raise NowdlError(f"unknown optimizer {optimizer!r}: use one of {', '.join(_NAMED_OPTIMIZERS)} or a factory "
-                             "params -> torch.optim.Optimizer")
+        check_optimizer(optimizer)
         return _NAMED_OPTIMIZERS[optimizer](params)
-    try:
-        opt = optimizer(params)
-    except Exception as e:
-        raise NowdlError(f"the optimizer factory failed on the model's parameters: {type(e).__name__}: {e}") from None
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise NowdlError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
-    return opt
+    return _built(optimizer, params, "the model's parameters")

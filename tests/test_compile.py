@@ -223,7 +223,7 @@ def test_spatial_plan_keeps_global_ops_out_of_spatial_stages() -> None:
         ({"gpus": 2.5}, "positive integer"),
         ({"gpus": "8"}, "positive integer"),
         ({"gpus": 4, "balance": "speed"}, "unknown balance"),
-        ({"gpus": 4, "mode": "guess"}, "unknown mode"),
+        ({"gpus": 4, "mode": "guess"}, "mode='guess' is not one of"),
         ({"gpus": 4, "dp": 3}, "must divide"),
         ({"gpus": 4, "replicas": 3}, "replicas must be 1 or 2"),
         ({"gpus": 4, "slice": "diagonal"}, "unknown slice"),

@@ -48,7 +48,9 @@ LAYERS = {
     "nowdl.partitioner": 2,
     "nowdl.codegen": 3,
     "nowdl.runtime": 4,
-    "nowdl.api": 5,
+    "nowdl.api": 5,  # nowdl.compile and nowdl.profile
+    "nowdl.compiled": 5,  # CompiledModel: plans on the first input, trains through the runtime
+    "nowdl.options": 5,  # PlannerOptions and RuntimeOptions: compile()'s settings, checked when made
     "nowdl.cli": 5,
     "nowdl.plot": 5,  # pictures of plans and runs: reads plans and schedules, used by the cli
     "nowdl.data": 5,  # nowdl.data: the public data API over runtime's readers, datasets and loader

@@ -171,7 +171,8 @@ def test_plans_and_stages_equal_the_model(net: Net, cli_runs: _CliRuns) -> None:
     m = build(net)
     x = _input(net)
     before = _state(m)
-    cm = nowdl.compile(m, gpus=4, stages=4, progress=False, time_limit=_time_limit(net))
+    cm = nowdl.compile(m, gpus=4, stages=4, progress=False,
+                       planner=nowdl.PlannerOptions(time_limit=_time_limit(net)))
     plan = cm.plan(x)
     assert len(plan.stages) == 4 and all(s.nodes for s in plan.stages), [len(s.nodes) for s in plan.stages]
     after = _state(m)

@@ -361,9 +361,9 @@ def _run(args: argparse.Namespace) -> int:
                        micro_batches=args.micro_batches, schedule=args.schedule, replicas=args.replicas,
                        dp=args.dp, spatial_parts=args.spatial_parts, spatial_stages=args.spatial_stages,
                        slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
-                       device_spec=args.device_spec, optimizer=args.optimizer, time_limit=args.time_limit,
-                       mip_gap=args.mip_gap, cache=cache, halo_fusion=args.halo_fusion, precision=args.precision,
-                       nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+                       device_spec=args.device_spec, optimizer=args.optimizer, cache=cache, halo_fusion=args.halo_fusion,
+                       precision=args.precision, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                       planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap))
     plan = cm.plan(*x)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}

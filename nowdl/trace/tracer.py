@@ -320,8 +320,8 @@ def _failure(model: nn.Module, example_inputs: tuple[torch.Tensor, ...], hint: t
     else:
         msg = (f"nowdl cannot trace {mname}: " + "; ".join(failures) + ". "
                "What to do: make that forward() free of Python branches on tensor values and of writes into "
-               "slices, or keep the module opaque with leaf_modules=[ThatModule] (nowdl then places it whole "
-               "in one stage).")
+               "slices, or keep the module opaque with planner=nowdl.PlannerOptions(leaf_modules=[ThatModule]) "
+               "(nowdl then places it whole in one stage).")
     err = TraceError(msg if hint is None else _with_hint(msg, hint[0]))
     err.detail = "\n".join(details)
     return err

@@ -127,7 +127,7 @@ def test_reduced_precision_trains_close_to_fp32(precision: str) -> None:
 
 
 def test_bad_precision() -> None:
-    with pytest.raises(nowdl.NowdlError, match="unknown precision"):
+    with pytest.raises(nowdl.NowdlError, match="precision='fp8' is not one of fp32, bf16, fp16"):
         nowdl.compile(make_model("resnet_bn"), gpus=1, precision="fp8")
 
 

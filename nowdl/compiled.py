@@ -1,0 +1,288 @@
+"""CompiledModel: a model prepared by nowdl.compile; plans on its first example input, trains on the first step."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from nowdl.errors import NowdlError
+from nowdl.optimizers import optimizer_kind
+from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
+from nowdl.partitioner.costs.costmodel import Costs, tied_nodes
+from nowdl.partitioner.placement.layout import request_topology
+from nowdl.partitioner.search.best_plan import build_plan, timed_search
+from nowdl.partitioner.search.config import PlanRequest
+from nowdl.partitioner.spatial.halo_fusion import plan_fusion
+from nowdl.partitioner.spatial.tileable import spatial_rules
+from nowdl.plan.plan import Plan
+from nowdl.profiler.cost import Profile
+from nowdl.profiler.devices import DeviceSpec
+from nowdl.profiler.loss_cost import loss_cost_for, with_loss
+from nowdl.progress import Progress, status
+from nowdl.trace.check import stand_in
+from nowdl.trace.tracer import Traced, trace
+
+if TYPE_CHECKING:
+    from nowdl.runtime.spatial.tiles import TiledInput
+    from nowdl.runtime.training.trainer import Trainer
+
+__all__ = ["CompiledModel"]
+
+log = logging.getLogger(__name__)
+
+
+def _params_per_node(gm: fx.GraphModule) -> dict[str, int]:
+    """Parameter count owned by each node (a shared parameter counted once, at first use)."""
+    from nowdl.profiler.memory import static_costs
+    return {name: sc.params for name, sc in static_costs(gm, "sgd").items()}
+
+
+class CompiledModel:
+    """A model prepared for nowdl: plans lazily on the first example input, like torch.compile.
+
+    Without a process group, calling it runs the plan's stages one after another in this
+    process (useful to check a plan); the distributed runtime arrives with ``train_step``.
+    """
+
+    def __init__(self, model: nn.Module, *, request: PlanRequest | None, plan_path: str | None,
+                 options: RuntimeOptions, planner: PlannerOptions) -> None:
+        self.model = model
+        self.request = request
+        self.plan_path = plan_path
+        self.options = options
+        self.planner = planner
+        self.optimizer_kind = optimizer_kind(options.optimizer)  # the state family the profile counts
+        self._traced: dict[tuple[tuple[int, ...], ...], Traced] = {}
+        self._plans: dict[tuple[tuple[int, ...], ...], Plan] = {}
+        self._split: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
+        self._trainer: Trainer | None = None
+        self.optimizer: torch.optim.Optimizer | None = None  # built by compile() over model.parameters()
+
+    # ---- the runtime options the trainer reads; setting one checks it again ------------------
+    @property
+    def precision(self) -> str:
+        """"fp32", "bf16" or "fp16": the autocast the plan is profiled and the model trained under."""
+        return self.options.precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        self.options = dataclasses.replace(self.options, precision=value)
+
+    @property
+    def device(self) -> str | torch.device | None:
+        """Where this process profiles and trains (None: its CUDA device under a launcher, else cpu)."""
+        return self.options.device
+
+    @device.setter
+    def device(self, value: str | torch.device | None) -> None:
+        self.options = dataclasses.replace(self.options, device=value)
+
+    @property
+    def activation_checkpointing(self) -> bool | list[int]:
+        """True (every stage) or the stages whose forward is recomputed during their backward."""
+        ckpt = self.options.activation_checkpointing
+        return ckpt if isinstance(ckpt, bool) else list(ckpt)
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, value: bool | list[int]) -> None:
+        self.options = dataclasses.replace(self.options, activation_checkpointing=value)
+
+    @property
+    def loss_fn(self) -> LossFn | None:
+        """``loss_fn(output, target)`` of ``train_step``."""
+        return self.options.loss_fn
+
+    # ---- steps of the compiler, each usable on its own ----------------------------------------
+    def trace(self, *example_inputs: torch.Tensor) -> Traced:
+        """The validated fx graph of the model (cached per input shapes)."""
+        key = tuple(tuple(x.shape) for x in example_inputs)
+        if key not in self._traced:  # torch.export on a large model takes a while: say so on a terminal
+            with status(f"tracing {type(self.model).__name__}", enabled=self.options.progress):
+                self._traced[key] = trace(self.model, example_inputs, leaf_modules=self.planner.leaf_modules,
+                                          tracer=self.planner.tracer)
+        return self._traced[key]
+
+    def _resolved_mode(self) -> str:
+        if self.options.mode != "auto":
+            return self.options.mode
+        return "measure" if torch.cuda.is_available() else "estimate"
+
+    def profile(self, *example_inputs: torch.Tensor) -> Profile:
+        """Per-node costs of one micro-batch (see nowdl.profiler.profile)."""
+        from nowdl.profiler import profile as _profile
+
+        t = self.trace(*example_inputs)
+        mode = self._resolved_mode()
+        inputs = example_inputs
+        if mode == "measure" and any(x.device.type == "meta" for x in example_inputs):
+            inputs = tuple(stand_in(x.shape, x.dtype) for x in example_inputs)
+        return _profile(t.gm, tuple(inputs), mode=mode, device=self.device, device_spec=self._spec_arg(),
+                        optimizer=self.optimizer_kind, cache=self.options.cache, progress=self.options.progress,
+                        fingerprint=t.fingerprint, precision=self.precision)
+
+    def _spec_arg(self) -> DeviceSpecLike | None:
+        if self.options.device_spec is not None:
+            return self.options.device_spec
+        return "h100" if self._resolved_mode() == "estimate" else None
+
+    def _spec(self) -> DeviceSpec:
+        from nowdl.profiler import get_device_spec
+
+        spec = self._spec_arg()
+        if spec is None:
+            spec = _spec_for_local_gpu()
+        return spec if not isinstance(spec, (str, os.PathLike)) else get_device_spec(spec)
+
+    def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None) -> Plan:
+        """Plan for one micro-batch shaped like ``example_inputs`` (no process group needed);
+        ``target``, one micro-batch's target, lets the plan measure the loss's memory.
+
+        Raises:
+            InfeasibleError: nothing fits the memory cap (says what would).
+            PlanError: a given plan file is malformed or for another model.
+            TraceError: the model cannot be traced faithfully.
+        """
+        key = tuple(tuple(x.shape) for x in example_inputs)
+        if key in self._plans:
+            return self._plans[key]
+        t0 = time.perf_counter()
+        t = self.trace(*example_inputs)
+        t1 = time.perf_counter()
+        if self.plan_path is not None:
+            plan = Plan.load(self.plan_path)
+            plan.check_model(t.fingerprint, [list(s) for s in key])
+            made = plan.config.get("precision", "fp32")
+            if made != self.precision:
+                log.warning("plan %s was made for %s, training runs in %s: its memory and time predictions "
+                            "do not hold; re-plan with precision=%r", self.plan_path, made, self.precision, self.precision)
+            self._plans[key] = plan
+            return plan
+        assert self.request is not None  # compile() guarantees a request or a plan path
+        prof = self.profile(*example_inputs)
+        loss = loss_cost_for(prof, self.loss_fn, target)  # [Note: loss memory] in profiler/loss_cost.py
+        prof, t2 = with_loss(prof, loss), time.perf_counter()
+        spec = self._spec()
+        req = self.request
+        cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
+        costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=cap,
+                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec))
+        # time_limit bounds the whole plan() call: the search gets what tracing and profiling
+        # left of it (less a second for the MILP's read-back and tie-breaks)
+        left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)
+        bar = Progress("planning", enabled=self.options.progress)
+        try:
+            result, secs = timed_search(costs, dataclasses.replace(req, time_limit=left), progress=bar.update)
+        finally:
+            bar.close()
+        from nowdl import __version__
+
+        plan = build_plan(
+            costs, req, result,
+            model_info={"fingerprint": t.fingerprint, "name": type(self.model).__name__,
+                        "inputs": [list(s) for s in key], "tracer": t.tracer,
+                        "nodes": len(prof.nodes)},
+            profile_info={"source": prof.source, "device": prof.device, "dtype": prof.dtype,
+                          "precision": prof.precision, "optimizer": prof.optimizer, "device_spec": getattr(spec, "name", str(spec)),
+                          "link_bw": float(spec.link_bw), "wall_s": round(prof.wall_s, 3), "loss": loss.to_json()},
+            solver_seconds=secs, created_by=f"nowdl {__version__}",
+            params_per_node=_params_per_node(t.gm),
+        )
+        fusion = self.options.halo_fusion
+        plan_fusion(t.gm, plan, prof, costs, result, fusion, float(spec.link_bw), costs.topo(req.gpus).intra.latency_s)
+        plan.config["halo_fusion"] = fusion
+        plan.config["precision"] = self.precision
+        # where plan() spent its time (trace includes the eager check; 0 when cached)
+        plan.solver["timing"] = {"trace_s": round(t1 - t0, 3), "profile_s": round(t2 - t1, 3),
+                                 "search_s": round(secs, 3), "total_s": round(time.perf_counter() - t0, 3)}
+        self._plans[key] = plan
+        return plan
+
+    # ---- training (the distributed runtime) -------------------------------------------------------
+    def _train(self) -> Trainer:
+        if self._trainer is None:  # the runtime loads here, on the first train, eval or checkpoint call
+            from nowdl.runtime.training.trainer import Trainer
+
+            self._trainer = Trainer(self, optimizer=self.optimizer, loss_fn=self.loss_fn,
+                                    timeout_s=self.options.timeout_s, backend=self.options.backend)
+        return self._trainer
+
+    @property
+    def _ready(self) -> bool:
+        return self._trainer is not None and self._trainer.engine is not None
+
+    def train_step(self, x: torch.Tensor | TiledInput | None, y: torch.Tensor | TiledInput | None) -> float:
+        """One optimizer step on the global batch ``x``, ``y`` (every rank passes the same batch;
+        ranks that need no data may pass None once set up). Returns the mean loss on every rank."""
+        if self.loss_fn is None:
+            raise NowdlError("train_step needs a loss: nowdl.compile(model, ..., loss_fn=torch.nn.CrossEntropyLoss())")
+        return float(self._train().train_step(x, y))
+
+    def eval_step(self, x: Any) -> Any:
+        """Inference on the global batch: outputs on the ranks of the last stage (its part 0, whole
+        images, when that stage is spatial), None elsewhere."""
+        return self._train().eval_step(x)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters under their original names; after the first step, the ones this
+        rank trains are the live stage parameters (the others are not updated on this rank)."""
+        live = self._train()._named_held() if self._ready else {}
+        for name, p in self.model.named_parameters():
+            yield name, live.get(name, p)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters of :meth:`named_parameters` (what ``cm.optimizer`` steps)."""
+        yield from (p for _, p in self.named_parameters())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights under the original names: on rank 0 once training started
+        (``{}`` on the other ranks), on every rank before the first step."""
+        if not self._ready:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return dict(self._train().state_dict())
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load original-name weights; before the first step every rank loads them into the model
+        (and into the stages when they are built)."""
+        if self._ready:
+            return self._train().load_state_dict(sd)
+        self.model.load_state_dict(sd)
+        self._train().pending_state = dict(sd)
+
+    def save_checkpoint(self, directory: str | os.PathLike[str], *, meta: dict[str, Any] | None = None,
+                        keep: int = 1) -> None:
+        """Save weights, optimizer state and RNG state with torch.distributed.checkpoint (collective,
+        atomic; ``meta``: JSON kept beside it; ``keep``: how many steps to keep). Needs a step first."""
+        self._train().save_checkpoint(directory, extra=meta, keep=keep)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str], x: torch.Tensor | TiledInput | None = None) -> None:
+        """Resume from ``directory``, saved by any plan of this model (resharded by name); ``x`` (a
+        batch) sets the runtime up when no step ran yet."""
+        self._train().load_checkpoint(directory, x)
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        """Run the plan's stages one after another in this process (same result as the model)."""
+        from nowdl.codegen import split_stages
+
+        key = tuple(tuple(x.shape) for x in inputs)
+        if key not in self._split:
+            self._split[key] = split_stages(self.trace(*inputs).gm, self.plan(*inputs))
+        return self._split[key](*inputs)
+
+
+def _spec_for_local_gpu() -> DeviceSpec:
+    from nowdl.profiler import get_device_spec
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for key in ("h200", "h100", "a100", "v100"):
+            if key in name:
+                return get_device_spec(key)
+    return get_device_spec("h100")
