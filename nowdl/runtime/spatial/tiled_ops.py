@@ -55,7 +55,12 @@ _CONV_FN: dict[int, Callable[..., Tensor]] = {1: F.conv1d, 2: F.conv2d, 3: F.con
 _CONVT_FN: dict[int, Callable[..., Tensor]] = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-def _conv(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None) -> tuple[Tensor, TileGrid]:
+def conv_tile(
+    x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, TileGrid]:
+    """This rank's output tile of ``conv`` (nn.Conv1d/2d/3d, any kernel, stride, dilation, groups,
+    zero padding incl. 'same'/'valid') and the output's grid; the tile equals that region of
+    ``conv(full)``."""
     op = type(conv).__name__
     if not isinstance(conv, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         raise TypeError(f"conv_tile: {op} is not nn.Conv1d/2d/3d")
@@ -80,13 +85,11 @@ def _conv(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGr
     return y, og
 
 
-def conv_tile(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None) -> Tensor:
-    """This rank's output tile of ``conv`` (nn.Conv1d/2d/3d, any kernel, stride, dilation,
-    groups, zero padding incl. 'same'/'valid'); equals that region of ``conv(full)``."""
-    return _conv(x_tile, conv, grid, group)[0]
-
-
-def _conv_transpose(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None) -> tuple[Tensor, TileGrid]:
+def conv_transpose_tile(
+    x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, TileGrid]:
+    """This rank's output tile of ``conv`` (nn.ConvTranspose1d/2d/3d, stride, dilation, padding,
+    output_padding, groups) and the output's grid; the tile equals that region of ``conv(full)``."""
     op = type(conv).__name__
     if not isinstance(conv, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
         raise TypeError(f"conv_transpose_tile: {op} is not nn.ConvTranspose1d/2d/3d")
@@ -126,12 +129,6 @@ def _conv_transpose(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist
     return y, og
 
 
-def conv_transpose_tile(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None) -> Tensor:
-    """This rank's output tile of ``conv`` (nn.ConvTranspose1d/2d/3d, stride, dilation,
-    padding, output_padding, groups); equals that region of ``conv(full)``."""
-    return _conv_transpose(x_tile, conv, grid, group)[0]
-
-
 def _sum_pool(x: Tensor, k: Sequence[int], s: Sequence[int]) -> Tensor:
     n = x.dim() - 2
     if n == 1:
@@ -144,7 +141,12 @@ def _sum_pool(x: Tensor, k: Sequence[int], s: Sequence[int]) -> Tensor:
 _MAXPOOL_FN: dict[int, Callable[..., Tensor]] = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 
-def _pool(x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None) -> tuple[Tensor, TileGrid]:
+def pool_tile(
+    x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, TileGrid]:
+    """This rank's output tile of MaxPool/AvgPool (kernel, stride, padding, dilation for max,
+    ceil_mode, count_include_pad, divisor_override) and the output's grid; the tile equals that
+    region of ``pool(full)``."""
     op = type(pool).__name__
     n = grid.ndim
     is_max = isinstance(pool, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d))
@@ -178,12 +180,6 @@ def _pool(x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGr
         m = ((idx >= lo_b[i]) & (idx < hi_b[i])).to(x_tile.dtype)
         mask = mask * m.view((1, 1) + tuple(-1 if j == i else 1 for j in range(n)))
     return total / _sum_pool(mask, k, s), og
-
-
-def pool_tile(x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None) -> Tensor:
-    """This rank's output tile of MaxPool/AvgPool (kernel, stride, padding, dilation for max,
-    ceil_mode, count_include_pad, divisor_override); equals that region of ``pool(full)``."""
-    return _pool(x_tile, pool, grid, group)[0]
 
 
 def _upsample_sizes(up: nn.Upsample, grid: TileGrid) -> tuple[list[int], list[float | None]]:
@@ -234,7 +230,12 @@ def _linear_index(in_size: int, out_size: int, sf: float | None, align: bool, dt
     return i0, i1, lam
 
 
-def _upsample(x_tile: Tensor, up: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None) -> tuple[Tensor, TileGrid]:
+def upsample_tile(
+    x_tile: Tensor, up: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, TileGrid]:
+    """This rank's output tile of ``nn.Upsample`` (nearest, nearest-exact, (bi/tri)linear with
+    align_corners True or False, size or scale_factor) and the output's grid; the tile equals
+    that region of ``up(full)``."""
     if not isinstance(up, nn.Upsample):
         raise TypeError(f"upsample_tile: {type(up).__name__} is not nn.Upsample")
     mode = up.mode
@@ -278,9 +279,3 @@ def _upsample(x_tile: Tensor, up: nn.Module, grid: TileGrid, group: dist.Process
             l1 = l1.view((1, 1) + shape)
             y = y.index_select(2 + i, i0) * (1 - l1) + y.index_select(2 + i, i1) * l1
     return y, og
-
-
-def upsample_tile(x_tile: Tensor, up: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None) -> Tensor:
-    """This rank's output tile of ``nn.Upsample`` (nearest, nearest-exact, (bi/tri)linear with
-    align_corners True or False, size or scale_factor); equals that region of ``up(full)``."""
-    return _upsample(x_tile, up, grid, group)[0]
