@@ -18,6 +18,7 @@ The helpers every solver shares (``check_problem``, ``topological_order``, ``sta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -354,18 +355,7 @@ def _solve_dp(problem: Problem, order: Sequence[int] | None, *, explain: bool) -
 def _dp_infeasible_message(problem: Problem, order: Sequence[int], why: str) -> str:
     detail = why
     if problem.mem_cap is not None:
-        relaxed = Problem(
-            names=problem.names,
-            edges=problem.edges,
-            static=problem.static,
-            variants=problem.variants,
-            stages=problem.stages,
-            tileable=problem.tileable,
-            ranks=problem.ranks,
-            objective="memory",
-            mem_cap=None,
-            pinned=problem.pinned,
-        )
+        relaxed = dataclasses.replace(problem, objective="memory", mem_cap=None)
         try:
             best = _solve_dp(relaxed, order, explain=False)
         except InfeasibleError:
