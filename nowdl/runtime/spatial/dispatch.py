@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from nowdl.geometry import _POINTWISE
+from nowdl.geometry import POINTWISE
 from nowdl.runtime.spatial.norms import batchnorm_tile, groupnorm_tile, instancenorm_tile
 from nowdl.runtime.spatial.tiled_ops import conv_tile, conv_transpose_tile, pool_tile, upsample_tile
 from nowdl.runtime.spatial.tiles import TileGrid
@@ -43,7 +43,7 @@ def tile_forward(
         return groupnorm_tile(x_tile, module, group), grid
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
         return instancenorm_tile(x_tile, module, group), grid
-    if isinstance(module, _POINTWISE):
+    if isinstance(module, POINTWISE):
         return module(x_tile), grid
     raise NotImplementedError(
         f"tile_forward: {type(module).__name__} is not tiled; end the spatial region before it "

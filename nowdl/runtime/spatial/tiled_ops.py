@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nowdl.geometry import TileTooSmallError, _conv_pads, _pool_out, _tup
+from nowdl.geometry import TileTooSmallError, conv_pads, ntuple, pool_out_size
 from nowdl.runtime.spatial.exchange import Window, _check_tile, _windows, fetch_window
 from nowdl.runtime.spatial.tiles import TileGrid
 from nowdl.runtime.spatial.window_op import _window_op
@@ -73,8 +73,8 @@ def conv_tile(
             f"end the spatial region before it or use zero padding"
         )
     _check_tile(x_tile, grid, f"conv_tile({op})")
-    k, s, d = _tup(conv.kernel_size, n), _tup(conv.stride, n), _tup(conv.dilation, n)
-    pads = _conv_pads(conv, n, k, d)
+    k, s, d = ntuple(conv.kernel_size, n), ntuple(conv.stride, n), ntuple(conv.dilation, n)
+    pads = conv_pads(conv, n, k, d)
     out_shape = [(grid.shape[i] + pads[i][0] + pads[i][1] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(n)]
     og = _out_grid(grid, out_shape, f"conv_tile({op})")
     wins = _strided_windows(grid, og, k, s, d, [p[0] for p in pads])
@@ -97,8 +97,8 @@ def conv_transpose_tile(
     _check_tile(x_tile, grid, f"conv_transpose_tile({op})")
     if conv.padding_mode != "zeros":
         raise NotImplementedError(f"conv_transpose_tile: {op}(padding_mode={conv.padding_mode!r}) is not tiled")
-    k, s, d = _tup(conv.kernel_size, n), _tup(conv.stride, n), _tup(conv.dilation, n)
-    p, op_ = _tup(conv.padding, n), _tup(conv.output_padding, n)
+    k, s, d = ntuple(conv.kernel_size, n), ntuple(conv.stride, n), ntuple(conv.dilation, n)
+    p, op_ = ntuple(conv.padding, n), ntuple(conv.output_padding, n)
     out_shape = [(grid.shape[i] - 1) * s[i] - 2 * p[i] + d[i] * (k[i] - 1) + op_[i] + 1 for i in range(n)]
     og = _out_grid(grid, out_shape, f"conv_transpose_tile({op})")
 
@@ -153,14 +153,14 @@ def pool_tile(
     if not is_max and not isinstance(pool, (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)):
         raise TypeError(f"pool_tile: {op} is not MaxPool1d/2d/3d or AvgPool1d/2d/3d")
     _check_tile(x_tile, grid, f"pool_tile({op})")
-    k = _tup(pool.kernel_size, n)
-    s = _tup(pool.stride if pool.stride not in (None, (), []) else pool.kernel_size, n)
-    p = _tup(pool.padding, n)
-    d = _tup(getattr(pool, "dilation", 1), n) if is_max else (1,) * n
+    k = ntuple(pool.kernel_size, n)
+    s = ntuple(pool.stride if pool.stride not in (None, (), []) else pool.kernel_size, n)
+    p = ntuple(pool.padding, n)
+    d = ntuple(getattr(pool, "dilation", 1), n) if is_max else (1,) * n
     if is_max and pool.return_indices:
         raise NotImplementedError(f"pool_tile: {op}(return_indices=True) is not tiled (indices are tile-local)")
     ceil = bool(pool.ceil_mode)
-    out_shape = [_pool_out(grid.shape[i], k[i], s[i], p[i], d[i], ceil) for i in range(n)]
+    out_shape = [pool_out_size(grid.shape[i], k[i], s[i], p[i], d[i], ceil) for i in range(n)]
     og = _out_grid(grid, out_shape, f"pool_tile({op})")
     wins = _strided_windows(grid, og, k, s, d, p)
     if is_max:
@@ -185,7 +185,7 @@ def pool_tile(
 def _upsample_sizes(up: nn.Upsample, grid: TileGrid) -> tuple[list[int], list[float | None]]:
     n = grid.ndim
     if up.size is not None:
-        return list(_tup(up.size, n)), [None] * n
+        return list(ntuple(up.size, n)), [None] * n
     sf = up.scale_factor
     sfs = [float(v) for v in sf] if isinstance(sf, (tuple, list)) else [float(sf)] * n  # type: ignore[arg-type]
     out = [int(math.floor(grid.shape[i] * sfs[i])) for i in range(n)]
