@@ -6,11 +6,11 @@ run the ops), so it sits below both as a leaf module: it imports only torch.
 
 * :func:`split_bounds`: how a dim of ``size`` pixels is cut into tiles (the first
   ``size % parts`` tiles are one pixel larger).
-* conv/pool output sizes and paddings (``_conv_pads``, ``_pool_out``, ``_tup``), and the
-  pointwise modules a tile runs as they are (``_POINTWISE``).
+* conv/pool output sizes and paddings (``conv_pads``, ``pool_out_size``, ``ntuple``), and the
+  pointwise modules a tile runs as they are (``POINTWISE``).
 * halo fusion (see :mod:`nowdl.runtime.spatial.fusion` for the exactness argument): which modules can
   sit in a fused run (:func:`fusable`), each op's window along each dim walked back from the
-  final output tile (``_steps``, ``_walk``, ``_plans``), and what fusing a run costs
+  final output tile (``chain_steps``, ``_walk``, ``chain_windows``), and what fusing a run costs
   (:func:`chain_geometry`). Along each spatial dim, from the last op back::
 
     op j output region [o0, o1)  ->  op j input window W = [o0*s - lo, (o1 - 1)*s - lo + d*(k - 1) + 1)
@@ -27,7 +27,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["TileTooSmallError", "split_bounds", "fusable", "chain_geometry"]
+__all__ = ["TileTooSmallError", "split_bounds", "ntuple", "conv_pads", "pool_out_size", "POINTWISE", "Span", "fusable",
+           "ChainStep", "flatten_sequential", "chain_steps", "chain_windows", "chain_geometry"]
 
 
 class TileTooSmallError(ValueError):
@@ -48,7 +49,8 @@ def split_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < rem else 0)
 
 
-def _tup(v: Any, n: int) -> tuple[int, ...]:
+def ntuple(v: Any, n: int) -> tuple[int, ...]:
+    """``v`` (a module's kernel_size, stride, ...) as ``n`` ints: ``n`` values as given, or one repeated."""
     if isinstance(v, (tuple, list)):
         if len(v) != n:
             raise ValueError(f"expected {n} values, got {tuple(v)}")
@@ -56,7 +58,9 @@ def _tup(v: Any, n: int) -> tuple[int, ...]:
     return (int(v),) * n
 
 
-def _conv_pads(conv: nn.Module, n: int, k: Sequence[int], d: Sequence[int]) -> list[tuple[int, int]]:
+def conv_pads(conv: nn.Module, n: int, k: Sequence[int], d: Sequence[int]) -> list[tuple[int, int]]:
+    """``(before, after)`` zero padding of ``conv`` per spatial dim (numbers, 'same' or 'valid'),
+    given its kernel ``k`` and dilation ``d``."""
     p = conv.padding
     if p == "valid":
         return [(0, 0)] * n
@@ -66,10 +70,11 @@ def _conv_pads(conv: nn.Module, n: int, k: Sequence[int], d: Sequence[int]) -> l
             total = d[i] * (k[i] - 1)
             out.append((total // 2, total - total // 2))
         return out
-    return [(q, q) for q in _tup(p, n)]
+    return [(q, q) for q in ntuple(p, n)]
 
 
-def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
+def pool_out_size(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
+    """Output size of a pooling along one dim, as torch computes it (``ceil_mode`` included)."""
     num = size + 2 * p - d * (k - 1) - 1 + (s - 1 if ceil else 0)
     out = num // s + 1
     if ceil and (out - 1) * s >= size + p:
@@ -77,11 +82,12 @@ def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil: bool) -> int:
     return out
 
 
-_POINTWISE: tuple[type, ...] = (
+POINTWISE: tuple[type, ...] = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
     nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Identity,
     nn.PReLU, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
 )
+"""Modules a tile runs as they are: each output pixel reads only the same input pixel."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -104,7 +110,7 @@ def fusable(module: nn.Module) -> bool:
     """Whether ``module`` can sit inside a fused run (:func:`fused_forward`).
 
     True for Conv1d/2d/3d with zero padding, MaxPool (without indices), AvgPool and the
-    pointwise modules (``_POINTWISE``); an ``nn.Sequential`` when all its children
+    pointwise modules (``POINTWISE``); an ``nn.Sequential`` when all its children
     are. False for norms (statistics need exact tiles), upsampling, transposed convs, and
     dropout in training mode (it is fine at the start of a run, before the first conv/pool,
     which :func:`fused_forward` accepts).
@@ -119,7 +125,7 @@ def fusable(module: nn.Module) -> bool:
         return True
     if _stochastic(module):
         return False
-    return isinstance(module, _POINTWISE)
+    return isinstance(module, POINTWISE)
 
 
 # ------------------------------------------------------------------------------------------
@@ -127,7 +133,7 @@ def fusable(module: nn.Module) -> bool:
 
 
 @dataclass(frozen=True)
-class _Step:
+class ChainStep:
     """One op of a fused run: its kind and window parameters, its full in/out spatial shapes."""
 
     module: nn.Module
@@ -145,10 +151,11 @@ class _Step:
         return self.kind != "point"
 
 
-def _flatten(modules: Iterable[nn.Module]) -> list[nn.Module]:
+def flatten_sequential(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """``modules`` in order, every (nested) ``nn.Sequential`` replaced by its children."""
     out: list[nn.Module] = []
     for m in modules:
-        out.extend(_flatten(m) if isinstance(m, nn.Sequential) else [m])
+        out.extend(flatten_sequential(m) if isinstance(m, nn.Sequential) else [m])
     return out
 
 
@@ -156,11 +163,11 @@ def _name(j: int, m: nn.Module) -> str:
     return f"#{j} {type(m).__name__}"
 
 
-def _steps(modules: Sequence[nn.Module], shape: Sequence[int], grid: Sequence[int], where: str) -> list[_Step]:
+def chain_steps(modules: Sequence[nn.Module], shape: Sequence[int], grid: Sequence[int], where: str) -> list[ChainStep]:
     """The run's ops with every intermediate full spatial shape; validates the chain."""
     n = len(shape)
     cur = tuple(int(v) for v in shape)
-    steps: list[_Step] = []
+    steps: list[ChainStep] = []
     seen_windowed = False
     for j, m in enumerate(modules):
         name = _name(j, m)
@@ -177,28 +184,28 @@ def _steps(modules: Sequence[nn.Module], shape: Sequence[int], grid: Sequence[in
                     f"{where}: {name}(padding_mode={m.padding_mode!r}) is not fusable (only 'zeros'); "
                     f"end the fused run before it"
                 )
-            k, s, d = _tup(m.kernel_size, n), _tup(m.stride, n), _tup(m.dilation, n)
-            pads = _conv_pads(m, n, k, d)
+            k, s, d = ntuple(m.kernel_size, n), ntuple(m.stride, n), ntuple(m.dilation, n)
+            pads = conv_pads(m, n, k, d)
             out = tuple((cur[i] + pads[i][0] + pads[i][1] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(n))
-            step = _Step(m, "conv", k, s, d, tuple(p[0] for p in pads), ones, cur, out)
+            step = ChainStep(m, "conv", k, s, d, tuple(p[0] for p in pads), ones, cur, out)
         elif isinstance(m, _MAXPOOLS + _AVGPOOLS):
             is_max = isinstance(m, _MAXPOOLS)
             if is_max and m.return_indices:
                 raise NotImplementedError(f"{where}: {name}(return_indices=True) is not fusable (indices are tile-local)")
-            k = _tup(m.kernel_size, n)
-            s = _tup(m.stride if m.stride not in (None, (), []) else m.kernel_size, n)
-            p = _tup(m.padding, n)
-            d = _tup(getattr(m, "dilation", 1), n) if is_max else ones
-            out = tuple(_pool_out(cur[i], k[i], s[i], p[i], d[i], bool(m.ceil_mode)) for i in range(n))
-            step = _Step(m, "max" if is_max else "avg", k, s, d, p, p, cur, out)
-        elif isinstance(m, _POINTWISE):
+            k = ntuple(m.kernel_size, n)
+            s = ntuple(m.stride if m.stride not in (None, (), []) else m.kernel_size, n)
+            p = ntuple(m.padding, n)
+            d = ntuple(getattr(m, "dilation", 1), n) if is_max else ones
+            out = tuple(pool_out_size(cur[i], k[i], s[i], p[i], d[i], bool(m.ceil_mode)) for i in range(n))
+            step = ChainStep(m, "max" if is_max else "avg", k, s, d, p, p, cur, out)
+        elif isinstance(m, POINTWISE):
             if _stochastic(m) and seen_windowed:
                 raise NotImplementedError(
                     f"{where}: {name}(p={getattr(m, 'p', None)}) in training mode after the first conv/pool "
                     f"of a fused run would drop overlapping pixels differently on each rank; end the fused "
                     f"run before it, move it before the first conv/pool, or put it in eval mode"
                 )
-            step = _Step(m, "point", ones, ones, ones, (0,) * n, (0,) * n, cur, cur)
+            step = ChainStep(m, "point", ones, ones, ones, (0,) * n, (0,) * n, cur, cur)
         else:
             raise NotImplementedError(
                 f"{where}: {name} is not fusable (conv, max/avg pool and pointwise ops are; norms, "
@@ -223,7 +230,7 @@ def _clip(w: Span, size: int) -> Span:
     return a, max(a, min(w[1], size))
 
 
-def _walk(steps: Sequence[_Step], i: int, out: Span) -> list[tuple[Span, Span]]:
+def _walk(steps: Sequence[ChainStep], i: int, out: Span) -> list[tuple[Span, Span]]:
     """Per step along dim ``i``: (unclipped input window, clipped input region) for the final
     output region ``out``. An empty output region gives an empty window."""
     res: list[tuple[Span, Span]] = [((0, 0), (0, 0))] * len(steps)
@@ -242,7 +249,7 @@ def _walk(steps: Sequence[_Step], i: int, out: Span) -> list[tuple[Span, Span]]:
     return res
 
 
-def _plans(steps: Sequence[_Step], out_shape: Sequence[int],
+def chain_windows(steps: Sequence[ChainStep], out_shape: Sequence[int],
            grid: Sequence[int]) -> list[list[list[tuple[Span, Span]]]]:
     """``plans[dim][coord][step]``: every tile's windows and regions, per dim, for the final
     output ``out_shape`` cut into ``grid`` tiles."""
@@ -274,12 +281,12 @@ def chain_geometry(modules: Sequence[nn.Module], shape: Sequence[int], grid: Seq
             f"chain_geometry: grid {tuple(grid)} does not fit shape {shp}: it needs at most one "
             f"entry per spatial dim, each at least one tile"
         )
-    steps = _steps(_flatten(modules), shp, gd, "chain_geometry")
+    steps = chain_steps(flatten_sequential(modules), shp, gd, "chain_geometry")
     windowed = [j for j, st in enumerate(steps) if st.windowed]
     n = len(shp)
     if not windowed:
         return {"halo": ((0, 0),) * n, "exchanges_unfused": 0, "exchanges_fused": 0, "extra_fraction": 0.0}
-    plans = _plans(steps, steps[-1].out_shape, gd)
+    plans = chain_windows(steps, steps[-1].out_shape, gd)
     first = windowed[0]
     halo: list[tuple[int, int]] = []
     for i in range(n):

@@ -225,3 +225,44 @@ def test_tests_import_no_test_module() -> None:
             if any(part.startswith("test_") for name in names for part in name.split(".")):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not bad, f"imports of test modules (move what they share to tests/helpers/): {bad}"
+
+
+def private_imports() -> list[str]:
+    """Imports of a private name (``_x``, a module or what it defines) of another package (folder)
+    than the importing module's: ``from nowdl.a.b import _x``, ``from nowdl.a._b import x``,
+    ``import nowdl.a._b``. Such a name should be public (or the helper live where it is used)."""
+
+    def folder(parts: list[str]) -> Path | None:
+        base = ROOT.joinpath(*parts)
+        if (base / "__init__.py").exists():
+            return base
+        return base.parent if base.with_suffix(".py").exists() else None
+
+    def crosses(dotted: str, here: Path) -> bool:
+        parts = dotted.split(".")
+        for i, part in enumerate(parts):
+            if part.startswith("_") and not part.startswith("__"):
+                where = folder(parts[: i + 1]) or folder(parts[:i])  # a module, or a name in one
+                if where is not None and where != here:
+                    return True
+        return False
+
+    bad = []
+    for mod, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{mod} imports {n}" for n in names if n.startswith("nowdl.") and crosses(n, path.parent)]
+    return bad
+
+
+def test_no_private_imports_across_packages() -> None:
+    bad = private_imports()
+    assert not bad, (
+        "private names imported from another package (make them public and list them in __all__, "
+        "or move the helper to where it is used):\n" + "\n".join(f"  {b}" for b in sorted(bad))
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nowdl.plan.plan import Plan
-from nowdl.plot._mpl import check_plot_path, require_matplotlib
+from nowdl.plot import check_plot_path, require_matplotlib
 
 __all__ = ["check_plot", "draw_plan", "report_command"]
 

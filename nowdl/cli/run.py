@@ -98,14 +98,6 @@ PLAN_FILE = "plan.json"
 
 
 # ---- main ----------------------------------------------------------------------------------------
-def _broadcast(value: Any, world: int) -> Any:
-    if world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _rate(images: int, secs: float) -> str:
     return f"{images / secs:.1f}" if secs > 0 else "inf"
 

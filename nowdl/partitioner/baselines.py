@@ -21,7 +21,7 @@ import numpy as np
 
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import check_problem, make_partition, topological_order
-from nowdl.partitioner.exact.order_dp import _minmax_dp
+from nowdl.partitioner.exact.order_dp import minmax_dp
 
 __all__ = [
     "solve_blockpartition",
@@ -244,7 +244,7 @@ def minmax_split(weights: Sequence[float], parts: int) -> list[int]:
     pre = np.concatenate([[0.0], np.cumsum(np.asarray(weights, dtype=float))])
     cost = pre[None, :] - pre[:, None]
     cost[np.tril_indices(n + 1, k=-1)] = np.inf
-    _, cuts = _minmax_dp([cost] * parts, [0] * parts, [n] * parts, nonempty=False)
+    _, cuts = minmax_dp([cost] * parts, [0] * parts, [n] * parts, nonempty=False)
     return [cuts[s + 1] - cuts[s] for s in range(parts)]
 
 

@@ -49,7 +49,7 @@ from nowdl.partitioner.exact.ideal_dp import (
     solve_ideals,
 )
 from nowdl.partitioner.exact.local_search import improve_split
-from nowdl.partitioner.exact.order_dp import _solve_dp
+from nowdl.partitioner.exact.order_dp import solve_dp
 from nowdl.partitioner.exact.wait_search import solve_waits
 from nowdl.partitioner.milp.solve import solve_ilp
 
@@ -276,7 +276,7 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
         else:  # too many ideals: the best of a beam of thin cuts and one topological order
             beam = solve_ideals(work, cache.beam(work), bases=cache.bases)
             try:
-                order: Partition | None = _solve_dp(work, None, explain=False)
+                order: Partition | None = solve_dp(work, explain=False)
             except InfeasibleError:
                 if beam is None and not ilp:  # screening: the caller explains a failure
                     raise

@@ -112,7 +112,6 @@ class _Walker:
         self.env_rg: dict[Node, bool] = {}
         self.ledger = StorageLedger(backend.static_tensors())
         self.memo: dict[Hashable, Entry | None] = {}
-        self.memo_hits = 0
 
     def _store(self, node: Node, value: Any) -> list[int]:
         self.env[node] = value
@@ -284,7 +283,6 @@ class _Walker:
         self._describe(rec, value)
         rec.saved_bytes, rec.self_saved = self.ledger.account(node.name, saved, out_keys)
         rec.fwd_s, rec.bwd_s, rec.flops, rec.workspace_bytes = e.fwd_s, e.bwd_s, e.flops, e.workspace
-        self.memo_hits += 1
         return rec
 
 

@@ -173,7 +173,7 @@ def test_tiled_max_pool_charges_no_indices() -> None:
 def test_fused_runs_raise_the_predicted_peak_by_their_window() -> None:
     """[Note: fused workspace]: a fused halo run's first op holds its window's gradient and its
     input gradient over the window; the plan charges it, consistently in stages and ranks."""
-    from nowdl.partitioner.costs.costmodel import _grad_workspace, dtype_bytes
+    from nowdl.partitioner.costs.costmodel import dtype_bytes, grad_workspace
     from nowdl.partitioner.spatial.halo_fusion import fused_workspace
     from nowdl.partitioner.spatial.tileable import halo_elements
 
@@ -191,7 +191,7 @@ def test_fused_runs_raise_the_predicted_peak_by_their_window() -> None:
     gm, prof = cm.trace(x).gm, cm.profile(x)
     ws = fused_workspace(gm, fused, prof)
     assert set(ws) == {c[0] for c in st.fused}
-    grads = dict(zip((n.name for n in prof.nodes), _grad_workspace(prof), strict=True))
+    grads = dict(zip((n.name for n in prof.nodes), grad_workspace(prof), strict=True))
     for c in st.fused:  # by hand: gradients / P + the window (tile + deep halo) + the halo again
         src = next(iter(u for u, v in prof.edges if v == c[0]))
         shape = prof[src].out_shape

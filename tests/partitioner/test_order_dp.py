@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import re
 
 import pytest
 from helpers.problems import (
@@ -18,7 +19,7 @@ from helpers.problems import (
 )
 
 from nowdl.errors import InfeasibleError
-from nowdl.partitioner.costs.problem import Problem
+from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
 from nowdl.partitioner.costs.structure import make_partition, objective_values, topological_order
 from nowdl.partitioner.exact.order_dp import solve_dp
 
@@ -108,6 +109,30 @@ def test_dp_rejects_bad_orders_and_reports_cap() -> None:
     need = solve_dp(p).bottleneck_mem
     with pytest.raises(InfeasibleError, match=f"{need:.6g}"):
         solve_dp(dataclasses.replace(p, mem_cap=need * 0.5, objective="compute"))
+
+
+def test_dp_cap_advice_keeps_tied_weights() -> None:
+    """The "raise the cap" advice solves the problem as given, tied groups included: the cap it
+    names fits."""
+    n = 4
+    zeros = [0.0] * n
+    p = Problem(
+        names=[f"n{v}" for v in range(n)],
+        edges=[(v, v + 1) for v in range(n - 1)],
+        static=[10.0] * n,
+        variants={"plain": NodeVectors(act=zeros, time=[1.0] * n, workspace=zeros, out=zeros)},
+        stages=[StageSpec(), StageSpec()],
+        mem_cap=15.0,
+        tied=[[0, 1, 2]],  # one weight used by nodes 0-2: they share a stage (untied, 20 would fit)
+    )
+    with pytest.raises(InfeasibleError, match="raise the cap") as err:
+        solve_dp(p)
+    advice = re.search(r"raise the cap to at least (\S+) bytes", str(err.value))
+    assert advice is not None, str(err.value)
+    advised = float(advice.group(1))
+    assert advised == 30.0
+    part = solve_dp(dataclasses.replace(p, mem_cap=advised))
+    assert part.bottleneck_mem <= advised and part.stage_of[:3] == [0, 0, 0]
 
 
 def test_dp_large_chain_is_fast_enough() -> None:

@@ -132,18 +132,18 @@ def test_aten_rules_of_an_exported_graph() -> None:
 def test_exposed_halo_time_of_overlapped_ops() -> None:
     """[Note: halo overlap cost]: convs and pools wait for max(0, halo - compute) + the border
     frame; transposed convs and upsampling for the whole exchange each way."""
-    from nowdl.partitioner.costs.costmodel import _border_fraction, _exposed_halo_s
+    from nowdl.partitioner.costs.costmodel import border_fraction, exposed_halo_s
     from nowdl.partitioner.spatial.tileable import SpatialRule
 
     conv, pool, up = SpatialRule(True, "", (1, 1), "conv"), SpatialRule(True, "", (1, 1), "pool"), \
         SpatialRule(True, "", (1,), "upsample")
     # halo hidden behind compute: only the border recompute is left
-    assert _exposed_halo_s(conv, 1e-3, 10e-3, 20e-3, True, 0.01) == pytest.approx(0.01 * 10e-3)
+    assert exposed_halo_s(conv, 1e-3, 10e-3, 20e-3, True, 0.01) == pytest.approx(0.01 * 10e-3)
     # halo longer than the compute it overlaps (backward: a conv's whole backward but the border)
-    assert _exposed_halo_s(conv, 30e-3, 10e-3, 20e-3, True, 0.0) == pytest.approx(20e-3 + 10e-3)
-    assert _exposed_halo_s(conv, 30e-3, 10e-3, 20e-3, True, 0.5) == pytest.approx(20e-3 + 5e-3 + 20e-3)
-    assert _exposed_halo_s(pool, 1e-3, 2e-3, 2e-3, False, 0.0) == pytest.approx(1e-3)  # no weight gradient
-    assert _exposed_halo_s(up, 1e-3, 10e-3, 20e-3, False, 0.0) == pytest.approx(2e-3)
+    assert exposed_halo_s(conv, 30e-3, 10e-3, 20e-3, True, 0.0) == pytest.approx(20e-3 + 10e-3)
+    assert exposed_halo_s(conv, 30e-3, 10e-3, 20e-3, True, 0.5) == pytest.approx(20e-3 + 5e-3 + 20e-3)
+    assert exposed_halo_s(pool, 1e-3, 2e-3, 2e-3, False, 0.0) == pytest.approx(1e-3)  # no weight gradient
+    assert exposed_halo_s(up, 1e-3, 10e-3, 20e-3, False, 0.0) == pytest.approx(2e-3)
     # 1x2 grid of 128x128, halo 1: the two border columns of a 64-wide tile
-    assert _border_fraction((1, 8, 128, 128), (1, 2), (1, 1)) == pytest.approx(2 / 64)
-    assert _border_fraction((1, 8, 128, 128), (2, 2), (1, 1)) == pytest.approx(4 / 64)
+    assert border_fraction((1, 8, 128, 128), (1, 2), (1, 1)) == pytest.approx(2 / 64)
+    assert border_fraction((1, 8, 128, 128), (2, 2), (1, 1)) == pytest.approx(4 / 64)

@@ -36,7 +36,8 @@ from nowdl.schedule.orders import skip_waits
 from nowdl.schedule.zero_bubble_order import zb_slots
 
 __all__ = ["Costs", "edge_indices", "build_problem", "predict_step", "message_latency_s", "tied_nodes", "HALO_LATENCY_S",
-           "spatial_dims_of", "dtype_bytes", "layout_of", "grad_sync_s", "pipeline_slots"]
+           "spatial_dims_of", "dtype_bytes", "layout_of", "grad_sync_s", "pipeline_slots",
+           "exposed_halo_s", "border_fraction", "grad_workspace"]
 
 HALO_LATENCY_S = 10e-6  # per halo exchange (one message round to the neighbours)
 
@@ -96,7 +97,7 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
     for u, v in prof.edges:
         producers.setdefault(v, u)
     act, time, ws, out = [], [], [], []
-    grads = _grad_workspace(prof)
+    grads = grad_workspace(prof)
     for n, g in zip(prof.nodes, grads, strict=True):
         rule = costs.rules.get(n.name)
         a = _tile_act(costs, n, parts)
@@ -109,8 +110,8 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
                 if n.saved_bytes:
                     a += hb  # the padded input tile is what the op saves
                 one_way = hb / (link_bw or costs.link_bw) + latency_s
-                t += _exposed_halo_s(rule, one_way, n.fwd_s / parts, n.bwd_s / parts, n.param_bytes > 0,
-                                     _border_fraction(shape, grid, rule.halo))
+                t += exposed_halo_s(rule, one_way, n.fwd_s / parts, n.bwd_s / parts, n.param_bytes > 0,
+                                     border_fraction(shape, grid, rule.halo))
         act.append(a)
         time.append(t)
         ws.append(max(n.workspace_bytes, g) / parts)
@@ -130,8 +131,8 @@ def _tile_act(costs: Costs, n: NodeCost, parts: int) -> float:
     return a
 
 
-def _exposed_halo_s(rule: SpatialRule, one_way_s: float, fwd_s: float, bwd_s: float, has_weight: bool,
-                    border: float) -> float:
+def exposed_halo_s(rule: SpatialRule, one_way_s: float, fwd_s: float, bwd_s: float, has_weight: bool,
+                   border: float) -> float:
     """[Note: halo overlap cost] Halo time a tile rank waits for per micro-batch.
 
     Convs and pools overlap the exchange ([Note: halo overlap] in
@@ -149,7 +150,7 @@ def _exposed_halo_s(rule: SpatialRule, one_way_s: float, fwd_s: float, bwd_s: fl
     return max(0.0, one_way_s - fwd_s) + border * fwd_s + max(0.0, one_way_s - hidden_bwd)
 
 
-def _border_fraction(shape: Sequence[int], grid: Sequence[int], halo: Sequence[int]) -> float:
+def border_fraction(shape: Sequence[int], grid: Sequence[int], halo: Sequence[int]) -> float:
     """Share of an op's output tile that reads the halo (recomputed after the wait): about
     ``2 x halo / tile side`` per cut dim."""
     sp = list(tile_shape(shape, grid)[2:])
@@ -158,7 +159,7 @@ def _border_fraction(shape: Sequence[int], grid: Sequence[int], halo: Sequence[i
     return min(1.0, sum(2 * hi / max(1, side) for side, hi, gi in zip(sp, h, g, strict=True) if gi > 1))
 
 
-def _grad_workspace(prof: Profile) -> list[float]:
+def grad_workspace(prof: Profile) -> list[float]:
     """Gradients alive during each node's backward ([Note: held buffers])."""
     edges = edge_indices(prof)
     floating = [n.out_dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
@@ -177,7 +178,7 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
         "plain": NodeVectors(
             act=[n.act_bytes for n in prof.nodes],
             time=[n.time_s for n in prof.nodes],
-            workspace=[max(n.workspace_bytes, g) for n, g in zip(prof.nodes, _grad_workspace(prof), strict=True)],
+            workspace=[max(n.workspace_bytes, g) for n, g in zip(prof.nodes, grad_workspace(prof), strict=True)],
             out=[n.out_bytes for n in prof.nodes],
         )
     }

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from nowdl.partitioner.costs.problem import Problem
 from nowdl.partitioner.exact.chain_dp import IDLE_FRACTION, spread_ok
 
-__all__ = ["stage_work", "rank_work", "idle_stages", "idle_warning", "IDLE_FRACTION", "spread_ok"]
+__all__ = ["stage_work", "idle_stages", "idle_warning", "IDLE_FRACTION", "spread_ok"]
 
 
 def stage_work(problem: Problem, stage_of: Sequence[int]) -> list[float]:
@@ -26,12 +26,6 @@ def stage_work(problem: Problem, stage_of: Sequence[int]) -> list[float]:
     for v, s in enumerate(stage_of):
         work[s] += problem.variants[problem.stages[s].variant].time[v]
     return work
-
-
-def rank_work(problem: Problem, stage_of: Sequence[int]) -> list[float]:
-    """Compute seconds of every rank (MASTER: both stages it holds)."""
-    work = stage_work(problem, stage_of)
-    return [sum(work[s] for s in st) for st in problem.rank_stages()]
 
 
 def idle_stages(problem: Problem, stage_of: Sequence[int]) -> list[int]:

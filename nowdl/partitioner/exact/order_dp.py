@@ -18,6 +18,7 @@ The helpers every solver shares (``check_problem``, ``topological_order``, ``sta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -37,7 +38,7 @@ from nowdl.partitioner.costs.structure import (
 from nowdl.partitioner.exact.chain_dp import lexicographic
 from nowdl.partitioner.master.pairing import master_split, standard_pairing
 
-__all__ = ["solve_dp"]
+__all__ = ["solve_dp", "minmax_dp"]
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ class _OrderCosts:
                    for s in range(self.k))
 
 
-def _minmax_dp(
+def minmax_dp(
     costs: list[np.ndarray], bmin: Sequence[int], bmax: Sequence[int], *, nonempty: bool = True
 ) -> tuple[float, list[int]]:
     """min over cuts of max_s costs[s][cut[s], cut[s+1]] (cut[0]=0, cut[K]=n), with
@@ -268,7 +269,7 @@ def _minmax_dp(
     return best, cuts
 
 
-def solve_dp(problem: Problem, order: Sequence[int] | None = None) -> Partition:
+def solve_dp(problem: Problem, order: Sequence[int] | None = None, *, explain: bool = True) -> Partition:
     """Best split of a topological order into K contiguous stages (exact over that family).
 
     Minimises the bottleneck of ``problem.objective`` over ranks subject to ``mem_cap``,
@@ -284,6 +285,8 @@ def solve_dp(problem: Problem, order: Sequence[int] | None = None) -> Partition:
     Args:
         problem: the problem.
         order: a topological order of the nodes (default: ``topological_order(problem)``).
+        explain: an InfeasibleError over the cap names the cap that fits (solving again
+            without it); False: it says only why.
 
     Returns:
         The Partition, evaluated with ``evaluate()``; solver "dp".
@@ -293,10 +296,6 @@ def solve_dp(problem: Problem, order: Sequence[int] | None = None) -> Partition:
         InfeasibleError: if no contiguous split of this order respects pins, tileability
             and the memory cap.
     """
-    return _solve_dp(problem, order, explain=True)
-
-
-def _solve_dp(problem: Problem, order: Sequence[int] | None, *, explain: bool) -> Partition:
     t0 = time.perf_counter()
     check_problem(problem)
     n, k = problem.n, problem.k
@@ -354,20 +353,9 @@ def _solve_dp(problem: Problem, order: Sequence[int] | None, *, explain: bool) -
 def _dp_infeasible_message(problem: Problem, order: Sequence[int], why: str) -> str:
     detail = why
     if problem.mem_cap is not None:
-        relaxed = Problem(
-            names=problem.names,
-            edges=problem.edges,
-            static=problem.static,
-            variants=problem.variants,
-            stages=problem.stages,
-            tileable=problem.tileable,
-            ranks=problem.ranks,
-            objective="memory",
-            mem_cap=None,
-            pinned=problem.pinned,
-        )
+        relaxed = dataclasses.replace(problem, objective="memory", mem_cap=None)
         try:
-            best = _solve_dp(relaxed, order, explain=False)
+            best = solve_dp(relaxed, order, explain=False)
         except InfeasibleError:
             pass
         else:

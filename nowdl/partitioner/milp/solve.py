@@ -27,7 +27,7 @@ from nowdl.partitioner.costs.structure import (
     stage_ranges,
 )
 from nowdl.partitioner.exact.chain_dp import spread_ok
-from nowdl.partitioner.exact.order_dp import _solve_dp
+from nowdl.partitioner.exact.order_dp import solve_dp
 from nowdl.partitioner.milp.lp_bound import assignment_lower_bound
 from nowdl.partitioner.milp.model import ConstantViolation, IlpModel, build_ilp
 from nowdl.partitioner.milp.run import available_solvers, pick_solver, run_model
@@ -165,7 +165,7 @@ def solve_ilp(
         dp_part = make_partition(problem, start.stage_of, solver=start.solver, status=start.status)
     else:
         try:
-            dp_part = _solve_dp(problem, None, explain=False)
+            dp_part = solve_dp(problem, explain=False)
         except InfeasibleError as exc:
             log.info("ilp: the DP found no split of the topological order (%s)", exc)
     mem_ub = time_ub = None

@@ -118,9 +118,6 @@ class Layout:
         r0 = self.start[(d, self.slot(rep, stage))]
         return self.node(r0), self.node(r0 + self.parts[stage] - 1)
 
-    def _copies(self) -> list[tuple[int, int]]:
-        return [(d, rep) for d in range(self.cand.dp) for rep in range(self.cand.replicas)]
-
     @functools.cached_property
     def _crossings(self) -> tuple[list[bool], list[bool]]:
         """(tiles span nodes, a chain boundary crosses nodes) per stage, over every copy."""

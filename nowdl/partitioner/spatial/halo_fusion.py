@@ -2,7 +2,7 @@
 
 [Note: fusion cost] Unfused, each conv/pool of a run exchanges its own halo (forward, and its
 gradient in backward) and overlaps it with its own compute: it costs the halo time the cost
-model charges it (``_exposed_halo_s`` in ``nowdl.partitioner.costs.costmodel``, [Note: halo overlap
+model charges it (``exposed_halo_s`` in ``nowdl.partitioner.costs.costmodel``, [Note: halo overlap
 cost]; a one-way exchange is ``latency + halo bytes / link``). Fused
 (:func:`nowdl.runtime.spatial.fusion.fused_forward`), the run exchanges once, a deeper halo that its
 first op overlaps the same way, and recomputes the overlap: the first op's exposed time for
@@ -38,10 +38,10 @@ from nowdl.geometry import chain_geometry, fusable
 from nowdl.partitioner.costs.costmodel import (
     HALO_LATENCY_S,
     Costs,
-    _border_fraction,
-    _exposed_halo_s,
-    _grad_workspace,
+    border_fraction,
     dtype_bytes,
+    exposed_halo_s,
+    grad_workspace,
 )
 from nowdl.partitioner.search.assemble import SearchResult, charge_fused_workspace
 from nowdl.partitioner.spatial.tileable import SpatialRule, halo_elements, spatial_rules
@@ -135,8 +135,8 @@ def _gain(g: _Graph, chain: list[str], prof: Profile, grid: Sequence[int], link_
     def exposed(c: str, rule: SpatialRule, sshape: Sequence[int], halo: Sequence[int]) -> float:
         one_way = latency_s + halo_elements(sshape, grid, halo) * item / link_bw
         n = prof[c] if c in prof else None
-        return _exposed_halo_s(rule, one_way, n.fwd_s / parts if n else 0.0, n.bwd_s / parts if n else 0.0,
-                               bool(n and n.param_bytes > 0), _border_fraction(sshape, grid, halo))
+        return exposed_halo_s(rule, one_way, n.fwd_s / parts if n else 0.0, n.bwd_s / parts if n else 0.0,
+                               bool(n and n.param_bytes > 0), border_fraction(sshape, grid, halo))
 
     unfused = 0.0
     for c in chain:
@@ -194,7 +194,7 @@ def fused_workspace(gm: fx.GraphModule, plan: Plan, prof: Profile) -> dict[str, 
     """Per fused run of ``plan`` (``stages[i].fused``), its first node's backward workspace per
     tile rank, in bytes ([Note: fused workspace])."""
     g = _Graph({n.name: n for n in gm.graph.nodes}, dict(gm.named_modules()), {})
-    grads = dict(zip((n.name for n in prof.nodes), _grad_workspace(prof), strict=True))
+    grads = dict(zip((n.name for n in prof.nodes), grad_workspace(prof), strict=True))
     out: dict[str, float] = {}
     for st in plan.stages:
         for chain in st.fused if st.parts > 1 else []:

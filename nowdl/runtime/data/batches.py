@@ -6,23 +6,17 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from nowdl.errors import NowdlError
 
-__all__ = ["Batches", "SyntheticData", "ImageFolderData"]
+__all__ = ["SyntheticData", "ImageFolderData"]
 
 _IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff")
 _ARRAY_EXTS = (".npy",)
-
-
-class Batches(Protocol):
-    """A source of global batches: the same ``(x, y)`` for the same step on every rank."""
-
-    def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _generator(seed: int, step: int) -> torch.Generator:

@@ -78,7 +78,6 @@ class Feed:
             return
         self._it = iter(loader(self.dataset, batch, seed=self.seed, workers=self.workers, start_step=step,
                                sample_shape=self.sample_shape, label_shape=self.label_shape, name=self.name))
-        self._next_step = step
 
     def next(self, step: int) -> tuple[Any, Any, float]:
         """``(x, y, seconds waited)`` of ``step`` (steps in order; the same step again is cached)."""

@@ -20,21 +20,14 @@ if TYPE_CHECKING:
         halo_exchange,
     )
     from nowdl.runtime.spatial.norms import batchnorm_tile, groupnorm_tile, instancenorm_tile
-    from nowdl.runtime.spatial.tiled_ops import (
-        conv_tile,
-        conv_transpose_tile,
-        pool_tile,
-        upsample_tile,
-    )
     from nowdl.runtime.spatial.tiles import TiledInput, TileGrid
     from nowdl.runtime.spatial.window_op import halo_overlap, set_halo_overlap
 
-__all__ = ["Window", "fetch_window", "halo_exchange", "TileTooSmallError", "conv_tile", "conv_transpose_tile", "pool_tile", "upsample_tile", "batchnorm_tile", "groupnorm_tile", "instancenorm_tile", "tile_forward", "sum_weight_grads", "set_halo_overlap", "halo_overlap", "TileGrid", "TiledInput"]
+__all__ = ["Window", "fetch_window", "halo_exchange", "TileTooSmallError", "batchnorm_tile", "groupnorm_tile", "instancenorm_tile", "tile_forward", "sum_weight_grads", "set_halo_overlap", "halo_overlap", "TileGrid", "TiledInput"]
 
 __getattr__ = lazy_exports(__name__, {
     "TileTooSmallError": "exchange", "Window": "exchange", "fetch_window": "exchange",
-    "halo_exchange": "exchange", "conv_tile": "tiled_ops", "conv_transpose_tile": "tiled_ops",
-    "pool_tile": "tiled_ops", "upsample_tile": "tiled_ops", "batchnorm_tile": "norms",
+    "halo_exchange": "exchange", "batchnorm_tile": "norms",
     "groupnorm_tile": "norms", "instancenorm_tile": "norms", "sum_weight_grads": "dispatch",
     "tile_forward": "dispatch", "halo_overlap": "window_op", "set_halo_overlap": "window_op",
     "TileGrid": "tiles", "TiledInput": "tiles",

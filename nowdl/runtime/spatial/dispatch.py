@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from nowdl.geometry import _POINTWISE
+from nowdl.geometry import POINTWISE
 from nowdl.runtime.spatial.norms import batchnorm_tile, groupnorm_tile, instancenorm_tile
-from nowdl.runtime.spatial.tiled_ops import _conv, _conv_transpose, _pool, _upsample
+from nowdl.runtime.spatial.tiled_ops import conv_tile, conv_transpose_tile, pool_tile, upsample_tile
 from nowdl.runtime.spatial.tiles import TileGrid
 
 __all__ = ["tile_forward", "sum_weight_grads"]
@@ -30,20 +30,20 @@ def tile_forward(
             x_tile, grid = tile_forward(m, x_tile, grid, group)
         return x_tile, grid
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        return _conv(x_tile, module, grid, group)
+        return conv_tile(x_tile, module, grid, group)
     if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
-        return _conv_transpose(x_tile, module, grid, group)
+        return conv_transpose_tile(x_tile, module, grid, group)
     if isinstance(module, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)):
-        return _pool(x_tile, module, grid, group)
+        return pool_tile(x_tile, module, grid, group)
     if isinstance(module, nn.Upsample):
-        return _upsample(x_tile, module, grid, group)
+        return upsample_tile(x_tile, module, grid, group)
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return batchnorm_tile(x_tile, module, group), grid
     if isinstance(module, nn.GroupNorm):
         return groupnorm_tile(x_tile, module, group), grid
     if isinstance(module, nn.modules.instancenorm._InstanceNorm):
         return instancenorm_tile(x_tile, module, group), grid
-    if isinstance(module, _POINTWISE):
+    if isinstance(module, POINTWISE):
         return module(x_tile), grid
     raise NotImplementedError(
         f"tile_forward: {type(module).__name__} is not tiled; end the spatial region before it "

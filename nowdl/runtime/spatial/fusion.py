@@ -41,7 +41,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nowdl.geometry import Span, _flatten, _plans, _Step, _steps, chain_geometry, fusable
+from nowdl.geometry import (
+    ChainStep,
+    Span,
+    chain_geometry,
+    chain_steps,
+    chain_windows,
+    flatten_sequential,
+    fusable,
+)
 from nowdl.runtime.spatial.exchange import Window, _check_tile, _windows
 from nowdl.runtime.spatial.tiled_ops import _CONV_FN, _MAXPOOL_FN, _sum_pool
 from nowdl.runtime.spatial.tiles import TileGrid
@@ -54,11 +62,11 @@ __all__ = ["fusable", "fused_forward", "chain_geometry"]
 # forward
 
 
-def _fill(step: _Step) -> float:
+def _fill(step: ChainStep) -> float:
     return -math.inf if step.kind == "max" else 0.0
 
 
-def _apply(step: _Step, x: Tensor, win: Sequence[Span], out_region: Sequence[Span]) -> Tensor:
+def _apply(step: ChainStep, x: Tensor, win: Sequence[Span], out_region: Sequence[Span]) -> Tensor:
     """Run a windowed op unpadded on ``x`` (covering the unclipped window ``win``), giving the
     output over ``out_region``."""
     m: Any = step.module
@@ -74,7 +82,7 @@ def _apply(step: _Step, x: Tensor, win: Sequence[Span], out_region: Sequence[Spa
     return _avg_divide(step, _sum_pool(x, step.k, step.s), win)
 
 
-def _window_fn(step: _Step) -> Any:
+def _window_fn(step: ChainStep) -> Any:
     """``op(window, weight, bias)`` of a windowed step, unpadded (average pools: the sum)."""
     m: Any = step.module
     n = len(step.k)
@@ -85,7 +93,7 @@ def _window_fn(step: _Step) -> Any:
     return lambda xw, w, b: _sum_pool(xw, step.k, step.s)
 
 
-def _avg_divide(step: _Step, total: Tensor, win: Sequence[Span]) -> Tensor:
+def _avg_divide(step: ChainStep, total: Tensor, win: Sequence[Span]) -> Tensor:
     """An average pool's window sums divided by the count of pixels each averages."""
     m: Any = step.module
     n = len(win)
@@ -133,9 +141,9 @@ def fused_forward(
         NotImplementedError: a module is not fusable (see :func:`fusable`).
         TileTooSmallError: an intermediate spatial size is smaller than the grid.
     """
-    mods = _flatten(modules)
+    mods = flatten_sequential(modules)
     _check_tile(x_tile, grid, "fused_forward")
-    steps = _steps(mods, grid.shape, grid.grid, "fused_forward")
+    steps = chain_steps(mods, grid.shape, grid.grid, "fused_forward")
     out_grid = grid.with_shape(steps[-1].out_shape if steps else grid.shape)
     first = next((j for j, st in enumerate(steps) if st.windowed), None)
     if first is None:  # pointwise only: no exchange needed
@@ -146,7 +154,7 @@ def fused_forward(
     x = x_tile
     for m in mods[:first]:  # pointwise on the exact tile: never on padding
         x = m(x)
-    plans = _plans(steps, out_grid.shape, out_grid.grid)
+    plans = chain_windows(steps, out_grid.shape, out_grid.grid)
     wins = _windows(grid, lambda i, c: plans[i][c][first][0])
     mine = [plans[i][out_grid.coords[i]] for i in range(grid.ndim)]
     for j in range(first, len(steps)):
@@ -175,7 +183,7 @@ def _me() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _window_step(st: _Step, x: Tensor, grid: TileGrid, wins: Sequence[Window], group: dist.ProcessGroup | None,
+def _window_step(st: ChainStep, x: Tensor, grid: TileGrid, wins: Sequence[Window], group: dist.ProcessGroup | None,
               win: Sequence[Span], out_region: Sequence[Span]) -> Tensor:
     """A windowed op of the chain as a window op over ``wins`` of ``grid``: the first on the deep
     window it fetches (saves the tile and the halo slabs, not the window; overlaps the

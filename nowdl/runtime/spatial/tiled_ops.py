@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nowdl.geometry import TileTooSmallError, _conv_pads, _pool_out, _tup
+from nowdl.geometry import TileTooSmallError, conv_pads, ntuple, pool_out_size
 from nowdl.runtime.spatial.exchange import Window, _check_tile, _windows, fetch_window
 from nowdl.runtime.spatial.tiles import TileGrid
 from nowdl.runtime.spatial.window_op import _window_op
@@ -55,7 +55,12 @@ _CONV_FN: dict[int, Callable[..., Tensor]] = {1: F.conv1d, 2: F.conv2d, 3: F.con
 _CONVT_FN: dict[int, Callable[..., Tensor]] = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-def _conv(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None) -> tuple[Tensor, TileGrid]:
+def conv_tile(
+    x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, TileGrid]:
+    """This rank's output tile of ``conv`` (nn.Conv1d/2d/3d, any kernel, stride, dilation, groups,
+    zero padding incl. 'same'/'valid') and the output's grid; the tile equals that region of
+    ``conv(full)``."""
     op = type(conv).__name__
     if not isinstance(conv, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         raise TypeError(f"conv_tile: {op} is not nn.Conv1d/2d/3d")
@@ -68,8 +73,8 @@ def _conv(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGr
             f"end the spatial region before it or use zero padding"
         )
     _check_tile(x_tile, grid, f"conv_tile({op})")
-    k, s, d = _tup(conv.kernel_size, n), _tup(conv.stride, n), _tup(conv.dilation, n)
-    pads = _conv_pads(conv, n, k, d)
+    k, s, d = ntuple(conv.kernel_size, n), ntuple(conv.stride, n), ntuple(conv.dilation, n)
+    pads = conv_pads(conv, n, k, d)
     out_shape = [(grid.shape[i] + pads[i][0] + pads[i][1] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(n)]
     og = _out_grid(grid, out_shape, f"conv_tile({op})")
     wins = _strided_windows(grid, og, k, s, d, [p[0] for p in pads])
@@ -80,13 +85,11 @@ def _conv(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGr
     return y, og
 
 
-def conv_tile(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None) -> Tensor:
-    """This rank's output tile of ``conv`` (nn.Conv1d/2d/3d, any kernel, stride, dilation,
-    groups, zero padding incl. 'same'/'valid'); equals that region of ``conv(full)``."""
-    return _conv(x_tile, conv, grid, group)[0]
-
-
-def _conv_transpose(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None) -> tuple[Tensor, TileGrid]:
+def conv_transpose_tile(
+    x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, TileGrid]:
+    """This rank's output tile of ``conv`` (nn.ConvTranspose1d/2d/3d, stride, dilation, padding,
+    output_padding, groups) and the output's grid; the tile equals that region of ``conv(full)``."""
     op = type(conv).__name__
     if not isinstance(conv, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
         raise TypeError(f"conv_transpose_tile: {op} is not nn.ConvTranspose1d/2d/3d")
@@ -94,8 +97,8 @@ def _conv_transpose(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist
     _check_tile(x_tile, grid, f"conv_transpose_tile({op})")
     if conv.padding_mode != "zeros":
         raise NotImplementedError(f"conv_transpose_tile: {op}(padding_mode={conv.padding_mode!r}) is not tiled")
-    k, s, d = _tup(conv.kernel_size, n), _tup(conv.stride, n), _tup(conv.dilation, n)
-    p, op_ = _tup(conv.padding, n), _tup(conv.output_padding, n)
+    k, s, d = ntuple(conv.kernel_size, n), ntuple(conv.stride, n), ntuple(conv.dilation, n)
+    p, op_ = ntuple(conv.padding, n), ntuple(conv.output_padding, n)
     out_shape = [(grid.shape[i] - 1) * s[i] - 2 * p[i] + d[i] * (k[i] - 1) + op_[i] + 1 for i in range(n)]
     og = _out_grid(grid, out_shape, f"conv_transpose_tile({op})")
 
@@ -126,12 +129,6 @@ def _conv_transpose(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist
     return y, og
 
 
-def conv_transpose_tile(x_tile: Tensor, conv: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None) -> Tensor:
-    """This rank's output tile of ``conv`` (nn.ConvTranspose1d/2d/3d, stride, dilation,
-    padding, output_padding, groups); equals that region of ``conv(full)``."""
-    return _conv_transpose(x_tile, conv, grid, group)[0]
-
-
 def _sum_pool(x: Tensor, k: Sequence[int], s: Sequence[int]) -> Tensor:
     n = x.dim() - 2
     if n == 1:
@@ -144,21 +141,26 @@ def _sum_pool(x: Tensor, k: Sequence[int], s: Sequence[int]) -> Tensor:
 _MAXPOOL_FN: dict[int, Callable[..., Tensor]] = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 
-def _pool(x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None) -> tuple[Tensor, TileGrid]:
+def pool_tile(
+    x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, TileGrid]:
+    """This rank's output tile of MaxPool/AvgPool (kernel, stride, padding, dilation for max,
+    ceil_mode, count_include_pad, divisor_override) and the output's grid; the tile equals that
+    region of ``pool(full)``."""
     op = type(pool).__name__
     n = grid.ndim
     is_max = isinstance(pool, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d))
     if not is_max and not isinstance(pool, (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)):
         raise TypeError(f"pool_tile: {op} is not MaxPool1d/2d/3d or AvgPool1d/2d/3d")
     _check_tile(x_tile, grid, f"pool_tile({op})")
-    k = _tup(pool.kernel_size, n)
-    s = _tup(pool.stride if pool.stride not in (None, (), []) else pool.kernel_size, n)
-    p = _tup(pool.padding, n)
-    d = _tup(getattr(pool, "dilation", 1), n) if is_max else (1,) * n
+    k = ntuple(pool.kernel_size, n)
+    s = ntuple(pool.stride if pool.stride not in (None, (), []) else pool.kernel_size, n)
+    p = ntuple(pool.padding, n)
+    d = ntuple(getattr(pool, "dilation", 1), n) if is_max else (1,) * n
     if is_max and pool.return_indices:
         raise NotImplementedError(f"pool_tile: {op}(return_indices=True) is not tiled (indices are tile-local)")
     ceil = bool(pool.ceil_mode)
-    out_shape = [_pool_out(grid.shape[i], k[i], s[i], p[i], d[i], ceil) for i in range(n)]
+    out_shape = [pool_out_size(grid.shape[i], k[i], s[i], p[i], d[i], ceil) for i in range(n)]
     og = _out_grid(grid, out_shape, f"pool_tile({op})")
     wins = _strided_windows(grid, og, k, s, d, p)
     if is_max:
@@ -180,16 +182,10 @@ def _pool(x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGr
     return total / _sum_pool(mask, k, s), og
 
 
-def pool_tile(x_tile: Tensor, pool: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None) -> Tensor:
-    """This rank's output tile of MaxPool/AvgPool (kernel, stride, padding, dilation for max,
-    ceil_mode, count_include_pad, divisor_override); equals that region of ``pool(full)``."""
-    return _pool(x_tile, pool, grid, group)[0]
-
-
 def _upsample_sizes(up: nn.Upsample, grid: TileGrid) -> tuple[list[int], list[float | None]]:
     n = grid.ndim
     if up.size is not None:
-        return list(_tup(up.size, n)), [None] * n
+        return list(ntuple(up.size, n)), [None] * n
     sf = up.scale_factor
     sfs = [float(v) for v in sf] if isinstance(sf, (tuple, list)) else [float(sf)] * n  # type: ignore[arg-type]
     out = [int(math.floor(grid.shape[i] * sfs[i])) for i in range(n)]
@@ -234,7 +230,12 @@ def _linear_index(in_size: int, out_size: int, sf: float | None, align: bool, dt
     return i0, i1, lam
 
 
-def _upsample(x_tile: Tensor, up: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None) -> tuple[Tensor, TileGrid]:
+def upsample_tile(
+    x_tile: Tensor, up: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None
+) -> tuple[Tensor, TileGrid]:
+    """This rank's output tile of ``nn.Upsample`` (nearest, nearest-exact, (bi/tri)linear with
+    align_corners True or False, size or scale_factor) and the output's grid; the tile equals
+    that region of ``up(full)``."""
     if not isinstance(up, nn.Upsample):
         raise TypeError(f"upsample_tile: {type(up).__name__} is not nn.Upsample")
     mode = up.mode
@@ -278,9 +279,3 @@ def _upsample(x_tile: Tensor, up: nn.Module, grid: TileGrid, group: dist.Process
             l1 = l1.view((1, 1) + shape)
             y = y.index_select(2 + i, i0) * (1 - l1) + y.index_select(2 + i, i1) * l1
     return y, og
-
-
-def upsample_tile(x_tile: Tensor, up: nn.Module, grid: TileGrid, group: dist.ProcessGroup | None = None) -> Tensor:
-    """This rank's output tile of ``nn.Upsample`` (nearest, nearest-exact, (bi/tri)linear with
-    align_corners True or False, size or scale_factor); equals that region of ``up(full)``."""
-    return _upsample(x_tile, up, grid, group)[0]

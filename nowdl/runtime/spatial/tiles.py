@@ -104,13 +104,6 @@ class TileGrid:
         index = ranks_t.index(rank)
         return cls(shape_t, grid_t, _unravel(index, grid_t), ranks_t)
 
-    @classmethod
-    def for_group(
-        cls, shape: Sequence[int], grid: Sequence[int], group: dist.ProcessGroup | None = None
-    ) -> TileGrid:
-        """The grid seen by this process in ``group`` (the world for ``None``)."""
-        return cls.for_rank(shape, grid, dist.get_rank(), group_ranks(group))
-
     def with_shape(self, shape: Sequence[int]) -> TileGrid:
         """The same grid and coordinates over another full spatial shape (an op's output)."""
         return TileGrid(tuple(int(s) for s in shape), self.grid, self.coords, self.ranks)

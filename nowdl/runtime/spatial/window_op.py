@@ -171,7 +171,7 @@ class _WindowOp(torch.autograd.Function):
         bufs = pending.bufs
         del pending
         ctx.grid, ctx.window, ctx.group, ctx.tag, ctx.plan, ctx.fill = grid, win, group, tag, plan, fill
-        ctx.op, ctx.conv, ctx.nbufs, ctx.has_bias = op, conv, len(bufs), bias is not None
+        ctx.op, ctx.conv, ctx.has_bias = op, conv, bias is not None
         ctx.pad, ctx.geom, ctx.border = pad, geom, (split[1] if split is not None else [])
         ctx.bias_shape = tuple(bias.shape) if bias is not None else None
         ctx.save_for_backward(x, weight, *bufs)

@@ -106,10 +106,6 @@ def bind_optimizer(opt: torch.optim.Optimizer, model: nn.Module, stages: Sequenc
                 opt.state[new] = opt.state.pop(p)
 
 
-def _param_index(opt: torch.optim.Optimizer) -> dict[int, nn.Parameter]:
-    return {id(p): p for g in opt.param_groups for p in g["params"]}
-
-
 def optimizer_tensors(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """``optim/<name>/<key>`` tensors of the parameters in ``named``, and the keys that were Python
     numbers (saved as float64 scalars, restored as numbers)."""
