@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from helpers.distributed import run_workers
-from helpers.reference import train_reference
 from torch import nn
 
 import nowdl
+from helpers.distributed import run_workers
+from helpers.reference import train_reference
 
 __all__ = ["LR", "STEPS", "adam", "compare", "make_batch", "make_loss", "make_model", "reference_run", "train_worker"]
 
