@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from nowdl.codegen.chain import StageChain, chain_stages
 from nowdl.errors import NowdlError
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
@@ -62,7 +63,7 @@ class CompiledModel:
         self.optimizer_kind = optimizer_kind(options.optimizer)  # the state family the profile counts
         self._traced: dict[tuple[tuple[int, ...], ...], Traced] = {}
         self._plans: dict[tuple[tuple[int, ...], ...], Plan] = {}
-        self._split: dict[tuple[tuple[int, ...], ...], fx.GraphModule] = {}
+        self._chains: dict[tuple[tuple[int, ...], ...], StageChain] = {}  # what cm(x) runs, per input shapes
         self._trainer: Trainer | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # built by compile() over model.parameters()
 
@@ -268,13 +269,12 @@ class CompiledModel:
         self._train().load_checkpoint(directory, x)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        """Run the plan's stages one after another in this process (same result as the model)."""
-        from nowdl.codegen import split_stages
-
+        """Run the plan's stages, the modules training runs (``build_stages``), one after another
+        in this process (a spatial stage untiled): the model's output, in its structure."""
         key = tuple(tuple(x.shape) for x in inputs)
-        if key not in self._split:
-            self._split[key] = split_stages(self.trace(*inputs).gm, self.plan(*inputs))
-        return self._split[key](*inputs)
+        if key not in self._chains:
+            self._chains[key] = chain_stages(self.trace(*inputs).gm, self.plan(*inputs))
+        return self._chains[key](*inputs)
 
 
 def _spec_for_local_gpu() -> DeviceSpec:

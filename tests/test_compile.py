@@ -1,4 +1,4 @@
-"""End to end: nowdl.compile(...).plan(x) on small models, plan JSON, stage split exactness."""
+"""End to end: nowdl.compile(...).plan(x) on small models, plan JSON, cm(x) (the chained stages) equals the model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import nowdl
-from nowdl.codegen import split_stages
+from nowdl.codegen import StageModule, build_stages
 from nowdl.errors import InfeasibleError, NowdlError, PlanError
 from nowdl.models import resnet, unet
 
@@ -45,7 +45,7 @@ def _check_plan(plan: nowdl.Plan, gpus: int) -> None:
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4])
-def test_plan_small_unet_and_split_reproduces_output(gpus: int) -> None:
+def test_plan_small_unet_and_stages_reproduce_output(gpus: int) -> None:
     model = _small_unet()
     x = torch.randn(1, 1, 32, 32)
     cm = nowdl.compile(model, gpus=gpus, dp=1, replicas=1, spatial_parts=None, stages=gpus, micro_batches=2)
@@ -54,10 +54,7 @@ def test_plan_small_unet_and_split_reproduces_output(gpus: int) -> None:
     assert plan.config["stages"] == gpus
     if gpus == 4:
         assert any(any(j > t.from_stage + 1 for j in t.to_stages) for t in plan.tensors), "UNet skips span stages"
-    split = split_stages(cm.trace(x).gm, plan)
     model.eval()
-    split.eval()
-    assert torch.equal(split(x), model(x))
     assert torch.equal(cm(x), model(x))
 
 
@@ -69,10 +66,71 @@ def test_monai_models_plan_end_to_end(make: object) -> None:
     cm = nowdl.compile(model, gpus=4, balance="memory")
     plan = cm.plan(x)
     _check_plan(plan, 4)
-    split = split_stages(cm.trace(x).gm, plan)
     model.eval()
-    split.eval()
-    torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)
+    torch.testing.assert_close(cm(x), model(x), rtol=0, atol=0)
+
+
+def _shifted(st: StageModule) -> None:
+    """Break ``st``: its first output plus one (the graph edited in place)."""
+    g = st.module.graph
+    out = next(n for n in g.nodes if n.op == "output")
+    first, *rest = out.args[0]
+    with g.inserting_before(out):
+        plus = g.call_function(torch.add, (first, 1.0))
+    out.args = ((plus, *rest),)
+    st.module.recompile()
+
+
+def test_cm_runs_the_stage_modules_training_builds() -> None:
+    """cm(x) chains the StageModules of build_stages (what the engine runs), so a broken stage
+    module shows in cm(x); eval_step on one process gives the model's output too."""
+    torch.manual_seed(0)
+    model = _small_unet().eval()
+    x = torch.randn(1, 1, 32, 32)
+    cm = nowdl.compile(model, gpus=3, stages=3, dp=1, replicas=1, spatial_parts=1, micro_batches=2,
+                       mode="estimate", progress=False, cache=False)
+    want = model(x)
+    assert torch.equal(cm(x), want)
+    chain = cm._chains[(tuple(x.shape),)]
+    built = build_stages(cm.trace(x).gm, cm.plan(x))
+    assert all(isinstance(s, StageModule) for s in chain.stages)
+    assert [(s.index, s.inputs, s.outputs, s.producers, s.consumers, s.param_names, s.module.code)
+            for s in chain.stages] == [(s.index, s.inputs, s.outputs, s.producers, s.consumers, s.param_names,
+                                        s.module.code) for s in built]
+    for k in range(3):  # a wrong stage, wherever it is, changes what cm(x) returns
+        cm._chains.clear()
+        cm(x)
+        _shifted(cm._chains[(tuple(x.shape),)].stages[k])
+        assert not torch.allclose(cm(x), want), f"a broken stage {k} went unnoticed by cm(x)"
+    one = nowdl.compile(model, gpus=1, mode="estimate", progress=False, cache=False, device="cpu")
+    torch.testing.assert_close(one.eval_step(x), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(one(x), want)
+
+
+def test_cm_rebuilds_the_models_output_structure() -> None:
+    """A model returning a dict of a tuple and a tensor: cm(x) returns the same structure."""
+
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Conv2d(1, 2, 3, padding=1)
+            self.b = nn.Conv2d(2, 2, 3, padding=1)
+            self.c = nn.Conv2d(2, 1, 1)
+
+        def forward(self, x: torch.Tensor) -> dict[str, object]:
+            h = torch.relu(self.a(x))
+            g = torch.relu(self.b(h))
+            return {"pair": (h, self.c(g)), "last": g, "none": None}
+
+    torch.manual_seed(0)
+    model = Heads().eval()
+    x = torch.randn(1, 1, 16, 16)
+    cm = nowdl.compile(model, gpus=2, stages=2, dp=1, replicas=1, spatial_parts=1, micro_batches=2,
+                       mode="estimate", progress=False, cache=False)
+    got, want = cm(x), model(x)
+    assert list(got) == ["pair", "last", "none"] and isinstance(got["pair"], tuple) and got["none"] is None
+    assert torch.equal(got["pair"][0], want["pair"][0]) and torch.equal(got["pair"][1], want["pair"][1])
+    assert torch.equal(got["last"], want["last"])
 
 
 def test_plan_roundtrip_and_refusals(tmp_path: Path) -> None:
@@ -267,7 +325,5 @@ def test_combined_configurations(make: object, shape: tuple[int, ...], kwargs: d
     copies = plan.config["dp"] * plan.config["replicas"]
     assert len(held) == copies * sum(s.parts for s in plan.stages), "every tile of every stage copy on one rank"
     assert len(set((r.dp,) + h for r in plan.ranks for h in [tuple(x.values()) for x in r.stages])) == len(held)
-    split = split_stages(cm.trace(x).gm, plan)
     model.eval()
-    split.eval()
-    assert torch.equal(split(x), model(x))
+    assert torch.equal(cm(x), model(x)), "spatial stages run untiled in one process"

@@ -14,7 +14,7 @@ from torch import nn
 
 import nowdl
 from nowdl.cli.commands import main
-from nowdl.codegen import StageModule, build_stages, split_stages, stage_source, write_sources
+from nowdl.codegen import StageModule, build_stages, chain_stages, stage_source, write_sources
 from nowdl.errors import NowdlError
 
 KS = (2, 3, 4)
@@ -217,11 +217,16 @@ def test_weights_tied_across_stages_refused() -> None:
         build_stages(gm, plan)
 
 
-def test_split_stages_still_works() -> None:
-    model, gm, plan, _ = _setup("unet", 3)
+@pytest.mark.parametrize("name", ["unet", "monai_unet"])
+def test_chain_stages_is_the_model_in_one_process(name: str) -> None:
+    model, gm, plan, _ = _setup(name, 3)
     model.eval()
     x = torch.randn(2, 1, 32, 32)
-    assert torch.equal(split_stages(gm, plan)(x), model(x))
+    chain = chain_stages(gm, plan)
+    assert [s.index for s in chain.stages] == [0, 1, 2] and chain.data == ["x"]
+    assert torch.equal(chain(x), model(x))
+    with pytest.raises(NowdlError, match=r"take 1 model input\(s\) \(x\) but got 2"):
+        chain(x, x)
 
 
 def test_sources_compile_and_readme(tmp_path: Path) -> None:
