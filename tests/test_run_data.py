@@ -22,7 +22,7 @@ pytest.importorskip("tifffile")
 pytest.importorskip("zarr")
 pytest.importorskip("h5py")
 
-UNET = ["unet", "--model-args", '{"depth": 2, "base_width": 4, "out_channels": 2}', "--input", "3x32x32"]
+UNET = ["unet", "--model-args", '{"depth": 2, "base_width": 4, "out_channels": 2}', "--input", "1x3x32x32"]
 PINS = ["--micro-batches", "2", "--dp", "1", "--replicas", "1"]
 
 

@@ -199,8 +199,8 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn
 
 def _run(args: argparse.Namespace, rank: int, world: int,
          optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], compile_params: Any, tmp: Path) -> int:
-    job = _open_job(args, rank, world, tmp)
-    model, name, feed = _model_and_feed(job)
+    job, model, name = _open_job(args, rank, world, tmp)
+    feed = _feed(job, model, name)
     progress = job.say and sys.stderr.isatty()
     if job.say:
         what = "inference" if args.eval else f"training ({args.optimizer}, lr {args.lr:g})"
@@ -234,8 +234,11 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     return 0
 
 
-def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> _Job:
-    """Open ``--checkpoint``, find the model and the plan to run, and the batch of a step."""
+def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tuple[_Job, nn.Module, str]:
+    """Open ``--checkpoint``, find the plan to run, build the model (seeded: the same weights on
+    every rank) and find the batch of a step: ``(job, model, model's name)``."""
+    from nowdl.models.resolve import resolve_model
+
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     ck = open_checkpoint(ckpt) if ckpt is not None else None  # every rank gets the same answer or error
     saved_run = run_state(ck, args) if ck is not None else None
@@ -250,23 +253,20 @@ def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> _Jo
             g = src.plan_config.get("gpus")
             raise NowdlError(f"the plan in {src.plan_path} needs {g} ranks but this job has {world}: launch with "
                              f"torchrun --nproc-per-node {g}")
+    torch.manual_seed(args.seed)
+    model, _, name = resolve_model(src.spec, src.model_args)
+    check_model_input(src, model)
     batch, micro_batch = step_batches(args, src, saved_run)
     start = ck.step if ck is not None and not args.eval else 0
-    return _Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start)
+    return _Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start), model, name
 
 
-def _model_and_feed(job: _Job) -> tuple[nn.Module, str, Feed]:
-    """Build the model (seeded: the same weights on every rank) and the data feed it trains on."""
-    from nowdl.models.resolve import resolve_model
-
-    torch.manual_seed(job.args.seed)
-    model, _, name = resolve_model(job.src.spec, job.src.model_args)
-    check_model_input(job.src, model)
+def _feed(job: _Job, model: nn.Module, name: str) -> Feed:
+    """The data feed the model trains on, checked against the model's output shape."""
     out = output_shape(model, job.src.sample_shape)
     if len(out) < 2:
         raise NowdlError(f"{name} returns shape {out}: nowdl run needs (N, C) logits or dense (N, C, ...) outputs")
-    feed: Feed = make_feed(job.args, job.src.sample_shape, out, name)  # checks the data before anything is written
-    return model, name, feed
+    return make_feed(job.args, job.src.sample_shape, out, name)  # checks the data before anything is written
 
 
 def _start(job: _Job, model: nn.Module, feed: Feed, optimizer: Any, compile_params: Any,
