@@ -22,7 +22,7 @@ from nowdl.cli.commands import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}'
-RUN = ["run", "resnet", "--model-args", TINY, "--input", "3x16x16", "--batch-size", "2", "--steps", "1"]
+RUN = ["run", "resnet", "--model-args", TINY, "--input", "1x3x16x16", "--batch-size", "2", "--steps", "1"]
 PLAN = ["plan", "resnet", "--model-args", TINY, "--input", "1x3x16x16", "--gpus", "1"]
 
 
@@ -103,10 +103,10 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
     ("run save-every without checkpoint", [*RUN, "--save-every", "2"], "--save-every needs --checkpoint"),
     ("run unknown data kind", [*RUN, "--data", "ftp://x"], "--data ftp://x"),
     ("run missing image folder", [*RUN, "--data", "imagefolder:nofolder"], "does not exist"),
-    ("run input with batch dim", [*RUN[:4], "--input", "1x3x16x16", *RUN[6:]], "batch dimension"),
+    ("run input without batch dim", [*RUN[:4], "--input", "3x16x16", *RUN[6:]], "--input 3x16x16 has no batch dimension"),
     ("run too many classes", [*RUN, "--num-classes", "7"], "outputs 3 classes"),
     ("run batch not divisible", [*RUN[:6], "--batch-size", "3", "--steps", "1", "--micro-batches", "2", "--dp", "1",
-                                 "--replicas", "1"], "multiple of 2"),
+                                 "--replicas", "1"], "give --batch-size 2"),
     ("checkpoint is a file", [*RUN, "--checkpoint", "<afile>"], "is a file"),
     ("checkpoint without pointer", [*RUN, "--checkpoint", "<ck_nopointer>"], "no 'latest' pointer"),
     ("checkpoint pointer dangling", [*RUN, "--checkpoint", "<ck_badpointer>"], "points to 'step-00000007'"),
@@ -135,7 +135,7 @@ def test_foreign_checkpoint_from_the_cli(alone: Path, capsys: pytest.CaptureFixt
     assert main([*RUN, "--checkpoint", "ck"]) == 0
     capsys.readouterr()
     before = _files(alone)
-    assert main(["run", "unet", "--model-args", '{"depth": 2, "base_channels": 4}', "--input", "3x16x16",
+    assert main(["run", "unet", "--model-args", '{"depth": 2, "base_channels": 4}', "--input", "1x3x16x16",
                  "--batch-size", "2", "--steps", "1", "--checkpoint", "ck"]) == 2
     err = capsys.readouterr().err
     assert "holds a run of 'resnet', not 'unet'" in err and err.count("\n") == 1

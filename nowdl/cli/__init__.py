@@ -1,7 +1,8 @@
 """The command line: ``nowdl plan | show | run | profile | codegen | calibrate | report``.
 
-``main`` parses the arguments and runs the planning commands; ``run`` and its ``runspec`` and
-``resume`` train from the shell; ``report`` reads a run's metrics log; ``pictures`` draws plans
+``main`` parses the arguments and runs the planning commands; ``inputs`` reads ``--input`` (the
+whole input of one micro-batch, batch first) for every command; ``run`` and its ``runspec``,
+``runplan`` and ``resume`` train from the shell; ``report`` reads a run's metrics log; ``pictures`` draws plans
 and runs for ``--plot``.
 """
 

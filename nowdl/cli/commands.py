@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from nowdl.cli.inputs import whole_input
 from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.models.resolve import resolve_model
 from nowdl.units import parse_bytes, parse_parts, parse_shape
@@ -26,14 +27,16 @@ _EPILOG_MODEL = (
 )
 
 
-def _example(shape_texts: list[str] | None, default: list[int] | None, mode: str) -> tuple[torch.Tensor, ...]:
+def _example(shape_texts: list[str] | None, default: list[int] | None, mode: str,
+             model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     """One tensor per ``--input`` (a model whose forward() takes several images gets several)."""
     if not shape_texts:
         if default is None:
             raise NowdlError("give --input SHAPE (e.g. --input 1x3x2048x2048): this model has no default input")
         shapes = [default]
     else:
-        shapes = [parse_shape(t) for t in shape_texts]
+        shapes = [list(whole_input(shape_texts[0], default=default, model=model)),
+                  *(parse_shape(t) for t in shape_texts[1:])]
     if mode == "measure":
         return tuple(torch.randn(s) for s in shapes)
     return tuple(torch.empty(s, device="meta") for s in shapes)
@@ -43,8 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="built-in model name or package.module:callable")
     p.add_argument("--model-args", metavar="JSON", help="keyword arguments for the model, as a JSON object")
     p.add_argument("--input", metavar="SHAPE", action="append",
-                   help="one micro-batch's input shape, e.g. 1x3x2048x2048 (default: the built-in model's "
-                   "default); give it once per forward() argument for a model that takes several inputs")
+                   help="the whole input of one micro-batch, batch first: NxCxHxW, e.g. 1x3x2048x2048 (default: "
+                   "the built-in model's); give it once per forward() argument for a model that takes several")
     p.add_argument("--mode", choices=("auto", "estimate", "measure"), default="auto",
                    help="estimate: shapes/FLOPs on meta tensors, times from --device-spec (nothing allocated); "
                    "measure: real tensors node by node; auto: measure on CUDA, else estimate (default)")
@@ -343,7 +346,7 @@ def _run(args: argparse.Namespace) -> int:
     model, default, name = resolve_model(args.model, args.model_args)
     cache = not args.no_cache
     if args.command == "profile":
-        x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate")
+        x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate", model)
         prof = nowdl.profile(model, *x, mode=args.mode, device=args.device, device_spec=args.device_spec,
                              optimizer=args.optimizer, cache=cache)
         _print_profile(prof, args.top, args.sort)
@@ -355,7 +358,7 @@ def _run(args: argparse.Namespace) -> int:
         from nowdl.cli.pictures import check_plot
 
         check_plot(args.plot)
-    x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate")
+    x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate", model)
     cap = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     cm = nowdl.compile(model, gpus=args.gpus, balance=args.balance, stages=args.stages,
                        micro_batches=args.micro_batches, schedule=args.schedule, replicas=args.replicas,

@@ -2,7 +2,7 @@
 
 Launched like any torch.distributed job, every rank runs the same command::
 
-    torchrun --nproc-per-node 4 -m nowdl run resnet --input 3x1024x1024 --batch-size 8 --steps 10
+    torchrun --nproc-per-node 4 -m nowdl run resnet --input 1x3x1024x1024 --batch-size 8 --steps 10
 
 Every rank seeds torch with ``--seed`` before building the model (so the weights agree) and trains
 on the same global batch. The ranks probe their links (cached; ``--no-link-probe``: not, see
@@ -11,10 +11,11 @@ mode="estimate")`` on the device spec with those links) and broadcasts the plan 
 runs (``nowdl.compile(model, plan=...)``); a planning error is reported by every rank. Given a plan
 JSON as MODEL, every rank loads it and rebuilds the model from the plan's recorded source.
 
-``--batch-size`` is the GLOBAL batch of a step. When ``--micro-batches``, ``--replicas`` and
-``--dp`` are all pinned, a micro-batch is ``batch / (micro-batches x replicas x dp)`` samples;
-otherwise it is one sample and the planner picks a configuration whose micro-batches x replicas
-x dp equals the batch. ``--precision`` is passed to ``nowdl.compile`` when it takes one
+``--input NxCxHxW`` is the whole input of one micro-batch, batch first, as ``nowdl plan`` reads it:
+a micro-batch is N samples of CxHxW. ``--batch-size`` is the GLOBAL batch of a step: N x
+micro-batches x replicas x dp (the planner picks a configuration that makes it). Without
+``--input`` (the built-in model's default sample shape), a micro-batch is ``batch / (micro-batches
+x replicas x dp)`` samples when all three are pinned, otherwise one sample. ``--precision`` is passed to ``nowdl.compile`` when it takes one
 (fp32 only otherwise).
 
 The loss is cross-entropy: against one integer label per sample when the model's output is
@@ -69,6 +70,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,18 +79,21 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.cli.resume import StopSignal, reusable_plan, run_state
+from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
 from nowdl.cli.runspec import (
     RunSource,
+    check_model_input,
     check_pins,
     make_optimizer,
     output_shape,
     run_source,
+    step_batches,
 )
 from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.runtime.data.feed import Feed, check_data_spec, label_loss, make_feed
 from nowdl.runtime.launch.failure import open_channel
 from nowdl.runtime.launch.group import PeerError
-from nowdl.runtime.training.checkpoint import open_checkpoint
+from nowdl.runtime.training.checkpoint import Checkpoint, open_checkpoint
 from nowdl.runtime.training.metrics import MetricsWriter, PeakMeter
 
 __all__ = ["run_main", "PLAN_FILE"]
@@ -107,6 +112,64 @@ def run_main(args: argparse.Namespace) -> int:
     from nowdl.runtime.launch.group import init_distributed, launch_env
 
     env = launch_env()
+    compile_params, optimizer = _check_options(args)
+    world, rank = env.world_size, env.rank
+    initialized_here = False
+    if world > 1 and not dist.is_initialized():
+        init_distributed(timeout_s=args.timeout)
+        initialized_here = True
+    channel = open_channel(rank, world, report=lambda m: print(f"nowdl run: error: {m}", file=sys.stderr, flush=True),
+                           timeout_s=args.timeout)
+    try:
+        with tempfile.TemporaryDirectory(prefix="nowdl-run-") as tmp:
+            return _run(args, rank, world, optimizer, compile_params, Path(tmp))
+    except Exception as e:
+        if channel is None:
+            raise
+        channel.fail(error_text(e), consequence=isinstance(e, PeerError))  # rank 0 prints the job's first failure; every rank exits 2
+        raise ReportedError(str(e)) from e
+    finally:
+        if channel is not None:
+            channel.close()
+        if initialized_here and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a peer may be gone; the error that got us here matters more
+                pass
+
+
+@dataclass
+class _Job:
+    """What the phases of one ``nowdl run`` share: the options, this rank, the source and batch."""
+
+    args: argparse.Namespace
+    rank: int
+    world: int
+    tmp: Path
+    src: RunSource
+    batch: int  # samples per step (global)
+    micro_batch: int  # samples per micro-batch when rank 0 plans
+    ckpt: Path | None  # --checkpoint DIR
+    ck: Checkpoint | None  # the checkpoint found there
+    ckpt_plan: Path | None  # the checkpoint's plan, when this job can run it as is
+    start: int  # steps done before this run
+
+    @property
+    def say(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def total(self) -> int:
+        return self.start + self.args.steps
+
+    @property
+    def training(self) -> bool:
+        """Training with a checkpoint folder: saves at the end and every ``--save-every`` steps."""
+        return self.ckpt is not None and not self.args.eval
+
+
+def _check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]]:
+    """Refuse bad options before anything starts: ``(nowdl.compile's parameters, the optimizer factory)``."""
     if args.steps is None or args.steps < 1:
         raise NowdlError(f"--steps must be a positive integer, got {args.steps}")
     if args.batch_size is not None and args.batch_size < 1:
@@ -129,93 +192,53 @@ def run_main(args: argparse.Namespace) -> int:
     if args.precision != "fp32" and "precision" not in compile_params:
         raise NowdlError(f"--precision {args.precision} is not supported yet: nowdl trains in fp32 for now "
                          "(use --precision fp32)")
-    data_kind, data_path = check_data_spec(str(args.data)), str(args.data).partition(":")[2]
-    optimizer = make_optimizer(args.optimizer, args.lr)
+    check_data_spec(str(args.data))
+    return compile_params, make_optimizer(args.optimizer, args.lr)
 
-    world, rank = env.world_size, env.rank
-    initialized_here = False
-    if world > 1 and not dist.is_initialized():
-        init_distributed(timeout_s=args.timeout)
-        initialized_here = True
-    channel = open_channel(rank, world, report=lambda m: print(f"nowdl run: error: {m}", file=sys.stderr, flush=True),
-                           timeout_s=args.timeout)
-    try:
-        with tempfile.TemporaryDirectory(prefix="nowdl-run-") as tmp:
-            return _run(args, rank, world, optimizer, data_kind, data_path, compile_params, Path(tmp))
-    except Exception as e:
-        if channel is None:
-            raise
-        channel.fail(error_text(e), consequence=isinstance(e, PeerError))  # rank 0 prints the job's first failure; every rank exits 2
-        raise ReportedError(str(e)) from e
-    finally:
-        if channel is not None:
-            channel.close()
-        if initialized_here and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a peer may be gone; the error that got us here matters more
-                pass
-
-
-def _plan_on_rank0(model: nn.Module, args: argparse.Namespace, rank: int, world: int, batch: int,
-                   micro_batch: int, src: RunSource, optimizer: Any, progress: bool) -> str:
-    """Rank 0 plans one ``micro_batch``-sample micro-batch for a ``batch``-sample step; every rank
-    gets the plan JSON (or rank 0's error), through the trainer's ``plan_on_rank0``."""
-    import dataclasses
-
-    import nowdl
-    from nowdl.runtime.training.trainer import plan_on_rank0
-
-    nodes, per_node = _job_nodes(world)
-
-    def make() -> nowdl.Plan:
-        planner = nowdl.compile(model, gpus=world, balance=args.balance, stages=args.stages,
-                                micro_batches=args.micro_batches, schedule=args.schedule,
-                                replicas=args.replicas, dp=args.dp, spatial_parts=args.spatial_parts,
-                                spatial_stages=args.spatial_stages, slice=args.slice, halo_fusion=args.halo_fusion,
-                                gpu_memory=args.gpu_memory, mode="estimate", device_spec=args.device_spec,
-                                optimizer=optimizer, progress=progress, nodes=nodes, gpus_per_node=per_node)
-        if planner.request is not None:
-            planner.request = dataclasses.replace(planner.request, global_batch=batch)
-        plan = planner.plan(torch.empty((micro_batch, *src.sample_shape), device="meta"))
-        plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
-        return plan
-
-    return plan_on_rank0(make, rank=rank, world=world).to_json()
-
-
-def _probe_links(args: argparse.Namespace, world: int, tmp: Path, say: bool) -> None:
-    """Measure this job's links (or reuse rank 0's cache) and plan with them (docs/calibrate.md):
-    ``args.device_spec`` becomes a spec file with the measured figures. Collective."""
-    nodes, per = _job_nodes(world)
-    if world < 2 or getattr(args, "no_link_probe", False) or per == 1:  # per == 1: ranks 0 and 1 sit on different nodes
-        return
-    from nowdl.profiler.cache import default_cache_dir
-    from nowdl.profiler.calibrate.links import probe_links, with_links_file
-
-    links, where = probe_links(default_cache_dir() / "links")
-    args.device_spec, text = with_links_file(args.device_spec, links, tmp / "device-spec.json",
-                                             allreduce=nodes in (None, 1))
-    if say:
-        print(f"links: {text} ({'measured now' if where == 'measured' else 'cached in ' + where}; "
-              "--no-link-probe plans without them)", flush=True)
-
-
-def _job_nodes(world: int) -> tuple[int | None, int | None]:
-    """The launched job's (nodes, processes per node) for the planner (torchrun --nnodes, srun)."""
-    from nowdl.runtime.launch.nodes import job_topology
-
-    nodes, per = job_topology()
-    return (nodes, per) if nodes is not None and per is not None and nodes * per == world else (None, None)
 
 
 def _run(args: argparse.Namespace, rank: int, world: int,
-         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], data_kind: str, data_path: str,
-         compile_params: Any, tmp: Path) -> int:
-    import nowdl
+         optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], compile_params: Any, tmp: Path) -> int:
+    job, model, name = _open_job(args, rank, world, tmp)
+    feed = _feed(job, model, name)
+    progress = job.say and sys.stderr.isatty()
+    if job.say:
+        what = "inference" if args.eval else f"training ({args.optimizer}, lr {args.lr:g})"
+        print(f"nowdl run: {name} on {world} rank{'s' if world > 1 else ''}, global batch {job.batch} of "
+              f"{'x'.join(map(str, job.src.sample_shape))}, {feed.label} data, {what}", flush=True)
+    cm, metrics, setup_s = _start(job, model, feed, optimizer, compile_params, progress)
+    bar: Any = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc="eval" if args.eval else "train", unit="step", file=sys.stderr,
+                   leave=False)
+    emit = _Printer(job.say, bar)
+    with StopSignal() as stop:
+        try:
+            times, stopped = _steps(job, cm, feed, metrics, setup_s, emit, bar, stop)
+        finally:
+            if bar is not None:
+                bar.close()
+            if metrics is not None:
+                metrics.close()
+            feed.close()
+        done = _summary(job, times, emit)
+        if job.training:
+            _save(job, cm, done, emit)
+    if stopped:
+        emit(f"stopped by {signal.Signals(stopped).name} after step {done} of {job.total}"
+             + (f"; resume with the same command and --checkpoint {job.ckpt}" if job.training else " (no --checkpoint: "
+                "nothing saved)"))
+        return 128 + stopped
+    return 0
+
+
+def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tuple[_Job, nn.Module, str]:
+    """Open ``--checkpoint``, find the plan to run, build the model (seeded: the same weights on
+    every rank) and find the batch of a step: ``(job, model, model's name)``."""
     from nowdl.models.resolve import resolve_model
 
-    say = rank == 0
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     ck = open_checkpoint(ckpt) if ckpt is not None else None  # every rank gets the same answer or error
     saved_run = run_state(ck, args) if ck is not None else None
@@ -230,160 +253,130 @@ def _run(args: argparse.Namespace, rank: int, world: int,
             g = src.plan_config.get("gpus")
             raise NowdlError(f"the plan in {src.plan_path} needs {g} ranks but this job has {world}: launch with "
                              f"torchrun --nproc-per-node {g}")
-    if saved_run is not None and args.batch_size is None and src.plan_batch is None:
-        args.batch_size = int(saved_run["batch_size"])
-    batch = args.batch_size if args.batch_size is not None else src.plan_batch
-    if batch is None:
-        raise NowdlError("give --batch-size B (the global batch per step; when planning it is micro-batches x "
-                         "replicas x dp, one sample per micro-batch)")
-    if src.plan_batch is not None and batch != src.plan_batch:
-        raise NowdlError(f"--batch-size {batch} but the plan in {src.plan_path} takes {src.plan_batch} samples per step")
-    micro_batch = 1
-    if src.plan_config is None:
-        m, r, d = args.micro_batches, args.replicas, args.dp
-        if m is not None and r is not None and d is not None:
-            if batch % (m * r * d):
-                raise NowdlError(f"--batch-size {batch} does not split into micro-batches {m} x replicas {r} x dp {d} "
-                                 f"= {m * r * d} equal micro-batches: pass a multiple of {m * r * d}")
-            micro_batch = batch // (m * r * d)
-
-    torch.manual_seed(args.seed)  # the same weights on every rank
+    torch.manual_seed(args.seed)
     model, _, name = resolve_model(src.spec, src.model_args)
-    out = output_shape(model, src.sample_shape)
+    check_model_input(src, model)
+    batch, micro_batch = step_batches(args, src, saved_run)
+    start = ck.step if ck is not None and not args.eval else 0
+    return _Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start), model, name
+
+
+def _feed(job: _Job, model: nn.Module, name: str) -> Feed:
+    """The data feed the model trains on, checked against the model's output shape."""
+    out = output_shape(model, job.src.sample_shape)
     if len(out) < 2:
         raise NowdlError(f"{name} returns shape {out}: nowdl run needs (N, C) logits or dense (N, C, ...) outputs")
-    feed: Feed = make_feed(args, src.sample_shape, out, name)  # checks the data before anything is written
-    progress = say and sys.stderr.isatty()
-    extra: dict[str, Any] = {}
-    if "precision" in compile_params:
-        extra["precision"] = args.precision
-    common: dict[str, Any] = dict(optimizer=optimizer, loss_fn=label_loss(nn.CrossEntropyLoss()), progress=progress,
-                                  timeout_s=args.timeout, **extra)
-    start = ck.step if ck is not None and not args.eval else 0
-    total = start + args.steps
-    if say:
-        what = "inference" if args.eval else f"training ({args.optimizer}, lr {args.lr:g})"
-        print(f"nowdl run: {name} on {world} rank{'s' if world > 1 else ''}, global batch {batch} of "
-              f"{'x'.join(map(str, src.sample_shape))}, {feed.label} data, {what}", flush=True)
+    return make_feed(job.args, job.src.sample_shape, out, name)  # checks the data before anything is written
+
+
+def _start(job: _Job, model: nn.Module, feed: Feed, optimizer: Any, compile_params: Any,
+           progress: bool) -> tuple[Any, MetricsWriter | None, float]:
+    """Plan (rank 0) or load the plan, compile, start the feed and the metrics, load the checkpoint:
+    ``(compiled model, metrics writer, seconds taken)``."""
+    import nowdl
+
+    args, src, rank, world = job.args, job.src, job.rank, job.world
+    extra: dict[str, Any] = {"precision": args.precision} if "precision" in compile_params else {}
     t_plan = time.perf_counter()
     plan_path = src.plan_path
     if plan_path is None:  # rank 0 plans, every rank runs what it planned
-        plan_path = str(tmp / PLAN_FILE)
-        _probe_links(args, world, tmp, say)
-        text = _plan_on_rank0(model, args, rank, world, batch, micro_batch, src, optimizer, progress)
+        plan_path = str(job.tmp / PLAN_FILE)
+        probe_job_links(args, world, job.tmp, job.say)
+        text = plan_job(model, args, rank, world, job.batch, job.micro_batch, src, optimizer, progress)
         Path(plan_path).write_text(text)
-    cm = nowdl.compile(model, plan=plan_path, **common)
+    cm = nowdl.compile(model, plan=plan_path, optimizer=optimizer, loss_fn=label_loss(nn.CrossEntropyLoss()),
+                       progress=progress, timeout_s=args.timeout, **extra)
     run_plan = nowdl.Plan.load(plan_path)
-    feed.start(start, batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=total)
+    feed.start(job.start, job.batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=job.total)
     log_dir = getattr(args, "log_dir", None)
     metrics = None if log_dir is None else MetricsWriter(
         log_dir, rank=rank, world=world, predicted_bytes=run_plan.ranks[rank].predicted_peak_bytes,
         meta={"model": src.spec, "world": world, "config": dict(run_plan.config)})
-    if ck is not None and ckpt is not None:
-        x0, _, _ = feed.next(start)
-        cm.load_checkpoint(ckpt, x0)
-        if say:
+    if job.ck is not None and job.ckpt is not None:
+        x0, _, _ = feed.next(job.start)
+        cm.load_checkpoint(job.ckpt, x0)
+        if job.say:
             what = "loaded the weights of" if args.eval else "resumed from"
-            how = "" if ckpt_plan is not None else (f" (saved by a plan for {ck.record['plan']['config'].get('gpus')} "
-                                                    "GPU(s); re-planned, weights and optimizer state resharded)")
-            print(f"{what} {ckpt} at step {ck.step}{how}", flush=True)
-    setup_s = time.perf_counter() - t_plan  # counted in the first step, as when the trainer plans
-    meter = PeakMeter(cm, cuda=torch.cuda.is_available())
+            how = "" if job.ckpt_plan is not None else (
+                f" (saved by a plan for {job.ck.record['plan']['config'].get('gpus')} "
+                "GPU(s); re-planned, weights and optimizer state resharded)")
+            print(f"{what} {job.ckpt} at step {job.ck.step}{how}", flush=True)
+    return cm, metrics, time.perf_counter() - t_plan  # the setup is counted in the first step
 
-    bar: Any = None
-    if progress:
-        from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="eval" if args.eval else "train", unit="step", file=sys.stderr,
-                   leave=False)
+class _Printer:
+    """Rank 0's output lines, written above the progress bar when there is one."""
 
-    def emit(line: str) -> None:
-        if not say:
+    def __init__(self, say: bool, bar: Any) -> None:
+        self.say, self.bar = say, bar
+
+    def __call__(self, line: str) -> None:
+        if not self.say:
             return
-        if bar is not None:
-            bar.write(line, file=sys.stdout)
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
         else:
             print(line, flush=True)
 
-    def save(step: int) -> None:
-        assert ckpt is not None
-        run = {"model": src.spec, "model_args": json.loads(src.model_args or "{}"), "batch_size": batch,
-               "seed": args.seed, "data": args.data, "step": step}
-        cm.save_checkpoint(ckpt, meta={"run": run})
-        if rank == 0:
-            plan = _current_plan(cm)
-            if plan is not None:
-                if not isinstance(plan.model.get("source"), dict):  # so `nowdl run DIR/plan.json` works too
-                    plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
-                plan.save(ckpt / PLAN_FILE)  # atomic
-        emit(f"saved checkpoint at step {step} to {ckpt}")
 
-    training = ckpt is not None and not args.eval
+def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_s: float, emit: _Printer,
+           bar: Any, stop: StopSignal) -> tuple[list[float], int]:
+    """Run the steps: ``(seconds of each step run, the signal that stopped the run or 0)``."""
+    args, batch, start = job.args, job.batch, job.start
+    meter = PeakMeter(cm, cuda=torch.cuda.is_available())
     times: list[float] = []
-    stopped = 0
-    with StopSignal() as stop:
-        try:
-            for step in range(start, total):
-                x, y, wait = feed.next(step)
-                t0, read0 = time.perf_counter(), feed.read_seconds()
-                run_step = functools.partial(cm.eval_step, x) if args.eval else functools.partial(cm.train_step, x, y)
-                loss, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
-                if args.eval:
-                    if world > 1:
-                        dist.barrier()
-                    loss, loss_text = None, ""
-                else:
-                    loss_text = f"  loss {loss:.4f}"
-                dt = time.perf_counter() - t0 + (setup_s if step == start else 0.0)
-                if metrics is not None:  # lazy reads (a rank's tile) happen inside the step: data wait too
-                    metrics.step(step + 1, loss=loss, images_per_s=batch / dt if dt > 0 else 0.0, step_s=dt,
-                                 data_wait_s=wait + feed.read_seconds() - read0, peak_bytes=peak)
-                times.append(dt)
-                if step == start:
-                    emit(_plan_line(cm))
-                emit(f"step {step + 1}/{total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s")
-                if bar is not None:
-                    bar.update(1)
-                stopped = stop.agreed(world)
-                if stopped or step + 1 == total:
-                    break
-                if training and args.save_every and (step + 1 - start) % args.save_every == 0:
-                    save(step + 1)
-        finally:
-            if bar is not None:
-                bar.close()
-            if metrics is not None:
-                metrics.close()
-            feed.close()
-        done = start + len(times)
-        if len(times) > 1:
-            emit(f"mean: {_rate(batch * (len(times) - 1), sum(times[1:]))} images/s over steps "
-                 f"{start + 2}..{done} (first step excluded: planning and warm-up)")
+    for step in range(start, job.total):
+        x, y, wait = feed.next(step)
+        t0, read0 = time.perf_counter(), feed.read_seconds()
+        run_step = functools.partial(cm.eval_step, x) if args.eval else functools.partial(cm.train_step, x, y)
+        loss, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
+        if args.eval:
+            if job.world > 1:
+                dist.barrier()
+            loss, loss_text = None, ""
         else:
-            emit(f"mean: {_rate(batch, times[0])} images/s over step {done} (the only step: includes planning "
-                 "and warm-up)")
-        if training:
-            save(done)
-    if stopped:
-        name = signal.Signals(stopped).name
-        emit(f"stopped by {name} after step {done} of {total}"
-             + (f"; resume with the same command and --checkpoint {ckpt}" if training else " (no --checkpoint: "
-                "nothing saved)"))
-        return 128 + stopped
-    return 0
+            loss_text = f"  loss {loss:.4f}"
+        dt = time.perf_counter() - t0 + (setup_s if step == start else 0.0)
+        if metrics is not None:  # lazy reads (a rank's tile) happen inside the step: data wait too
+            metrics.step(step + 1, loss=loss, images_per_s=batch / dt if dt > 0 else 0.0, step_s=dt,
+                         data_wait_s=wait + feed.read_seconds() - read0, peak_bytes=peak)
+        times.append(dt)
+        if step == start:
+            emit(plan_line(cm))
+        emit(f"step {step + 1}/{job.total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s")
+        if bar is not None:
+            bar.update(1)
+        stopped = stop.agreed(job.world)
+        if stopped or step + 1 == job.total:
+            return times, stopped
+        if job.training and args.save_every and (step + 1 - start) % args.save_every == 0:
+            _save(job, cm, step + 1, emit)
+    return times, 0
 
 
-def _current_plan(cm: Any) -> Any:
-    trainer = getattr(cm, "_trainer", None)
-    return getattr(trainer, "plan", None)
+def _summary(job: _Job, times: list[float], emit: _Printer) -> int:
+    """Print the mean rate; return the number of the last step run."""
+    done = job.start + len(times)
+    if len(times) > 1:
+        emit(f"mean: {_rate(job.batch * (len(times) - 1), sum(times[1:]))} images/s over steps "
+             f"{job.start + 2}..{done} (first step excluded: planning and warm-up)")
+    else:
+        emit(f"mean: {_rate(job.batch, times[0])} images/s over step {done} (the only step: includes planning "
+             "and warm-up)")
+    return done
 
 
-def _plan_line(cm: Any) -> str:
-    plan = _current_plan(cm)
-    if plan is None:
-        return "plan: ?"
-    c = plan.config
-    return (f"plan: {c.get('stages')} stage(s) x {c.get('micro_batches')} micro-batch(es) ({c.get('schedule')}), "
-            f"replicas {c.get('replicas')}, dp {c.get('dp')}, {c.get('gpus')} rank(s)"
-            + "".join(f"; {s.tiles()}" + (f", {len(s.fused)} fused halo run(s)" if s.fused else "")
-                      for s in plan.stages if s.parts > 1))
+def _save(job: _Job, cm: Any, step: int, emit: _Printer) -> None:
+    """Save the checkpoint after ``step`` (and, from rank 0, a copy of its plan)."""
+    assert job.ckpt is not None
+    src = job.src
+    run = {"model": src.spec, "model_args": json.loads(src.model_args or "{}"), "batch_size": job.batch,
+           "seed": job.args.seed, "data": job.args.data, "step": step}
+    cm.save_checkpoint(job.ckpt, meta={"run": run})
+    if job.rank == 0:
+        plan = current_plan(cm)
+        if plan is not None:
+            if not isinstance(plan.model.get("source"), dict):  # so `nowdl run DIR/plan.json` works too
+                plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
+            plan.save(job.ckpt / PLAN_FILE)  # atomic
+    emit(f"saved checkpoint at step {step} to {job.ckpt}")

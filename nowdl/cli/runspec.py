@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from nowdl.cli.inputs import whole_input
 from nowdl.errors import NowdlError
 from nowdl.units import parse_parts
 
-__all__ = ["add_run_arguments", "RunSource", "output_shape", "run_source", "check_pins", "pin_conflicts",
-           "make_optimizer"]
+__all__ = ["add_run_arguments", "RunSource", "output_shape", "run_source", "check_model_input", "step_batches",
+           "check_pins", "pin_conflicts", "make_optimizer"]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
 _OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
@@ -30,9 +31,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL|PLAN.json",
                    help="built-in model name, package.module:callable, or a plan JSON saved by `nowdl plan --out`")
     p.add_argument("--model-args", metavar="JSON", help="keyword arguments for the model, as a JSON object")
-    p.add_argument("--input", metavar="CxHxW",
-                   help="ONE sample's shape, without the batch dimension, e.g. 3x1024x1024 "
-                   "(default: the built-in model's or the plan's)")
+    p.add_argument("--input", metavar="NxCxHxW",
+                   help="the whole input of one micro-batch, batch first, as `nowdl plan` reads it: N samples "
+                   "of CxHxW, e.g. 1x3x1024x1024 (default: the built-in model's or the plan's)")
     p.add_argument("--steps", type=int, required=True, help="optimizer (or inference) steps to run")
     p.add_argument("--batch-size", type=int, help="GLOBAL batch per step = micro-batch (1 sample when planning) "
                    "x micro-batches x replicas x dp (default with a plan: the plan's)")
@@ -123,29 +124,33 @@ def _builtin_class_arg(spec: str) -> str | None:
 
 @dataclass
 class RunSource:
+    """The model (``spec``, ``model_args``), one sample's shape, and the plan to run, if any."""
+
     spec: str
     model_args: str | None
     sample_shape: tuple[int, ...]
     plan_path: str | None
     plan_config: dict[str, Any] | None
-    plan_batch: int | None
+    plan_batch: int | None  # samples per step of the plan
+    input_text: str | None = None  # --input, when it was given
+    micro_batch: int | None = None  # samples per micro-batch: --input's (or the plan's) batch dimension
 
 
 def _is_plan_arg(model: str) -> bool:
     return model.lower().endswith(".json") or (os.path.isfile(model) and ":" not in model)
 
 
-def _sample_shape(text: str | None, default: Sequence[int] | None, what: str) -> tuple[int, ...]:
-    from nowdl.units import parse_shape
-
+def _whole_input(text: str | None, default: Sequence[int] | None, what: str) -> tuple[int, ...]:
+    """``--input`` (or ``default``): the whole input of one micro-batch, batch first."""
     if text is None:
         if default is None:
-            raise NowdlError(f"give --input CxHxW (one sample's shape, e.g. --input 3x512x512): {what} has no default input")
+            raise NowdlError(f"give --input NxCxHxW (the whole input of one micro-batch, batch first, e.g. "
+                             f"--input 1x3x512x512): {what} has no default input")
         return tuple(default)
-    shape = tuple(parse_shape(text))
-    if default is not None and len(shape) == len(default) + 1 and shape[0] == 1:
-        raise NowdlError(f"--input {text} looks like it has a batch dimension: --input is ONE sample's shape, "
-                         f"e.g. {'x'.join(map(str, shape[1:]))} (the batch is --batch-size)")
+    shape = whole_input(text, default=default)
+    if len(shape) < 2:
+        raise NowdlError(f"--input {text} has no sample shape: give the whole input, batch first, e.g. "
+                         f"--input 1x{text}")
     return shape
 
 
@@ -193,19 +198,64 @@ def run_source(args: argparse.Namespace, ckpt_plan: str | None) -> RunSource:
         spec, margs = args.model, _with_num_classes(args.model, args.model_args, args.num_classes)
     where = ckpt_plan if ckpt_plan is not None else plan_path
     if where is None:
-        default_in = DEFAULT_INPUTS.get(spec)
-        shape = _sample_shape(args.input, tuple(default_in[1:]) if default_in else None, spec)
-        return RunSource(spec, margs, shape, None, None, None)
+        shape = _whole_input(args.input, DEFAULT_INPUTS.get(spec), spec)
+        return RunSource(spec, margs, shape[1:], None, None, None, args.input,
+                         shape[0] if args.input is not None else None)
     plan = Plan.load(where)
     inputs = plan.model.get("inputs") or [[1]]
-    default = tuple(int(d) for d in inputs[0][1:])
+    default = tuple(int(d) for d in inputs[0])
     c = plan.config
-    per = int(inputs[0][0]) * int(c["micro_batches"]) * int(c["replicas"]) * int(c["dp"])
-    shape = _sample_shape(args.input, default, where)
+    per = default[0] * int(c["micro_batches"]) * int(c["replicas"]) * int(c["dp"])
+    shape = _whole_input(args.input, default, where)
     if shape != default:
-        raise NowdlError(f"--input {'x'.join(map(str, shape))} differs from the plan's sample shape "
+        raise NowdlError(f"--input {'x'.join(map(str, shape))} differs from the plan's input "
                          f"{'x'.join(map(str, default))} ({where}): drop --input or re-plan")
-    return RunSource(spec, margs, shape, where, dict(c), per)
+    return RunSource(spec, margs, shape[1:], where, dict(c), per, args.input, default[0])
+
+
+def check_model_input(src: RunSource, model: nn.Module) -> None:
+    """Refuse an ``--input`` without the batch dimension for a model with no default input, by the
+    rank its first convolution or pooling takes."""
+    if src.input_text is not None and src.plan_path is None:
+        whole_input(src.input_text, model=model)
+
+
+def step_batches(args: argparse.Namespace, src: RunSource, saved_run: dict[str, Any] | None) -> tuple[int, int]:
+    """``(global batch of a step, samples per micro-batch when planning)``.
+
+    The global batch is ``--batch-size``, else the plan's, else the checkpoint's. A micro-batch is
+    ``--input``'s batch dimension; without ``--input`` it is ``batch / (micro-batches x replicas x
+    dp)`` when all three are pinned, else one sample.
+    """
+    if saved_run is not None and args.batch_size is None and src.plan_batch is None:
+        args.batch_size = int(saved_run["batch_size"])
+    batch = args.batch_size if args.batch_size is not None else src.plan_batch
+    if batch is None:
+        raise NowdlError("give --batch-size B (the global batch per step; when planning it is micro-batches x "
+                         "replicas x dp x --input's batch dimension, one sample by default)")
+    if src.plan_batch is not None and batch != src.plan_batch:
+        raise NowdlError(f"--batch-size {batch} but the plan in {src.plan_path} takes {src.plan_batch} samples per step")
+    if src.plan_config is not None:
+        return batch, int(src.micro_batch or 1)
+    m, r, d, n = args.micro_batches, args.replicas, args.dp, src.micro_batch
+    if m is not None and r is not None and d is not None:
+        if n is None:
+            if batch % (m * r * d):
+                raise NowdlError(f"--batch-size {batch} does not split into micro-batches {m} x replicas {r} x dp "
+                                 f"{d} = {m * r * d} equal micro-batches: pass a multiple of {m * r * d}")
+            return batch, batch // (m * r * d)
+        if n * m * r * d != batch:
+            sample = "x".join(map(str, src.sample_shape))
+            other = f", or --input {batch // (m * r * d)}x{sample}" if batch % (m * r * d) == 0 else ""
+            raise NowdlError(f"--batch-size {batch} but --input {src.input_text} (micro-batches of {n}) x "
+                             f"micro-batches {m} x replicas {r} x dp {d} makes {n * m * r * d} samples per step: "
+                             f"give --batch-size {n * m * r * d}{other}")
+        return batch, n
+    n = n or 1
+    if batch % n:
+        raise NowdlError(f"--batch-size {batch} is not a multiple of --input {src.input_text}'s batch dimension {n} "
+                         f"(samples per micro-batch): give a multiple of {n}")
+    return batch, n
 
 
 def pin_conflicts(args: argparse.Namespace, config: dict[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -56,6 +56,10 @@ def test_plan_model_with_two_inputs(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan", "unet", "--model-args", '{"depht": 2}', "--gpus", "2"], "depht"),
         (["plan", "unet", "--input", "1x3xbig", "--gpus", "2"], "as a shape"),
         (["plan", "unet", "--input", "1x3x64", "--gpus", "2"], "rank 3"),
+        (["plan", "unet", "--input", "3x64x64", "--gpus", "2"], "--input 3x64x64 has no batch dimension: give the whole "
+         "input, batch first, e.g. --input 1x3x64x64"),
+        (["profile", "monai.networks.nets:UNet", "--model-args", MONAI_ARGS, "--input", "1x64x64"],
+         "--input 1x64x64 has no batch dimension"),
         (["plan", "unet", "--input", "1x3x64x64", "--input", "1x3x64x64", "--gpus", "2"], "at most 1 input (x), 2 given"),
         (["plan", "unet", "--input", "1x3x64x64", "--gpus", "0"], "positive integer"),
         (["plan", "unet", "--input", "1x3x64x64", "--gpus", "2", "--gpu-memory", "huge"], "memory size"),

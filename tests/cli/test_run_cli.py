@@ -16,7 +16,7 @@ import nowdl
 from nowdl.cli.commands import main
 
 TINY = '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}'
-PIPE = ["resnet", "--model-args", TINY, "--input", "3x16x16", "--batch-size", "4", "--stages", "2",
+PIPE = ["resnet", "--model-args", TINY, "--input", "2x3x16x16", "--batch-size", "4", "--stages", "2",
         "--micro-batches", "2", "--dp", "1", "--replicas", "1"]
 MEAN = re.compile(r"^mean: [\d.]+ images/s over steps (\d+)\.\.(\d+) \(first step excluded", re.M)
 
@@ -79,19 +79,19 @@ def test_torchrun_impossible_pins_fail_on_every_rank() -> None:
 
 
 def test_single_process(single: None, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    rc = main(["run", "resnet", "--model-args", TINY, "--input", "3x16x16", "--steps", "2", "--batch-size", "2",
+    rc = main(["run", "resnet", "--model-args", TINY, "--input", "1x3x16x16", "--steps", "2", "--batch-size", "2",
                "--optimizer", "sgd", "--lr", "0.01"])
     out = capsys.readouterr().out
     assert rc == 0
     assert sorted(_steps(out)) == [1, 2] and "1 rank," in out
     assert MEAN.search(out)
     # inference on a dense (segmentation) model
-    rc = main(["run", "unet", "--model-args", '{"depth": 2, "base_width": 4}', "--input", "3x16x16",
+    rc = main(["run", "unet", "--model-args", '{"depth": 2, "base_width": 4}', "--input", "1x3x16x16",
                "--steps", "2", "--batch-size", "2", "--eval"])
     out = capsys.readouterr().out
     assert rc == 0 and re.search(r"^step 2/2  [\d.]+ s  [\d.]+ images/s$", out, re.M), out
     # segmentation training: label maps of the output's spatial shape
-    rc = main(["run", "unet", "--model-args", '{"depth": 2, "base_width": 4}', "--input", "3x16x16",
+    rc = main(["run", "unet", "--model-args", '{"depth": 2, "base_width": 4}', "--input", "1x3x16x16",
                "--steps", "1", "--batch-size", "2"])
     out = capsys.readouterr().out
     assert rc == 0 and "over step 1 (the only step" in out, out
@@ -104,7 +104,7 @@ def test_imagefolder_npy(single: None, capsys: pytest.CaptureFixture[str], tmp_p
         for i in range(3):  # not the input's size: resized and centre-cropped
             np.save(tmp_path / "data" / cls / f"{i}.npy", rng.integers(0, 255, (3, 20, 24), dtype=np.uint8))
     rc = main(["run", "resnet", "--model-args", '{"depth": 8, "version": 1, "width": 4}', "--num-classes", "2",
-               "--input", "3x16x16", "--steps", "2", "--batch-size", "4", "--data", f"imagefolder:{tmp_path / 'data'}"])
+               "--input", "1x3x16x16", "--steps", "2", "--batch-size", "4", "--data", f"imagefolder:{tmp_path / 'data'}"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert sorted(_steps(out)) == [1, 2] and "imagefolder data" in out
@@ -120,7 +120,7 @@ def _err(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_errors(single: None, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    base = ["run", "resnet", "--model-args", TINY, "--input", "3x16x16", "--steps", "1"]
+    base = ["run", "resnet", "--model-args", TINY, "--input", "1x3x16x16", "--steps", "1"]
     err = _err([*base, "--batch-size", "2", "--stages", "3", "--dp", "1"], capsys)
     assert "no configuration of 1 GPUs" in err
     err = _err([*base, "--batch-size", "2", "--data", f"imagefolder:{tmp_path / 'nope'}"], capsys)
@@ -135,9 +135,13 @@ def test_errors(single: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
         err = _err([*base, "--batch-size", "2", "--data", f"imagefolder:{tmp_path / 'imgs'}"], capsys)
         assert "pip install pillow" in err
     err = _err([*base, "--batch-size", "3", "--micro-batches", "2", "--dp", "1", "--replicas", "1"], capsys)
+    assert "--batch-size 3 but --input 1x3x16x16 (micro-batches of 1) x micro-batches 2 x replicas 1 x dp 1 makes 2" \
+        " samples per step: give --batch-size 2" in err
+    no_input = [*base[:4], *base[6:]]
+    err = _err([*no_input, "--batch-size", "3", "--micro-batches", "2", "--dp", "1", "--replicas", "1"], capsys)
     assert "multiple of 2" in err
-    err = _err([*base[:-4], "--input", "1x3x16x16", "--steps", "1", "--batch-size", "2"], capsys)
-    assert "batch dimension" in err
+    err = _err([*base, "--batch-size", "3", "--input", "2x3x16x16"], capsys)
+    assert "--batch-size 3 is not a multiple of --input 2x3x16x16's batch dimension 2" in err
     err = _err([*base, "--batch-size", "2", "--num-classes", "7"], capsys)
     assert "outputs 3 classes" in err
     bare = tmp_path / "bare.json"
@@ -158,7 +162,7 @@ def test_errors(single: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
 def test_precision(single: None, capsys: pytest.CaptureFixture[str]) -> None:
     import inspect
 
-    argv = ["run", "resnet", "--model-args", TINY, "--input", "3x16x16", "--steps", "1", "--batch-size", "2",
+    argv = ["run", "resnet", "--model-args", TINY, "--input", "1x3x16x16", "--steps", "1", "--batch-size", "2",
             "--precision", "fp16"]
     if "precision" not in inspect.signature(nowdl.compile).parameters:
         assert "not supported yet" in _err(argv, capsys)
@@ -178,6 +182,32 @@ def test_plan_file_runs(single: None, capsys: pytest.CaptureFixture[str], tmp_pa
     assert "global batch 2 of 3x16x16" in out and sorted(_steps(out)) == [1]
     assert "takes 2 samples per step" in _err(["run", str(plan), "--steps", "1", "--batch-size", "4"], capsys)
     assert "--stages 2 but the plan" in _err(["run", str(plan), "--steps", "1", "--stages", "2"], capsys)
+
+
+def test_input_is_the_whole_micro_batch(single: None, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--input is read as `nowdl plan` reads it: the whole input of one micro-batch, batch first."""
+    assert main(["run", "resnet", "--model-args", TINY, "--input", "2x3x16x16", "--batch-size", "4", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "global batch 4 of 3x16x16" in out and "plan: 1 stage(s) x 2 micro-batch(es)" in out, out
+    fix = "--input 3x16x16 has no batch dimension: give the whole input, batch first, e.g. --input 1x3x16x16"
+    # the form without the batch: refused by the built-in model's default input, by the first layer of a
+    # model without one, and by a plan's input
+    assert _err(["run", "resnet", "--model-args", TINY, "--input", "3x16x16", "--batch-size", "2", "--steps", "1"],
+                capsys).startswith(f"nowdl run: error: {fix}")
+    conv = ["run", "torch.nn:Conv2d", "--model-args", '{"in_channels": 3, "out_channels": 2, "kernel_size": 3}']
+    assert _err([*conv, "--input", "3x16x16", "--batch-size", "2", "--steps", "1"], capsys).startswith(
+        f"nowdl run: error: {fix}")
+    assert main([*conv, "--input", "1x3x16x16", "--batch-size", "2", "--steps", "1"]) == 0
+    capsys.readouterr()
+    plan = tmp_path / "p.json"
+    assert main(["plan", "resnet", "--model-args", TINY, "--input", "1x3x16x16", "--gpus", "1", "--stages", "1",
+                 "--micro-batches", "2", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert _err(["run", str(plan), "--input", "3x16x16", "--steps", "1"], capsys).startswith(f"nowdl run: error: {fix}")
+    assert "--input 2x3x16x16 differs from the plan's input 1x3x16x16" in _err(
+        ["run", str(plan), "--input", "2x3x16x16", "--steps", "1"], capsys)
+    assert main(["run", str(plan), "--input", "1x3x16x16", "--steps", "1"]) == 0
+    assert "global batch 2 of 3x16x16" in capsys.readouterr().out
 
 
 def test_torchrun_spatial_stem_matches_the_plain_pipeline() -> None:

@@ -18,7 +18,7 @@ from helpers.run_cli import run_under_torchrun, step_losses
 import nowdl
 from nowdl.cli.commands import main
 
-UNET = ["unet", "--model-args", '{"depth": 2, "base_width": 4, "out_channels": 2}', "--input", "3x32x32"]
+UNET = ["unet", "--model-args", '{"depth": 2, "base_width": 4, "out_channels": 2}', "--input", "1x3x32x32"]
 PINS = ["--micro-batches", "2", "--dp", "1", "--replicas", "1"]
 
 

@@ -200,7 +200,7 @@ def test_rendezvous_that_never_completes_exits_2_naming_the_timeout() -> None:
     env.update(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NTASKS_PER_NODE="1(x2)",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     cmd = [sys.executable, "-m", "nowdl", "run", "resnet", "--model-args",
-           '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}', "--input", "3x16x16", "--batch-size", "2",
+           '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}', "--input", "1x3x16x16", "--batch-size", "2",
            "--steps", "1", "--timeout", "3"]
     t0 = time.monotonic()
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
