@@ -87,8 +87,8 @@ class ImageFolderData:
                 "to .npy arrays shaped (C, H, W)"
             )
         if images and len(self.sample_shape) != 3:
-            raise NowdlError(f"image files are 2D but --input {'x'.join(map(str, self.sample_shape))} is not "
-                             "CxHxW: use .npy arrays (C, D, H, W) for 3D models")
+            raise NowdlError(f"image files are 2D but the sample shape {'x'.join(map(str, self.sample_shape))} "
+                             "(--input without its batch) is not CxHxW: use .npy arrays (C, D, H, W) for 3D models")
         self.sample(0)  # fail now, not mid-run, on a sample of the wrong shape
 
     def __len__(self) -> int:

@@ -50,10 +50,11 @@ class CropDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         size = "x".join(map(str, self.sample_shape))
         for im in self.images:
             if im.shape[0] != self.sample_shape[0]:
-                raise NowdlError(f"{im.path} has {im.shape[0]} channel(s) but --input {size} has "
-                                 f"{self.sample_shape[0]}: fix --input")
+                raise NowdlError(f"{im.path} has {im.shape[0]} channel(s) but the sample shape {size} (--input "
+                                 f"without its batch) has {self.sample_shape[0]}: fix --input")
             if any(s < c for s, c in zip(im.spatial, self.sample_shape[1:], strict=True)):
-                raise NowdlError(f"{im.path} is {'x'.join(map(str, im.spatial))}, smaller than the crop --input {size}: "
+                raise NowdlError(f"{im.path} is {'x'.join(map(str, im.spatial))}, smaller than the crop {size} (--input "
+                                 "without its batch): "
                                  "use a smaller --input or a larger image (or a lower pyramid level)")
         if self.masks is not None:
             if len(self.masks) != len(self.images):
