@@ -107,6 +107,7 @@ class GradSync:
         self._good_steps = 0
 
     def zero_grad(self) -> None:
+        """Drop the previous step's gradients."""
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -134,6 +135,7 @@ class GradSync:
         return b.launched
 
     def finish(self, pending: list[Bucket]) -> None:
+        """Wait for the launched buckets and copy the summed gradients back into ``.grad``."""
         for stage, work, flat, params in pending:
             wait(work, timeout_s=self.timeout_s, what=f"gradient all-reduce of stage {stage}", peer=None)
             offset = 0
@@ -171,6 +173,7 @@ class GradSync:
             self.optimizer.step()
 
     def mean_loss(self, local_sum: float) -> float:
+        """The mean loss over the global batch from this rank's sum (NaN without a loss)."""
         if not self.has_loss:
             return float("nan")
         total = self.place.dp * self.place.replicas * self.m
