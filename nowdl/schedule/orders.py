@@ -2,7 +2,7 @@
 
 [Note: long-skip gradient waits] A stage sends the gradient of a received tensor back to its
 producer at the end of its backward, and frees it once it knows the producer has posted the
-matching receive (``runtime/pipeline/transfers.py``, ``_release_done``). It learns that only from the
+matching receive (``runtime/pipeline/transfers.py``, ``release_done``). It learns that only from the
 messages the producer sends it, and a producer posts a gradient's receive one action
 (``RECV_LOOKAHEAD``) before its own backward of that micro-batch. From the stage just before,
 that is in time. From a stage ``d >= 2`` back (a UNet's encoder-to-decoder skip), the only

@@ -236,7 +236,7 @@ def _count_worker(rank: int, world: int, m: int) -> dict[str, tuple[list[dict[st
     from nowdl.runtime.pipeline import transfers
     seen: list[dict[str, int]] = []
     held: list[Any] = []
-    release = transfers.Transfers._release_done
+    release = transfers.Transfers.release_done
 
     def spy_release(self: Any, sends: list[Any]) -> list[Any]:
         left = release(self, sends)
@@ -254,7 +254,7 @@ def _count_worker(rank: int, world: int, m: int) -> dict[str, tuple[list[dict[st
         seen.append(counts)
         backward(*args, **kwargs)
 
-    transfers.Transfers._release_done = spy_release  # type: ignore[method-assign]
+    transfers.Transfers.release_done = spy_release  # type: ignore[method-assign]
     torch.autograd.backward = spy_backward  # type: ignore[assignment]
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(m, 1, 16, 16, generator=g), torch.randn(m, 2, 16, 16, generator=g)

@@ -1,6 +1,7 @@
 """The partitioning MILP (PuLP, solved by HiGHS or CBC).
 
-``model`` builds it from ``terms``; ``stage_windows`` narrows every node's stage range;
+``model`` builds it from ``terms``, with each stage's memory, time and work from
+``load_rows``; ``stage_windows`` narrows every node's stage range;
 ``lp_bound`` bounds the bottleneck from below; ``run`` runs a model on a solver; ``solve``
 solves the primary bottleneck and then the later lexicographic levels.
 """

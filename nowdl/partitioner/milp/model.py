@@ -36,13 +36,13 @@ import pulp
 from nowdl.errors import InfeasibleError
 from nowdl.partitioner.costs.problem import Problem
 from nowdl.partitioner.costs.structure import stage_ranges
+from nowdl.partitioner.milp.load_rows import Layout, StageLoads, add_stage_loads
 from nowdl.partitioner.milp.stage_windows import load_windows
 from nowdl.partitioner.milp.terms import (
     ConstantViolation,
     Lin,
     Y,
     add_constraint,
-    add_term,
     lp_names,
     new_var,
 )
@@ -157,20 +157,38 @@ def build_ilp(
     Raises:
         InfeasibleError: if pins, tileability and precedence admit no placement.
     """
-    n, k = problem.n, problem.k
     lo, hi, allowed = stage_ranges(problem)
     if use_cap and problem.mem_cap is not None:
         mem_ub = problem.mem_cap if mem_ub is None else min(mem_ub, problem.mem_cap)
     lo, hi = load_windows(problem, lo, hi, allowed, mem_ub=mem_ub, time_ub=time_ub)
     nm = lp_names(problem)
-    prob = pulp.LpProblem(f"nowdl_partition_{problem.objective}_K{k}", pulp.LpMinimize)
+    prob = pulp.LpProblem(f"nowdl_partition_{problem.objective}_K{problem.k}", pulp.LpMinimize)
     mem_scale, time_scale = _scales(problem)
+    y = _y_vars(prob, problem, lo, hi, allowed, nm)
+    consumers: list[list[int]] = [[] for _ in range(problem.n)]
+    for u, v in sorted(set(problem.edges)):
+        consumers[u].append(v)
+    lay = Layout(problem=problem, prob=prob, y=y, lo=lo, hi=hi, allowed=allowed, nm=nm, consumers=consumers,
+                 mem_scale=mem_scale, time_scale=time_scale)
+    _order_rows(lay)
+    _tied_rows(lay)
+    _nonempty_rows(lay)
+    loads = StageLoads.empty(problem.k)
+    for s in range(problem.k):
+        add_stage_loads(lay, loads, s)
+    model = _bottleneck_rows(lay, loads, use_cap and problem.mem_cap is not None)
+    prob.setObjective(model.t_mem if problem.objective == "memory" else model.t_time)
+    return model
 
-    # y[v][s+1] for s = -1..K-1
+
+def _y_vars(prob: pulp.LpProblem, problem: Problem, lo: list[int], hi: list[int], allowed: list[list[bool]],
+            nm: list[str]) -> list[list[Y]]:
+    """y[v][s+1] for s = -1..K-1: 0 below v's range, 1 from its end, else a binary variable
+    (the previous entry where v may not use stage s)."""
     y: list[list[Y]] = []
-    for v in range(n):
+    for v in range(problem.n):
         row: list[Y] = [0]
-        for s in range(k - 1):
+        for s in range(problem.k - 1):
             if s < lo[v]:
                 row.append(0)
             elif s >= hi[v]:
@@ -181,192 +199,89 @@ def build_ilp(
                 row.append(new_var(prob, f"y_{nm[v]}_s{s}", 0, 1, pulp.LpBinary))
         row.append(1)
         y.append(row)
+    return y
 
-    def in_stage(v: int, s: int) -> list[tuple[Y, float]]:
-        return [(y[v][s + 1], 1.0), (y[v][s], -1.0)]
 
-    consumers: list[list[int]] = [[] for _ in range(n)]
-    for u, v in sorted(set(problem.edges)):
-        consumers[u].append(v)
-
-    # precedence and monotonicity
-    seen: set[tuple[int, int]] = set()
-    for v in range(n):
+def _order_rows(lay: Layout) -> None:
+    """Monotonicity (y[v,s-1] <= y[v,s]) and precedence (an edge u->v: y[v,s] <= y[u,s])."""
+    y, nm, k = lay.y, lay.nm, lay.problem.k
+    for v in range(lay.problem.n):
         for s in range(1, k - 1):
             a, b = y[v][s], y[v][s + 1]
             if not isinstance(a, int) and not isinstance(b, int) and a is not b:
-                add_constraint(prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0,
-                            f"mono_{nm[v]}_s{s}")
-    for u in range(n):
-        for v in consumers[u]:
-            for s in range(k - 1):
-                a, b = y[v][s + 1], y[u][s + 1]
-                if isinstance(a, int) or isinstance(b, int):
-                    continue  # constants are consistent by construction of lo/hi
-                key = (id(a), id(b))
-                if key in seen:
-                    continue
-                seen.add(key)
-                add_constraint(prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0,
-                            f"prec_{nm[u]}_{nm[v]}_s{s}")
+                add_constraint(lay.prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0, f"mono_{nm[v]}_s{s}")
+    seen: set[tuple[int, int]] = set()
+    for u, v in sorted(set(lay.problem.edges)):  # as consumers[u] lists them
+        for s in range(k - 1):
+            a, b = y[v][s + 1], y[u][s + 1]
+            key = (id(a), id(b))
+            if isinstance(a, int) or isinstance(b, int) or key in seen:
+                continue  # constants are consistent by construction of lo/hi
+            seen.add(key)
+            add_constraint(lay.prob, [(a, 1.0), (b, -1.0)], pulp.LpConstraintLE, 0.0, f"prec_{nm[u]}_{nm[v]}_s{s}")
 
-    # nodes using one weight share a stage: their y rows are equal
-    for g, grp in enumerate(problem.tied):
+
+def _tied_rows(lay: Layout) -> None:
+    """Nodes using one weight share a stage: their y rows are equal."""
+    y = lay.y
+    for g, grp in enumerate(lay.problem.tied):
         for v in grp[1:]:
-            for s in range(k - 1):
-                add_constraint(prob, [(y[grp[0]][s + 1], 1.0), (y[v][s + 1], -1.0)],
-                            pulp.LpConstraintEQ, 0.0, f"tied{g}_{nm[v]}_s{s}")
+            for s in range(lay.problem.k - 1):
+                add_constraint(lay.prob, [(y[grp[0]][s + 1], 1.0), (y[v][s + 1], -1.0)],
+                               pulp.LpConstraintEQ, 0.0, f"tied{g}_{lay.nm[v]}_s{s}")
 
-    def can_be(v: int, s: int) -> bool:
-        return lo[v] <= s <= hi[v] and allowed[v][s]
 
-    # every stage holds at least one node (an empty stage is a rank with nothing to do)
+def _nonempty_rows(lay: Layout) -> None:
+    """Every stage holds at least one node (an empty stage is a rank with nothing to do)."""
+    k = lay.problem.k
     for s in range(k):
-        terms = [t for v in range(n) if can_be(v, s) for t in in_stage(v, s)]
+        terms = [t for v in range(lay.problem.n) if lay.can_be(v, s) for t in lay.in_stage(v, s)]
         if not terms:
             raise InfeasibleError(
                 f"stage {s} of {k} can hold no node (pins, spatial rules and precedence leave it "
                 "empty): use fewer stages"
             )
-        add_constraint(prob, terms, pulp.LpConstraintGE, 1.0, f"nonempty_s{s}")
+        add_constraint(lay.prob, terms, pulp.LpConstraintGE, 1.0, f"nonempty_s{s}")
 
-    mem_lin: list[Lin] = [{} for _ in range(k)]
-    mem_const = [0.0] * k
-    time_lin: list[Lin] = [{} for _ in range(k)]
-    time_const = [0.0] * k
-    work_lin: list[Lin] = [{} for _ in range(k)]
-    work_const = [0.0] * k
-    r_vars: dict[tuple[int, int], pulp.LpVariable] = {}
-    q_vars: dict[tuple[int, int], pulp.LpVariable] = {}
-    z_vars: dict[tuple[int, int, int], pulp.LpVariable] = {}
-    w_vars: dict[int, pulp.LpVariable] = {}
-    w_unit: dict[int, float] = {}
-    for s, spec in enumerate(problem.stages):
-        vec = problem.variants[spec.variant]
-        link = spec.link_s_per_byte
-        for v in range(n):
-            if not can_be(v, s):
-                continue
-            cm = (problem.static[v] + spec.inflight * vec.act[v]) / mem_scale
-            ct = vec.time[v] / time_scale
-            for e, sign in in_stage(v, s):
-                mem_const[s] += add_term(mem_lin[s], e, sign * cm)
-                time_const[s] += add_term(time_lin[s], e, sign * ct)
-                work_const[s] += add_term(work_lin[s], e, sign * ct)
-        # received tensors
-        for u in range(n):
-            out = vec.out[u]
-            cm = spec.recv_factor * out / mem_scale
-            ct = link * out / time_scale
-            if out <= 0 or s == 0 or lo[u] > s - 1:
-                continue
-            cons = [v for v in consumers[u] if can_be(v, s)]
-            if not cons:
-                continue
-            r = new_var(prob, f"r_{nm[u]}_s{s}", 0, 1)
-            r_vars[(u, s)] = r
-            for v in cons:  # r >= x[v,s] - x[u,s]
-                add_constraint(
-                    prob,
-                    [(r, 1.0)] + [(e, -c) for e, c in in_stage(v, s)]
-                    + [(e, c) for e, c in in_stage(u, s)],
-                    pulp.LpConstraintGE, 0.0,
-                    f"recv_{nm[u]}_{nm[v]}_s{s}",
-                )
-            mem_lin[s][r] = mem_lin[s].get(r, 0.0) + cm
-            if ct > 0:
-                time_lin[s][r] = time_lin[s].get(r, 0.0) + ct
-            # long-skip gradients waiting here: wait_from(i) copies when u sits in stage i,
-            # charged as sum over e >= i of (wait_from(e) - wait_from(e + 1)) [u in stage <= e]
-            for e in range(max(lo[u], 0), s):
-                step = spec.wait_from(e) - (spec.wait_from(e + 1) if e + 1 < s else 0.0)
-                if step <= 0:
-                    continue
-                ye = y[u][e + 1]
-                if isinstance(ye, int):  # u surely in a stage <= e (0: never, skipped by lo)
-                    if ye:
-                        mem_lin[s][r] += step * out / mem_scale
-                    continue
-                z = new_var(prob, f"z_{nm[u]}_s{s}_e{e}", 0, 1)
-                z_vars[(u, s, e)] = z
-                for v in cons:  # z >= x[v,s] + y[u,e] - 1
-                    add_constraint(prob, [(z, 1.0), (ye, -1.0)] + [(t, -c) for t, c in in_stage(v, s)],
-                                pulp.LpConstraintGE, -1.0, f"wait_{nm[u]}_{nm[v]}_s{s}_e{e}")
-                mem_lin[s][z] = step * out / mem_scale
-        # sent tensors: link time, and a buffer for their gradient per micro-batch in flight
-        for u in range(n):
-            out = vec.out[u]
-            if out <= 0 or not can_be(u, s):
-                continue
-            cons = [v for v in consumers[u] if hi[v] > s]
-            if not cons:
-                continue
-            q = new_var(prob, f"q_{nm[u]}_s{s}", 0, 1)
-            q_vars[(u, s)] = q
-            for v in cons:  # q >= x[u,s] - x[v,s]
-                add_constraint(
-                    prob,
-                    [(q, 1.0)] + [(e, -c) for e, c in in_stage(u, s)]
-                    + [(e, c) for e, c in in_stage(v, s)],
-                    pulp.LpConstraintGE, 0.0,
-                    f"send_{nm[u]}_{nm[v]}_s{s}",
-                )
-            if link > 0:
-                time_lin[s][q] = time_lin[s].get(q, 0.0) + link * out / time_scale
-            mem_lin[s][q] = mem_lin[s].get(q, 0.0) + spec.send_factor * out / mem_scale
-        # workspace
-        ws_nodes = [v for v in range(n) if vec.workspace[v] > 0 and can_be(v, s)]
-        if ws_nodes:
-            # in units of the stage's largest workspace, so the solver's tolerances stay
-            # small against it
-            unit = max(vec.workspace[v] for v in ws_nodes)
-            w = new_var(prob, f"w_s{s}", 0, 1)
-            w_vars[s] = w
-            w_unit[s] = unit
-            for v in ws_nodes:
-                c = vec.workspace[v] / unit
-                add_constraint(
-                    prob,
-                    [(w, 1.0)] + [(e, -c * sign) for e, sign in in_stage(v, s)],
-                    pulp.LpConstraintGE, 0.0,
-                    f"ws_{nm[v]}_s{s}",
-                )
-            mem_lin[s][w] = mem_lin[s].get(w, 0.0) + unit / mem_scale
 
+def _bottleneck_rows(lay: Layout, loads: StageLoads, cap: bool) -> IlpModel:
+    """T_mem and T_time above every rank's load (and, with ``cap``, the rank's memory under the
+    cap); Z_work under every stage's work. The model without its objective."""
+    prob, k = lay.prob, lay.problem.k
     t_mem = new_var(prob, "T_mem", 0, None)
     t_time = new_var(prob, "T_time", 0, None)
     z_work = new_var(prob, "Z_work", 0, 0)
-    rank_mem: list[pulp.LpAffineExpression] = []
-    rank_time: list[pulp.LpAffineExpression] = []
-    stage_work = [pulp.LpAffineExpression([(a, c) for a, c in work_lin[s].items() if c != 0.0],
-                                          constant=work_const[s]) for s in range(k)]
-    for s in range(k):
-        add_constraint(prob, [(z_work, 1.0)] + [(a, -c) for a, c in work_lin[s].items()],
-                    pulp.LpConstraintLE, work_const[s], f"spread_s{s}")
-    for r_idx, stages in enumerate(problem.rank_stages()):
-        ml: Lin = {}
-        tl: Lin = {}
-        mc = tc = 0.0
-        for s in sorted(stages):  # a stage listed twice (MASTER, odd K: both replicas' copies) counts twice
-            for lin, src in ((ml, mem_lin[s]), (tl, time_lin[s])):
-                for var, c in src.items():
-                    lin[var] = lin.get(var, 0.0) + c
-            mc += mem_const[s]
-            tc += time_const[s]
-        me = pulp.LpAffineExpression([(a, c) for a, c in ml.items() if c != 0.0], constant=mc)
-        te = pulp.LpAffineExpression([(a, c) for a, c in tl.items() if c != 0.0], constant=tc)
-        rank_mem.append(me)
-        rank_time.append(te)
-        add_constraint(prob, [(t_mem, 1.0)] + [(a, -c) for a, c in ml.items()],
-                    pulp.LpConstraintGE, mc, f"mem_r{r_idx}")
-        add_constraint(prob, [(t_time, 1.0)] + [(a, -c) for a, c in tl.items()],
-                    pulp.LpConstraintGE, tc, f"time_r{r_idx}")
-        if use_cap and problem.mem_cap is not None:
-            add_constraint(prob, list(ml.items()), pulp.LpConstraintLE,
-                        problem.mem_cap / mem_scale - mc, f"mem_cap_r{r_idx}")
-    prob.setObjective(t_mem if problem.objective == "memory" else t_time)
-    return IlpModel(
-        prob=prob, y=y, t_mem=t_mem, t_time=t_time, mem_scale=mem_scale,
-        time_scale=time_scale, rank_mem=rank_mem, rank_time=rank_time, stage_work=stage_work,
-        z_work=z_work, aux={"r": r_vars, "q": q_vars, "z": z_vars}, w=w_vars, w_unit=w_unit,
+    model = IlpModel(
+        prob=prob, y=lay.y, t_mem=t_mem, t_time=t_time, mem_scale=lay.mem_scale, time_scale=lay.time_scale,
+        rank_mem=[], rank_time=[], z_work=z_work, aux={"r": loads.r, "q": loads.q, "z": loads.z},
+        w=loads.w, w_unit=loads.w_unit,
+        stage_work=[pulp.LpAffineExpression([(a, c) for a, c in loads.work_lin[s].items() if c != 0.0],
+                                            constant=loads.work_const[s]) for s in range(k)],
     )
+    for s in range(k):
+        add_constraint(prob, [(z_work, 1.0)] + [(a, -c) for a, c in loads.work_lin[s].items()],
+                       pulp.LpConstraintLE, loads.work_const[s], f"spread_s{s}")
+    for r_idx, stages in enumerate(lay.problem.rank_stages()):
+        ml, mc = _rank_sum(loads.mem_lin, loads.mem_const, stages)
+        tl, tc = _rank_sum(loads.time_lin, loads.time_const, stages)
+        model.rank_mem.append(pulp.LpAffineExpression([(a, c) for a, c in ml.items() if c != 0.0], constant=mc))
+        model.rank_time.append(pulp.LpAffineExpression([(a, c) for a, c in tl.items() if c != 0.0], constant=tc))
+        add_constraint(prob, [(t_mem, 1.0)] + [(a, -c) for a, c in ml.items()],
+                       pulp.LpConstraintGE, mc, f"mem_r{r_idx}")
+        add_constraint(prob, [(t_time, 1.0)] + [(a, -c) for a, c in tl.items()],
+                       pulp.LpConstraintGE, tc, f"time_r{r_idx}")
+        if cap:
+            add_constraint(prob, list(ml.items()), pulp.LpConstraintLE,
+                           float(lay.problem.mem_cap or 0.0) / lay.mem_scale - mc, f"mem_cap_r{r_idx}")
+    return model
+
+
+def _rank_sum(lins: list[Lin], consts: list[float], stages: list[int]) -> tuple[Lin, float]:
+    """One rank's load: the sum of its stages' (a stage listed twice, MASTER with odd K, counts twice)."""
+    lin: Lin = {}
+    const = 0.0
+    for s in sorted(stages):
+        for var, c in lins[s].items():
+            lin[var] = lin.get(var, 0.0) + c
+        const += consts[s]
+    return lin, const

@@ -30,7 +30,7 @@ from nowdl.partitioner.exact.chain_dp import spread_ok
 from nowdl.partitioner.exact.order_dp import solve_dp
 from nowdl.partitioner.milp.lp_bound import assignment_lower_bound
 from nowdl.partitioner.milp.model import ConstantViolation, IlpModel, build_ilp
-from nowdl.partitioner.milp.run import available_solvers, pick_solver, run_model
+from nowdl.partitioner.milp.run import Run, available_solvers, pick_solver, run_model
 from nowdl.partitioner.milp.stage_windows import load_windows
 
 __all__ = ["solve_ilp", "build_ilp", "IlpModel", "available_solvers", "load_windows"]
@@ -151,23 +151,64 @@ def solve_ilp(
             ``mem_cap`` (the message gives the cap and the smallest achievable memory).
     """
     t0 = time.perf_counter()
+    _check_args(time_limit, threads, mip_gap)
+    check_problem(problem)
+    stage_ranges(problem)  # structural infeasibility raises here, before any solve
+    name = pick_solver(solver)
+    dp_part = _known_split(problem, start)
+    model = _build(problem, dp_part, time_limit, name, threads, explain, t0)
+    warm = warm_start and dp_part is not None
+    if warm and dp_part is not None:
+        model.set_values(problem, dp_part.stage_of)
+    # leave a margin for reading the solution back and the tie-break check, so the whole
+    # call returns within time_limit
+    margin = min(1.0, 0.03 * time_limit)
+    run = run_model(name, model, max(0.05, time_limit - margin - (time.perf_counter() - t0)), threads, mip_gap, warm)
+    log.info("ilp: %s primary solve: %s (%s) in %.2f s, gap %.3g", name, run.state,
+             run.detail, run.seconds, run.gap)
+    if run.state == "infeasible":
+        if problem.mem_cap is None:  # pragma: no cover - stage_ranges() rules this out
+            raise InfeasibleError(f"the MILP is infeasible without a memory cap ({run.detail})")
+        left = max(time_limit - (time.perf_counter() - t0), min(time_limit, 5.0))
+        raise InfeasibleError(_cap_message(problem, left, name, threads) if explain else _short_cap_message(problem))
+    if run.state in ("none", "error"):
+        return _fallback(problem, model, dp_part, run, name, time_limit, t0)
+    part = _incumbent(problem, model, dp_part, run, name)
+    # the later levels get at most half as long as the primary solve took (at least 0.5 s) each
+    left = min(time_limit - (time.perf_counter() - t0), max(0.5, 0.5 * run.seconds))
+    if run.state == "optimal" and left > 0.05:
+        part = _tie_break(problem, model, part, name, left, threads, mip_gap)
+    left = min(time_limit - (time.perf_counter() - t0), max(0.5, 0.5 * run.seconds))
+    if (spread and run.state == "optimal" and left > 0.05
+            and not spread_ok(stage_work(problem, part.stage_of))):
+        part = _spread(problem, model, part, name, left, threads, mip_gap)
+    return dataclasses.replace(part, seconds=time.perf_counter() - t0)
+
+
+def _check_args(time_limit: float, threads: int, mip_gap: float) -> None:
     if not (time_limit > 0):
         raise ValueError(f"time_limit must be > 0 seconds (got {time_limit})")
     if threads < 1:
         raise ValueError(f"threads must be >= 1 (got {threads})")
     if not (0 <= mip_gap < 1):
         raise ValueError(f"mip_gap must be in [0, 1) (got {mip_gap})")
-    check_problem(problem)
-    stage_ranges(problem)  # structural infeasibility raises here, before any solve
-    name = pick_solver(solver)
-    dp_part: Partition | None = None
+
+
+def _known_split(problem: Problem, start: Partition | None) -> Partition | None:
+    """The best known split: ``start`` when it fits, else the DP over a topological order (None
+    when that finds nothing)."""
     if start is not None and len(start.stage_of) == problem.n and _within_cap(problem, start):
-        dp_part = make_partition(problem, start.stage_of, solver=start.solver, status=start.status)
-    else:
-        try:
-            dp_part = solve_dp(problem, explain=False)
-        except InfeasibleError as exc:
-            log.info("ilp: the DP found no split of the topological order (%s)", exc)
+        return make_partition(problem, start.stage_of, solver=start.solver, status=start.status)
+    try:
+        return solve_dp(problem, explain=False)
+    except InfeasibleError as exc:
+        log.info("ilp: the DP found no split of the topological order (%s)", exc)
+        return None
+
+
+def _build(problem: Problem, dp_part: Partition | None, time_limit: float, name: str, threads: int,
+           explain: bool, t0: float) -> IlpModel:
+    """The model, every node's stages narrowed by the known split's primary bottleneck."""
     mem_ub = time_ub = None
     if dp_part is not None:
         prim_dp, _ = objective_values(problem, dp_part)
@@ -188,42 +229,38 @@ def solve_ilp(
         name, problem.n, problem.k, model.prob.numVariables(), n_bin,
         model.prob.numConstraints(), time.perf_counter() - t0,
     )
-    warm = warm_start and dp_part is not None
-    if warm and dp_part is not None:
-        model.set_values(problem, dp_part.stage_of)
-    # leave a margin for reading the solution back and the tie-break check, so the whole
-    # call returns within time_limit
-    margin = min(1.0, 0.03 * time_limit)
-    run = run_model(name, model, max(0.05, time_limit - margin - (time.perf_counter() - t0)), threads, mip_gap, warm)
-    log.info("ilp: %s primary solve: %s (%s) in %.2f s, gap %.3g", name, run.state,
-             run.detail, run.seconds, run.gap)
-    if run.state == "infeasible":
-        if problem.mem_cap is None:  # pragma: no cover - stage_ranges() rules this out
-            raise InfeasibleError(f"the MILP is infeasible without a memory cap ({run.detail})")
-        left = max(time_limit - (time.perf_counter() - t0), min(time_limit, 5.0))
-        raise InfeasibleError(_cap_message(problem, left, name, threads) if explain else _short_cap_message(problem))
-    if run.state in ("none", "error"):
-        if dp_part is None:
-            raise InfeasibleError(
-                f"Neither the MILP ({name}: {run.state}, {run.detail}, {time_limit:g} s) nor the "
-                f"DP over a topological order found a partition of {problem.n} nodes into "
-                f"{problem.k} stages within the memory cap of {_gib(problem.mem_cap or 0.0)}. "
-                "Give the solver more time, raise the cap, or use more GPUs/stages."
-            )
-        # nothing better than the start within its narrowed bound: the start, with the gap
-        # to the solver's lower bound (or the assignment LP's, ``lpbound``)
-        scale = model.mem_scale if problem.objective == "memory" else model.time_scale
-        value, _ = objective_values(problem, dp_part)
-        lower = run.bound * scale
-        lower = max(lower, assignment_lower_bound(problem)) if math.isfinite(lower) else assignment_lower_bound(problem)
-        gap = max(0.0, (value - lower) / value) if value > 0 else 0.0
-        log.info("ilp: %s found no split better than the %s one in its time (%s); lower bound "
-                 "%.6g, gap %.3g", name, dp_part.solver or "known", run.detail, lower, gap)
-        return dataclasses.replace(
-            dp_part, solver=f"{dp_part.solver or 'dp'} (fallback: {name} {run.state})",
-            status="optimal" if gap <= 1e-9 else "feasible",
-            gap=gap, seconds=time.perf_counter() - t0,
+    return model
+
+
+def _fallback(problem: Problem, model: IlpModel, dp_part: Partition | None, run: Run, name: str,
+              time_limit: float, t0: float) -> Partition:
+    """The known split when the solver found nothing better within its narrowed bound, with the
+    gap to the solver's lower bound (or the assignment LP's, ``lp_bound``)."""
+    if dp_part is None:
+        raise InfeasibleError(
+            f"Neither the MILP ({name}: {run.state}, {run.detail}, {time_limit:g} s) nor the "
+            f"DP over a topological order found a partition of {problem.n} nodes into "
+            f"{problem.k} stages within the memory cap of {_gib(problem.mem_cap or 0.0)}. "
+            "Give the solver more time, raise the cap, or use more GPUs/stages."
         )
+    scale = model.mem_scale if problem.objective == "memory" else model.time_scale
+    value, _ = objective_values(problem, dp_part)
+    lower = run.bound * scale
+    lower = max(lower, assignment_lower_bound(problem)) if math.isfinite(lower) else assignment_lower_bound(problem)
+    gap = max(0.0, (value - lower) / value) if value > 0 else 0.0
+    log.info("ilp: %s found no split better than the %s one in its time (%s); lower bound "
+             "%.6g, gap %.3g", name, dp_part.solver or "known", run.detail, lower, gap)
+    return dataclasses.replace(
+        dp_part, solver=f"{dp_part.solver or 'dp'} (fallback: {name} {run.state})",
+        status="optimal" if gap <= 1e-9 else "feasible",
+        gap=gap, seconds=time.perf_counter() - t0,
+    )
+
+
+def _incumbent(problem: Problem, model: IlpModel, dp_part: Partition | None, run: Run, name: str
+               ) -> Partition:
+    """The primary solve's split (the known one where that is lexicographically better or the
+    solver's breaks the cap), with its gap to the better of two lower bounds when not optimal."""
     part = make_partition(problem, model.assignment(), solver=name, status=run.state,
                           gap=run.gap)
     scale, t_prim = (
@@ -245,15 +282,7 @@ def solve_ilp(
         if math.isfinite(run.bound):
             lower = max(lower, run.bound * scale)
         part = dataclasses.replace(part, gap=max(0.0, 1 - lower / value) if value > 0 else 0.0)
-    # the tie-break gets at most half as long as the primary solve took (at least 0.5 s)
-    left = min(time_limit - (time.perf_counter() - t0), max(0.5, 0.5 * run.seconds))
-    if run.state == "optimal" and left > 0.05:
-        part = _tie_break(problem, model, part, name, left, threads, mip_gap)
-    left = min(time_limit - (time.perf_counter() - t0), max(0.5, 0.5 * run.seconds))
-    if (spread and run.state == "optimal" and left > 0.05
-            and not spread_ok(stage_work(problem, part.stage_of))):
-        part = _spread(problem, model, part, name, left, threads, mip_gap)
-    return dataclasses.replace(part, seconds=time.perf_counter() - t0)
+    return part
 
 
 def _tie_break(

@@ -1,10 +1,11 @@
 """The pipeline engine: one rank runs its schedule of forward and backward actions.
 
-``engine`` dispatches the actions; ``transfers`` sends and receives the tensors that cross
-stages; ``grad_sync`` all-reduces gradients and steps the optimizer; ``micro_batches`` cuts a
-global batch; ``output_roots`` keeps the autograd edge of a stage's outputs until their
-backward; ``deferred_wgrad`` splits a backward for zero bubble; ``ranks`` maps plan parts to
-global ranks.
+``engine`` composes the parts below and dispatches each action by kind; ``runner`` runs a
+forward, backward or weight-gradient action; ``transfers`` sends and receives the tensors that
+cross stages; ``grad_sync`` all-reduces gradients and steps the optimizer; ``rank_view`` holds
+what one rank runs of the plan; ``micro_batches`` cuts a global batch; ``output_roots`` keeps
+the autograd edge of a stage's outputs until their backward; ``deferred_wgrad`` splits a
+backward for zero bubble; ``ranks`` maps plan parts to global ranks.
 """
 
 from typing import TYPE_CHECKING

@@ -22,17 +22,17 @@ from nowdl.codegen.stage import StageModule
 from nowdl.runtime.launch.group import wait
 from nowdl.runtime.pipeline.ranks import Placement
 
-__all__ = ["GradSync", "BUCKET_BYTES"]
+__all__ = ["GradSync", "Buckets", "Bucket", "BUCKET_BYTES"]
 
 log = logging.getLogger("nowdl.runtime.pipeline.engine")
 
 BUCKET_BYTES = 1 << 20
 """Gradients of at least this many bytes go out in one all-reduce as soon as they are final."""
 
-_Bucket = tuple[int, Any, torch.Tensor, list[nn.Parameter]]  # stage, work, flat buffer, its parameters
+Bucket = tuple[int, Any, torch.Tensor, list[nn.Parameter]]  # stage, work, flat buffer, its parameters
 
 
-class _Buckets:
+class Buckets:
     """Buckets of one stage's final gradients, each all-reduced (SUM, async) once full.
 
     :meth:`ready` is called with each parameter whose gradient just became final: by a
@@ -47,7 +47,7 @@ class _Buckets:
         self.todo = {id(p) for p in params}
         self.cur: list[nn.Parameter] = []
         self.size = 0
-        self.launched: list[_Bucket] = []
+        self.launched: list[Bucket] = []
         self.hooks = [p.register_post_accumulate_grad_hook(self.ready) for p in params if p.requires_grad]
 
     def ready(self, p: torch.Tensor) -> None:
@@ -82,24 +82,38 @@ class _Buckets:
 
 
 class GradSync:
-    """The gradient part of :class:`~nowdl.runtime.pipeline.engine.PipelineEngine` (a mixin)."""
+    """Gradient sync and the optimizer step of one rank.
 
-    place: Placement
-    stages: dict[int, StageModule]
-    m: int
-    device: torch.device
-    timeout_s: float
-    params: list[nn.Parameter]
-    optimizer: torch.optim.Optimizer | None
-    loss_fn: Any
-    loss_scale: float
-    _scaling: bool
-    _good_steps: int
-    _groups: dict[int, Any]
+    Args:
+        place: where every copy of every stage runs.
+        stages: this rank's stage modules by index.
+        groups: per held stage, the process group of every rank holding a copy (None: only here).
+        params: this rank's parameters (each once).
+        optimizer: steps ``params``; None: no step.
+        device: where the gradients live.
+        timeout_s: how long a collective may wait.
+        scaling: fp16 loss scaling (skip the step on every rank when any overflows).
+        has_loss: a loss function is given (else the mean loss is NaN).
+        m: micro-batches per replica.
+    """
 
-    def _sync_initial_weights(self) -> None:
+    def __init__(self, place: Placement, stages: dict[int, StageModule], groups: dict[int, Any],
+                 params: list[nn.Parameter], optimizer: torch.optim.Optimizer | None, device: torch.device,
+                 timeout_s: float, *, scaling: bool, has_loss: bool, m: int) -> None:
+        self.place, self.stages, self.groups = place, stages, groups
+        self.params, self.optimizer, self.device, self.timeout_s = params, optimizer, device, timeout_s
+        self.scaling, self.has_loss, self.m = scaling, has_loss, m
+        self.loss_scale = 2.0**16 if scaling else 1.0
+        self._good_steps = 0
+
+    def zero_grad(self) -> None:
+        """Drop the previous step's gradients."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def sync_initial_weights(self) -> None:
         """Every copy of a stage starts from the lowest rank's weights (they must be equal)."""
-        for s, g in self._groups.items():
+        for s, g in self.groups.items():
             if g is None:
                 continue
             src = self.place.group_ranks(s)[0]
@@ -107,35 +121,36 @@ class GradSync:
                 with torch.no_grad():
                     dist.broadcast(t.data, src=src, group=g)
 
-    def _open_buckets(self, stage: int) -> _Buckets | None:
+    def open_buckets(self, stage: int) -> Buckets | None:
         """Before this rank's last gradient action of ``stage`` in a step: reduce its gradients in
         buckets as they become final ([Note: gradient sync]); None when no other rank holds it."""
-        g = self._groups.get(stage)
+        g = self.groups.get(stage)
         if g is None:
             return None
-        return _Buckets(stage, list(self.stages[stage].module.parameters()), g, self.device, BUCKET_BYTES)
+        return Buckets(stage, list(self.stages[stage].module.parameters()), g, self.device, BUCKET_BYTES)
 
-    def _close_buckets(self, b: _Buckets) -> list[_Bucket]:
+    def close_buckets(self, b: Buckets) -> list[Bucket]:
         """After that action: launch what is left (parameters without a gradient as zeros)."""
         b.close()
         return b.launched
 
-    def _finish_sync(self, pending: list[_Bucket]) -> None:
+    def finish(self, pending: list[Bucket]) -> None:
+        """Wait for the launched buckets and copy the summed gradients back into ``.grad``."""
         for stage, work, flat, params in pending:
             wait(work, timeout_s=self.timeout_s, what=f"gradient all-reduce of stage {stage}", peer=None)
             offset = 0
             for p in params:
                 n = p.numel()
                 g = p.grad
-                if g is not None:  # set by _Buckets._launch
+                if g is not None:  # set by Buckets._launch
                     g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
 
-    def _step(self) -> None:
+    def step(self) -> None:
         """Optimizer step; with fp16 loss scaling, every rank agrees to skip on an overflow."""
-        if self.optimizer is None and not self._scaling:
+        if self.optimizer is None and not self.scaling:
             return
-        if self._scaling:
+        if self.scaling:
             bad = torch.tensor([0.0], device=self.device)
             for p in self.params:
                 if p.grad is not None and not torch.isfinite(p.grad).all():
@@ -157,8 +172,9 @@ class GradSync:
         if self.optimizer is not None:
             self.optimizer.step()
 
-    def _mean_loss(self, local_sum: float) -> float:
-        if self.loss_fn is None:
+    def mean_loss(self, local_sum: float) -> float:
+        """The mean loss over the global batch from this rank's sum (NaN without a loss)."""
+        if not self.has_loss:
             return float("nan")
         total = self.place.dp * self.place.replicas * self.m
         if not dist.is_initialized() or dist.get_world_size() == 1:
