@@ -5,8 +5,8 @@ The tutorial's convention: a ```python block whose first line is ``# FILE.py`` i
 writes the files into an empty folder, runs every command there in order (``nowdl``, ``torchrun``
 and ``python`` are this checkout's, torchrun on a free port, ``OMP_NUM_THREADS=1``), and checks
 that every output line shown appears in what the command printed (stdout, then stderr), in
-order. Measured times and rates, the TensorBoard file's name and the data-wait share are
-normalised away on both sides; everything else must match as shown.
+order. Measured times, rates and peak memory, the TensorBoard file's name and the data-wait share
+are normalised away on both sides; everything else must match as shown.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ _VOLATILE = [  # (pattern, replacement): what a run measures, not what it comput
     (re.compile(r"(?<![\w.+-])\d+(\.\d+)? images/s\b"), "<r> images/s"),  # measured rates (not 3.55e+03)
     (re.compile(r"events\.out\.tfevents\.\S+"), "events.out.tfevents.<host>"),
     (re.compile(r"waiting for data \d+%"), "waiting for data <p>%"),
+    # nowdl report's rows: the measured peak (on CPU, sampled by a tracker whose count moves with
+    # the read-ahead thread's timing) and its ratio; the predicted column stays checked
+    (re.compile(r"^(\s*\d+\s+)\d+(?:\.\d+)? ([KMG]iB|B)(\s+\d+(?:\.\d+)? (?:[KMG]iB|B)\s+)\d+\.\d+$"),
+     r"\1<m> \2\3<ratio>"),
 ]
 
 
@@ -103,6 +107,8 @@ def test_conventions_parse() -> None:
     assert any(c.line.startswith("nowdl plan ") and c.shown for c in commands)
     assert normalise("step 1/4  loss 0.7979  1.50 s  1.3 images/s") == "step 1/4  loss 0.7979  <t> s  <r> images/s"
     assert normalise("step 563 us, 3.55e+03 images/s") == "step 563 us, 3.55e+03 images/s"  # predicted: kept
+    assert normalise("   0       22.7 MiB   23.8 MiB   0.95") == normalise("   0       23.7 MiB   23.8 MiB   1.00")
+    assert normalise("   0       22.7 MiB   23.8 MiB   0.95") != normalise("   0       22.7 MiB   24.8 MiB   0.95")
     assert missing(["a", "c"], ["a", "b", "c"]) == [] and missing(["c", "a"], ["a", "b", "c"]) == ["a"]
 
 

@@ -89,7 +89,9 @@ def _worker(
 
 
 #: imported once by the fork server (what almost every worker needs)
-_PRELOAD = ["torch", "torch.distributed", "nowdl", "nowdl.runtime", "monai.networks.nets"]
+_PRELOAD = ["torch", "torch.distributed", "monai.networks.nets", "nowdl", "nowdl.compiled", "nowdl.trace.tracer",
+            "nowdl.profiler.profile_graph", "nowdl.partitioner.search.best_plan",
+            "nowdl.runtime.training.trainer", "nowdl.runtime.pipeline.engine", "nowdl.runtime.spatial"]
 
 
 def _context() -> Any:
