@@ -93,6 +93,21 @@ def _node_loads(lay: Layout, loads: StageLoads, s: int, spec: StageSpec, vec: No
             loads.work_const[s] += add_term(loads.work_lin[s], e, sign * ct)
 
 
+def _crossing(lay: Layout, var: str, row: str, u: int, s: int, cons: list[int], *, received: bool) -> pulp.LpVariable:
+    """A binary that is 1 when u's output crosses stage s's border: received (``x[v,s] - x[u,s]``,
+    a consumer v in s and u not) or sent (``x[u,s] - x[v,s]``), one row per consumer v."""
+    x = new_var(lay.prob, f"{var}_{lay.nm[u]}_s{s}", 0, 1)
+    for v in cons:
+        into, out_of = (v, u) if received else (u, v)
+        add_constraint(
+            lay.prob,
+            [(x, 1.0)] + [(e, -c) for e, c in lay.in_stage(into, s)] + [(e, c) for e, c in lay.in_stage(out_of, s)],
+            pulp.LpConstraintGE, 0.0,
+            f"{row}_{lay.nm[u]}_{lay.nm[v]}_s{s}",
+        )
+    return x
+
+
 def _received(lay: Layout, loads: StageLoads, s: int, spec: StageSpec, vec: NodeVectors, u: int) -> None:
     """r[u,s] >= x[v,s] - x[u,s] for every consumer v: u's output received by stage s."""
     out = vec.out[u]
@@ -103,15 +118,8 @@ def _received(lay: Layout, loads: StageLoads, s: int, spec: StageSpec, vec: Node
     cons = [v for v in lay.consumers[u] if lay.can_be(v, s)]
     if not cons:
         return
-    r = new_var(lay.prob, f"r_{lay.nm[u]}_s{s}", 0, 1)
+    r = _crossing(lay, "r", "recv", u, s, cons, received=True)
     loads.r[(u, s)] = r
-    for v in cons:  # r >= x[v,s] - x[u,s]
-        add_constraint(
-            lay.prob,
-            [(r, 1.0)] + [(e, -c) for e, c in lay.in_stage(v, s)] + [(e, c) for e, c in lay.in_stage(u, s)],
-            pulp.LpConstraintGE, 0.0,
-            f"recv_{lay.nm[u]}_{lay.nm[v]}_s{s}",
-        )
     mem = loads.mem_lin[s]
     mem[r] = mem.get(r, 0.0) + cm
     if ct > 0:
@@ -150,15 +158,8 @@ def _sent(lay: Layout, loads: StageLoads, s: int, spec: StageSpec, vec: NodeVect
     cons = [v for v in lay.consumers[u] if lay.hi[v] > s]
     if not cons:
         return
-    q = new_var(lay.prob, f"q_{lay.nm[u]}_s{s}", 0, 1)
+    q = _crossing(lay, "q", "send", u, s, cons, received=False)
     loads.q[(u, s)] = q
-    for v in cons:  # q >= x[u,s] - x[v,s]
-        add_constraint(
-            lay.prob,
-            [(q, 1.0)] + [(e, -c) for e, c in lay.in_stage(u, s)] + [(e, c) for e, c in lay.in_stage(v, s)],
-            pulp.LpConstraintGE, 0.0,
-            f"send_{lay.nm[u]}_{lay.nm[v]}_s{s}",
-        )
     link = spec.link_s_per_byte
     if link > 0:
         loads.time_lin[s][q] = loads.time_lin[s].get(q, 0.0) + link * out / lay.time_scale
