@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from nowdl.partitioner.costs.problem import Partition, Problem
-from nowdl.partitioner.costs.structure import check_problem, make_partition, topological_order
+from nowdl.partitioner.costs.structure import check_problem, checked_order, make_partition
 from nowdl.partitioner.exact.order_dp import minmax_dp
 
 __all__ = [
@@ -115,18 +115,7 @@ def solve_blockpartition(sequence: list[float], partitions: int = 1) -> list[lis
 
 def _order(problem: Problem, order: Sequence[int] | None) -> list[int]:
     check_problem(problem)
-    if order is None:
-        return topological_order(problem)
-    order = [int(v) for v in order]
-    if sorted(order) != list(range(problem.n)):
-        raise ValueError(f"order must be a permutation of 0..{problem.n - 1}")
-    pos = {v: i for i, v in enumerate(order)}
-    for u, v in problem.edges:
-        if pos[u] > pos[v]:
-            raise ValueError(
-                f"order is not topological: {problem.names[u]} comes after {problem.names[v]}"
-            )
-    return order
+    return checked_order(problem, order)
 
 
 def split_to_partition(

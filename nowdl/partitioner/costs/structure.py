@@ -19,6 +19,7 @@ from nowdl.partitioner.costs.problem import Partition, Problem, evaluate
 __all__ = [
     "check_problem",
     "topological_order",
+    "checked_order",
     "stage_ranges",
     "make_partition",
     "objective_values",
@@ -155,6 +156,25 @@ def topological_order(problem: Problem) -> list[int]:
     if len(order) != n:
         stuck = [problem.names[v] for v in range(n) if indeg[v] > 0][:5]
         raise ValueError(f"the graph has a cycle through {stuck}")
+    return order
+
+
+def checked_order(problem: Problem, order: Sequence[int] | None) -> list[int]:
+    """``order`` as a list after checking it is a topological order of ``problem``'s nodes
+    (``topological_order(problem)`` when None).
+
+    Raises:
+        ValueError: ``order`` is not a permutation of the nodes, or an edge goes backward in it.
+    """
+    if order is None:
+        return topological_order(problem)
+    order = [int(v) for v in order]
+    if sorted(order) != list(range(problem.n)):
+        raise ValueError(f"order must be a permutation of 0..{problem.n - 1}")
+    pos = {v: i for i, v in enumerate(order)}
+    for u, v in problem.edges:
+        if pos[u] > pos[v]:
+            raise ValueError(f"order is not topological: {problem.names[u]} comes after its consumer {problem.names[v]}")
     return order
 
 

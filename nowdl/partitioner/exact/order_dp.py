@@ -30,10 +30,10 @@ from nowdl.errors import InfeasibleError
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import (
     check_problem,
+    checked_order,
     make_partition,
     one_to_one,
     tileable_mask,
-    topological_order,
 )
 from nowdl.partitioner.exact.chain_dp import lexicographic
 from nowdl.partitioner.master.pairing import master_split, standard_pairing
@@ -299,18 +299,7 @@ def solve_dp(problem: Problem, order: Sequence[int] | None = None, *, explain: b
     t0 = time.perf_counter()
     check_problem(problem)
     n, k = problem.n, problem.k
-    if order is None:
-        order = topological_order(problem)
-    order = [int(v) for v in order]
-    if sorted(order) != list(range(n)):
-        raise ValueError(f"order must be a permutation of 0..{n - 1}")
-    pos = {v: i for i, v in enumerate(order)}
-    for u, v in problem.edges:
-        if pos[u] > pos[v]:
-            raise ValueError(
-                f"order is not topological: {problem.names[u]} comes after its consumer "
-                f"{problem.names[v]}"
-            )
+    order = checked_order(problem, order)
     seg = _SegmentCosts(problem, order)
     exact = one_to_one(problem)
     cap = problem.mem_cap
