@@ -31,19 +31,7 @@ __all__ = [
     "NowdlError", "TraceError", "ProfileError", "PlanError", "InfeasibleError", "__version__",
 ]
 
-_lazy = lazy_exports(__name__, {
-    "compile": "api", "CompiledModel": "compiled", "PlannerOptions": "options", "Plan": "plan.plan", "TiledInput": "runtime.spatial.tiles",
+__getattr__ = lazy_exports(__name__, {
+    "compile": "api", "CompiledModel": "compiled", "profile": "api:profile_model", "data": "data",
+    "Plan": "plan.plan", "TiledInput": "runtime.spatial.tiles", "PlannerOptions": "options",
 })
-
-
-def __getattr__(name: str) -> object:
-    if name == "profile":  # nowdl.profile is the API's profile_model
-        from nowdl.api import profile_model
-
-        globals()["profile"] = profile_model
-        return profile_model
-    if name == "data":
-        import nowdl.data
-
-        return nowdl.data
-    return _lazy(name)

@@ -16,13 +16,16 @@ __all__ = ["lazy_exports"]
 
 def lazy_exports(package: str, where: dict[str, str]) -> Callable[[str], object]:
     """A module ``__getattr__`` for ``package``: ``where[name]`` is the submodule (relative to
-    ``package``) that defines ``name``; the value is cached in the package after the first read."""
+    ``package``) that defines ``name``, ``"module:attr"`` when it is defined there under another
+    name, or ``name`` itself for the submodule of that name. The value is cached in the package
+    after the first read."""
 
     def __getattr__(name: str) -> object:
-        mod = where.get(name)
-        if mod is None:
+        if name not in where:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{mod}"), name)
+        mod, _, attr = where[name].partition(":")
+        module = importlib.import_module(f"{package}.{mod}")
+        value = module if mod == name and not attr else getattr(module, attr or name)
         setattr(sys.modules[package], name, value)
         return value
 
