@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nowdl.backends import backend_name
 from nowdl.errors import NowdlError
 from nowdl.optimizers import OptimizerSpec, check_optimizer
 from nowdl.partitioner.spatial.halo_fusion import check_policy
@@ -101,14 +102,8 @@ def _check_device_spec(spec: object) -> None:
 
 
 def _check_backend(backend: object) -> None:
-    if backend is None or not torch.distributed.is_available():  # without torch.distributed, init says so
-        return
-    known = [b for b in torch.distributed.Backend.backend_list if b not in ("undefined", "fake")]
-    # torch's "cpu:gloo,cuda:nccl" form names a backend per device type
-    parts = [p.rpartition(":")[2] for p in backend.split(",")] if isinstance(backend, str) else [backend]
-    if not all(isinstance(p, str) and p.lower() in known for p in parts):
-        raise NowdlError(f"backend={backend!r} is not one of {', '.join(known)}: pass one of them or None "
-                         "(nccl with CUDA, gloo on CPU)")
+    if backend is not None:
+        backend_name(backend, "backend")
 
 
 def _checkpointing(value: object) -> bool | tuple[int, ...]:

@@ -54,6 +54,8 @@ COMPILE_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("timeout_s bool", {"timeout_s": True}, "timeout_s must be positive seconds, got True"),
     ("backend", {"backend": "tcp"}, "backend='tcp' is not one of "),
     ("backend per device", {"backend": "cpu:gloo,cuda:tcp"}, "backend='cpu:gloo,cuda:tcp' is not one of"),
+    ("backend per device, which the launch layer refuses", {"backend": "cpu:gloo,cuda:nccl"},
+     "backend='cpu:gloo,cuda:nccl' is not one of nccl, gloo, mpi"),
     ("planner", {"planner": {"time_limit": 5}}, "planner={'time_limit': 5} is not a PlannerOptions: pass e.g."),
 ]
 
@@ -99,9 +101,9 @@ def test_good_settings_are_kept_and_frozen(tmp_path: Path) -> None:
     cm = nowdl.compile(_model(), gpus=2, mode="estimate", device="cpu", device_spec=spec, cache=tmp_path,
                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), loss_fn=nn.MSELoss(),
                        precision="bf16", activation_checkpointing=range(2), halo_fusion="3", timeout_s=5,
-                       backend="cpu:gloo,cuda:nccl", progress=False)
+                       backend="gloo", progress=False)
     o = cm.options
-    assert (o.device_spec, o.cache, o.halo_fusion, o.timeout_s, o.backend) == (spec, tmp_path, 3, 5, "cpu:gloo,cuda:nccl")
+    assert (o.device_spec, o.cache, o.halo_fusion, o.timeout_s, o.backend) == (spec, tmp_path, 3, 5, "gloo")
     assert o.activation_checkpointing == (0, 1) and cm.activation_checkpointing == [0, 1]
     assert cm.precision == "bf16" and isinstance(cm.loss_fn, nn.MSELoss) and cm.optimizer_kind == "momentum"
     assert isinstance(cm.optimizer, torch.optim.SGD)

@@ -38,7 +38,7 @@ PKG = ROOT / "nowdl"
 MAX_LINES = 400
 
 LEAVES = (
-    "nowdl.errors", "nowdl.units", "nowdl.geometry", "nowdl.models", "nowdl.cpumem", "nowdl.lazy",
+    "nowdl.errors", "nowdl.units", "nowdl.geometry", "nowdl.models", "nowdl.cpumem", "nowdl.lazy", "nowdl.backends",
     "nowdl.plan",  # the Plan, its JSON and the cluster topology it is made for
     "nowdl.schedule",  # pipeline schedules: orders, zero bubble, simulation, the grid
 )

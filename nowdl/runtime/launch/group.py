@@ -32,6 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nowdl.backends import BACKENDS, backend_name
 from nowdl.errors import NowdlError
 from nowdl.runtime.launch.group_exit import destroy_at_exit
 
@@ -49,7 +50,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Backends :func:`default_backend` and :func:`init_distributed` accept.
-BACKENDS: tuple[str, ...] = ("nccl", "gloo", "mpi")
 
 
 class PeerError(NowdlError):
@@ -197,9 +197,7 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
 
 def _check_backend(backend: str, source: str) -> str:
-    name = backend.strip().lower()
-    if name not in BACKENDS:
-        raise NowdlError(f"{source}={backend!r} is not a backend nowdl supports: use one of {', '.join(BACKENDS)}")
+    name = backend_name(backend, source)
     if name == "mpi" and not dist.is_mpi_available():
         raise NowdlError(
             f"{source}={backend!r} but this torch ({torch.__version__}) was built without MPI "
