@@ -3,11 +3,10 @@
 Layers, lowest first (a module may import its own layer and every lower one)::
 
     trace (0) -> profiler (1) -> partitioner (2) -> codegen (3) -> runtime (4)
-        -> api, cli, __main__ and the package ``nowdl/__init__`` (5)
+        -> api, compiled, options, cli, plot, data, __main__ and the package ``nowdl/__init__`` (5)
 
-Leaves (errors, units, functional, geometry, models, cpumem) sit below every layer: anyone may import
-them, and they import only other leaves. ``nowdl.trace.exported`` normalizes torch.export graphs
-for tracing, so it is part of the trace layer, not a leaf.
+Leaves (errors, units, geometry, models, cpumem, lazy, backends, plan, schedule) sit below every
+layer: anyone may import them, and they import only other leaves.
 
 The import graph has one node per module (``nowdl.runtime.spatial``; a package is its
 ``__init__``: ``nowdl.runtime``) and one edge per import statement anywhere in the file: top
