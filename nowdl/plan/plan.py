@@ -21,7 +21,7 @@ from nowdl.units import format_bytes
 __all__ = ["Plan", "StagePlan", "TensorPlan", "RankPlan", "PLAN_VERSION", "format_bytes"]
 
 PLAN_FORMAT = "nowdl.plan"
-PLAN_VERSION = 2  # 2: "topology" (nodes, links, rank -> node map); ranks may be placed out of order
+PLAN_VERSION = 3  # 3: stage recompute/offload/tiles_per_gpu, config.inference; 2: topology
 
 
 def _format_time(s: float) -> str:
@@ -45,6 +45,9 @@ class StagePlan:
     fused: list[list[str]] = field(default_factory=list)  # node chains run with one deeper halo exchange
     params: int = 0  # parameter count
     param_bytes: int = 0
+    recompute: bool = False  # saved activations dropped in the forward, recomputed in the backward
+    offload: bool = False  # saved activations kept in host memory between forward and backward
+    tiles_per_gpu: int = 1  # a spatial stage's tiles run one after another on each of its GPUs
     predicted: dict[str, float] = field(default_factory=dict)
     # predicted keys: peak_bytes, static_bytes, act_bytes, recv_bytes, workspace_bytes,
     # fwd_s, bwd_s, comm_s, time_s (per micro-batch, per rank of this stage)

@@ -185,7 +185,7 @@ def test_node_map_in_the_plan_json_and_show(tmp_path: Path, capsys: pytest.Captu
     printed = capsys.readouterr().out
     assert "topology: 2 nodes x 2 GPUs" in printed and "bytes per step crossing nodes" in printed
     d = json.loads(out.read_text())
-    assert d["version"] == 2
+    assert d["version"] == 3
     topo = d["topology"]
     assert (topo["nodes"], topo["gpus_per_node"], topo["node_of_rank"]) == (2, 2, [0, 0, 1, 1])
     assert topo["together"] == [[0, 1], [2, 3]]  # the MASTER pairs (slots 0+3, 1+2)
