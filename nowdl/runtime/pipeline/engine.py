@@ -89,7 +89,9 @@ class PipelineEngine:
         precision: "fp32", or "bf16"/"fp16" autocast (activations travel in that dtype; fp16
             scales the loss and skips a step on every rank when any rank overflows).
         checkpointing: True (every stage) or the stage indices whose forward is recomputed in
-            their backward (less memory; BatchNorm running statistics then update twice).
+            their backward, besides the plan's ``recompute`` stages (less memory, the same
+            weights: [Note: recompute exactness] in runtime/pipeline/recompute.py). The plan's
+            ``offload`` stages keep their saved activations in host memory ([Note: offload]).
     """
 
     def __init__(self, plan: Plan, stages: Sequence[StageModule], rank: int, *,
@@ -106,7 +108,7 @@ class PipelineEngine:
         self.loss_fn = loss_fn
         self.precision = check_precision(precision)
         self.comm_dtype: torch.dtype | None = AUTOCAST_DTYPES[precision]
-        self.checkpointed = _checkpointed(checkpointing, len(plan.stages))
+        self.checkpointed = _checkpointed(checkpointing, len(plan.stages)) | {s.index for s in plan.stages if s.recompute}
         view = self.view = RankView.build(plan, stages, rank, device, self.comm_dtype)
         self.place, self.m, self.k, self.dp_index = view.place, view.m, view.k, view.dp_index
         self.held, self.part, self.parts, self.stages = view.held, view.part, view.parts, view.stages
@@ -142,7 +144,9 @@ class PipelineEngine:
                          and s not in self.checkpointed and enable(self.stages[s].module)}
         self.runner = ScheduleRunner(view, self.transfers, self.sync, tiled=self.tiled, loss_fn=loss_fn,
                                      checkpointed=self.checkpointed, deferred=self.deferred,
-                                     data_names=[n for n in plan.stages[0].nodes if n in data])
+                                     data_names=[n for n in plan.stages[0].nodes if n in data],
+                                     offloaded=frozenset(s.index for s in plan.stages if s.offload))
+        self.offload = self.runner.offload  # its byte counters: [Note: offload]
         self._kinds: dict[str, Callable[[Step, Action], None]] = {
             "F": self.runner.forward, "B": self.runner.backward, "W": self.runner.weight_grads,
         }

@@ -22,8 +22,10 @@ from nowdl.runtime.launch.group import wait
 from nowdl.runtime.pipeline.deferred_wgrad import WeightGrad, capturing, deferring, run_weight_grads
 from nowdl.runtime.pipeline.grad_sync import Bucket, Buckets, GradSync
 from nowdl.runtime.pipeline.micro_batches import detach, split_batch
+from nowdl.runtime.pipeline.offload import Offload
 from nowdl.runtime.pipeline.output_roots import Root
 from nowdl.runtime.pipeline.rank_view import RankView
+from nowdl.runtime.pipeline.recompute import Recompute
 from nowdl.runtime.pipeline.transfers import Send, StepReceives, Transfers
 from nowdl.runtime.spatial.exchange import Window
 from nowdl.runtime.spatial.stage import TiledStage
@@ -69,17 +71,28 @@ class ScheduleRunner:
         sync: its gradient sync and optimizer step.
         tiled: the spatial stages it holds, by (replica, stage).
         loss_fn: ``loss_fn(output, target) -> scalar``, or None.
-        checkpointed: stages whose forward is recomputed in their backward.
+        checkpointed: stages whose forward is recomputed in their backward ([Note: recompute exactness]).
+        offloaded: stages whose saved activations wait in host memory ([Note: offload]).
         deferred: stages whose weight gradients wait for their ``W`` action (zero bubble).
         data_names: the model inputs in the order a tuple batch gives them.
     """
 
     def __init__(self, view: RankView, transfers: Transfers, sync: GradSync, *,
                  tiled: dict[tuple[int, int], TiledStage], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 checkpointed: set[int], deferred: set[int], data_names: list[str]) -> None:
+                 checkpointed: set[int], deferred: set[int], data_names: list[str],
+                 offloaded: frozenset[int] = frozenset()) -> None:
         self.view, self.transfers, self.sync = view, transfers, sync
         self.tiled, self.loss_fn = tiled, loss_fn
         self.checkpointed, self.deferred, self.data_names = checkpointed, deferred, data_names
+        self.recompute = Recompute(checkpointed, view.device)
+        self.offload = Offload(set(offloaded) - checkpointed, view.device)
+        # per action, the next backward of an offloaded stage (prefetched while the action runs)
+        self.next_b: list[Action | None] = [None] * len(view.actions)
+        nxt: Action | None = None
+        for i in range(len(view.actions) - 1, -1, -1):
+            self.next_b[i] = nxt
+            if view.actions[i].kind == "B":
+                nxt = view.actions[i] if view.actions[i].stage in self.offload else None
         # zero bubble: B computes input gradients, W the deferred weight gradients
         self.final_kind = "W" if any(a.kind == "W" for a in view.actions) else "B"  # gradients are final after it
         self.final_left = Counter(a.stage for a in view.actions if a.kind == self.final_kind)
@@ -95,6 +108,7 @@ class ScheduleRunner:
         return Step(train=train, xs=xs, ys=ys, rx=self.transfers.start_step(train),
                     scale=1.0 / (place.dp * place.replicas * self.view.m),
                     loss_scale=self.sync.loss_scale if train else 1.0, left=dict(self.final_left))
+        self.offload.begin_step()
 
     def end(self, step: Step) -> tuple[float, list[Any]]:
         """Wait for the sends left, finish the gradient sync, step; the mean loss and the outputs."""
@@ -119,6 +133,9 @@ class ScheduleRunner:
         step.sends = self.transfers.release_done(step.sends)
         last = act.kind == self.final_kind and step.left[act.stage] == 1
         step.bucket = self.sync.open_buckets(act.stage) if last else None
+        ahead = self.next_b[idx]
+        if step.train and ahead is not None:  # [Note: offload]: copied back while this action runs
+            self.offload.prefetch((ahead.replica, ahead.stage, ahead.microbatch))
 
     def after(self, step: Step, act: Action) -> None:
         """Count the gradient action; launch what is left of a stage's buckets once its gradients are final."""
@@ -143,7 +160,7 @@ class ScheduleRunner:
         step.held_bufs[key] = bufs
         step.sends = self.transfers.release_done(step.sends)  # what just arrived may show a peer ready for them
         with capturing(step.train and act.stage in self.deferred):
-            outs, grids = self._run_stage(st, ins, shapes, step.train, tiled)
+            outs, grids = self._run_stage(key, st, ins, shapes, step.train, tiled)
         step.inputs[key] = ins
         model_out: dict[str, torch.Tensor] = {}
         for name, t, g_out in zip(st.outputs, outs, grids, strict=True):
@@ -187,6 +204,8 @@ class ScheduleRunner:
         key = (act.replica, act.stage, act.microbatch)
         st = self.view.stages[act.stage]
         me = (act.stage, self.view.part[(act.replica, act.stage)])
+        if act.stage in self.recompute:  # first, on every tile alike ([Note: recompute in spatial stages])
+            self.recompute.recompute(key)
         kept = step.outputs.pop(key)
         ins = step.inputs.pop(key)
         roots: list[Any] = []  # GradientEdges (or tensors) and the loss
@@ -205,6 +224,8 @@ class ScheduleRunner:
                 torch.autograd.backward(roots, grads)
         del grads
         del grad_bufs  # consumed: freed when nothing else holds their storage
+        self.recompute.drop(key)
+        self.offload.drop(key)
         step.held_bufs.pop(key, None)
         step.sends += self.transfers.send_input_grads(st, ins, act, me)
 
@@ -256,8 +277,8 @@ class ScheduleRunner:
             return flat[0] if len(flat) == 1 else tuple(flat)
         return fill_outputs(st.output_tree, [values.get(n) for n in st.outputs])
 
-    def _run_stage(self, st: StageModule, ins: list[torch.Tensor], shapes: list[tuple[int, ...]], train: bool,
-                   tiled: TiledStage | None) -> tuple[list[torch.Tensor], list[TileGrid | None]]:
+    def _run_stage(self, key: _Key, st: StageModule, ins: list[torch.Tensor], shapes: list[tuple[int, ...]],
+                   train: bool, tiled: TiledStage | None) -> tuple[list[torch.Tensor], list[TileGrid | None]]:
         grids: list[TileGrid | None] = [None] * len(st.outputs)
 
         def run(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -267,12 +288,16 @@ class ScheduleRunner:
             grids[:] = gs
             return tuple(outs)
 
-        with torch.set_grad_enabled(train), self._autocast():
-            if train and st.index in self.checkpointed and any(t.requires_grad for t in ins):
-                from torch.utils.checkpoint import checkpoint
+        def call() -> tuple[torch.Tensor, ...]:
+            with torch.set_grad_enabled(train), self._autocast():
+                return run(*ins)
 
-                return list(checkpoint(run, *ins, use_reentrant=False)), grids
-            return list(run(*ins)), grids
+        if train and st.index in self.recompute:
+            return list(self.recompute.forward(key, st.module, call)), grids
+        if train and st.index in self.offload:
+            with self.offload.saving(key, ins, [st.module]):
+                return list(call()), grids
+        return list(call()), grids
 
     def _autocast(self) -> Any:
         dtype = self.view.comm_dtype

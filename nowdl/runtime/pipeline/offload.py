@@ -1,0 +1,172 @@
+"""Offloaded stages: a micro-batch's saved activations wait in host memory between its forward
+and its backward.
+
+[Note: offload] A stage in the plan's offload set (``StagePlan.offload``) runs its forward under
+saved-tensor hooks (:func:`torch.autograd.graph.saved_tensors_hooks`). The pack hook copies each
+saved activation to host memory and keeps only the host copy; the unpack hook gives autograd a
+device copy back. Parameters, buffers and the stage's own inputs (which the runner holds until
+the backward anyway) are not copied; a tensor saved by several ops is copied once.
+
+On CUDA the copy out runs on a side stream that first waits for the compute stream, into a
+pinned host buffer; an event marks its end, and the device tensor is kept alive until the event
+has passed (checked at every later pack and every action), then released to the caching
+allocator. The copy back (:meth:`Offload.prefetch`) also runs on the side stream, into memory
+allocated on the compute stream, which waits for its event before autograd reads it. The runner
+prefetches a micro-batch's tensors when the action before its ``B`` ends, so the copy overlaps
+that action; a tensor not prefetched is copied back when autograd unpacks it. At most one
+micro-batch's offloaded activations are thus back on the device ahead of their backward.
+
+On the CPU the same hooks run and every tensor makes the same round trip through a host copy (a
+clone out, a clone back), so the CPU tests exercise the path and its exactness: the values come
+back bit for bit. Only that CPU path has run in this project's tests; the CUDA stream path is
+written for CUDA but has not been measured here.
+
+:attr:`Offload.bytes_out` counts the bytes copied to the host since the engine started,
+:attr:`Offload.step_bytes` those of the current step and :attr:`Offload.peak_host_bytes` the most
+held on the host at once in the current step (per rank, for the memory picture and metrics).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Offload"]
+
+_Key = tuple[int, int, int]  # replica, stage, micro-batch
+
+
+class _Held:
+    """One saved tensor in host memory (``host``), and its device copy once fetched back (``dev``)."""
+
+    __slots__ = ("owner", "host", "dev", "ready", "nbytes", "__weakref__")
+
+    def __init__(self, owner: Offload, host: Tensor, nbytes: int) -> None:
+        self.owner = owner
+        self.host: Tensor | None = host
+        self.dev: Tensor | None = None
+        self.ready: Any = None  # CUDA: the event the copy back records
+        self.nbytes = nbytes
+
+    def __del__(self) -> None:
+        if self.host is not None:
+            self.owner.host_bytes -= self.nbytes
+
+
+class Offload:
+    """This rank's offloaded stages ([Note: offload]).
+
+    Args:
+        stages: the stage indices whose saved activations go to host memory.
+        device: where the stages run.
+    """
+
+    def __init__(self, stages: set[int], device: torch.device) -> None:
+        self.stages = set(stages)
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.bytes_out = 0
+        self.step_bytes = 0
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+        self._held: dict[_Key, list[weakref.ref[_Held]]] = {}
+        self._inflight: list[tuple[Any, Tensor]] = []  # (event, device tensor) of copies out not yet done
+
+    def __contains__(self, stage: int) -> bool:
+        return stage in self.stages
+
+    def begin_step(self) -> None:
+        """Start a step's counters (``step_bytes``, ``peak_host_bytes``)."""
+        self.step_bytes = 0
+        self.peak_host_bytes = self.host_bytes
+
+    @contextmanager
+    def saving(self, key: _Key, keep: Sequence[Tensor], modules: Sequence[nn.Module]) -> Iterator[None]:
+        """Inside, saved tensors of micro-batch ``key`` go to host memory, except ``keep`` (the
+        stage's inputs) and the parameters and buffers of ``modules``."""
+        skip = {t.data_ptr() for t in keep}
+        for m in modules:
+            skip.update(p.data_ptr() for p in m.parameters())
+            skip.update(b.data_ptr() for b in m.buffers())
+        held = self._held.setdefault(key, [])
+        seen: dict[tuple[Any, ...], _Held] = {}
+
+        def pack(t: Tensor) -> Any:
+            self.reap()
+            if t.data_ptr() in skip or t.numel() == 0 or t.layout != torch.strided:
+                return t
+            sig = (t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
+            h = seen.get(sig)
+            if h is None:
+                h = seen[sig] = self._copy_out(t)
+                held.append(weakref.ref(h))
+            return h
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield
+
+    def _copy_out(self, t: Tensor) -> _Held:
+        nbytes = t.numel() * t.element_size()
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self._inflight.append((done, t))  # the device tensor lives until its copy has ended
+        else:
+            host = t.detach().clone()
+        self.bytes_out += nbytes
+        self.step_bytes += nbytes
+        self.host_bytes += nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        return _Held(self, host, nbytes)
+
+    def reap(self) -> None:
+        """Release the device tensors whose copy out has ended."""
+        if self._inflight:
+            self._inflight = [(ev, t) for ev, t in self._inflight if not ev.query()]
+
+    def prefetch(self, key: _Key) -> None:
+        """Start copying micro-batch ``key``'s saved tensors back to the device."""
+        self.reap()
+        for ref in self._held.get(key, []):
+            h = ref()
+            if h is not None and h.dev is None and h.host is not None:
+                self._copy_back(h)
+
+    def _copy_back(self, h: _Held) -> None:
+        host = h.host
+        assert host is not None
+        if self.cuda:
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)  # on the compute stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                dev.copy_(host, non_blocking=True)
+                h.ready = torch.cuda.Event()
+                h.ready.record(self.stream)
+        else:
+            dev = host.clone()
+        h.dev, h.host = dev, None
+        self.host_bytes -= h.nbytes
+
+    def _unpack(self, h: Any) -> Tensor:
+        if isinstance(h, Tensor):  # kept on the device
+            return h
+        if h.dev is None:
+            self._copy_back(h)
+        if h.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(h.ready)
+        dev: Tensor = h.dev
+        return dev
+
+    def drop(self, key: _Key) -> None:
+        """Forget micro-batch ``key`` (after its backward; its tensors die with the graph)."""
+        self._held.pop(key, None)
