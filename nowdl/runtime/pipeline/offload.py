@@ -95,17 +95,18 @@ class Offload:
             skip.update(p.data_ptr() for p in m.parameters())
             skip.update(b.data_ptr() for b in m.buffers())
         held = self._held.setdefault(key, [])
-        seen: dict[tuple[Any, ...], _Held] = {}
+        seen: dict[int, tuple[weakref.ref[Tensor], int, _Held]] = {}  # id(tensor) -> (tensor, version, copy)
 
         def pack(t: Tensor) -> Any:
             self.reap()
             if t.data_ptr() in skip or t.numel() == 0 or t.layout != torch.strided:
                 return t
-            sig = (t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t._version)
-            h = seen.get(sig)
-            if h is None:
-                h = seen[sig] = self._copy_out(t)
-                held.append(weakref.ref(h))
+            got = seen.get(id(t))  # the same live tensor, unchanged, saved again (not a dead one's address)
+            if got is not None and got[0]() is t and got[1] == t._version:
+                return got[2]
+            h = self._copy_out(t)
+            seen[id(t)] = (weakref.ref(t), t._version, h)
+            held.append(weakref.ref(h))
             return h
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
