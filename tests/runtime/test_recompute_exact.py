@@ -107,7 +107,7 @@ class Levers:
     checkpointing: bool | tuple[int, ...] = False
 
 
-_Run = tuple[list[float], dict[str, torch.Tensor], list[int], list[tuple[int, bool, bool, list[int]]]]
+_Run = tuple[list[float], dict[str, torch.Tensor], list[list[int]], list[tuple[int, bool, bool, list[int]]]]
 
 
 def _train(world: int, name: str, cfg: dict[str, Any], lv: Levers) -> _Run:
@@ -119,11 +119,13 @@ def _train(world: int, name: str, cfg: dict[str, Any], lv: Levers) -> _Run:
     for s in plan.stages:
         s.recompute, s.offload = s.index in lv.recompute, s.index in lv.offload
     torch.manual_seed(SEED)
-    losses = [cm.train_step(*_data(name, _total(cfg), step)) for step in range(STEPS)]
-    eng = cm._trainer.engine
-    offloaded = [int(eng.offload.bytes_out) if hasattr(eng, "offload") else 0]
+    losses, offloaded = [], []  # bytes offloaded in each step
+    for step in range(STEPS):
+        losses.append(cm.train_step(*_data(name, _total(cfg), step)))
+        eng = cm._trainer.engine
+        offloaded.append(int(eng.offload.step_bytes) if hasattr(eng, "offload") else 0)
     gathered: list[Any] = [None] * world
-    torch.distributed.all_gather_object(gathered, offloaded[0])
+    torch.distributed.all_gather_object(gathered, offloaded)
     return losses, cm.state_dict(), gathered, [(s.parts, s.recompute, s.offload, s.ranks) for s in plan.stages]
 
 
@@ -163,8 +165,9 @@ def compare(name: str, world: int, cfg: dict[str, Any], lv: Levers, *, twin: boo
         _close(sd, other[1], "against the same plan without recompute or offload")
         assert other[0] == losses
     assert [lay[1:3] for lay in layout] == [(s in lv.recompute, s in lv.offload) for s in range(len(layout))]
-    for _, rc, off, ranks in layout:  # the counter sees what an offloaded (not recomputed) stage saved
-        assert all(offloaded[r] > 0 for r in ranks) if off and not rc else True, (ranks, offloaded)
+    for _, rc, off, ranks in layout:  # the counter sees what an offloaded (not recomputed) stage saves each step
+        assert all(offloaded[r][0] > 0 and len(set(offloaded[r])) == 1 for r in ranks) if off and not rc else True, (
+            ranks, offloaded)
     return losses, sd, offloaded, layout
 
 

@@ -105,10 +105,10 @@ class ScheduleRunner:
         for _, s in self.view.held:
             self.view.stages[s].module.train(train)
         place = self.view.place
+        self.offload.begin_step()
         return Step(train=train, xs=xs, ys=ys, rx=self.transfers.start_step(train),
                     scale=1.0 / (place.dp * place.replicas * self.view.m),
                     loss_scale=self.sync.loss_scale if train else 1.0, left=dict(self.final_left))
-        self.offload.begin_step()
 
     def end(self, step: Step) -> tuple[float, list[Any]]:
         """Wait for the sends left, finish the gradient sync, step; the mean loss and the outputs."""
