@@ -215,6 +215,16 @@ def test_spatial_batchnorm_stem_recompute_and_offload() -> None:
             Levers(recompute=(0,), offload=(1,)))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("norm", "lv"), [("group", Levers(recompute=(0,))), ("instance", Levers(offload=(0,)))],
+                         ids=["group-recompute", "instance-offload"])
+def test_spatial_norm_stage(norm: str, lv: Levers) -> None:
+    """GroupNorm recomputed, InstanceNorm offloaded, on 2 tiles (statistics over both)."""
+    *_, layout = compare(norm, 3, {"stages": 2, "spatial_parts": 2, "spatial_stages": 1, "slice": "square",
+                                   "micro_batches": 2, "dp": 1, "replicas": 1, "schedule": "1f1b"}, lv)
+    assert layout[0][0] == 2, layout
+
+
 def test_master_replicas_recompute() -> None:
     compare("batch", 2, {**_PIPE2, "replicas": 2, "schedule": "1f1b"}, Levers(recompute=(0, 1)), twin=True)
 

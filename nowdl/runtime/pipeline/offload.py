@@ -44,18 +44,23 @@ _Key = tuple[int, int, int]  # replica, stage, micro-batch
 class _Held:
     """One saved tensor in host memory (``host``), and its device copy once fetched back (``dev``)."""
 
-    __slots__ = ("owner", "host", "dev", "ready", "nbytes", "__weakref__")
+    __slots__ = ("owner", "host", "dev", "ready", "nbytes", "counted", "__weakref__")
 
     def __init__(self, owner: Offload, host: Tensor, nbytes: int) -> None:
         self.owner = owner
-        self.host: Tensor | None = host
+        self.host: Tensor | None = host  # CUDA: kept until autograd has the device copy (the copy reads it)
         self.dev: Tensor | None = None
         self.ready: Any = None  # CUDA: the event the copy back records
         self.nbytes = nbytes
+        self.counted = True  # in the owner's host_bytes until it is copied back
+
+    def uncount(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.owner.host_bytes -= self.nbytes
 
     def __del__(self) -> None:
-        if self.host is not None:
-            self.owner.host_bytes -= self.nbytes
+        self.uncount()
 
 
 class Offload:
@@ -140,7 +145,7 @@ class Offload:
         self.reap()
         for ref in self._held.get(key, []):
             h = ref()
-            if h is not None and h.dev is None and h.host is not None:
+            if h is not None and h.dev is None:
                 self._copy_back(h)
 
     def _copy_back(self, h: _Held) -> None:
@@ -155,8 +160,9 @@ class Offload:
                 h.ready.record(self.stream)
         else:
             dev = host.clone()
-        h.dev, h.host = dev, None
-        self.host_bytes -= h.nbytes
+            h.host = None
+        h.dev = dev
+        h.uncount()
 
     def _unpack(self, h: Any) -> Tensor:
         if isinstance(h, Tensor):  # kept on the device
@@ -165,6 +171,7 @@ class Offload:
             self._copy_back(h)
         if h.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(h.ready)
+        h.host = None  # torch's pinned-memory allocator reuses the block only after the copy's event
         dev: Tensor = h.dev
         return dev
 
