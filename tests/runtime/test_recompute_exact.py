@@ -62,8 +62,9 @@ def _make(name: str) -> nn.Module:
 
         return UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 16), strides=(2, 2),
                     num_res_units=1, bias=False).double()
-    norm, _, drop = name.partition("+")
-    return NormNet(norm, 0.3 if drop == "dropout" else 0.0).double()
+    norm, _, extra = name.partition("+")
+    net = NormNet(norm, 0.3 if extra == "dropout" else 0.0)
+    return net if extra == "float32" else net.double()
 
 
 def _image(name: str) -> bool:
@@ -80,7 +81,7 @@ def _data(name: str, total: int, step: int) -> tuple[torch.Tensor, torch.Tensor]
         shape = (3, 16, 16)
     else:
         shape = (2, 16, 16)
-    x = torch.randn(total, *shape, generator=g, dtype=torch.float64)
+    x = torch.randn(total, *shape, generator=g, dtype=torch.float32 if name.endswith("float32") else torch.float64)
     if _image(name):
         return x, torch.randn(total, 2, *shape[1:], generator=g, dtype=torch.float64)
     return x, torch.randint(0, 3, (total,), generator=g)
@@ -190,6 +191,14 @@ def test_dropout_replays_its_masks() -> None:
     once, so the run equals the same plan without recompute (each rank draws its own numbers, so a
     run with dropout is compared with its twin, not with one process)."""
     compare("batch+dropout", 2, {**_PIPE2, "schedule": "gpipe"}, Levers(recompute=(1,)), twin=True, one=False)
+
+
+@pytest.mark.slow
+def test_bf16_recompute_and_offload_equal_keeping() -> None:
+    """Under autocast the recompute runs in the same autocast: the run equals the same plan in bf16
+    without recompute or offload (autocast casts float32 models only; bf16 is not compared with
+    one process)."""
+    compare("batch+float32", 2, {**_PIPE2, "precision": "bf16"}, Levers(recompute=(0,), offload=(1,)), twin=True, one=False)
 
 
 def test_offload_round_trips_exactly() -> None:
