@@ -181,7 +181,13 @@ def test_batchnorm_running_statistics_update_once_under_activation_checkpointing
     compare("resnet_bn", 2, _PIPE2, Levers(checkpointing=True))
 
 
-@pytest.mark.parametrize("norm", ["instance", "group"])
+@pytest.mark.slow
+def test_zero_bubble_defers_only_the_kept_stage() -> None:
+    """zb: stage 1 recomputed (its W is empty), stage 0 offloaded with its weight gradients deferred."""
+    compare("batch", 2, {**_PIPE2, "micro_batches": 3, "schedule": "zb"}, Levers(recompute=(1,), offload=(0,)))
+
+
+@pytest.mark.parametrize("norm", [pytest.param("instance", marks=pytest.mark.slow), "group"])
 def test_plan_recompute_pipeline(norm: str) -> None:
     compare(norm, 2, _PIPE2, Levers(recompute=(0, 1)))
 
@@ -205,6 +211,7 @@ def test_offload_round_trips_exactly() -> None:
     compare("batch", 2, _PIPE2, Levers(offload=(0, 1)))
 
 
+@pytest.mark.slow
 def test_recompute_one_stage_offload_the_other() -> None:
     compare("group", 2, _PIPE2, Levers(recompute=(1,), offload=(0,)))
 
@@ -243,7 +250,7 @@ def test_dp_recompute_and_offload() -> None:
     compare("batch", 4, {**_PIPE2, "dp": 2}, Levers(recompute=(0,), offload=(1,)), twin=True)
 
 
-@pytest.mark.parametrize("net", [pytest.param("AttentionUnet2d", marks=pytest.mark.slow), "DenseNet2d"])
+@pytest.mark.parametrize("net", [pytest.param(n, marks=pytest.mark.slow) for n in ("AttentionUnet2d", "DenseNet2d")])
 def test_monai_activation_checkpointing_is_exact(net: str) -> None:
     """The nets that ended 0.55 (AttentionUnet) and 0.37 (DenseNet) relative away with
     activation_checkpointing=True on 2 ranks."""
