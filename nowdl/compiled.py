@@ -235,10 +235,18 @@ class CompiledModel:
             raise NowdlError("train_step needs a loss: nowdl.compile(model, ..., loss_fn=torch.nn.CrossEntropyLoss())")
         return float(self._train().train_step(x, y))
 
-    def eval_step(self, x: Any) -> Any:
-        """Inference on the global batch: outputs on the ranks of the last stage (its part 0, whole
-        images, when that stage is spatial), None elsewhere."""
-        return self._train().eval_step(x)
+    def eval_step(self, x: Any, *, gather: str = "rank0") -> Any:
+        """Inference on a batch of any size and any image size the model accepts (every rank passes
+        the same batch): the model's outputs, whole images in batch order, on rank 0 (None on the
+        others) or, with ``gather="all"``, on every rank. Runs on an inference plan made for
+        ``x``'s sample shape on first use and cached ([Note: eval plans] in
+        runtime/training/evaluate.py), with the current (trained) weights."""
+        return self._train().evaluate(x, None, gather=gather)[0]
+
+    def evaluate(self, x: Any, y: Any, *, gather: str = "rank0") -> tuple[Any, float]:
+        """:meth:`eval_step` with targets ``y``: ``(outputs, mean loss_fn(output, y) over the batch)``,
+        the loss on every rank (NaN without a ``loss_fn``)."""
+        return self._train().evaluate(x, y, gather=gather)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's parameters under their original names; after the first step, the ones this

@@ -91,7 +91,8 @@ def inference_stages(stages: Sequence[StageSpec]) -> list[StageSpec]:
 
 def inference_request(req: PlanRequest) -> PlanRequest:
     """``req`` for an inference plan: one replica (GEMS-MASTER fills training bubbles), no global
-    batch to match (any batch is cut into steps), GPipe's forward order for the search.
+    batch to match (any batch is cut into steps), GPipe's forward order for the search, and one
+    micro-batch per step unless ``req`` pins ``micro_batches`` (pin more to pipeline many images).
 
     Raises:
         NowdlError: ``req`` pins ``replicas=2``.
@@ -99,7 +100,8 @@ def inference_request(req: PlanRequest) -> PlanRequest:
     if req.replicas == 2:
         raise NowdlError("replicas=2 (GEMS-MASTER) mirrors a second replica to fill the bubbles of training's "
                          "backward; an inference plan has no backward: leave replicas unset (or 1) with train=False")
-    return dataclasses.replace(req, replicas=1, schedule="gpipe", global_batch=None)
+    return dataclasses.replace(req, replicas=1, schedule="gpipe", global_batch=None,
+                               micro_batches=req.micro_batches or 1)
 
 
 def mark_inference(plan: Plan) -> None:
@@ -107,6 +109,9 @@ def mark_inference(plan: Plan) -> None:
     plan.config["inference"] = True
     plan.profile["optimizer"] = "inference"
     plan.config["schedule"] = FORWARD_ONLY
+    pinned = plan.config.get("pinned")
+    if isinstance(pinned, dict) and pinned.get("schedule") == "gpipe":
+        pinned.pop("schedule")
     plan.schedule["name"] = FORWARD_ONLY
     plan.schedule["inflight"] = [1] * len(plan.stages)
     for st in plan.stages:
