@@ -25,7 +25,7 @@ from nowdl.partitioner.search.config import PlanRequest
 from nowdl.partitioner.spatial.halo_fusion import plan_fusion
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.plan.plan import Plan
-from nowdl.plan.purpose import require_inference, require_training
+from nowdl.plan.purpose import is_inference, require_inference, require_training
 from nowdl.profiler.cost import Profile
 from nowdl.profiler.devices import DeviceSpec
 from nowdl.profiler.loss_cost import loss_cost_for, with_loss
@@ -174,11 +174,35 @@ class CompiledModel:
             self._plans[(key, train)] = plan
             return plan
         assert self.request is not None  # compile() guarantees a request or a plan path
+        return self._search(example_inputs, self.request, train=train, target=target, t0=t0, t1=t1)
+
+    def inference_plan(self, *example_inputs: torch.Tensor) -> Plan:
+        """The plan ``eval_step`` runs for one sample shaped like ``example_inputs``: ``plan(x,
+        train=False)``; a model compiled from a plan file that is not an inference plan for these
+        shapes gets an inference plan made for the file's GPU count and memory cap."""
+        if self.plan_path is not None:
+            made = Plan.load(self.plan_path)
+            if not (is_inference(made) and made.model.get("inputs") == [list(x.shape) for x in example_inputs]):
+                key = tuple(tuple(x.shape) for x in example_inputs)
+                if (key, False) not in self._plans:
+                    req = PlanRequest(gpus=int(made.config["gpus"]), gpu_memory=made.config.get("gpu_memory"),
+                                      time_limit=self.planner.time_limit, mip_gap=self.planner.mip_gap)
+                    t0 = time.perf_counter()
+                    self.trace(*example_inputs)
+                    self._search(example_inputs, req, train=False, target=None, t0=t0, t1=time.perf_counter())
+                return self._plans[(key, False)]
+        return self.plan(*example_inputs, train=False)
+
+    def _search(self, example_inputs: tuple[torch.Tensor, ...], request: PlanRequest, *, train: bool,
+                target: torch.Tensor | None, t0: float, t1: float) -> Plan:
+        """Profile and search a plan for ``request`` (cached under the input shapes and ``train``)."""
+        key = tuple(tuple(x.shape) for x in example_inputs)
+        t = self.trace(*example_inputs)
         prof = self.profile(*example_inputs)
         loss = loss_cost_for(prof, self.loss_fn if train else None, target if train else None)  # [Note: loss memory]
         prof, t2 = with_loss(prof, loss) if train else inference_profile(prof), time.perf_counter()
         spec = self._spec()
-        req = self.request if train else inference_request(self.request)
+        req = request if train else inference_request(request)
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=cap,
                       tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec), inference=not train)

@@ -38,6 +38,7 @@ def _worker(rank: int, world: int, pins: dict[str, Any]) -> dict[str, Any]:
     return {"out0": out0, "all": out_all, "loss": loss, "sd": cm.state_dict(), "plan": plan.config}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pins", [
     {"stages": 2, "dp": 1, "spatial_parts": 1},  # a pipeline: rank 0 used to get None
     {"stages": 1, "dp": 2, "spatial_parts": 1},  # dp: each rank used to get its share
@@ -58,6 +59,7 @@ def test_eval_step_any_batch_and_size_gathered(pins: dict[str, Any]) -> None:
         assert math.isclose(r["loss"], float(nn.CrossEntropyLoss()(want, yb)), rel_tol=1e-9)
 
 
+@pytest.mark.slow
 def test_eval_step_one_process_other_size_after_training() -> None:
     cm = nowdl.compile(_model(), gpus=1, mode="estimate", optimizer=adam, loss_fn=nn.CrossEntropyLoss(),
                        cache=False, progress=False)

@@ -6,8 +6,8 @@
 * the first call with a sample shape plans for inference (``cm.plan(x1, train=False)``: one
   sample per micro-batch; rank 0 plans and broadcasts) and builds that plan's stages and
   engine; later calls with that shape reuse them. A model compiled from an inference plan file
-  uses that plan (for its shape only); one compiled from a training plan file evaluates on the
-  training plan's engine (its shape only).
+  uses that plan for its shape; other shapes, and a model compiled from a training plan file,
+  get inference plans made for the file's GPU count (``CompiledModel.inference_plan``).
 * the weights are the trained ones: when they changed since the engine last ran (a training
   step, ``load_state_dict``, ``load_checkpoint``), every rank gathers the whole state dict
   (``all_gather_object`` of each rank's share) and copies it into its stages.
@@ -34,7 +34,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
-from nowdl.plan.purpose import is_inference
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.state import stage_tensors
@@ -117,35 +116,22 @@ class Evaluator:
             return self.runners[key]
         tr = self.trainer
         tr.join_group()
-        file_plan = Plan.load(tr.cm.plan_path) if tr.cm.plan_path is not None else None
-        if file_plan is not None and not is_inference(file_plan):
-            eng = tr.setup_for_eval(x)  # the training plan's engine: its sample shape only
-            want = [tuple(s[1:]) for s in eng.plan.model["inputs"]]
-            if list(key) != want:
-                raise NowdlError(f"eval_step got samples of shape {list(key)} but the model was compiled from the "
-                                 f"training plan {tr.cm.plan_path} for {want}: compile with gpus=N (or an inference "
-                                 "plan made for this shape) to evaluate other sizes")
-            c = eng.plan.config
-            per = eng.plan.model["inputs"][0][0] * c["dp"] * c["replicas"] * c["micro_batches"]
-            runner = _Runner(eng.plan, eng, int(per), version=tr.weights_version)
-        else:
-            examples = tuple(torch.empty((1,) + tuple(_example(t).shape[1:]), dtype=_example(t).dtype, device="meta")
-                             for t in xs)
-            from nowdl.runtime.training.trainer import plan_on_rank0
+        examples = tuple(torch.empty((1,) + tuple(_example(t).shape[1:]), dtype=_example(t).dtype, device="meta")
+                         for t in xs)
+        from nowdl.runtime.training.trainer import plan_on_rank0
 
-            plan = plan_on_rank0(lambda: tr.cm.plan(*examples, train=False), rank=tr.rank, world=tr.world)
-            if plan.config["gpus"] != tr.world:
-                raise NowdlError(f"the inference plan for {list(key)} needs {plan.config['gpus']} ranks but the job has "
-                                 f"{tr.world}: compile with gpus={tr.world}")
-            c = plan.config
-            per = plan.model["inputs"][0][0] * c["dp"] * c["micro_batches"]
-            runner = _Runner(plan, self.build(plan, examples), int(per))
+        plan = plan_on_rank0(lambda: tr.cm.inference_plan(*examples), rank=tr.rank, world=tr.world)
+        if plan.config["gpus"] != tr.world:
+            raise NowdlError(f"the inference plan for samples of shape {list(key)} needs {plan.config['gpus']} ranks "
+                             f"but the job has {tr.world}: compile with gpus={tr.world}")
+        c = plan.config
+        runner = _Runner(plan, self.build(plan, examples), int(plan.model["inputs"][0][0] * c["dp"] * c["micro_batches"]))
         self.runners[key] = runner
         return runner
 
     def _sync_weights(self, runner: _Runner) -> None:
         tr = self.trainer
-        if runner.version == tr.weights_version or runner.engine is tr.engine:
+        if runner.version == tr.weights_version:
             return
         state = tr.full_state()
         if state is not None:  # None: no newer weights than the model's own (nothing trained or loaded)

@@ -47,6 +47,8 @@ class Compiled(Protocol):
 
     def plan(self, *example_inputs: torch.Tensor, target: Any = None) -> Plan: ...
 
+    def inference_plan(self, *example_inputs: torch.Tensor) -> Plan: ...
+
 
 def _example(t: Any) -> Any:
     return t.meta() if isinstance(t, TiledInput) else t
@@ -157,10 +159,6 @@ class Trainer:
         if launch_env().world_size > 1 or dist.is_initialized():
             init_distributed(backend=self.backend, timeout_s=self.timeout_s)
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
-
-    def setup_for_eval(self, x: Any) -> PipelineEngine:
-        """The training plan's engine, set up on ``x`` if no step ran yet."""
-        return self._setup(x)
 
     def device(self) -> torch.device:
         """This rank's device."""
