@@ -272,6 +272,10 @@ class CompiledModel:
         the loss on every rank (NaN without a ``loss_fn``)."""
         return self._train().evaluate(x, y, gather=gather)
 
+    def eval_plan(self, x: Any) -> Plan:
+        """The inference plan ``eval_step(x)`` runs on (planned on first use: then collective)."""
+        return self._train().evaluator().plan_for(x)
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's parameters under their original names; after the first step, the ones this
         rank trains are the live stage parameters (the others are not updated on this rank)."""

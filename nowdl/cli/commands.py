@@ -1,4 +1,4 @@
-"""The nowdl command line: profile | plan | show | codegen | run | calibrate | report."""
+"""The nowdl command line: profile | plan | show | codegen | run | calibrate | report | export."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from nowdl.cli.export import add_export_parser
 from nowdl.cli.inputs import whole_input
 from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.models.resolve import resolve_model
@@ -154,6 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     pg.add_argument("dir", metavar="DIR", help="the --log-dir of a `nowdl run`")
     pg.add_argument("--plot", metavar="FILE", help="draw loss per step and peak memory per rank into FILE "
                     "(.png, .svg or .pdf; needs pip install 'nowdl[plot]')")
+    add_export_parser(sub)
     return ap
 
 
@@ -327,6 +329,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "codegen":
         return _codegen(args)
+    if args.command == "export":
+        from nowdl.cli.export import export_command
+
+        return export_command(args)
     if args.command == "run":
         from nowdl.cli.run import run_main
 

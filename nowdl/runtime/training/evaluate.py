@@ -104,6 +104,7 @@ class Evaluator:
         self.trainer = trainer
         self.build = build  # (plan, example inputs) -> an engine holding this rank's stages of it
         self.runners: dict[Key, _Runner] = {}
+        self.last: _Runner | None = None  # the runner of the latest run
 
     def plan_for(self, x: Any) -> Plan:
         """The plan ``eval_step(x)`` runs on (planned and cached on first use)."""
@@ -146,7 +147,7 @@ class Evaluator:
         """Outputs of ``x`` (gathered as ``gather`` says) and the mean loss over ``y`` (NaN without)."""
         if gather not in GATHER:
             raise NowdlError(f"gather={gather!r}: use 'rank0' (outputs on rank 0, None elsewhere) or 'all' (every rank)")
-        runner = self._runner(x)
+        runner = self.last = self._runner(x)
         self._sync_weights(runner)
         xs = _inputs(x)
         n = int(_example(xs[0]).shape[0])

@@ -228,11 +228,15 @@ class Trainer:
         """Inference on any batch and sample shape on its inference plan ([Note: eval plans] in
         evaluate.py): the outputs (whole images, batch order; on rank 0, or every rank with
         ``gather="all"``, else None) and the mean loss over ``y`` (NaN without a target or loss)."""
+        return self.evaluator().run(x, y, gather=gather)
+
+    def evaluator(self) -> Any:
+        """The inference engines of ``evaluate`` (``runtime.training.evaluate.Evaluator``), made once."""
         if self._evaluator is None:
             from nowdl.runtime.training.evaluate import Evaluator
 
             self._evaluator = Evaluator(self, self._eval_engine)
-        return self._evaluator.run(x, y, gather=gather)
+        return self._evaluator
 
     def eval_step(self, x: Any, *, gather: str = "rank0") -> Any:
         """The outputs of :meth:`evaluate`."""
