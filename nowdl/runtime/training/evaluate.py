@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,19 @@ from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.state import stage_tensors
 
-if TYPE_CHECKING:
-    from nowdl.runtime.training.trainer import Trainer
+
+class _Trainer(Protocol):
+    """What the evaluator needs of ``runtime.training.trainer.Trainer``."""
+
+    rank: int
+    world: int
+    weights_version: int
+
+    def join_group(self) -> None: ...
+
+    def full_state(self) -> dict[str, torch.Tensor] | None: ...
+
+    def device(self) -> torch.device: ...
 
 __all__ = ["Evaluator", "GATHER", "concat_outputs"]
 
@@ -100,9 +111,11 @@ def _to(out: Any, device: torch.device) -> Any:
 class Evaluator:
     """The trainer's inference engines, one per input shape ([Note: eval plans])."""
 
-    def __init__(self, trainer: Trainer, build: Callable[[Plan, Any], PipelineEngine]) -> None:
+    def __init__(self, trainer: _Trainer, build: Callable[[Plan, Any], PipelineEngine],
+                 plan: Callable[[tuple[torch.Tensor, ...]], Plan]) -> None:
         self.trainer = trainer
         self.build = build  # (plan, example inputs) -> an engine holding this rank's stages of it
+        self.plan = plan  # one-sample example inputs -> the inference plan (the same on every rank)
         self.runners: dict[Key, _Runner] = {}
         self.last: _Runner | None = None  # the runner of the latest run
 
@@ -119,9 +132,7 @@ class Evaluator:
         tr.join_group()
         examples = tuple(torch.empty((1,) + tuple(_example(t).shape[1:]), dtype=_example(t).dtype, device="meta")
                          for t in xs)
-        from nowdl.runtime.training.trainer import plan_on_rank0
-
-        plan = plan_on_rank0(lambda: tr.cm.inference_plan(*examples), rank=tr.rank, world=tr.world)
+        plan = self.plan(examples)
         if plan.config["gpus"] != tr.world:
             raise NowdlError(f"the inference plan for samples of shape {list(key)} needs {plan.config['gpus']} ranks "
                              f"but the job has {tr.world}: compile with gpus={tr.world}")

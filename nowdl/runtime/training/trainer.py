@@ -235,12 +235,9 @@ class Trainer:
         if self._evaluator is None:
             from nowdl.runtime.training.evaluate import Evaluator
 
-            self._evaluator = Evaluator(self, self._eval_engine)
+            self._evaluator = Evaluator(self, self._eval_engine, lambda ex: plan_on_rank0(
+                lambda: self.cm.inference_plan(*ex), rank=self.rank, world=self.world))
         return self._evaluator
-
-    def eval_step(self, x: Any, *, gather: str = "rank0") -> Any:
-        """The outputs of :meth:`evaluate`."""
-        return self.evaluate(x, None, gather=gather)[0]
 
     # ---- state -----------------------------------------------------------------------------------
     def _owned(self) -> dict[str, torch.Tensor]:
