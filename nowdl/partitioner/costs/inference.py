@@ -43,17 +43,19 @@ def live_bytes(nodes: Sequence[NodeCost], edges: Sequence[tuple[str, str]]) -> l
 
     A value (a node's output) is alive from its node until its last reader has run (until its
     own node when nothing reads it); parameters (``get_attr``) and the ``output`` node are not
-    activations. The model's outputs stay alive to the end (the ``output`` node reads them).
+    activations. The model's outputs stay alive to the end (the ``output`` node reads them), and
+    so do its inputs (``placeholder``: the caller holds the batch during the whole forward).
 
     >>> from nowdl.profiler.cost import NodeCost as N
     >>> live_bytes([N("x", "placeholder", "", out_bytes=4), N("a", "call_module", "", out_bytes=8),
     ...             N("b", "call_module", "", out_bytes=8), N("c", "call_function", "", out_bytes=8),
     ...             N("output", "output", "")],
     ...            [("x", "a"), ("a", "b"), ("a", "c"), ("b", "c"), ("c", "output")])
-    [4, 12, 16, 24, 8]
+    [4, 12, 20, 28, 12]
     """
     index = {n.name: i for i, n in enumerate(nodes)}
-    last = list(range(len(nodes)))
+    end = len(nodes) - 1
+    last = [end if n.op == "placeholder" else i for i, n in enumerate(nodes)]
     for u, v in edges:
         if u in index and v in index:
             last[index[u]] = max(last[index[u]], index[v])
@@ -67,7 +69,8 @@ def live_bytes(nodes: Sequence[NodeCost], edges: Sequence[tuple[str, str]]) -> l
     for i, n in enumerate(nodes):
         live += delta[i]
         out.append(live if n.op != "output" else sum(nodes[index[u]].out_bytes for u, v in edges
-                                                     if v == n.name and u in index))
+                                                     if v == n.name and u in index) + sum(
+            m.out_bytes for m in nodes if m.op == "placeholder"))
     return out
 
 

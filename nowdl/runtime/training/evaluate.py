@@ -91,7 +91,10 @@ def _rows(t: Any, lo: int, hi: int, n: int) -> Any:
 
 
 def concat_outputs(outs: list[Any]) -> Any:
-    """Outputs of several micro-batches (each a tensor or a structure of them) joined along the batch."""
+    """Outputs of several micro-batches (each a tensor or a structure of them) joined along the batch
+    (one output is returned as it is: no copy)."""
+    if len(outs) == 1:
+        return outs[0]
     flat = [tree_flatten(o) for o in outs]
     leaves = [torch.cat([f[0][i] for f in flat]) if isinstance(flat[0][0][i], torch.Tensor) else flat[0][0][i]
               for i in range(len(flat[0][0]))]
