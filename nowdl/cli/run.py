@@ -255,6 +255,7 @@ def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tup
     src = run_source(args, str(ckpt_plan) if ckpt_plan is not None else None)
     if src.plan_config is not None:
         check_pins(args, src.plan_config, str(src.plan_path))
+        validation.check_plan_purpose(args, str(src.plan_path))
         if src.plan_config.get("gpus") != world:
             g = src.plan_config.get("gpus")
             raise NowdlError(f"the plan in {src.plan_path} needs {g} ranks but this job has {world}: launch with "

@@ -26,7 +26,7 @@ import torch
 from nowdl.cli.losses import Scores
 from nowdl.errors import NowdlError
 
-__all__ = ["add_validation_arguments", "check_validation", "ValidationSet", "validate", "eval_batch", "val_due",
+__all__ = ["add_validation_arguments", "check_validation", "check_plan_purpose", "ValidationSet", "validate", "eval_batch", "val_due",
            "val_line"]
 
 
@@ -52,6 +52,19 @@ def check_validation(args: argparse.Namespace) -> None:
         raise NowdlError(f"--val-every must be a positive number of steps, got {every}")
     if data is not None and getattr(args, "eval", False):
         raise NowdlError("--val-data validates during training; with --eval give the images as --data (and --labels)")
+
+
+def check_plan_purpose(args: argparse.Namespace, plan_path: str) -> None:
+    """Refuse to train on an inference plan (``nowdl run PLAN.json`` without ``--eval``).
+
+    Raises:
+        PlanError: the plan is an inference plan.
+    """
+    if not getattr(args, "eval", False):
+        from nowdl.plan.plan import Plan
+        from nowdl.plan.purpose import require_training
+
+        require_training(Plan.load(plan_path), f"the plan in {plan_path}")
 
 
 class ValidationSet:

@@ -186,3 +186,14 @@ def test_bad_options(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = _err(["run", *UNET, "--batch-size", "2", "--steps", "1", "--data", "test_validation_cli:make_dict_data",
                 "--keys", "image,label"], capsys)
     assert "has no key 'image'" in err and "img, seg" in err
+
+
+def test_run_refuses_an_inference_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "infer.json"
+    _ok(["plan", "unet", "--model-args", json.dumps(ARGS), "--input", "1x3x32x32", "--gpus", "1", "--inference",
+         "--out", str(plan)], capsys)
+    assert json.loads(plan.read_text())["config"]["inference"] is True
+    err = _err(["run", str(plan), "--steps", "1", "--log-dir", str(tmp_path / "log")], capsys)
+    assert "is an inference plan" in err and "cannot train" in err and not (tmp_path / "log").exists()
+    out = _ok(["run", str(plan), "--steps", "1", "--eval", "--workers", "0"], capsys)  # it evaluates
+    assert "step 1/1" in out
