@@ -18,9 +18,9 @@ micro-batches x replicas x dp (the planner picks a configuration that makes it).
 x replicas x dp)`` samples when all three are pinned, otherwise one sample. ``--precision`` is passed to ``nowdl.compile`` when it takes one
 (fp32 only otherwise).
 
-The loss is cross-entropy: against one integer label per sample when the model's output is
-``(N, C)`` logits, against an integer label map of the output's spatial shape when the output
-is dense ``(N, C, H, W[, D])`` (segmentation). The output's shape is found once on meta tensors.
+The loss is cross-entropy (``--loss``: any callable, nowdl/cli/losses.py): against one integer
+label per sample for ``(N, C)`` logits, against an integer label map of the output's spatial
+shape for dense outputs (segmentation). ``--val-data``: nowdl/cli/validation.py.
 
 Data (``--data``):
 

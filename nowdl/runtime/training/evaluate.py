@@ -13,7 +13,8 @@
   (``all_gather_object`` of each rank's share) and copies it into its stages.
 * a batch of any size runs in steps of the plan's ``micro-batch x micro_batches x dp``
   samples, the last one padded with copies of its last sample (dropped from the result: in
-  eval mode no sample affects another's output).
+  eval mode no sample affects another's output; a lazy ``TiledInput`` step that needs padding
+  is read whole first).
 * the outputs (whole images, in batch order, in the structure the model returns) are gathered
   on rank 0 (``gather="rank0"``, the default; None elsewhere) or on every rank
   (``gather="all"``), moved to this rank's device. With ``y`` and a ``loss_fn`` the mean loss
@@ -80,10 +81,10 @@ def _rows(t: Any, lo: int, hi: int, n: int) -> Any:
     if t is None:
         return None
     if isinstance(t, TiledInput):
-        if hi - lo != n:
-            raise NowdlError(f"a lazily read batch of {t.shape[0]} samples does not fill steps of {n}: "
-                             f"pass a multiple of {n} samples")
-        return t.rows(lo, hi)
+        if hi - lo == n:
+            return t.rows(lo, hi)  # each rank reads its tile only
+        t = t.rows(lo, hi).read()  # a short step: read whole, then pad
+        lo, hi = 0, t.shape[0]
     part = t[lo:hi]
     if hi - lo < n:
         part = torch.cat([part, part[-1:].expand(n - (hi - lo), *part.shape[1:])])
