@@ -350,7 +350,7 @@ def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_
                          data_wait_s=wait + feed.read_seconds() - read0, peak_bytes=peak, scores=scores)
         times.append(dt)
         if step == start:
-            emit(plan_line(cm))
+            emit(plan_line(cm, cm.eval_plan(x) if args.eval else None))
         emit(f"step {step + 1}/{job.total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s")
         if bar is not None:
             bar.update(1)
