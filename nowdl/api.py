@@ -52,7 +52,6 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     backend: str | None = None,
     progress: bool = True,
     planner: PlannerOptions | None = None,
-    train: bool = True,
 ) -> CompiledModel:
     """Prepare ``model`` for ``gpus`` GPUs; plans lazily on the first example input.
 
@@ -84,9 +83,6 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         progress: show tracing and planning progress on a terminal.
         planner: planner tuning, rarely needed: ``nowdl.PlannerOptions(time_limit=30,
             mip_gap=0.01, leaf_modules=(), tracer="auto")`` (see :class:`PlannerOptions`).
-        train: False makes ``cm.plan(x)`` plan for inference (forward only: parameters and the
-            activations live in the forward, no gradients, optimizer state or saved activations;
-            such a plan cannot train). ``cm.plan(x, train=...)`` overrides it per call.
         nodes, gpus_per_node: the cluster (nodes x gpus_per_node must equal gpus); default:
             the device spec's node (h100/h200: 8-GPU DGX H100, a100: DGX A100) when it divides
             gpus, else one node. Placement and link costs follow it (docs/multinode.md).
@@ -110,8 +106,7 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
                          "planner=nowdl.PlannerOptions(time_limit=60, mip_gap=0)")
     options = RuntimeOptions(mode=mode, device=device, device_spec=device_spec, cache=cache, progress=progress,
                              optimizer=optimizer, loss_fn=loss_fn, precision=precision, activation_checkpointing=activation_checkpointing,
-                             halo_fusion=halo_fusion, timeout_s=timeout_s, backend=backend,
-                             train=train)
+                             halo_fusion=halo_fusion, timeout_s=timeout_s, backend=backend)
     request: PlanRequest | None = None
     plan_path: str | None = None
     if plan is not None:

@@ -144,19 +144,17 @@ class CompiledModel:
             spec = _spec_for_local_gpu()
         return spec if not isinstance(spec, (str, os.PathLike)) else get_device_spec(spec)
 
-    def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None,
-             train: bool | None = None) -> Plan:
+    def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None, train: bool = True) -> Plan:
         """Plan for one micro-batch shaped like ``example_inputs`` (no process group needed);
         ``target``, one micro-batch's target, lets the plan measure the loss's memory.
-        ``train=False`` (default: compile's ``train``) makes an inference plan: forward only,
-        no gradients, optimizer state or saved activations (docs/plan-format.md).
+        ``train=False`` makes an inference plan: forward only, no gradients, optimizer state or
+        saved activations (docs/evaluation.md).
 
         Raises:
             InfeasibleError: nothing fits the memory cap (says what would).
             PlanError: a given plan file is malformed or for another model.
             TraceError: the model cannot be traced faithfully.
         """
-        train = self.options.train if train is None else train
         key = tuple(tuple(x.shape) for x in example_inputs)
         if (key, train) in self._plans:
             return self._plans[(key, train)]

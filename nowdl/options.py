@@ -134,7 +134,6 @@ class RuntimeOptions:
     halo_fusion: str | int = "auto"
     timeout_s: float = 300.0
     backend: str | None = None
-    train: bool = True  # False: cm.plan(x) makes inference plans
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES, "'estimate' (no allocation, device_spec roofline), 'measure' (real "
@@ -156,5 +155,3 @@ class RuntimeOptions:
         object.__setattr__(self, "halo_fusion", check_policy(self.halo_fusion))
         _seconds("timeout_s", self.timeout_s, "timeout_s=300")
         _check_backend(self.backend)
-        if not isinstance(self.train, bool):
-            raise NowdlError(f"train={self.train!r} is not a bool: pass True (plan for training) or False (inference)")

@@ -373,9 +373,8 @@ def _run(args: argparse.Namespace) -> int:
                        slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
                        device_spec=args.device_spec, optimizer=args.optimizer, cache=cache, halo_fusion=args.halo_fusion,
                        precision=args.precision, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                       planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap),
-                       train=not args.inference)
-    plan = cm.plan(*x)
+                       planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap))
+    plan = cm.plan(*x, train=not args.inference)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}
     if args.out:

@@ -45,8 +45,8 @@ def _unet() -> torch.nn.Module:
 
 def test_one_stage_peak_matches_a_no_grad_forward_on_cpu() -> None:
     x = torch.randn(1, 3, 128, 128)
-    cm = nowdl.compile(_unet(), gpus=1, mode="estimate", cache=False, progress=False, train=False)
-    plan = cm.plan(torch.empty(1, 3, 128, 128, device="meta"))
+    cm = nowdl.compile(_unet(), gpus=1, mode="estimate", cache=False, progress=False)
+    plan = cm.plan(torch.empty(1, 3, 128, 128, device="meta"), train=False)
     assert plan.config["inference"] is True and plan.config["schedule"] == "forward"
     predicted = plan.ranks[0].predicted_peak_bytes
     model = _unet().eval()
@@ -89,8 +89,6 @@ def test_purpose_checks_and_bad_requests() -> None:
         require_inference(train)
     with pytest.raises(NowdlError, match="replicas=2"):
         nowdl.compile(_unet(), gpus=2, replicas=2, mode="estimate", progress=False).plan(x, train=False)
-    with pytest.raises(NowdlError, match="train=1 is not a bool"):
-        nowdl.compile(_unet(), gpus=1, train=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("precision", "fits", "short"), [("fp32", 4, 2), ("bf16", 2, 1)])
@@ -100,8 +98,8 @@ def test_unet_16384_inference_gpus(precision: str, fits: int, short: int) -> Non
     and their concatenation at full resolution (256 channels: 256 GiB in fp32) at once."""
     x = torch.empty(1, 3, 16384, 16384, device="meta")
     plan = nowdl.compile(nowdl.models.unet(), gpus=fits, mode="estimate", device_spec="h100", precision=precision,
-                         cache=False, progress=False, train=False).plan(x)
+                         cache=False, progress=False).plan(x, train=False)
     assert plan.config["gpus"] == fits and max(r.predicted_peak_bytes for r in plan.ranks) <= 80 * 2**30
     with pytest.raises(InfeasibleError):
         nowdl.compile(nowdl.models.unet(), gpus=short, mode="estimate", device_spec="h100", precision=precision,
-                      cache=False, progress=False, train=False).plan(x)
+                      cache=False, progress=False).plan(x, train=False)

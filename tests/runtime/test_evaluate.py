@@ -79,8 +79,8 @@ def test_eval_step_one_process_other_size_after_training() -> None:
 
 def test_training_refuses_an_inference_plan(tmp_path: Any) -> None:
     x, y = _data(1, 16, 0)
-    inf = nowdl.compile(_model(), gpus=1, mode="estimate", cache=False, progress=False, train=False)
-    plan = inf.plan(torch.empty(1, 2, 16, 16, dtype=torch.float64, device="meta"))
+    inf = nowdl.compile(_model(), gpus=1, mode="estimate", cache=False, progress=False)
+    plan = inf.plan(torch.empty(1, 2, 16, 16, dtype=torch.float64, device="meta"), train=False)
     assert plan.config["inference"] is True
     path = tmp_path / "inference.json"
     plan.save(path)
