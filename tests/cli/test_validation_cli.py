@@ -132,6 +132,7 @@ def make_pair_data() -> PairData:
     return PairData()
 
 
+@pytest.mark.slow
 def test_keys_and_a_monai_loss(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("monai")
     base = ["run", *UNET, "--batch-size", "2", "--steps", "2"]
@@ -188,6 +189,7 @@ def test_bad_options(files: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "has no key 'image'" in err and "img, seg" in err
 
 
+@pytest.mark.slow
 def test_run_refuses_an_inference_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan = tmp_path / "infer.json"
     _ok(["plan", "unet", "--model-args", json.dumps(ARGS), "--input", "1x3x32x32", "--gpus", "1", "--inference",
