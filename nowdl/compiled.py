@@ -18,12 +18,14 @@ from nowdl.errors import NowdlError
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
 from nowdl.partitioner.costs.costmodel import Costs, tied_nodes
+from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference
 from nowdl.partitioner.placement.layout import request_topology
 from nowdl.partitioner.search.best_plan import build_plan, timed_search
 from nowdl.partitioner.search.config import PlanRequest
 from nowdl.partitioner.spatial.halo_fusion import plan_fusion
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.plan.plan import Plan
+from nowdl.plan.purpose import is_inference, require_inference, require_training
 from nowdl.profiler.cost import Profile
 from nowdl.profiler.devices import DeviceSpec
 from nowdl.profiler.loss_cost import loss_cost_for, with_loss
@@ -62,7 +64,7 @@ class CompiledModel:
         self.planner = planner
         self.optimizer_kind = optimizer_kind(options.optimizer)  # the state family the profile counts
         self._traced: dict[tuple[tuple[int, ...], ...], Traced] = {}
-        self._plans: dict[tuple[tuple[int, ...], ...], Plan] = {}
+        self._plans: dict[tuple[tuple[tuple[int, ...], ...], bool], Plan] = {}  # per input shapes, train
         self._chains: dict[tuple[tuple[int, ...], ...], StageChain] = {}  # what cm(x) runs, per input shapes
         self._trainer: Trainer | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # built by compile() over model.parameters()
@@ -142,9 +144,11 @@ class CompiledModel:
             spec = _spec_for_local_gpu()
         return spec if not isinstance(spec, (str, os.PathLike)) else get_device_spec(spec)
 
-    def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None) -> Plan:
+    def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None, train: bool = True) -> Plan:
         """Plan for one micro-batch shaped like ``example_inputs`` (no process group needed);
         ``target``, one micro-batch's target, lets the plan measure the loss's memory.
+        ``train=False`` makes an inference plan: forward only, no gradients, optimizer state or
+        saved activations (docs/evaluation.md).
 
         Raises:
             InfeasibleError: nothing fits the memory cap (says what would).
@@ -152,29 +156,54 @@ class CompiledModel:
             TraceError: the model cannot be traced faithfully.
         """
         key = tuple(tuple(x.shape) for x in example_inputs)
-        if key in self._plans:
-            return self._plans[key]
+        if (key, train) in self._plans:
+            return self._plans[(key, train)]
         t0 = time.perf_counter()
         t = self.trace(*example_inputs)
         t1 = time.perf_counter()
         if self.plan_path is not None:
             plan = Plan.load(self.plan_path)
             plan.check_model(t.fingerprint, [list(s) for s in key])
+            (require_training if train else require_inference)(plan, f"plan {self.plan_path}")
             made = plan.config.get("precision", "fp32")
             if made != self.precision:
                 log.warning("plan %s was made for %s, training runs in %s: its memory and time predictions "
                             "do not hold; re-plan with precision=%r", self.plan_path, made, self.precision, self.precision)
-            self._plans[key] = plan
+            self._plans[(key, train)] = plan
             return plan
         assert self.request is not None  # compile() guarantees a request or a plan path
+        return self._search(example_inputs, self.request, train=train, target=target, t0=t0, t1=t1)
+
+    def inference_plan(self, *example_inputs: torch.Tensor) -> Plan:
+        """The plan ``eval_step`` runs for one sample shaped like ``example_inputs``: ``plan(x,
+        train=False)``; a model compiled from a plan file that is not an inference plan for these
+        shapes gets an inference plan made for the file's GPU count and memory cap."""
+        if self.plan_path is not None:
+            made = Plan.load(self.plan_path)
+            if not (is_inference(made) and made.model.get("inputs") == [list(x.shape) for x in example_inputs]):
+                key = tuple(tuple(x.shape) for x in example_inputs)
+                if (key, False) not in self._plans:
+                    req = PlanRequest(gpus=int(made.config["gpus"]), gpu_memory=made.config.get("gpu_memory"),
+                                      time_limit=self.planner.time_limit, mip_gap=self.planner.mip_gap)
+                    t0 = time.perf_counter()
+                    self.trace(*example_inputs)
+                    self._search(example_inputs, req, train=False, target=None, t0=t0, t1=time.perf_counter())
+                return self._plans[(key, False)]
+        return self.plan(*example_inputs, train=False)
+
+    def _search(self, example_inputs: tuple[torch.Tensor, ...], request: PlanRequest, *, train: bool,
+                target: torch.Tensor | None, t0: float, t1: float) -> Plan:
+        """Profile and search a plan for ``request`` (cached under the input shapes and ``train``)."""
+        key = tuple(tuple(x.shape) for x in example_inputs)
+        t = self.trace(*example_inputs)
         prof = self.profile(*example_inputs)
-        loss = loss_cost_for(prof, self.loss_fn, target)  # [Note: loss memory] in profiler/loss_cost.py
-        prof, t2 = with_loss(prof, loss), time.perf_counter()
+        loss = loss_cost_for(prof, self.loss_fn if train else None, target if train else None)  # [Note: loss memory]
+        prof, t2 = with_loss(prof, loss) if train else inference_profile(prof), time.perf_counter()
         spec = self._spec()
-        req = self.request
+        req = request if train else inference_request(request)
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=cap,
-                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec))
+                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec), inference=not train)
         # time_limit bounds the whole plan() call: the search gets what tracing and profiling
         # left of it (less a second for the MILP's read-back and tie-breaks)
         left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)
@@ -197,13 +226,18 @@ class CompiledModel:
             params_per_node=_params_per_node(t.gm),
         )
         fusion = self.options.halo_fusion
+        unfused = None if train or fusion != "auto" or cap is None else Plan.from_json(plan.to_json())
         plan_fusion(t.gm, plan, prof, costs, result, fusion, float(spec.link_bw), costs.topo(req.gpus).intra.latency_s)
+        if unfused is not None and cap is not None and max(r.predicted_peak_bytes for r in plan.ranks) > cap:
+            plan, fusion = unfused, "off"  # inference: a fused window's copy would pass the cap
         plan.config["halo_fusion"] = fusion
         plan.config["precision"] = self.precision
+        if not train:
+            mark_inference(plan)
         # where plan() spent its time (trace includes the eager check; 0 when cached)
         plan.solver["timing"] = {"trace_s": round(t1 - t0, 3), "profile_s": round(t2 - t1, 3),
                                  "search_s": round(secs, 3), "total_s": round(time.perf_counter() - t0, 3)}
-        self._plans[key] = plan
+        self._plans[(key, train)] = plan
         return plan
 
     # ---- training (the distributed runtime) -------------------------------------------------------
@@ -226,10 +260,22 @@ class CompiledModel:
             raise NowdlError("train_step needs a loss: nowdl.compile(model, ..., loss_fn=torch.nn.CrossEntropyLoss())")
         return float(self._train().train_step(x, y))
 
-    def eval_step(self, x: Any) -> Any:
-        """Inference on the global batch: outputs on the ranks of the last stage (its part 0, whole
-        images, when that stage is spatial), None elsewhere."""
-        return self._train().eval_step(x)
+    def eval_step(self, x: Any, *, gather: str = "rank0") -> Any:
+        """Inference on a batch of any size and any image size the model accepts (every rank passes
+        the same batch): the model's outputs, whole images in batch order, on rank 0 (None on the
+        others) or, with ``gather="all"``, on every rank. Runs on an inference plan made for
+        ``x``'s sample shape on first use and cached ([Note: eval plans] in
+        runtime/training/evaluate.py), with the current (trained) weights."""
+        return self._train().evaluate(x, None, gather=gather)[0]
+
+    def evaluate(self, x: Any, y: Any, *, gather: str = "rank0") -> tuple[Any, float]:
+        """:meth:`eval_step` with targets ``y``: ``(outputs, mean loss_fn(output, y) over the batch)``,
+        the loss on every rank (NaN without a ``loss_fn``)."""
+        return self._train().evaluate(x, y, gather=gather)
+
+    def eval_plan(self, x: Any) -> Plan:
+        """The inference plan ``eval_step(x)`` runs on (planned on first use: then collective)."""
+        return self._train().evaluator().plan_for(x)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's parameters under their original names; after the first step, the ones this

@@ -1,4 +1,4 @@
-"""The nowdl command line: profile | plan | show | codegen | run | calibrate | report."""
+"""The nowdl command line: profile | plan | show | codegen | run | calibrate | report | export."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from nowdl.cli.export import add_export_parser
 from nowdl.cli.inputs import whole_input
 from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.models.resolve import resolve_model
@@ -94,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="plan for mixed-precision training: activations and sent tensors at that width (autocast), "
                          "weights, gradients and optimizer state in float32 (default fp32)")
+    pp.add_argument("--inference", action="store_true", help="plan a forward-only run (no gradients, optimizer or saved activations)")
     pp.add_argument("--time-limit", type=float, default=30.0, help="seconds planning may take end to end; the MILP, for graphs too wide for the exact DP, "
                     "gets what tracing and profiling leave (default 30)")
     pp.add_argument("--mip-gap", type=float, default=0.01, help="the MILP stops once its split is proven within "
@@ -153,6 +155,7 @@ def _parser() -> argparse.ArgumentParser:
     pg.add_argument("dir", metavar="DIR", help="the --log-dir of a `nowdl run`")
     pg.add_argument("--plot", metavar="FILE", help="draw loss per step and peak memory per rank into FILE "
                     "(.png, .svg or .pdf; needs pip install 'nowdl[plot]')")
+    add_export_parser(sub)
     return ap
 
 
@@ -326,6 +329,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "codegen":
         return _codegen(args)
+    if args.command == "export":
+        from nowdl.cli.export import export_command
+
+        return export_command(args)
     if args.command == "run":
         from nowdl.cli.run import run_main
 
@@ -367,7 +374,7 @@ def _run(args: argparse.Namespace) -> int:
                        device_spec=args.device_spec, optimizer=args.optimizer, cache=cache, halo_fusion=args.halo_fusion,
                        precision=args.precision, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                        planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap))
-    plan = cm.plan(*x)
+    plan = cm.plan(*x, train=not args.inference)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}
     if args.out:

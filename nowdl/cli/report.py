@@ -4,7 +4,10 @@
 step: ``{"step": int, "time": unix seconds, "loss": float|null, "images_per_s": float,
 "step_s": float, "data_wait_s": float, "ranks": [{"rank": int, "peak_bytes": int,
 "predicted_bytes": int}, ...]}``, optionally preceded by one ``{"meta": {...}}`` line (model,
-world size, plan config). Reading needs no matplotlib; ``--plot`` draws with it.
+world size, plan config). Evaluation steps may add ``dice``, ``iou`` and ``accuracy``;
+validation lines ``{"step": int, "time": float, "val": {"loss", "dice", "iou", "accuracy",
+...}}`` (``nowdl run --val-data``) are read into ``Metrics.validations``. Reading needs no
+matplotlib; ``--plot`` draws with it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 from nowdl.errors import NowdlError
 from nowdl.plan.plan import format_bytes
 
-__all__ = ["METRICS_FILE", "Step", "Metrics", "read_metrics", "rank_peaks", "summary"]
+__all__ = ["METRICS_FILE", "Step", "Validation", "Metrics", "read_metrics", "rank_peaks", "summary"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -37,6 +40,15 @@ class Step:
     step_s: float
     data_wait_s: float
     ranks: tuple[tuple[int, int, int], ...]  # (rank, measured peak bytes, predicted bytes)
+    scores: dict[str, float | None] = field(default_factory=dict)  # an evaluation's dice, iou, accuracy
+
+
+@dataclass(frozen=True)
+class Validation:
+    """One validation line: the step it followed and its figures (None: not a number)."""
+
+    step: int
+    values: dict[str, float | None]
 
 
 @dataclass
@@ -46,6 +58,7 @@ class Metrics:
     path: Path
     meta: dict[str, Any] = field(default_factory=dict)
     steps: list[Step] = field(default_factory=list)
+    validations: list[Validation] = field(default_factory=list)
 
 
 def _bad(path: Path, line: int, what: str) -> NowdlError:
@@ -83,7 +96,23 @@ def _step(d: Any, path: Path, line: int) -> Step:
         rows.append((ints[0], ints[1], ints[2]))
     return Step(step=d["step"], time=float(d["time"]), loss=None if loss is None else float(loss),
                 images_per_s=float(d["images_per_s"]), step_s=float(d["step_s"]),
-                data_wait_s=float(d["data_wait_s"]), ranks=tuple(rows))
+                data_wait_s=float(d["data_wait_s"]), ranks=tuple(rows),
+                scores={k: _score(d[k], k, path, line) for k in _SCORES if k in d})
+
+
+_SCORES = ("dice", "iou", "accuracy")
+
+
+def _score(v: Any, key: str, path: Path, line: int) -> float | None:
+    if v is not None and not _number(v):
+        raise _bad(path, line, f"'{key}' must be a finite number or null, got {v!r}")
+    return None if v is None else float(v)
+
+
+def _validation(d: dict[str, Any], path: Path, line: int) -> Validation:
+    if not isinstance(d.get("step"), int) or isinstance(d["step"], bool) or not isinstance(d["val"], dict):
+        raise _bad(path, line, "a validation line needs an integer 'step' and a 'val' object")
+    return Validation(step=d["step"], values={str(k): _score(v, str(k), path, line) for k, v in d["val"].items()})
 
 
 def read_metrics(log_dir: str | os.PathLike[str]) -> Metrics:
@@ -116,6 +145,9 @@ def read_metrics(log_dir: str | os.PathLike[str]) -> Metrics:
             if not isinstance(obj["meta"], dict):
                 raise _bad(path, i, "'meta' must be an object")
             out.meta = obj["meta"]
+            continue
+        if isinstance(obj, dict) and "val" in obj:
+            out.validations.append(_validation(obj, path, i))
             continue
         out.steps.append(_step(obj, path, i))
     if not out.steps:
@@ -152,6 +184,13 @@ def summary(m: Metrics) -> str:
         f"loss: final {losses[-1].loss:.6g} (step {losses[-1].step}), first {losses[0].loss:.6g}" if losses
         else "loss: none logged (evaluation or loss not reported)",
     ]
+    scored = [s for s in steps if s.scores]
+    if scored:
+        lines.append(_scores_line("evaluation", scored[-1].scores, f"step {scored[-1].step}"))
+    if m.validations:
+        first, last = m.validations[0], m.validations[-1]
+        lines.append(_scores_line("validation", last.values, f"after step {last.step}; {len(m.validations)} "
+                                  f"validation(s), first loss {_fmt(first.values.get('loss'))}"))
     peaks = rank_peaks(m)
     if peaks:
         lines.append(f"{'rank':>4} {'measured peak':>14} {'predicted':>10} {'ratio':>6}")
@@ -163,3 +202,12 @@ def summary(m: Metrics) -> str:
             lines.append(f"rank {worst[0]} used {worst[1][0] / worst[1][1]:.2f}x its predicted peak: "
                          "the cost model under-counts there")
     return "\n".join(lines)
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4g}"
+
+
+def _scores_line(what: str, values: dict[str, float | None], where: str) -> str:
+    shown = [f"{k} {_fmt(values.get(k))}" for k in ("loss", *_SCORES) if k in values]
+    return f"{what}: {', '.join(shown)} ({where})"

@@ -18,9 +18,9 @@ micro-batches x replicas x dp (the planner picks a configuration that makes it).
 x replicas x dp)`` samples when all three are pinned, otherwise one sample. ``--precision`` is passed to ``nowdl.compile`` when it takes one
 (fp32 only otherwise).
 
-The loss is cross-entropy: against one integer label per sample when the model's output is
-``(N, C)`` logits, against an integer label map of the output's spatial shape when the output
-is dense ``(N, C, H, W[, D])`` (segmentation). The output's shape is found once on meta tensors.
+The loss is cross-entropy (``--loss``: any callable, nowdl/cli/losses.py): against one integer
+label per sample for ``(N, C)`` logits, against an integer label map of the output's spatial
+shape for dense outputs (segmentation). ``--val-data``: nowdl/cli/validation.py.
 
 Data (``--data``):
 
@@ -78,6 +78,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nowdl.cli import validation
+from nowdl.cli.losses import make_loss
 from nowdl.cli.resume import StopSignal, reusable_plan, run_state
 from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
 from nowdl.cli.runspec import (
@@ -153,6 +155,7 @@ class _Job:
     ck: Checkpoint | None  # the checkpoint found there
     ckpt_plan: Path | None  # the checkpoint's plan, when this job can run it as is
     start: int  # steps done before this run
+    val: validation.ValidationSet | None = None  # --val-data
 
     @property
     def say(self) -> bool:
@@ -193,6 +196,8 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn
         raise NowdlError(f"--precision {args.precision} is not supported yet: nowdl trains in fp32 for now "
                          "(use --precision fp32)")
     check_data_spec(str(args.data))
+    validation.check_validation(args)
+    make_loss(args.loss, args.loss_args)  # a bad --loss is refused before anything runs
     return compile_params, make_optimizer(args.optimizer, args.lr)
 
 
@@ -201,6 +206,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
          optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], compile_params: Any, tmp: Path) -> int:
     job, model, name = _open_job(args, rank, world, tmp)
     feed = _feed(job, model, name)
+    job.val = validation.ValidationSet(args, job.src.sample_shape) if args.val_data is not None else None
     progress = job.say and sys.stderr.isatty()
     if job.say:
         what = "inference" if args.eval else f"training ({args.optimizer}, lr {args.lr:g})"
@@ -249,6 +255,7 @@ def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tup
     src = run_source(args, str(ckpt_plan) if ckpt_plan is not None else None)
     if src.plan_config is not None:
         check_pins(args, src.plan_config, str(src.plan_path))
+        validation.check_plan_purpose(args, str(src.plan_path))
         if src.plan_config.get("gpus") != world:
             g = src.plan_config.get("gpus")
             raise NowdlError(f"the plan in {src.plan_path} needs {g} ranks but this job has {world}: launch with "
@@ -284,7 +291,7 @@ def _start(job: _Job, model: nn.Module, feed: Feed, optimizer: Any, compile_para
         probe_job_links(args, world, job.tmp, job.say)
         text = plan_job(model, args, rank, world, job.batch, job.micro_batch, src, optimizer, progress)
         Path(plan_path).write_text(text)
-    cm = nowdl.compile(model, plan=plan_path, optimizer=optimizer, loss_fn=label_loss(nn.CrossEntropyLoss()),
+    cm = nowdl.compile(model, plan=plan_path, optimizer=optimizer, loss_fn=label_loss(make_loss(args.loss, args.loss_args)),
                        progress=progress, timeout_s=args.timeout, **extra)
     run_plan = nowdl.Plan.load(plan_path)
     feed.start(job.start, job.batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=job.total)
@@ -323,29 +330,35 @@ def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_
            bar: Any, stop: StopSignal) -> tuple[list[float], int]:
     """Run the steps: ``(seconds of each step run, the signal that stopped the run or 0)``."""
     args, batch, start = job.args, job.batch, job.start
-    meter = PeakMeter(cm, cuda=torch.cuda.is_available())
+    meter = PeakMeter(cm, cuda=torch.cuda.is_available(), evaluation=args.eval)
+    labelled = args.labels is not None or feed.kind in ("dataset", "imagefolder")
     times: list[float] = []
     for step in range(start, job.total):
         x, y, wait = feed.next(step)
         t0, read0 = time.perf_counter(), feed.read_seconds()
-        run_step = functools.partial(cm.eval_step, x) if args.eval else functools.partial(cm.train_step, x, y)
-        loss, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
-        if args.eval:
-            if job.world > 1:
-                dist.barrier()
-            loss, loss_text = None, ""
-        else:
-            loss_text = f"  loss {loss:.4f}"
+        run_step = (functools.partial(validation.eval_batch, cm, x, y, job.rank, labelled) if args.eval
+                    else functools.partial(cm.train_step, x, y))
+        result: Any
+        result, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
+        loss, scores = result if args.eval else (float(result), None)
+        loss_text = "" if loss is None else f"  loss {loss:.4f}" + "".join(f"  {k} {v:.4f}" for k, v in (scores or {}).items())
         dt = time.perf_counter() - t0 + (setup_s if step == start else 0.0)
+        if metrics is not None and args.eval and step == start:  # eval steps run on the inference plan
+            metrics.predicted = int(cm.eval_plan(x).ranks[job.rank].predicted_peak_bytes)
         if metrics is not None:  # lazy reads (a rank's tile) happen inside the step: data wait too
             metrics.step(step + 1, loss=loss, images_per_s=batch / dt if dt > 0 else 0.0, step_s=dt,
-                         data_wait_s=wait + feed.read_seconds() - read0, peak_bytes=peak)
+                         data_wait_s=wait + feed.read_seconds() - read0, peak_bytes=peak, scores=scores)
         times.append(dt)
         if step == start:
-            emit(plan_line(cm))
+            emit(plan_line(cm, cm.eval_plan(x) if args.eval else None))
         emit(f"step {step + 1}/{job.total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s")
         if bar is not None:
             bar.update(1)
+        if job.val is not None and validation.val_due(args, step + 1, start, job.total):
+            res = validation.validate(cm, job.val, job.rank)
+            emit(validation.val_line(step + 1, res))
+            if metrics is not None:
+                metrics.validation(step + 1, res)
         stopped = stop.agreed(job.world)
         if stopped or step + 1 == job.total:
             return times, stopped

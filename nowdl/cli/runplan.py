@@ -73,13 +73,14 @@ def current_plan(cm: Any) -> Any:
     return getattr(trainer, "plan", None)
 
 
-def plan_line(cm: Any) -> str:
-    """The ``plan: ...`` line ``nowdl run`` prints after the first step."""
-    plan = current_plan(cm)
+def plan_line(cm: Any, plan: Any = None) -> str:
+    """The ``plan: ...`` line ``nowdl run`` prints after the first step (``plan``: the one the
+    step ran on, default the training plan)."""
+    plan = plan if plan is not None else current_plan(cm)
     if plan is None:
         return "plan: ?"
     c = plan.config
-    return (f"plan: {c.get('stages')} stage(s) x {c.get('micro_batches')} micro-batch(es) ({c.get('schedule')}), "
+    return (f"{'inference plan' if c.get('inference') else 'plan'}: {c.get('stages')} stage(s) x {c.get('micro_batches')} micro-batch(es) ({c.get('schedule')}), "
             f"replicas {c.get('replicas')}, dp {c.get('dp')}, {c.get('gpus')} rank(s)"
             + "".join(f"; {s.tiles()}" + (f", {len(s.fused)} fused halo run(s)" if s.fused else "")
                       for s in plan.stages if s.parts > 1))

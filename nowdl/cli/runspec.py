@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from nowdl.cli.inputs import whole_input
+from nowdl.cli.losses import add_loss_arguments
+from nowdl.cli.validation import add_validation_arguments
 from nowdl.errors import NowdlError
 from nowdl.units import parse_parts
 
@@ -83,6 +85,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="when planning, keep the device spec's link figures instead of measuring this job's "
                    "point-to-point and all-reduce links first (cached per host, backend, world size and device)")
     p.add_argument("-v", "--verbose", action="store_true", help="log what nowdl does")
+    add_loss_arguments(p)
+    add_validation_arguments(p)
 
 
 

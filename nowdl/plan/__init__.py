@@ -12,11 +12,14 @@ from nowdl.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nowdl.plan.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
+    from nowdl.plan.purpose import is_inference, require_inference, require_training
     from nowdl.plan.topology import Topology
 
-__all__ = ["Plan", "StagePlan", "TensorPlan", "RankPlan", "PLAN_VERSION", "Topology"]
+__all__ = ["Plan", "StagePlan", "TensorPlan", "RankPlan", "PLAN_VERSION", "Topology", "is_inference",
+           "require_training", "require_inference"]
 
 __getattr__ = lazy_exports(__name__, {
     "PLAN_VERSION": "plan", "Plan": "plan", "RankPlan": "plan", "StagePlan": "plan",
-    "TensorPlan": "plan", "Topology": "topology",
+    "TensorPlan": "plan", "Topology": "topology", "is_inference": "purpose", "require_training": "purpose",
+    "require_inference": "purpose",
 })

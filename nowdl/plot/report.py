@@ -24,7 +24,18 @@ def _loss(ax: Any, m: Metrics) -> None:
     if pts:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], color="#1f77b4", linewidth=1.2,
                 marker="o" if len(pts) <= 40 else None, markersize=3)
-    else:
+    val = [(v.step, v.values.get("loss")) for v in m.validations if v.values.get("loss") is not None]
+    if val:  # validation loss on held-out images, and its Dice
+        ax.plot([p[0] for p in val], [p[1] for p in val], color="#2ca02c", linewidth=1.2, marker="s", markersize=4,
+                label="validation loss")
+        at = dict(val)
+        for v in m.validations:
+            d = v.values.get("dice")
+            if d is not None and v.step in at:
+                ax.annotate(f"Dice {d:.2f}", (v.step, at[v.step]), fontsize=7, textcoords="offset points",
+                            xytext=(0, 6), ha="center", color="#2ca02c")
+        ax.legend(loc="upper right", fontsize=8)
+    if not pts and not val:
         ax.text(0.5, 0.5, "no loss logged", transform=ax.transAxes, ha="center", va="center", color="#777777")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")

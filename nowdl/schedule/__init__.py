@@ -17,6 +17,7 @@ replica 1. Three orders are built:
   gradients, deferred into what would be bubbles); see
   :mod:`~nowdl.schedule.zero_bubble_order`. In flight (forward ran, ``W`` not yet) on every
   stage: at most ``min(m, K)``.
+* **Forward only** (``"forward"``, inference plans): each stage runs ``F0 .. F(m-1)``.
 * **GEMS-MASTER** (Jain et al., "GEMS: GPU-Enabled Memory-Aware Model-Parallelism System for
   Distributed DNN Training", SC'20), ``replicas=2``: a second, mirrored replica whose stage ``s``
   lives on the ranks of replica 0's stage ``K-1-s`` (``K`` odd: the middle rank holds both
@@ -46,6 +47,7 @@ from nowdl.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nowdl.schedule.actions import (
+        FORWARD_ONLY,
         SCHEDULES,
         Action,
         Deps,
@@ -72,6 +74,7 @@ __all__ = [
     "Deps",
     "ScheduleError",
     "SCHEDULES",
+    "FORWARD_ONLY",
     "LEGEND",
     "stage_deps",
     "chain_deps",
@@ -91,7 +94,7 @@ __all__ = [
 
 __getattr__ = lazy_exports(__name__, {
     "build_schedule": "build", "gpipe": "build", "one_f_one_b": "build", "rank_actions": "build",
-    "stage_actions": "build", "zero_bubble": "build", "SCHEDULES": "actions", "Action": "actions",
+    "stage_actions": "build", "zero_bubble": "build", "SCHEDULES": "actions", "FORWARD_ONLY": "actions", "Action": "actions",
     "Deps": "actions", "Schedule": "actions", "ScheduleError": "actions", "chain_deps": "actions",
     "dag_deps": "actions", "stage_deps": "actions", "LEGEND": "grid", "format_grid": "grid",
     "format_plan_schedule": "grid", "inflight_peaks": "simulation", "simulate": "simulation",

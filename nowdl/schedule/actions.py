@@ -18,9 +18,12 @@ from nowdl.errors import NowdlError
 if TYPE_CHECKING:
     from nowdl.plan.plan import Plan
 
-__all__ = ["Action", "Schedule", "Deps", "ScheduleError", "SCHEDULES", "stage_deps", "chain_deps", "dag_deps"]
+__all__ = ["Action", "Schedule", "Deps", "ScheduleError", "SCHEDULES", "FORWARD_ONLY", "stage_deps", "chain_deps", "dag_deps"]
 
 SCHEDULES = ("gpipe", "1f1b", "zb")
+
+FORWARD_ONLY = "forward"
+"""The schedule of an inference plan: each stage runs ``F0 .. F(m-1)``, no backward (not a training choice)."""
 
 
 class ScheduleError(NowdlError):

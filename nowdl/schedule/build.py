@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from nowdl.schedule.actions import (
+    FORWARD_ONLY,
     SCHEDULES,
     Action,
     Deps,
@@ -53,17 +54,20 @@ def stage_actions(schedule: str, k: int, m: int, stage: int, replica: int = 0) -
     GPipe: ``F0 .. F(m-1)`` then ``B0 .. B(m-1)``. 1F1B: ``min(m, K - s)`` warm-up forwards,
     then one backward / one forward alternately, then the remaining backwards. Backwards run in
     micro-batch order 0 .. m-1 in both (see [Note: backward order]). ``"zb"``: ZB-H1, with
-    ``W`` actions ([Note: zero-bubble order] in zerobubble.py).
+    ``W`` actions ([Note: zero-bubble order] in zerobubble.py). ``"forward"`` (an inference
+    plan's): ``F0 .. F(m-1)`` only.
 
     Raises:
         ScheduleError: unknown schedule name, or ``k``, ``m``, ``stage`` out of range.
     """
-    if schedule not in SCHEDULES:
+    if schedule not in SCHEDULES + (FORWARD_ONLY,):
         raise ScheduleError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     if k < 1 or m < 1:
         raise ScheduleError(f"stages and micro-batches must be positive, got K={k}, m={m}")
     if not 0 <= stage < k:
         raise ScheduleError(f"stage {stage} is not in 0..{k - 1}")
+    if schedule == FORWARD_ONLY:
+        return [Action("F", stage, i, replica) for i in range(m)]
     if schedule == "zb":
         return [Action(a.kind, a.stage, a.microbatch, replica) for a in zero_bubble_orders(k, m)[stage]]
     # the order the planner's memory model replays ([Note: long-skip gradient waits])
@@ -148,7 +152,7 @@ def zero_bubble(k: int, m: int, deps: Deps | None = None, *, replicas: int = 1) 
 def _plan_params(plan: Plan) -> tuple[str, int, int, int]:
     c = plan.config
     name = str(c.get("schedule") or plan.schedule.get("name") or "1f1b").lower()
-    if name not in SCHEDULES:
+    if name not in SCHEDULES + (FORWARD_ONLY,):
         raise ScheduleError(f"the plan asks for schedule {name!r}; this nowdl runs {', '.join(SCHEDULES)}")
     return name, len(plan.stages), int(c["micro_batches"]), int(c.get("replicas", 1))
 

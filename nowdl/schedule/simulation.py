@@ -24,6 +24,8 @@ def validate_schedule(schedule: Schedule, k: int, m: int, replicas: int = 1) -> 
         ScheduleError: naming the missing, duplicated, unexpected or misordered actions.
     """
     kinds = "FBW" if any(a.kind == "W" for acts in schedule.values() for a in acts) else "FB"
+    if all(a.kind == "F" for acts in schedule.values() for a in acts):
+        kinds = "F"  # a forward-only (inference) schedule
     want = {Action(kd, s, i, r) for r in range(replicas) for s in range(k) for i in range(m) for kd in kinds}
     where: dict[Action, tuple[int, int]] = {}
     problems: list[str] = []

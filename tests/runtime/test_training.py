@@ -255,7 +255,7 @@ def test_loss_and_eval_step_see_the_models_output_structure() -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-12, atol=1e-12)
     for k, ref in ref_sd.items():
         torch.testing.assert_close(sd[k], ref, rtol=1e-9, atol=1e-12)
-    out = results[1][2]  # the last stage's rank: both micro-batches, concatenated per tensor
+    out = results[0][2]  # gathered on rank 0, in batch order
     with torch.no_grad():
         want = model.eval()(_two_heads_data(0)[0])
     assert isinstance(out, dict) and set(out) == {"seg", "aux"} and isinstance(out["aux"], list)

@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from nowdl.partitioner.costs.held_tensors import backward_grad_bytes, deferred_bytes, held_buffers
+from nowdl.partitioner.costs.inference import inference_stages
 from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.placement.layout import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.search.config import Candidate
@@ -52,6 +53,7 @@ class Costs:
     mem_cap: float | None
     tied: tuple[tuple[str, ...], ...] = ()  # node groups sharing a weight (``tied_nodes``)
     topology: Topology | None = None  # None: one node, every message at link_bw
+    inference: bool = False  # a forward-only plan ([Note: inference memory] in costs/inference.py)
 
     def topo(self, gpus: int) -> Topology:
         """The cluster, or one flat node of ``gpus`` ranks at ``link_bw`` when none was given."""
@@ -204,6 +206,8 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
                   recv_held=held[s][0], send_held=held[s][1], skip_wait=waits[s])
         for s in range(cand.stages)
     ]
+    if costs.inference:
+        stages = inference_stages(stages)
     k = cand.stages
     ranks: list[list[int]] = []
     if cand.replicas == 2:
@@ -329,6 +333,8 @@ def grad_sync_s(costs: Costs, cand: Candidate, stage_param: Sequence[float],
     each stage's gradients between its two replicas, at the link between them. Monotone in
     ``stage_param`` and ``rank_param`` (per slot; default: its stages' sum), so the search
     bounds it with every stage and every rank holding all parameters."""
+    if costs.inference:
+        return 0.0  # no gradients
     k = cand.stages
     lay = layout_of(costs, cand)
     topo = lay.topo

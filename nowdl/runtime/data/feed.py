@@ -18,6 +18,7 @@ from typing import Any
 from nowdl.errors import NowdlError
 from nowdl.runtime.data.batches import ImageFolderData, SyntheticData
 from nowdl.runtime.data.datasets import CropDataset, check_sample, dataset_from_callable, label_loss
+from nowdl.runtime.data.keyed import KeyedDataset, parse_keys
 from nowdl.runtime.data.loader import StepSampler, default_workers, loader
 from nowdl.runtime.data.prefetch import TileReadAhead
 from nowdl.runtime.data.readers import READERS, ReadCounter, is_reader_spec, open_images
@@ -144,8 +145,12 @@ def make_feed(args: argparse.Namespace, sample_shape: tuple[int, ...], out: tupl
             raise NowdlError(f"{path} has {len(folder.classes)} classes but {model_name} outputs {channels}: build it "
                              f"with num_classes={len(folder.classes)} (--model-args / --num-classes)")
         return Feed(kind, kind, dataset=folder, name=f"imagefolder:{path}", label_shape=(), **common)
+    if getattr(args, "keys", None) and kind != "dataset":
+        raise NowdlError(f"--keys goes with --data package.module:callable returning dictionary samples, not --data {spec}")
     if kind == "dataset":
         ds = dataset_from_callable(spec, args.data_args)
+        if getattr(args, "keys", None):  # MONAI dictionary samples
+            ds = KeyedDataset(ds, parse_keys(args.keys), f"--data {spec}")
         want = None if args.eval else label_shape
         try:
             first = ds[0]

@@ -11,7 +11,14 @@ one line per step::
 measure of ``benchmarks/bench_runtime.py``: the bytes of parameters, buffers and optimizer state
 before the step, plus the peak of live storages the step allocates (``AllocTracker``; receive
 buffers included: they are allocated fresh each step), taken on sampled steps (see :class:`PeakMeter`).
-``predicted_bytes`` is the plan's ``predicted_peak_bytes``.
+``predicted_bytes`` is the plan's ``predicted_peak_bytes``. An evaluation step with labels
+(``nowdl run --eval --labels``) adds ``"dice"``, ``"iou"`` and ``"accuracy"`` of its batch.
+Validation (``nowdl run --val-data``) writes its own lines, after the step it follows::
+
+    {"step": 100, "time": 1764000000.0, "val": {"loss": 0.41, "dice": 0.83, "iou": 0.71,
+     "accuracy": 0.97, "images": 4, "s": 2.5}}
+
+(TensorBoard: ``val/loss``, ``val/dice``, ...).
 """
 
 from __future__ import annotations
@@ -81,8 +88,19 @@ class PeakMeter:
     static bytes (parameters, buffers, optimizer state) it ended with.
     """
 
-    def __init__(self, cm: Any, *, cuda: bool) -> None:
+    def __init__(self, cm: Any, *, cuda: bool, evaluation: bool = False) -> None:
         self.cm, self.cuda, self.last, self.steps = cm, cuda, 0, 0
+        self.evaluation = evaluation  # eval steps run on the inference plans' engines
+
+    def _engine(self) -> Any:
+        """The engine the steps run on: the training engine, or the last inference engine used."""
+        tr = getattr(self.cm, "_trainer", None)
+        if tr is None:
+            return None
+        if self.evaluation:
+            ev = getattr(tr, "_evaluator", None)
+            return ev.last.engine if ev is not None and ev.last is not None else None
+        return tr.engine
 
     def run(self, step: Callable[[], Any]) -> tuple[Any, int]:
         """Run ``step()`` (a ``train_step``/``eval_step``); returns its result and the peak bytes."""
@@ -91,10 +109,10 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats()
             out = step()
             return out, int(torch.cuda.max_memory_allocated())
-        eng = getattr(getattr(self.cm, "_trainer", None), "engine", None)
+        eng = self._engine()
         if eng is None:  # the first step builds the engine
             out = step()
-            eng = self.cm._trainer.engine
+            eng = self._engine()
             self.last = static_bytes([eng.stages[s].module for _, s in eng.held], eng.optimizer)
             return out, self.last
         if (self.steps - 2) % TRACK_EVERY:
@@ -102,6 +120,11 @@ class PeakMeter:
         out, peak = peak_of(step, [eng.stages[s].module for _, s in eng.held], eng.optimizer)
         self.last = peak
         return out, self.last
+
+
+def _finite(v: float | int) -> float | None:
+    """``v`` as a JSON number (None for NaN or infinity)."""
+    return float(v) if math.isfinite(v) else None
 
 
 class MetricsWriter:
@@ -135,8 +158,9 @@ class MetricsWriter:
             self._tb = SummaryWriter(log_dir=str(self.dir))
 
     def step(self, step: int, *, loss: float | None, images_per_s: float, step_s: float, data_wait_s: float,
-             peak_bytes: int) -> None:
-        """Record step ``step`` (1-based); a collective: every rank calls it."""
+             peak_bytes: int, scores: dict[str, float] | None = None) -> None:
+        """Record step ``step`` (1-based; ``scores``: an evaluation's dice, iou, accuracy); a
+        collective: every rank calls it."""
         mine = {"rank": self.rank, "peak_bytes": int(peak_bytes), "predicted_bytes": self.predicted}
         ranks = [mine]
         if self.world > 1:
@@ -150,6 +174,8 @@ class MetricsWriter:
         loss_v = None if loss is None or not math.isfinite(loss) else float(loss)
         rec = {"step": step, "time": time.time(), "loss": loss_v, "images_per_s": float(images_per_s),
                "step_s": float(step_s), "data_wait_s": float(data_wait_s), "ranks": ranks}
+        extra = {k: _finite(v) for k, v in (scores or {}).items()}
+        rec.update(extra)
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -160,6 +186,24 @@ class MetricsWriter:
             self._tb.add_scalar("data_wait_s", data_wait_s, step)
             for r in ranks:
                 self._tb.add_scalar(f"peak_bytes/rank{r['rank']}", r["peak_bytes"], step)
+            for k, v in extra.items():
+                if v is not None:
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def validation(self, step: int, values: dict[str, float]) -> None:
+        """Record a validation after step ``step`` (rank 0 writes; the other ranks' calls do nothing)."""
+        if self.rank != 0:
+            return
+        if self._file is None:
+            self._open()
+        val = {k: _finite(v) for k, v in values.items()}
+        self._file.write(json.dumps({"step": step, "time": time.time(), "val": val}) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in val.items():
+                if v is not None:
+                    self._tb.add_scalar(f"val/{k}", v, step)
             self._tb.flush()
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
+from nowdl.plan.purpose import require_training
 from nowdl.runtime.launch.nodes import check_node_map
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.spatial.tiles import TiledInput
@@ -45,6 +46,8 @@ class Compiled(Protocol):
     def trace(self, *example_inputs: torch.Tensor) -> Any: ...
 
     def plan(self, *example_inputs: torch.Tensor, target: Any = None) -> Plan: ...
+
+    def inference_plan(self, *example_inputs: torch.Tensor) -> Plan: ...
 
 
 def _example(t: Any) -> Any:
@@ -103,20 +106,19 @@ class Trainer:
         self._unused: dict[str, torch.Tensor] = {}
         self._order: list[str] = []  # the model's state_dict() keys, in its order
         self._keys: set[str] = set()
+        self.weights_version = 0  # bumped whenever the weights change (eval engines copy them then)
+        self._evaluator: Any = None  # runtime.training.evaluate.Evaluator, made on the first eval_step
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _setup(self, x: Any, y: Any = None) -> PipelineEngine:
         if self.engine is not None:
             return self.engine
         from nowdl.codegen import build_stages
-        from nowdl.runtime.launch.group import init_distributed, launch_env
 
-        env = launch_env()
-        if env.world_size > 1 or dist.is_initialized():
-            init_distributed(backend=self.backend, timeout_s=self.timeout_s)
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.join_group()
         first = _first_tensor(x)
         plan = self._plan_everywhere(x, y)
+        require_training(plan, f"plan {self.cm.plan_path}" if self.cm.plan_path else "the plan")
         if plan.config["gpus"] != self.world:
             raise NowdlError(
                 f"this plan needs {plan.config['gpus']} ranks (gpus) but the job has {self.world}: launch with "
@@ -149,6 +151,38 @@ class Trainer:
             sd, self.pending_state = self.pending_state, None
             self.load_state_dict(sd)
         return self.engine
+
+    def join_group(self) -> None:
+        """Join the launcher's process group (once), setting ``rank`` and ``world``."""
+        from nowdl.runtime.launch.group import init_distributed, launch_env
+
+        if launch_env().world_size > 1 or dist.is_initialized():
+            init_distributed(backend=self.backend, timeout_s=self.timeout_s)
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self._device()
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state on every rank (collective), or None before the first step (the
+        model itself then holds the weights)."""
+        if self.engine is None:
+            return None
+        mine = self._owned()
+        if self.world == 1:
+            return mine
+        box: list[Any] = [None] * self.world
+        dist.all_gather_object(box, mine)
+        return {k: v for part in box for k, v in part.items()}
+
+    def _eval_engine(self, plan: Plan, examples: Any) -> PipelineEngine:
+        from nowdl.codegen import build_stages
+
+        traced = self.cm.trace(*examples)
+        plan.check_model(traced.fingerprint, [list(t.shape) for t in examples])
+        return PipelineEngine(plan, build_stages(traced.gm, plan), self.rank, optimizer=None, loss_fn=self.loss_fn,
+                              device=self._device(), timeout_s=self.timeout_s, precision=self.cm.precision)
 
     def _device(self) -> torch.device:
         if self.cm.device is not None:
@@ -187,23 +221,23 @@ class Trainer:
         eng = self._setup(x, y)
         loss, _ = eng.run(x, y, train=True)
         self.steps += 1
+        self.weights_version += 1
         return loss
 
-    def eval_step(self, x: Any) -> Any:
-        """Outputs on the ranks that run the last stage (part 0 of a spatial one, tiles gathered); None elsewhere.
+    def evaluate(self, x: Any, y: Any = None, *, gather: str = "rank0") -> tuple[Any, float]:
+        """Inference on any batch and sample shape on its inference plan ([Note: eval plans] in
+        evaluate.py): the outputs (whole images, batch order; on rank 0, or every rank with
+        ``gather="all"``, else None) and the mean loss over ``y`` (NaN without a target or loss)."""
+        return self.evaluator().run(x, y, gather=gather)
 
-        The micro-batches' outputs are concatenated along the batch, in the structure the model
-        returns (a tensor, or a tuple/list/dict of tensors)."""
-        eng = self._setup(x)
-        _, outs = eng.run(x, None, train=False)
-        if not outs:
-            return None
-        from torch.utils._pytree import tree_flatten, tree_unflatten
+    def evaluator(self) -> Any:
+        """The inference engines of ``evaluate`` (``runtime.training.evaluate.Evaluator``), made once."""
+        if self._evaluator is None:
+            from nowdl.runtime.training.evaluate import Evaluator
 
-        flat = [tree_flatten(o) for o in outs]
-        leaves = [torch.cat([f[0][i] for f in flat]) if isinstance(flat[0][0][i], torch.Tensor) else flat[0][0][i]
-                  for i in range(len(flat[0][0]))]
-        return tree_unflatten(leaves, flat[0][1])
+            self._evaluator = Evaluator(self, self._eval_engine, lambda ex: plan_on_rank0(
+                lambda: self.cm.inference_plan(*ex), rank=self.rank, world=self.world))
+        return self._evaluator
 
     # ---- state -----------------------------------------------------------------------------------
     def _owned(self) -> dict[str, torch.Tensor]:
@@ -263,6 +297,7 @@ class Trainer:
                     raise NowdlError(f"state dict has no entry {orig!r} (stage {s}); it was saved from another model")
                 with torch.no_grad():
                     t.copy_(sd[orig])
+        self.weights_version += 1
         for key in self._unused:  # parameters no stage uses: kept for state_dict() only
             if key in sd:
                 self._unused[key] = sd[key].detach().cpu().clone()
@@ -357,4 +392,5 @@ class Trainer:
         if f"rng/{self.rank}" in got:
             torch.set_rng_state(got[f"rng/{self.rank}"])
         self.steps = int(ck.record.get("steps", ck.step))
+        self.weights_version += 1
         return ck.record

@@ -1,0 +1,122 @@
+"""Inference plans: what a forward-only run holds, as a profile the training cost model can take.
+
+[Note: inference memory] An inference plan runs each micro-batch's forward once, under
+``torch.no_grad``: nothing is saved for a backward, there are no gradients and no optimizer
+state. A stage then holds its parameters and buffers, plus the activations *live* at the node
+it is running: every output already made whose last reader has not run yet (the fx code the
+stages run drops each value after its last use). :func:`inference_profile` turns a training
+profile into one whose nodes say exactly that: no backward time, no gradient or optimizer
+bytes, nothing saved (``act_bytes`` 0), and as workspace the bytes live while the node runs
+(:func:`live_bytes`: its inputs, its output and everything made earlier that a later node
+still reads) plus the node's own transient. The cost model charges a stage its largest
+workspace, so a one-stage plan's figure is the forward's peak.
+
+Across pipeline stages the live set is an upper bound: a node's live set counts values made on
+earlier stages that only later stages read (the stage itself never holds them) as well as the
+received values that ``recv_bytes`` also counts. Views (reshape, getitem) are counted as new
+tensors. :func:`inference_stages` sets what a forward-only schedule holds of boundary tensors:
+the next micro-batch's receive posted ahead (``RECV_LOOKAHEAD``) and one pending send; no
+long-skip gradient waits. The gradient all-reduce of data-parallel copies costs nothing (the
+``Costs.inference`` flag, read by ``grad_sync_s``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from nowdl.errors import NowdlError
+from nowdl.partitioner.costs.problem import StageSpec
+from nowdl.partitioner.search.config import PlanRequest
+from nowdl.plan.plan import Plan
+from nowdl.profiler.cost import NodeCost, Profile
+from nowdl.schedule.actions import FORWARD_ONLY
+from nowdl.schedule.orders import RECV_LOOKAHEAD
+
+__all__ = ["live_bytes", "inference_profile", "inference_stages", "inference_request", "mark_inference"]
+
+_NOT_ACTIVATIONS = ("get_attr", "output")
+
+
+def live_bytes(nodes: Sequence[NodeCost], edges: Sequence[tuple[str, str]]) -> list[int]:
+    """Per node, in graph order: bytes of the values alive while it runs.
+
+    A value (a node's output) is alive from its node until its last reader has run (until its
+    own node when nothing reads it); parameters (``get_attr``) and the ``output`` node are not
+    activations. The model's outputs stay alive to the end (the ``output`` node reads them), and
+    so do its inputs (``placeholder``: the caller holds the batch during the whole forward).
+
+    >>> from nowdl.profiler.cost import NodeCost as N
+    >>> live_bytes([N("x", "placeholder", "", out_bytes=4), N("a", "call_module", "", out_bytes=8),
+    ...             N("b", "call_module", "", out_bytes=8), N("c", "call_function", "", out_bytes=8),
+    ...             N("output", "output", "")],
+    ...            [("x", "a"), ("a", "b"), ("a", "c"), ("b", "c"), ("c", "output")])
+    [4, 12, 20, 28, 12]
+    """
+    index = {n.name: i for i, n in enumerate(nodes)}
+    end = len(nodes) - 1
+    last = [end if n.op == "placeholder" else i for i, n in enumerate(nodes)]
+    for u, v in edges:
+        if u in index and v in index:
+            last[index[u]] = max(last[index[u]], index[v])
+    delta = [0] * (len(nodes) + 1)  # +bytes where a value is made, -bytes after its last reader
+    for i, n in enumerate(nodes):
+        if n.op in _NOT_ACTIVATIONS or n.out_bytes <= 0:
+            continue
+        delta[i] += n.out_bytes
+        delta[last[i] + 1] -= n.out_bytes
+    out, live = [], 0
+    for i, n in enumerate(nodes):
+        live += delta[i]
+        out.append(live if n.op != "output" else sum(nodes[index[u]].out_bytes for u, v in edges
+                                                     if v == n.name and u in index) + sum(
+            m.out_bytes for m in nodes if m.op == "placeholder"))
+    return out
+
+
+def inference_profile(prof: Profile) -> Profile:
+    """``prof`` as a forward-only run costs it ([Note: inference memory]): no backward, no
+    gradients, no optimizer state, nothing saved; each node's workspace is the bytes live while
+    it runs plus its own transient. Parameters and buffers keep their bytes."""
+    live = live_bytes(prof.nodes, prof.edges)
+    nodes = [dataclasses.replace(n, bwd_s=0.0, saved_bytes=0, act_bytes=0, self_saved=False, grad_bytes=0,
+                                 optim_bytes=0, workspace_bytes=int(w + n.workspace_bytes))
+             for n, w in zip(prof.nodes, live, strict=True)]
+    return dataclasses.replace(prof, nodes=nodes, optimizer="none")
+
+
+def inference_stages(stages: Sequence[StageSpec]) -> list[StageSpec]:
+    """The stages of a forward-only schedule: one micro-batch in flight, the next one's receive
+    posted ahead, one send pending, no gradient waits; the link carries the forward only."""
+    return [dataclasses.replace(s, inflight=1, recv_held=float(RECV_LOOKAHEAD), send_held=1.0, skip_wait=(),
+                                link_s_per_byte=s.link_s_per_byte / 2.0) for s in stages]
+
+
+def inference_request(req: PlanRequest) -> PlanRequest:
+    """``req`` for an inference plan: one replica (GEMS-MASTER fills training bubbles), no global
+    batch to match (any batch is cut into steps), GPipe's forward order for the search, and one
+    micro-batch per step unless ``req`` pins ``micro_batches`` (pin more to pipeline many images).
+
+    Raises:
+        NowdlError: ``req`` pins ``replicas=2``.
+    """
+    if req.replicas == 2:
+        raise NowdlError("replicas=2 (GEMS-MASTER) mirrors a second replica to fill the bubbles of training's "
+                         "backward; an inference plan has no backward: leave replicas unset (or 1) with train=False")
+    return dataclasses.replace(req, replicas=1, schedule="gpipe", global_batch=None,
+                               micro_batches=req.micro_batches or 1)
+
+
+def mark_inference(plan: Plan) -> None:
+    """Record in ``plan`` that it is an inference plan with a forward-only schedule."""
+    plan.config["inference"] = True
+    plan.profile["optimizer"] = "inference"
+    plan.config["schedule"] = FORWARD_ONLY
+    pinned = plan.config.get("pinned")
+    if isinstance(pinned, dict) and pinned.get("schedule") == "gpipe":
+        pinned.pop("schedule")
+    plan.schedule["name"] = FORWARD_ONLY
+    plan.schedule["inflight"] = [1] * len(plan.stages)
+    for st in plan.stages:
+        if isinstance(st.predicted, dict) and "inflight" in st.predicted:
+            st.predicted["inflight"] = 1.0
