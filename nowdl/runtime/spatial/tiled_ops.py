@@ -21,7 +21,13 @@ from torch import Tensor, nn
 
 from nowdl.geometry import TileTooSmallError, conv_pads, ntuple, pool_out_size
 from nowdl.runtime.spatial.exchange import Window, _check_tile, _windows, fetch_window
-from nowdl.runtime.spatial.precision import REDUCED, autocast_off, conv_operands, opmath, probe_dtype
+from nowdl.runtime.spatial.precision import (
+    REDUCED,
+    autocast_off,
+    conv_operands,
+    opmath,
+    probe_dtype,
+)
 from nowdl.runtime.spatial.tiles import TileGrid
 from nowdl.runtime.spatial.window_op import _window_op
 
