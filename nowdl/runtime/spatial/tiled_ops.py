@@ -134,7 +134,7 @@ def _conv_transpose_window(x_tile: Tensor, conv: nn.Module, weight: Tensor, bias
     mine = og.tile_bounds()
     win = wins[grid.index]
     if any(b <= a for a, b in win):  # only bias (or nothing) reaches this output tile
-        shape = tuple(xw.shape[:1]) + (conv.out_channels,) + tuple(b - a for a, b in mine)
+        shape = tuple(xw.shape[:1]) + (int(conv.out_channels),) + tuple(b - a for a, b in mine)
         y = xw.new_zeros(shape) + xw.sum() * 0  # keep the exchange in the graph: its backward is collective
     else:
         y = _CONVT_FN[n](xw, weight, None, s, 0, 0, conv.groups, d)
