@@ -124,7 +124,7 @@ def conv_transpose_tile(
         return _conv_transpose_window(x_tile, conv, weight, bias, grid, og, wins, group, (s, d, p)), og
 
 
-def _conv_transpose_window(x_tile: Tensor, conv: nn.Module, weight: Tensor, bias: Tensor | None, grid: TileGrid,
+def _conv_transpose_window(x_tile: Tensor, conv: nn.modules.conv._ConvTransposeNd, weight: Tensor, bias: Tensor | None, grid: TileGrid,
                            og: TileGrid, wins: tuple[Window, ...], group: dist.ProcessGroup | None,
                            geom: tuple[Sequence[int], Sequence[int], Sequence[int]]) -> Tensor:
     """The transposed conv's output tile from the fetched window (operands in one dtype)."""
@@ -134,7 +134,7 @@ def _conv_transpose_window(x_tile: Tensor, conv: nn.Module, weight: Tensor, bias
     mine = og.tile_bounds()
     win = wins[grid.index]
     if any(b <= a for a, b in win):  # only bias (or nothing) reaches this output tile
-        shape = tuple(xw.shape[:1]) + (int(conv.out_channels),) + tuple(b - a for a, b in mine)
+        shape = tuple(xw.shape[:1]) + (conv.out_channels,) + tuple(b - a for a, b in mine)
         y = xw.new_zeros(shape) + xw.sum() * 0  # keep the exchange in the graph: its backward is collective
     else:
         y = _CONVT_FN[n](xw, weight, None, s, 0, 0, conv.groups, d)
