@@ -49,6 +49,7 @@ from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
 from nowdl.geometry import split_bounds
 from nowdl.runtime.spatial.exchange import Window, fetch_window
+from nowdl.runtime.spatial.precision import autocast_off
 from nowdl.runtime.spatial.reach import refuse_sequential, stage_reach
 from nowdl.runtime.spatial.tiles import TileGrid
 
@@ -140,7 +141,7 @@ class SequentialTiles:
     def _out_shapes(self, tiles: Sequence[Tensor], shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.no_grad(), autocast_off(tiles[0]), FakeTensorMode(allow_non_fake_inputs=True):  # shapes only
             fake = [torch.empty((1, t.shape[1]) + s, dtype=t.dtype) for t, s in zip(tiles, shapes, strict=True)]
             outs = self.stage.module(*fake)
         return [tuple(int(v) for v in o.shape[2:]) for o in outs]
