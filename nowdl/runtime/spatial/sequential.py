@@ -2,10 +2,10 @@
 
 [Note: sequential tiles] A spatial stage with ``parts = P`` and ``tiles_per_gpu = T`` cuts the
 image into P x T tiles. The plan's ``grid`` gives each GPU's region (as without sequential
-tiles); each GPU region is cut again into T *sub-tiles* along the dims the grid cuts (along the
-first spatial dim, rows in 2D and depth in 3D, when P = 1). T's prime factors go, largest
-first, to the cut dim whose sub-tiles are then the longest (T = 4 on a 2 x 2 grid: 2 x 2
-sub-tiles per GPU; on a 1 x 2 grid: 1 x 4)::
+tiles); each GPU region is cut again into T *sub-tiles* along the dims the grid cuts (along
+every spatial dim when P = 1). T's prime factors go, largest first, to the cut dim whose
+sub-tiles are then the longest (T = 4 on a 2 x 2 grid: 2 x 2 sub-tiles per GPU; on a 1 x 2
+grid: 1 x 4; on one GPU of a 64 x 64 image: 2 x 2)::
 
     P = 2 (grid 1 x 2), T = 2                  each sub-tile's window: its region plus the
     +-------+-------+-------+-------+          stage's reach (clipped at the image border,
@@ -60,8 +60,9 @@ Slices = tuple[slice, ...]
 
 def sub_grid(grid: Sequence[int], shape: Sequence[int], tiles: int) -> tuple[int, ...]:
     """Sub-tiles per spatial dim of each GPU region (product ``tiles``): T's prime factors, largest
-    first, each to the cut dim (grid > 1; dim 0 if none is cut) with the longest sub-tiles."""
-    cut = [d for d, g in enumerate(grid) if g > 1] or [0]
+    first, each to the cut dim (grid > 1; every spatial dim if none is cut) with the longest
+    sub-tiles (ties: the first such dim)."""
+    cut = [d for d, g in enumerate(grid) if g > 1] or list(range(len(grid)))
     factors: list[int] = []
     t, p = tiles, 2
     while t > 1:

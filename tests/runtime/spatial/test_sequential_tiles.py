@@ -64,7 +64,7 @@ def _make(name: str) -> tuple[nn.Module, tuple[int, ...]]:
     if name == "stack2d":
         return Stack(2).double(), (1, 64, 20)
     if name == "stack3d":
-        return Stack(3).double(), (1, 32, 12, 12)
+        return Stack(3).double(), (1, 64, 12, 12)
     if name == "unet":
         return nowdl.models.unet(1, 2, depth=2, base_width=4).double(), (1, 96, 32)
     if name == "unet32":
@@ -179,11 +179,13 @@ def test_sequential_tiles_refuse_batchnorm(tmp_path: Path) -> None:
 
 
 def test_sub_grid_layout() -> None:
-    assert sub_grid((1, 1), (64, 64), 4) == (4, 1)  # one rank: along the first spatial dim
+    assert sub_grid((1, 1), (64, 64), 4) == (2, 2)  # one rank: along every spatial dim
+    assert sub_grid((1, 1), (64, 20), 4) == (4, 1)
     assert sub_grid((2, 2), (64, 64), 4) == (2, 2)
     assert sub_grid((1, 2), (64, 64), 4) == (1, 4)
     assert sub_grid((1, 2), (64, 256), 6) == (1, 6)
     assert sub_grid((2, 1, 1), (32, 8, 8), 2) == (2, 1, 1)
+    assert sub_grid((1, 1, 1), (32, 8, 8), 8) == (8, 1, 1)
 
 
 def _bf16_worker(rank: int, world: int, path: str) -> list[float]:
