@@ -132,10 +132,11 @@ class PipelineEngine:
                              f"--nproc-per-node {len(plan.ranks)}")
         self.tiled: dict[tuple[int, int], TiledStage] = {}
         for rep, s in self.held:
-            if self.parts[s] > 1:
-                st = plan.stages[s]
+            st = plan.stages[s]
+            if self.parts[s] > 1 or st.tiles_per_gpu > 1:  # one rank may run sequential tiles too
                 self.tiled[(rep, s)] = TiledStage(self.stages[s], st.grid, self.place.part_ranks(self.dp_index, rep, s),
-                                                  rank, tile_groups[(rep, s)], fused=st.fused)
+                                                  rank, tile_groups.get((rep, s)), fused=st.fused,
+                                                  tiles_per_gpu=st.tiles_per_gpu)
         data = {n for st in stages for n, p in st.producers.items() if p < 0}
         self._check_spatial_values()
         self.transfers = Transfers(view, timeout_s)

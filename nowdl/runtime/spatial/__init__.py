@@ -4,7 +4,10 @@
 output reads (autograd-aware); ``tiled_ops`` and ``window_op`` run convs, pools and upsampling on
 a tile; ``norms`` runs BatchNorm/GroupNorm/InstanceNorm over the whole image; ``dispatch``
 picks the tiled form of a module; ``fusion`` exchanges one deeper halo for a run of ops;
-``stage`` runs a stage's fx graph on tiles.
+``stage`` runs a stage's fx graph on tiles; ``sequential`` runs a stage as T sub-tiles one after
+another per rank (``tiles_per_gpu``), each the whole stage on a window whose margin ``reach``
+measures; ``precision`` picks each tiled op's dtype under autocast; ``graph_ops`` maps
+functional pools and interpolation to modules.
 """
 
 from typing import TYPE_CHECKING

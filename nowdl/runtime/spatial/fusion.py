@@ -51,7 +51,8 @@ from nowdl.geometry import (
     fusable,
 )
 from nowdl.runtime.spatial.exchange import Window, _check_tile, _windows
-from nowdl.runtime.spatial.tiled_ops import _CONV_FN, _MAXPOOL_FN, _sum_pool
+from nowdl.runtime.spatial.precision import opmath, probe_dtype
+from nowdl.runtime.spatial.tiled_ops import _AVGPOOL_FN, _CONV_FN, _MAXPOOL_FN, _sum_pool
 from nowdl.runtime.spatial.tiles import TileGrid
 from nowdl.runtime.spatial.window_op import _window_op
 
@@ -90,7 +91,7 @@ def _window_fn(step: ChainStep) -> Any:
         return lambda xw, w, b: _CONV_FN[n](xw, w, b, step.s, 0, step.d, m.groups)
     if step.kind == "max":
         return lambda xw, w, b: _MAXPOOL_FN[n](xw, step.k, step.s, 0, step.d)
-    return lambda xw, w, b: _sum_pool(xw, step.k, step.s)
+    return lambda xw, w, b: _sum_pool(xw.to(opmath(xw.dtype)), step.k, step.s)  # bf16/fp16: summed in float32
 
 
 def _avg_divide(step: ChainStep, total: Tensor, win: Sequence[Span]) -> Tensor:
@@ -199,5 +200,8 @@ def _window_step(st: ChainStep, x: Tensor, grid: TileGrid, wins: Sequence[Window
     if st.kind == "conv":
         return _window_op(x, grid, wins, group, _window_fn(st), geom, weight=m.weight, bias=m.bias,
                           conv=(tuple(st.s), tuple(st.d), m.groups))
+    n = len(st.k)
+    pool_fn = _MAXPOOL_FN[n] if st.kind == "max" else _AVGPOOL_FN[n]
+    x = x.to(probe_dtype(x, f"{st.kind}{n}", lambda t: pool_fn(t, 1), n))  # [Note: tiles under autocast]
     y = _window_op(x, grid, wins, group, _window_fn(st), geom, fill=_fill(st))
-    return y if st.kind == "max" else _avg_divide(st, y, win)
+    return y if st.kind == "max" else _avg_divide(st, y, win).to(x.dtype)

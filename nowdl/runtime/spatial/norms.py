@@ -4,7 +4,9 @@ Norms reduce their statistics over the tiles (differentiable all-reduce of per-c
 and centred sums of squares, counts from the actual uneven tiles), so training-mode
 BatchNorm equals full-image BatchNorm, running statistics included.
 The statistics are all-reduced over the tile group in forward and the two per-channel sums
-the input gradient needs in backward (``_TileNorm``).
+the input gradient needs in backward (``_TileNorm``). Under autocast a norm runs in the dtype
+the unsplit norm gives (its input's, on CPU), with statistics and the normalisation computed in
+float32 for bf16/fp16 tiles and rounded once ([Note: tiles under autocast]).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from nowdl.runtime.spatial.precision import REDUCED, autocast_off, opmath, probe_dtype
 
 __all__ = ["batchnorm_tile", "groupnorm_tile", "instancenorm_tile"]
 
@@ -39,12 +43,13 @@ def _global_stats(x: Tensor, dims: list[int], group: dist.ProcessGroup | None) -
     identically on every rank: no pass over ``x`` waits for a round trip, and there is one.
     """
     local_n = math.prod(x.shape[i] for i in dims)
+    acc = opmath(x.dtype)
     if local_n:  # two passes: torch.var_mean's Welford kernel is 5x slower on CPU
-        mean_l = x.mean(dim=dims, keepdim=True)
+        mean_l = x.mean(dim=dims, keepdim=True, dtype=acc)
         var_l = (x - mean_l).square_().mean(dim=dims, keepdim=True)
     else:
         shape = [1 if i in dims else n for i, n in enumerate(x.shape)]
-        var_l = mean_l = x.new_zeros(shape)
+        var_l = mean_l = x.new_zeros(shape, dtype=acc)
     slot, size = _group_slot(group)
     s = mean_l.numel()
     buf = torch.zeros(size, 2 * s + 1, dtype=torch.float64, device=x.device)
@@ -56,7 +61,7 @@ def _global_stats(x: Tensor, dims: list[int], group: dist.ProcessGroup | None) -
     count = n_i.sum()
     mean = (n_i * buf[:, 1:s + 1]).sum(0) / count
     m2 = (n_i * buf[:, s + 1:]).sum(0) + (n_i * (buf[:, 1:s + 1] - mean) ** 2).sum(0)
-    return (mean.to(x.dtype).reshape(mean_l.shape), (m2 / count).to(x.dtype).reshape(mean_l.shape), count)
+    return (mean.to(acc).reshape(mean_l.shape), (m2 / count).to(acc).reshape(mean_l.shape), count)
 
 
 def _tile_means(a: Tensor, b: Tensor, group: dist.ProcessGroup | None, count: float) -> tuple[Tensor, Tensor]:
@@ -100,7 +105,10 @@ class _TileNorm(torch.autograd.Function):
         rstd = torch.rsqrt(var + eps)
         scale = rstd if weight is None else rstd * weight
         shift = -mean * scale if bias is None else bias - mean * scale
-        y = torch.addcmul(shift.to(x.dtype), x, scale.to(x.dtype))
+        if x.dtype in REDUCED:  # in float32, rounded once (as ATen's bf16/fp16 norm kernels)
+            y = torch.addcmul(shift.float(), x, scale.float()).to(x.dtype)
+        else:
+            y = torch.addcmul(shift.to(x.dtype), x, scale.to(x.dtype))
         stats.append((mean, var, count))
         ctx.dims, ctx.group, ctx.count = dims, group, float(count)
         ctx.has_weight = weight is not None
@@ -126,9 +134,10 @@ class _TileNorm(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             a_all, b_all = _tile_means(a_loc, b_loc, ctx.group, ctx.count)
-            c1 = rstd if weight is None else (rstd * weight).to(x.dtype)
+            c1 = rstd if weight is None else (rstd * weight).to(opmath(x.dtype))
             gx = torch.addcmul(-c1 * a_all, gy, c1)
             gx.addcmul_(x - mean, c1 * rstd * b_all, value=-1)
+            gx = gx.to(x.dtype)
         return gx, gw, gb, None, None, None, None
 
     @staticmethod
@@ -145,7 +154,7 @@ class _TileNorm(torch.autograd.Function):
             a = gxhat.sum(dim=dims, keepdim=True)
             b = (gxhat * xhat).sum(dim=dims, keepdim=True)
             a_all, b_all = _tile_means(a, b, ctx.group, ctx.count)
-            gx = (gxhat - a_all - xhat * b_all) * rstd
+            gx = ((gxhat - a_all - xhat * b_all) * rstd).to(x.dtype)
         return gx, gw, gb, None, None, None, None
 
 
@@ -153,7 +162,8 @@ def _tile_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, dims: list
                group: dist.ProcessGroup | None, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(normalised x, mean, biased var, count); weight and bias broadcast against ``x``."""
     stats: list[tuple[Tensor, Tensor, Tensor]] = []
-    y: Tensor = _TileNorm.apply(x, weight, bias, dims, group, float(eps), stats)
+    with autocast_off(x):
+        y: Tensor = _TileNorm.apply(x, weight, bias, dims, group, float(eps), stats)
     mean, var, count = stats[0]
     return y, mean, var, count
 
@@ -184,6 +194,7 @@ def batchnorm_tile(x_tile: Tensor, bn: nn.Module, group: dist.ProcessGroup | Non
     use_batch = bn.training or bn.running_mean is None
     if not use_batch:  # eval with running stats: a pointwise op
         return F.batch_norm(x_tile, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    x_tile = x_tile.to(probe_dtype(x_tile, "batch_norm", lambda t: F.batch_norm(t, None, None, training=True), 1))
     dims = [0] + list(range(2, x_tile.dim()))
     nd = x_tile.dim()
     y, mean, var, count = _tile_norm(x_tile, _bcast(bn.weight, nd), _bcast(bn.bias, nd), dims, group, bn.eps)
@@ -199,6 +210,7 @@ def groupnorm_tile(x_tile: Tensor, gn: nn.Module, group: dist.ProcessGroup | Non
     """Full-image GroupNorm on a tile (per-sample, per-group statistics over all tiles)."""
     if not isinstance(gn, nn.GroupNorm):
         raise TypeError(f"groupnorm_tile: {type(gn).__name__} is not nn.GroupNorm")
+    x_tile = x_tile.to(probe_dtype(x_tile, "group_norm", lambda t: F.group_norm(t, 1), 1))
     n, c = x_tile.shape[:2]
     g = gn.num_groups
     sp = tuple(x_tile.shape[2:])
@@ -219,6 +231,7 @@ def instancenorm_tile(x_tile: Tensor, inorm: nn.Module, group: dist.ProcessGroup
     if not use_batch:
         return F.instance_norm(x_tile, inorm.running_mean, inorm.running_var, inorm.weight, inorm.bias,
                                False, 0.0, inorm.eps)
+    x_tile = x_tile.to(probe_dtype(x_tile, "instance_norm", F.instance_norm, 1))
     dims = list(range(2, x_tile.dim()))
     nd = x_tile.dim()
     w, b = (_bcast(inorm.weight, nd), _bcast(inorm.bias, nd)) if inorm.affine else (None, None)

@@ -13,6 +13,10 @@ and this rank's bounds):
 * a run of consecutive convs/pools listed in the plan's ``fused`` chains: one deeper halo
   exchange for the whole run (:mod:`nowdl.runtime.spatial.fusion`).
 
+With ``tiles_per_gpu = T > 1`` (the plan's ``StagePlan.tiles_per_gpu``) the stage runs instead as
+T sequential sub-tiles per rank, each the whole stage on a window ([Note: sequential tiles] in
+:mod:`nowdl.runtime.spatial.sequential`); that also applies on one rank (``parts = 1``).
+
 Anything else is refused when the stage is built, naming the node and why (the planner does
 not put such nodes in spatial stages: see ``nowdl.partitioner.spatial.tileable``). Weight gradients are
 this tile's contribution; the engine sums them (never averages) over the tile group together
@@ -34,26 +38,16 @@ from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial.tileable import aten_upsample_scales, spatial_rules
 from nowdl.runtime.spatial.dispatch import tile_forward
+from nowdl.runtime.spatial.graph_ops import ATEN_UP as _ATEN_UP
+from nowdl.runtime.spatial.graph_ops import INTERP_ARGS as _INTERP_ARGS
+from nowdl.runtime.spatial.graph_ops import POOL_ARGS as _POOL_ARGS
+from nowdl.runtime.spatial.graph_ops import POOL_FN as _POOL_FN
+from nowdl.runtime.spatial.graph_ops import bind as _bind
 from nowdl.runtime.spatial.tiles import TileGrid
 
 __all__ = ["TiledStage", "full_grid"]
 
 _CAT = (torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default, torch.ops.aten.concat.default)
-_aten = torch.ops.aten
-_ATEN_UP: dict[Any, str] = {
-    _aten.upsample_nearest1d.vec: "nearest", _aten.upsample_nearest2d.vec: "nearest",
-    _aten.upsample_nearest3d.vec: "nearest", _aten.upsample_linear1d.vec: "linear",
-    _aten.upsample_bilinear2d.vec: "bilinear", _aten.upsample_trilinear3d.vec: "trilinear",
-}
-_POOL_FN: dict[Any, type[nn.Module]] = {
-    F.max_pool1d: nn.MaxPool1d, F.max_pool2d: nn.MaxPool2d, F.max_pool3d: nn.MaxPool3d,
-    F.avg_pool1d: nn.AvgPool1d, F.avg_pool2d: nn.AvgPool2d, F.avg_pool3d: nn.AvgPool3d,
-}
-_POOL_ARGS = {
-    "max": ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
-    "avg": ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
-}
-_INTERP_ARGS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
 
 
 def full_grid(grid: Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -74,13 +68,14 @@ class TiledStage:
         rank: this process's global rank (one of ``ranks``).
         group: the tile group's process group (halo exchanges and norm statistics).
         fused: chains of node names whose halo exchanges are fused into one.
+        tiles_per_gpu: T > 1 runs the stage as T sequential sub-tiles per rank.
 
     Raises:
         NowdlError: a node of the stage cannot run on tiles (names the node and why).
     """
 
     def __init__(self, stage: StageModule, grid: Sequence[int], ranks: Sequence[int], rank: int,
-                 group: dist.ProcessGroup | None, fused: Sequence[Sequence[str]] = ()) -> None:
+                 group: dist.ProcessGroup | None, fused: Sequence[Sequence[str]] = (), tiles_per_gpu: int = 1) -> None:
         self.stage = stage
         self.grid = tuple(int(g) for g in grid)
         self.ranks = tuple(int(r) for r in ranks)
@@ -101,6 +96,11 @@ class TiledStage:
         self._chains: dict[str, list[fx.Node]] = {}
         self._skip: set[str] = set()
         self._check_chains(fused)
+        self.sequential: Any = None
+        if tiles_per_gpu > 1:
+            from nowdl.runtime.spatial.sequential import SequentialTiles
+
+            self.sequential = SequentialTiles(stage, self.grid, self.ranks, rank, group, tiles_per_gpu)
 
     def _check_chains(self, fused: Sequence[Sequence[str]]) -> None:
         from nowdl.runtime.spatial.fusion import fusable
@@ -137,6 +137,9 @@ class TiledStage:
         Returns:
             The output tiles (``stage.outputs`` order) and their grids.
         """
+        if self.sequential is not None:
+            seq: tuple[list[Tensor], list[TileGrid]] = self.sequential(tiles, shapes)
+            return seq
         gm = self.stage.module
         env: dict[str, Any] = {}
         grids: dict[str, TileGrid | None] = {}
@@ -255,14 +258,6 @@ def _one(tiled: list[TileGrid | None], node: fx.Node) -> TileGrid:
     if g is None:
         raise NowdlError(f"node {node.name!r} of a spatial stage has no tiled input")
     return g
-
-
-def _bind(args: Sequence[Any], kwargs: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    out = dict(zip(names, args, strict=False))
-    out.update({k: v for k, v in kwargs.items() if k in names or k == "antialias"})
-    if out.get("antialias"):
-        raise NowdlError("F.interpolate(antialias=True) is not tiled")
-    return out
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:

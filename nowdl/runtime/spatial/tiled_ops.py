@@ -5,7 +5,8 @@ Each op works out every tile's input window from its kernel, stride, dilation an
 :mod:`nowdl.runtime.spatial.exchange` and runs the op unpadded on it, so the output tile equals
 the same region of the unsplit op's output (see :mod:`nowdl.runtime.spatial.exchange` for the
 window picture). The weight gradients are this tile's share; sum them with
-:func:`nowdl.runtime.spatial.dispatch.sum_weight_grads`.
+:func:`nowdl.runtime.spatial.dispatch.sum_weight_grads`. Under autocast each op runs in the
+dtype the unsplit op would: [Note: tiles under autocast] in :mod:`nowdl.runtime.spatial.precision`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ from torch import Tensor, nn
 
 from nowdl.geometry import TileTooSmallError, conv_pads, ntuple, pool_out_size
 from nowdl.runtime.spatial.exchange import Window, _check_tile, _windows, fetch_window
+from nowdl.runtime.spatial.precision import (
+    REDUCED,
+    autocast_off,
+    conv_operands,
+    opmath,
+    probe_dtype,
+)
 from nowdl.runtime.spatial.tiles import TileGrid
 from nowdl.runtime.spatial.window_op import _window_op
 
@@ -110,6 +118,18 @@ def conv_transpose_tile(
         return a, max(a, b)
 
     wins = _windows(grid, per_dim)
+    x_tile, weight, bias = conv_operands(x_tile, conv.weight, conv.bias)
+    assert weight is not None
+    with autocast_off(x_tile):
+        return _conv_transpose_window(x_tile, conv, weight, bias, grid, og, wins, group, (s, d, p)), og
+
+
+def _conv_transpose_window(x_tile: Tensor, conv: nn.modules.conv._ConvTransposeNd, weight: Tensor, bias: Tensor | None, grid: TileGrid,
+                           og: TileGrid, wins: tuple[Window, ...], group: dist.ProcessGroup | None,
+                           geom: tuple[Sequence[int], Sequence[int], Sequence[int]]) -> Tensor:
+    """The transposed conv's output tile from the fetched window (operands in one dtype)."""
+    s, d, p = geom
+    n = grid.ndim
     xw = fetch_window(x_tile, grid, wins, group)
     mine = og.tile_bounds()
     win = wins[grid.index]
@@ -117,16 +137,16 @@ def conv_transpose_tile(
         shape = tuple(xw.shape[:1]) + (conv.out_channels,) + tuple(b - a for a, b in mine)
         y = xw.new_zeros(shape) + xw.sum() * 0  # keep the exchange in the graph: its backward is collective
     else:
-        y = _CONVT_FN[n](xw, conv.weight, None, s, 0, 0, conv.groups, d)
+        y = _CONVT_FN[n](xw, weight, None, s, 0, 0, conv.groups, d)
         pad: list[int] = []
         for i in reversed(range(n)):  # F.pad lists the last dim first; negative pads crop
             ys = win[i][0] * s[i] - p[i]
             ye = ys + y.shape[2 + i]
             pad += [ys - mine[i][0], mine[i][1] - ye]
         y = F.pad(y, pad)
-    if conv.bias is not None:
-        y = y + conv.bias.view((1, -1) + (1,) * n)
-    return y, og
+    if bias is not None:
+        y = y + bias.view((1, -1) + (1,) * n)
+    return y
 
 
 def _sum_pool(x: Tensor, k: Sequence[int], s: Sequence[int]) -> Tensor:
@@ -139,6 +159,7 @@ def _sum_pool(x: Tensor, k: Sequence[int], s: Sequence[int]) -> Tensor:
 
 
 _MAXPOOL_FN: dict[int, Callable[..., Tensor]] = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVGPOOL_FN: dict[int, Callable[..., Tensor]] = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
 def pool_tile(
@@ -165,21 +186,25 @@ def pool_tile(
     wins = _strided_windows(grid, og, k, s, d, p)
     if is_max:
         mp = _MAXPOOL_FN[n]
+        x_tile = x_tile.to(probe_dtype(x_tile, f"max{n}", lambda t: mp(t, 1), n))
         return _window_op(x_tile, grid, wins, group, lambda xw, w, b: mp(xw, k, s, 0, d), (k, s, d),
                           fill=-math.inf), og
-    total = _window_op(x_tile, grid, wins, group, lambda xw, w, b: _sum_pool(xw, k, s), (k, s, d))
+    out_dtype = probe_dtype(x_tile, f"avg{n}", lambda t: _AVGPOOL_FN[n](t, 1), n)
+    x_tile = x_tile.to(out_dtype)
+    acc = opmath(out_dtype)  # the sums in float32 for bf16/fp16, rounded once after the division
+    total = _window_op(x_tile, grid, wins, group, lambda xw, w, b: _sum_pool(xw.to(acc), k, s), (k, s, d))
     div_override = getattr(pool, "divisor_override", None)
     if div_override:
-        return total / div_override, og
+        return (total / div_override).to(out_dtype), og
     win = wins[grid.index]
     lo_b = [-p[i] if pool.count_include_pad else 0 for i in range(n)]
     hi_b = [grid.shape[i] + (p[i] if pool.count_include_pad else 0) for i in range(n)]
-    mask = x_tile.new_ones((1, 1) + tuple(hi - lo for lo, hi in win))
+    mask = total.new_ones((1, 1) + tuple(hi - lo for lo, hi in win))
     for i in range(n):
         idx = torch.arange(win[i][0], win[i][1], device=x_tile.device)
-        m = ((idx >= lo_b[i]) & (idx < hi_b[i])).to(x_tile.dtype)
+        m = ((idx >= lo_b[i]) & (idx < hi_b[i])).to(total.dtype)
         mask = mask * m.view((1, 1) + tuple(-1 if j == i else 1 for j in range(n)))
-    return total / _sum_pool(mask, k, s), og
+    return (total / _sum_pool(mask, k, s)).to(out_dtype), og
 
 
 def _upsample_sizes(up: nn.Upsample, grid: TileGrid) -> tuple[list[int], list[float | None]]:
@@ -247,6 +272,8 @@ def upsample_tile(
             f"(nearest, nearest-exact and {linear} are); end the spatial region before it"
         )
     _check_tile(x_tile, grid, f"upsample_tile({mode})")
+    out_dtype = probe_dtype(x_tile, f"up{mode}{n}", lambda t: F.interpolate(t, scale_factor=2, mode=mode), n)
+    x_tile = x_tile.to(out_dtype)
     out_shape, sfs = _upsample_sizes(up, grid)
     og = _out_grid(grid, out_shape, f"upsample_tile({mode})")
     # per dim: full-length source indices (and weights), sliced per tile
@@ -264,7 +291,7 @@ def upsample_tile(
 
     wins = _windows(grid, per_dim)
     xw = fetch_window(x_tile, grid, wins, group)
-    y = xw
+    y = xw if out_dtype not in REDUCED or mode not in ("linear", linear) else xw.float()  # interpolate in float32
     win = wins[grid.index]
     for i in range(n):
         o0, o1 = og.bounds(i, grid.coords[i])
@@ -274,8 +301,8 @@ def upsample_tile(
             y = y.index_select(2 + i, i0)
         else:
             i1 = (maps[i][1][o0:o1] - win[i][0]).to(x_tile.device)
-            l1 = lam[o0:o1].to(device=x_tile.device, dtype=x_tile.dtype)
+            l1 = lam[o0:o1].to(device=x_tile.device, dtype=y.dtype)
             shape = tuple(-1 if j == i else 1 for j in range(n))
             l1 = l1.view((1, 1) + shape)
             y = y.index_select(2 + i, i0) * (1 - l1) + y.index_select(2 + i, i1) * l1
-    return y, og
+    return y.to(out_dtype), og

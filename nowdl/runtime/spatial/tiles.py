@@ -176,8 +176,10 @@ class TileGrid:
         Differentiable: every rank gets the whole tensor, and the backward returns this rank's
         region of the incoming gradient. That is the exact gradient when the ranks continue
         with the same (replicated) computation on the gathered tensor, as at the end of a
-        spatial region; do not sum the replicated loss over the ranks.
+        spatial region; do not sum the replicated loss over the ranks. One tile is the tensor.
         """
+        if len(self.ranks) == 1:
+            return tile
         return _Gather.apply(tile, self, group)
 
     def _check_full(self, full: Tensor, what: str) -> None:

@@ -58,6 +58,7 @@ from torch import Tensor
 
 from nowdl.runtime.spatial import exchange as _ex
 from nowdl.runtime.spatial.exchange import Window, _check_tile, _next_tag, _plan
+from nowdl.runtime.spatial.precision import autocast_off, conv_operands
 from nowdl.runtime.spatial.tiles import TileGrid
 
 __all__ = ["set_halo_overlap", "halo_overlap", "border_boxes"]
@@ -286,9 +287,14 @@ def _window_op(x_tile: Tensor, grid: TileGrid, windows: Sequence[Window], group:
     """``op(window, weight, bias)`` over this rank's fetched window, saving no window copy.
 
     ``op`` runs unpadded with the kernel, stride and dilation of ``geom`` (its window geometry,
-    used to find the outputs that need no halo: [Note: halo overlap]; None: no overlap).
+    used to find the outputs that need no halo: [Note: halo overlap]; None: no overlap). A conv
+    (``conv`` given) runs in the autocast dtype, anything else in ``x_tile``'s dtype (the caller
+    casts it): [Note: tiles under autocast].
     """
     _check_tile(x_tile, grid, "window op")
-    out: Tensor = _WindowOp.apply(x_tile, weight, bias, grid, tuple(tuple(w) for w in windows), group, float(fill),
-                                  _next_tag(grid), op, conv, geom)
+    if conv is not None:
+        x_tile, weight, bias = conv_operands(x_tile, weight, bias)
+    with autocast_off(x_tile):
+        out: Tensor = _WindowOp.apply(x_tile, weight, bias, grid, tuple(tuple(w) for w in windows), group,
+                                      float(fill), _next_tag(grid), op, conv, geom)
     return out

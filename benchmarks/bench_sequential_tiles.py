@@ -1,0 +1,142 @@
+"""Sequential tiles on one CPU rank: peak memory and step time vs T, and the largest trainable side.
+
+What is measured
+----------------
+The model is nowdl's UNet (``nowdl.models.unet(1, 2, depth=3, base_width=8)``, no norms,
+float32, batch 1, MSE loss, Adam), planned for one GPU by ``nowdl.compile(...).plan``
+(``mode="estimate"``, ``stages=1, spatial_parts=1``), with ``tiles_per_gpu`` set to T in the plan
+JSON by hand (the planner's own choice of T comes with the planner side of issue 29), and
+trained by ``nowdl.compile(model, plan=...)`` in this process (one rank, one thread). T = 1 is
+the plan as the planner made it (the whole stage, activations saved).
+
+* peak MiB: one more ``train_step`` after a warm-up step under nowdl's aten-level allocation
+  tracker (``nowdl.runtime.training.metrics.peak_of``: parameters, gradients and Adam state
+  held before the step, plus the peak of the storages the step allocates: activations,
+  windows, gradients);
+* step s: the median wall time of 3 ``train_step`` calls without the tracker.
+
+Table 1: T = 1, 2, 4, 8 at a fixed side (512, ``--quick``: 256). Table 2: the largest square
+side whose peak stays under a cap (``--cap-mib``, default 64; ``--quick``: 40): without
+sequential tiles (T = 1), stepping the side up by 64 from 128 until the peak exceeds the cap;
+with them (the smallest T of 16 and 64 that fits), stepping up by 256 (``--quick``: 128) from
+twice that side. The step time at each found side is shown. Target: side with / without >= 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import nowdl  # noqa: E402
+from nowdl.runtime.spatial.sequential import sub_grid  # noqa: E402
+from nowdl.runtime.training.metrics import peak_of  # noqa: E402
+
+MIB = 1 << 20
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nowdl.models.unet(1, 2, depth=3, base_width=8)
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _compiled(side: int, tiles: int, tmp: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    x = torch.randn(1, 1, side, side)
+    y = torch.randn(1, 2, side, side)
+    cm = nowdl.compile(_model(), gpus=1, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
+                       progress=False, stages=1, spatial_parts=1, micro_batches=1, dp=1, replicas=1)
+    d = json.loads(cm.plan(x, target=y).to_json())
+    d["stages"][0]["tiles_per_gpu"] = tiles
+    path = os.path.join(tmp, f"plan_{side}_{tiles}.json")
+    with open(path, "w") as f:
+        f.write(json.dumps(d))
+    run = nowdl.compile(_model(), plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
+                        progress=False)
+    return run, x, y
+
+
+def measure(side: int, tiles: int, tmp: str, *, timed: bool = True) -> dict[str, float]:
+    """Peak bytes of a training step and its median time at ``side`` with ``tiles`` per GPU."""
+    cm, x, y = _compiled(side, tiles, tmp)
+    loss = cm.train_step(x, y)  # builds the engine
+    eng = cm._trainer.engine
+    _, peak = peak_of(lambda: cm.train_step(x, y), [eng.stages[s].module for _, s in eng.held], eng.optimizer)
+    times = []
+    for _ in range(3 if timed else 0):
+        t0 = time.perf_counter()
+        cm.train_step(x, y)
+        times.append(time.perf_counter() - t0)
+    return {"peak": peak / MIB, "time": statistics.median(times) if times else float("nan"), "loss": loss}
+
+
+def largest(cap: float, tiles_choices: list[int], tmp: str, start: int, step: int, limit: int
+            ) -> tuple[int, int, dict[str, float]]:
+    """Largest side from ``start`` by ``step`` (until the first that does not fit) whose peak fits
+    ``cap`` MiB with the smallest fitting T of ``tiles_choices``; then its step time."""
+    best: tuple[int, int, dict[str, float]] = (0, 0, {"peak": float("nan"), "time": float("nan")})
+    side = start
+    while side <= limit:
+        fit = None
+        for t in tiles_choices:
+            r = measure(side, t, tmp, timed=False)
+            print(f"  side {side} T={t}: peak {r['peak']:.1f} MiB", file=sys.stderr, flush=True)
+            if r["peak"] <= cap:
+                fit = (t, r)
+                break
+        if fit is None:
+            break
+        best = (side, fit[0], fit[1])
+        side += step
+    if best[0]:
+        best[2]["time"] = measure(best[0], best[1], tmp)["time"]
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller side and cap (about 5 minutes)")
+    ap.add_argument("--side", type=int, default=None)
+    ap.add_argument("--cap-mib", type=float, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    side = args.side or (256 if args.quick else 512)
+    cap = args.cap_mib or (40.0 if args.quick else 64.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        print(f"### 1. Peak memory and step time vs tiles per GPU (UNet depth 3 width 8, {side}x{side}, batch 1, "
+              "1 CPU rank, 1 thread)\n")
+        print("| T | sub-tiles | peak MiB | peak / T=1 | step s | step / T=1 |")
+        print("|---|---|---|---|---|---|")
+        base: dict[str, float] = {}
+        for t in (1, 2, 4, 8):
+            r = measure(side, t, tmp)
+            base = base or r
+            sub = "x".join(map(str, sub_grid((1, 1), (side, side), t)))
+            print(f"| {t} | {sub} | {r['peak']:.1f} | {r['peak'] / base['peak']:.2f} | {r['time']:.2f} | "
+                  f"{r['time'] / base['time']:.2f} |", flush=True)
+        print(f"\n### 2. Largest square side that trains under {cap:g} MiB on 1 rank (target: with / without >= 2)\n")
+        print("| tiles per GPU | largest side | T used | peak MiB | step s |")
+        print("|---|---|---|---|---|")
+        limit = 4096
+        s1, t1, r1 = largest(cap, [1], tmp, 128, 64, limit)
+        print(f"| 1 (without) | {s1} | {t1} | {r1['peak']:.1f} | {r1['time']:.2f} |", flush=True)
+        s2, t2, r2 = largest(cap, [16, 64], tmp, 2 * s1, 128 if args.quick else 256, limit)
+        print(f"| sequential | {s2} | {t2} | {r2['peak']:.1f} | {r2['time']:.2f} |")
+        print(f"\nside with / without: {s2 / max(s1, 1):.2f} (target >= 2)")
+
+
+if __name__ == "__main__":
+    main()

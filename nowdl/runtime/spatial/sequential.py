@@ -1,0 +1,296 @@
+"""Sequential tiles: a spatial stage runs T tiles one after another on each GPU, exactly.
+
+[Note: sequential tiles] A spatial stage with ``parts = P`` and ``tiles_per_gpu = T`` cuts the
+image into P x T tiles. The plan's ``grid`` gives each GPU's region (as without sequential
+tiles); each GPU region is cut again into T *sub-tiles* along the dims the grid cuts (along
+every spatial dim when P = 1). T's prime factors go, largest first, to the cut dim whose
+sub-tiles are then the longest (T = 4 on a 2 x 2 grid: 2 x 2 sub-tiles per GPU; on a 1 x 2
+grid: 1 x 4; on one GPU of a 64 x 64 image: 2 x 2)::
+
+    P = 2 (grid 1 x 2), T = 2                  each sub-tile's window: its region plus the
+    +-------+-------+-------+-------+          stage's reach (clipped at the image border,
+    | g0 s0 | g0 s1 | g1 s0 | g1 s1 |          aligned to the stage's strides)
+    +-------+-------+-------+-------+               [=====|  g0 s1  |=====)
+
+Streaming-CNN-like, every sub-tile runs the WHOLE stage (the plain fx module, not the tiled
+ops) on a window of the stage's inputs: its region plus a margin of the stage's reach on every
+cut side ([Note: stage reach] in :mod:`nowdl.runtime.spatial.reach`), and keeps only its
+region of every output. The margin's values come from the GPU's own input tile and, across
+GPUs, from ONE deep halo exchange per stage input (:func:`fetch_window`: the GPU's window is the
+union of its sub-tiles' windows). Sub-tiles overlap only in their margins; a pixel computed near
+a cut edge of a window may be wrong (the window's zero padding is not the image) and is never
+kept: every kept output pixel is computed from the same input values by the same ops as on the
+whole image, so forward and backward are exact (float64: to rounding).
+
+The forward keeps no activations (each sub-tile runs under ``no_grad``); only the GPU's input
+window and output tiles stay between forward and backward. The backward recomputes each
+sub-tile with autograd, seeds it with its region of the output gradient, and sums the window
+gradients (overlapping margins add up) and the weight gradients over the sub-tiles; the halo
+part of the input gradient goes back to the neighbouring GPUs as any halo gradient does, and the
+weight gradients are returned once (the engine's per-parameter hooks see one accumulation),
+then summed over the tile group with the other tiles' shares. Autocast is re-entered in the
+recomputation as in the forward. Norms with image-wide statistics and stochastic dropout are
+refused when the stage is built (:func:`nowdl.runtime.spatial.reach.refuse_sequential`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from nowdl.codegen.stage import StageModule
+from nowdl.errors import NowdlError
+from nowdl.geometry import split_bounds
+from nowdl.runtime.spatial.exchange import Window, fetch_window
+from nowdl.runtime.spatial.precision import autocast_off
+from nowdl.runtime.spatial.reach import refuse_sequential, stage_reach
+from nowdl.runtime.spatial.tiles import TileGrid
+
+__all__ = ["SequentialTiles", "sub_grid"]
+
+Slices = tuple[slice, ...]
+
+
+def sub_grid(grid: Sequence[int], shape: Sequence[int], tiles: int) -> tuple[int, ...]:
+    """Sub-tiles per spatial dim of each GPU region (product ``tiles``): T's prime factors, largest
+    first, each to the cut dim (grid > 1; every spatial dim if none is cut) with the longest
+    sub-tiles (ties: the first such dim)."""
+    cut = [d for d, g in enumerate(grid) if g > 1] or list(range(len(grid)))
+    factors: list[int] = []
+    t, p = tiles, 2
+    while t > 1:
+        while t % p == 0:
+            factors.append(p)
+            t //= p
+        p += 1
+    counts = [1] * len(grid)
+    for f in sorted(factors, reverse=True):
+        d = max(cut, key=lambda i: (shape[i] / (grid[i] * counts[i]), -i))
+        counts[d] *= f
+    return tuple(counts)
+
+
+@dataclass(frozen=True)
+class _Sub:
+    ins: tuple[Slices, ...]  # per input: its part of the GPU window
+    outs: tuple[tuple[Slices, Slices], ...]  # per output: (crop of the window's output, place in the tile)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    in_windows: tuple[tuple[Window, ...], ...]  # per input: every GPU's window
+    out_shapes: tuple[tuple[int, ...], ...]
+    subs: tuple[_Sub, ...]
+
+
+def _box(spans: Sequence[tuple[int, int]]) -> Slices:
+    return (slice(None), slice(None)) + tuple(slice(a, b) for a, b in spans)
+
+
+class SequentialTiles:
+    """Runs a spatial stage as T sequential sub-tiles per GPU ([Note: sequential tiles]).
+
+    Args:
+        stage: the stage (its fx module runs whole on each sub-tile's window).
+        grid: the plan's tile grid (GPUs per spatial dim).
+        ranks, rank, group: the tile group (as :class:`nowdl.runtime.spatial.stage.TiledStage`).
+        tiles_per_gpu: T, the sub-tiles each GPU runs one after another.
+
+    Raises:
+        NowdlError: a node cannot run on sequential tiles (named, with the fix).
+    """
+
+    def __init__(self, stage: StageModule, grid: Sequence[int], ranks: Sequence[int], rank: int,
+                 group: dist.ProcessGroup | None, tiles_per_gpu: int) -> None:
+        if tiles_per_gpu < 1:
+            raise NowdlError(f"stage {stage.index}: tiles_per_gpu={tiles_per_gpu} must be >= 1")
+        refuse_sequential(stage.module, stage.index, tiles_per_gpu)
+        self.stage, self.grid, self.ranks, self.rank, self.group = stage, tuple(grid), tuple(ranks), rank, group
+        self.tiles = tiles_per_gpu
+        self.params = [p for p in stage.module.parameters() if p.requires_grad]
+        self._layouts: dict[Any, _Layout] = {}
+
+    def _grid(self, n: int) -> tuple[int, ...]:
+        return (1,) * (n - len(self.grid)) + self.grid
+
+    def __call__(self, tiles: Sequence[Tensor], shapes: Sequence[Sequence[int]]) -> tuple[list[Tensor], list[TileGrid]]:
+        """The stage's output tiles of this GPU (and their grids) from its input tiles."""
+        n = len(shapes[0])
+        grid = self._grid(n)
+        key = tuple((tuple(t.shape[:2]), tuple(s)) for t, s in zip(tiles, shapes, strict=True))
+        if key not in self._layouts:
+            self._layouts[key] = self._layout(tiles, [tuple(int(v) for v in s) for s in shapes])
+        lay = self._layouts[key]
+        wins = []
+        for t, shape, ws in zip(tiles, shapes, lay.in_windows, strict=True):
+            g = TileGrid.for_rank(shape, grid, self.rank, self.ranks)
+            wins.append(fetch_window(t, g, ws, self.group))
+        outs = _Run.apply(self, lay, len(wins), *wins, *self.params)
+        ogrids = [TileGrid.for_rank(s, grid, self.rank, self.ranks) for s in lay.out_shapes]
+        return list(outs), ogrids
+
+    # ------------------------------------------------------------------------------------------
+    # geometry
+
+    def _out_shapes(self, tiles: Sequence[Tensor], shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with torch.no_grad(), autocast_off(tiles[0]), FakeTensorMode(allow_non_fake_inputs=True):  # shapes only
+            fake = [torch.empty((1, t.shape[1]) + s, dtype=t.dtype) for t, s in zip(tiles, shapes, strict=True)]
+            outs = self.stage.module(*fake)
+        return [tuple(int(v) for v in o.shape[2:]) for o in outs]
+
+    def _layout(self, tiles: Sequence[Tensor], shapes: Sequence[tuple[int, ...]]) -> _Layout:
+        n = len(shapes[0])
+        grid = self._grid(n)
+        ref = tuple(max(s[d] for s in shapes) for d in range(n))
+        in_f = [tuple(self._ratio(r, v, "input") for r, v in zip(ref, s, strict=True)) for s in shapes]
+        reach = stage_reach(self.stage.module, [tuple(Fraction(f) for f in fs) for fs in in_f])
+        out_shapes = self._out_shapes(tiles, shapes)
+        for s, f in zip(out_shapes, reach.out_scale, strict=True):
+            if any(abs(Fraction(r) / fd - v) >= 1 for r, fd, v in zip(ref, f, s, strict=True)):
+                raise NowdlError(f"stage {self.stage.index}: an output of spatial shape {s} is not the input {ref} "
+                                 f"scaled by {[str(x) for x in f]} (an op crops or pads the image): sequential tiles "
+                                 "cannot place it; use tiles_per_gpu=1 for this stage")
+        sub = sub_grid(grid, ref, self.tiles)
+        gpu_wins: list[tuple[tuple[int, int], ...]] = []
+        mine: list[tuple[tuple[tuple[int, int], ...], list[list[tuple[int, int]]]]] = []
+        me = TileGrid.for_rank(ref, grid, self.rank, self.ranks).coords
+        for cq in TileGrid.for_rank(ref, grid, self.ranks[0], self.ranks).all_coords():
+            boxes = []
+            for cj in TileGrid(tuple(sub), tuple(sub), (0,) * n, tuple(range(math.prod(sub)))).all_coords():
+                regions = [[self._region(s[d], grid[d], cq[d], sub[d], cj[d]) for d in range(n)] for s in out_shapes]
+                win = tuple(self._window(d, ref[d], regions, reach) for d in range(n))
+                boxes.append(win)
+                if cq == me:
+                    mine.append((win, [list(r) for r in regions]))
+            gpu_wins.append(tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(n)))
+        in_windows = tuple(tuple(tuple(self._to_input(w[d], ref[d], f[d], s[d]) for d in range(n)) for w in gpu_wins)
+                           for f, s in zip(in_f, shapes, strict=True))
+        my_win = [iw[grid_index(me, grid)] for iw in in_windows]
+        subs = []
+        for win, regions in mine:
+            ins = tuple(_box([(a - w0, b - w0) for (a, b), (w0, _) in zip(
+                [self._to_input(win[d], ref[d], f[d], s[d]) for d in range(n)], gw, strict=True)])
+                for f, s, gw in zip(in_f, shapes, my_win, strict=True))
+            outs = []
+            for o, (s, f) in enumerate(zip(out_shapes, reach.out_scale, strict=True)):
+                start = [Fraction(win[d][0]) / f[d] for d in range(n)]
+                if any(v.denominator != 1 for v in start):
+                    raise NowdlError(f"stage {self.stage.index}: a window starting at {[w[0] for w in win]} does not "
+                                     f"start on a whole pixel of output {o}: use tiles_per_gpu=1 for this stage")
+                tile = TileGrid.for_rank(s, grid, self.rank, self.ranks).tile_bounds()
+                crop = _box([(a - int(st), b - int(st)) for (a, b), st in zip(regions[o], start, strict=True)])
+                place = _box([(a - t0, b - t0) for (a, b), (t0, _) in zip(regions[o], tile, strict=True)])
+                outs.append((crop, place))
+            subs.append(_Sub(ins, tuple(outs)))
+        return _Layout(in_windows, tuple(out_shapes), tuple(subs))
+
+    def _ratio(self, ref: int, size: int, what: str) -> int:
+        q = max(1, round(ref / size))
+        if size not in (ref // q, -(-ref // q)):
+            raise NowdlError(f"stage {self.stage.index}: {what} size {size} is not the finest input size {ref} divided "
+                             "by a whole factor: sequential tiles cannot align it; use tiles_per_gpu=1 for this stage")
+        return q
+
+    def _region(self, size: int, parts: int, c: int, sub: int, j: int) -> tuple[int, int]:
+        t0, t1 = split_bounds(size, parts, c)
+        if t1 - t0 < sub:
+            raise NowdlError(f"stage {self.stage.index}: a GPU's tile of {t1 - t0} px (of {size} cut into {parts}) "
+                             f"cannot be cut into {sub} sequential tiles: use a smaller tiles_per_gpu or a larger image")
+        a, b = split_bounds(t1 - t0, sub, j)
+        return t0 + a, t0 + b
+
+    @staticmethod
+    def _window(d: int, size: int, regions: Sequence[Sequence[tuple[int, int]]], reach: Any) -> tuple[int, int]:
+        """The sub-tile's window along dim ``d`` (reference pixels): every output region plus the
+        reach, its start a multiple of the alignment, its length too unless it ends at the border."""
+        lo = min(math.floor(r[d][0] * f[d]) for r, f in zip(regions, reach.out_scale, strict=True)) - reach.reach[d]
+        hi = max(math.ceil(r[d][1] * f[d]) for r, f in zip(regions, reach.out_scale, strict=True)) + reach.reach[d]
+        a = reach.align[d]
+        lo = max(0, lo) // a * a
+        hi = lo + -(-(hi - lo) // a) * a
+        return lo, min(hi, size)
+
+    @staticmethod
+    def _to_input(w: tuple[int, int], ref: int, f: int, size: int) -> tuple[int, int]:
+        return w[0] // f, (size if w[1] >= ref else w[1] // f)
+
+
+def grid_index(coords: Sequence[int], grid: Sequence[int]) -> int:
+    """Row-major index of ``coords`` in ``grid``."""
+    i = 0
+    for c, g in zip(coords, grid, strict=True):
+        i = i * g + c
+    return i
+
+
+class _Run(torch.autograd.Function):
+    """The sub-tiles' forward without saved activations; their recomputation in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, run: SequentialTiles, lay: _Layout, n_in: int, *flat: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        wins = flat[:n_in]
+        module = run.stage.module
+        outs: list[Tensor] = []
+        with torch.no_grad():
+            for sub in lay.subs:
+                ys = module(*[w[sl] for w, sl in zip(wins, sub.ins, strict=True)])
+                if not outs:
+                    outs = [y.new_zeros(tuple(y.shape[:2]) + _extent(lay, o, run)) for o, y in enumerate(ys)]
+                for o, (y, (crop, place)) in enumerate(zip(ys, sub.outs, strict=True)):
+                    outs[o][place] = y[crop]
+        dev = wins[0].device.type
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.run, ctx.lay, ctx.n_in = run, lay, n_in
+        ctx.save_for_backward(*wins)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *gys: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        wins = ctx.saved_tensors
+        run: SequentialTiles = ctx.run
+        n_in = ctx.n_in
+        need_w = [bool(ctx.needs_input_grad[3 + i]) for i in range(n_in)]
+        need_p = [bool(ctx.needs_input_grad[3 + n_in + k]) for k in range(len(run.params))]
+        gw = [torch.zeros_like(w) if nd else None for w, nd in zip(wins, need_w, strict=True)]
+        gp: list[Tensor | None] = [None] * len(run.params)
+        params = [p for p, nd in zip(run.params, need_p, strict=True) if nd]
+        dev, on, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
+            for sub in ctx.lay.subs:
+                xs = [w[sl].detach().requires_grad_(nd) for w, sl, nd in zip(wins, sub.ins, need_w, strict=True)]
+                ys = run.stage.module(*xs)
+                roots, seeds = [], []
+                for y, g, (crop, place) in zip(ys, gys, sub.outs, strict=True):
+                    if g is not None and y.requires_grad:
+                        roots.append(y[crop])
+                        seeds.append(g[place])
+                if not roots:
+                    continue
+                want = [x for x in xs if x.requires_grad] + params
+                grads = torch.autograd.grad(roots, want, seeds, allow_unused=True)
+                del roots, ys
+                it = iter(grads)
+                for i, (x, sl) in enumerate(zip(xs, sub.ins, strict=True)):
+                    if x.requires_grad:
+                        gx = next(it)
+                        if gx is not None:
+                            gw[i][sl] += gx  # type: ignore[index]
+                k_need = [k for k, nd in enumerate(need_p) if nd]
+                for k, g in zip(k_need, it, strict=True):
+                    if g is not None:
+                        gp[k] = g if gp[k] is None else gp[k] + g  # type: ignore[operator]
+        return (None, None, None, *gw, *gp)
+
+
+def _extent(lay: _Layout, o: int, run: SequentialTiles) -> tuple[int, ...]:
+    shape = lay.out_shapes[o]
+    return TileGrid.for_rank(shape, run._grid(len(shape)), run.rank, run.ranks).tile_shape()

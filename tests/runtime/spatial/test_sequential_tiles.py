@@ -1,0 +1,219 @@
+"""Sequential tiles: T sub-tiles per rank, one after another, train exactly what one process trains.
+
+Plans are made by hand: the planner's plan for the same request, with ``tiles_per_gpu`` set on
+the stages in the plan JSON. Every case runs 2 Adam steps in float64 and compares the losses and
+every parameter with one process running the same micro-batches (1e-9); parameters after Adam
+steps depend on every weight gradient, so this checks the backward as well as the forward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers.distributed import run_workers
+from torch import nn
+
+import nowdl
+from nowdl.errors import NowdlError
+from nowdl.runtime.spatial.sequential import sub_grid
+
+STEPS = 2
+
+
+class Stack(nn.Module):
+    """Convs (stride 1, stride 2, dilated), max and average pools, bilinear and nearest upsampling,
+    a transposed conv and channel concatenation: the ops a spatial stage may hold."""
+
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        conv, convt = (nn.Conv2d, nn.ConvTranspose2d) if dims == 2 else (nn.Conv3d, nn.ConvTranspose3d)
+        mp, ap = (nn.MaxPool2d, nn.AvgPool2d) if dims == 2 else (nn.MaxPool3d, nn.AvgPool3d)
+        self.c1 = conv(1, 3, 3, padding=1)
+        self.c2 = conv(3, 3, 3, padding=2, dilation=2)
+        self.p1 = mp(2)
+        self.c3 = conv(3, 4, 3, stride=2, padding=1)
+        self.p2 = ap(3, 1, 1)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear" if dims == 2 else "trilinear")
+        self.ct = convt(4, 3, 2, stride=2)
+        self.up2 = nn.Upsample(scale_factor=2, mode="nearest")
+        self.head = conv(10, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.c2(torch.relu(self.c1(x))))
+        b = self.p2(torch.relu(self.c3(self.p1(a))))  # 1/4 of the image
+        u = self.up(self.ct(b))  # 1/4 -> 1/2 -> 1
+        return self.head(torch.cat([a, u, self.up2(self.up2(b))], dim=1))
+
+
+class WithNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(1, 2, 3, padding=1)
+        self.bn = nn.BatchNorm2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.c(x))
+
+
+def _make(name: str) -> tuple[nn.Module, tuple[int, ...]]:
+    torch.manual_seed(0)
+    if name == "stack2d":
+        return Stack(2).double(), (1, 64, 20)
+    if name == "stack3d":
+        return Stack(3).double(), (1, 64, 12, 12)
+    if name == "unet":
+        return nowdl.models.unet(1, 2, depth=2, base_width=4).double(), (1, 96, 32)
+    if name == "unet32":
+        return nowdl.models.unet(1, 2, depth=2, base_width=4), (1, 96, 32)
+    if name == "unet3d":
+        return nowdl.models.unet3d(1, 2, depth=1, base_width=4, norm=False).double(), (1, 32, 8, 8)
+    if name == "norm":
+        return WithNorm().double(), (1, 32, 16)
+    raise ValueError(name)
+
+
+def _data(name: str, step: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = _make(name)[1]
+    g = torch.Generator().manual_seed(10 + step)
+    dt = torch.float32 if name.endswith("32") else torch.float64
+    x = torch.randn(total, *shape, generator=g, dtype=dt)
+    return x, torch.randn(total, 2, *shape[1:], generator=g, dtype=dt)
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: dict[int, int]) -> None:
+    """The planner's plan for ``cfg`` with ``tiles_per_gpu`` set by hand, saved at ``path``."""
+    model, _ = _make(name)
+    cm = nowdl.compile(model, gpus=gpus, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
+                       progress=False, **cfg)
+    x, y = _data(name, 0, 1)  # one micro-batch of one sample
+    d = json.loads(cm.plan(x, target=y).to_json())
+    for s, t in tiles.items():
+        d["stages"][s]["tiles_per_gpu"] = t
+    path.write_text(json.dumps(d))
+
+
+def _train(name: str, path: str, total: int) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
+    cm = nowdl.compile(_make(name)[0], plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
+                       progress=False, timeout_s=120)
+    losses = [cm.train_step(*_data(name, step, total)) for step in range(STEPS)]
+    eng = cm._trainer.engine
+    seq = [s for (_, s), t in eng.tiled.items() if t.sequential is not None and _windowed(t.sequential)]
+    return losses, cm.state_dict(), seq
+
+
+def _windowed(seq: Any) -> bool:
+    """Whether some sub-tile's window is smaller than its rank's window (else the case shows nothing)."""
+    return any(any((sl.stop - sl.start) < size for sl, size in zip(sub.ins[0][2:], full, strict=True))
+               for lay in seq._layouts.values() for sub in lay.subs
+               for full in [[b - a for a, b in lay.in_windows[0][seq.ranks.index(seq.rank)]]])
+
+
+def _worker(rank: int, world: int, name: str, path: str, total: int) -> tuple[list[float], dict[str, torch.Tensor],
+                                                                              list[int]]:
+    return _train(name, path, total)
+
+
+def _reference(name: str, total: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from helpers.reference import train_reference
+
+    model = _make(name)[0]
+    return train_reference(model, _adam(model.parameters()), nn.MSELoss(), lambda step: _data(name, step, total),
+                           total, STEPS)
+
+
+def _check(got: tuple[list[float], dict[str, torch.Tensor], list[int]], name: str, total: int) -> None:
+    losses, sd, seq = got
+    assert seq, "no stage ran sequential tiles on sub-windows smaller than its rank's window"
+    ref_losses, ref_sd = _reference(name, total)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-9, atol=1e-12)
+    for k, v in ref_sd.items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-9, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")
+
+
+ONE = {"stages": 1, "spatial_parts": 1, "micro_batches": 1, "dp": 1, "replicas": 1}
+
+
+@pytest.mark.parametrize("tiles", [2, 4])
+@pytest.mark.parametrize("name", ["stack2d", "stack3d", "unet", "unet3d"])
+def test_sequential_tiles_on_one_rank_are_exact(name: str, tiles: int, tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    _plan(name, path, 1, ONE, {0: tiles})
+    _check(_train(name, str(path), 1), name, 1)
+
+
+@pytest.mark.parametrize(("name", "slice_", "tiles"), [("stack2d", "horizontal", 2), ("unet", "horizontal", 4),
+                                                       ("stack3d", "depth", 4), ("unet3d", "depth", 2)])
+def test_sequential_tiles_on_two_ranks_are_exact(name: str, slice_: str, tiles: int, tmp_path: Path) -> None:
+    """Each rank's tile cut again into T sub-tiles; the margins cross ranks by one deep halo exchange."""
+    path = tmp_path / "plan.json"
+    _plan(name, path, 2, {**ONE, "spatial_parts": 2, "slice": slice_, "micro_batches": 2, "schedule": "gpipe"},
+          {0: tiles})
+    results = run_workers(_worker, 2, name, str(path), 2, timeout_s=300)
+    assert results[0][0] == results[1][0]
+    _check(results[0], name, 2)
+
+
+def test_sequential_tiles_in_a_pipeline_with_multi_resolution_inputs(tmp_path: Path) -> None:
+    """UNet in 3 pipeline stages, the first and last (the decoder, fed skips at 3 resolutions) on
+    sequential tiles: input gradients cross the pipeline."""
+    path = tmp_path / "plan.json"
+    _plan("unet", path, 3, {**ONE, "stages": 3, "micro_batches": 2, "schedule": "1f1b"}, {0: 2, 2: 4})
+    results = run_workers(_worker, 3, "unet", str(path), 2, timeout_s=300)
+    assert sorted({s for r in results for s in r[2]}) == [0, 2]
+    _check((results[0][0], {k: v for r in results for k, v in r[1].items()}, results[0][2] or [0]), "unet", 2)
+
+
+def test_sequential_tiles_refuse_batchnorm(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    _plan("norm", path, 1, ONE, {0: 2})
+    with pytest.raises(NowdlError, match=r"stage 0 cannot run 2 sequential tiles per GPU: node 'bn'.*BatchNorm2d"):
+        _train("norm", str(path), 1)
+
+
+def test_sub_grid_layout() -> None:
+    assert sub_grid((1, 1), (64, 64), 4) == (2, 2)  # one rank: along every spatial dim
+    assert sub_grid((1, 1), (64, 20), 4) == (4, 1)
+    assert sub_grid((2, 2), (64, 64), 4) == (2, 2)
+    assert sub_grid((1, 2), (64, 64), 4) == (1, 4)
+    assert sub_grid((1, 2), (64, 256), 6) == (1, 6)
+    assert sub_grid((2, 1, 1), (32, 8, 8), 2) == (2, 1, 1)
+    assert sub_grid((1, 1, 1), (32, 8, 8), 8) == (8, 1, 1)
+
+
+def _bf16_worker(rank: int, world: int, path: str) -> list[float]:
+    cm = nowdl.compile(_make("unet32")[0], plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
+                       progress=False, timeout_s=120, precision="bf16")
+    return [cm.train_step(*_data("unet32", step, 2)) for step in range(STEPS)]
+
+
+def test_sequential_tiles_under_bf16_autocast(tmp_path: Path) -> None:
+    """bf16 composes with sequential tiles on 2 ranks: losses within 2e-2 (relative) of one process
+    under the same autocast (see tests/runtime/spatial/test_spatial_precision.py for the tolerance)."""
+    path = tmp_path / "plan.json"
+    _plan("unet32", path, 2, {**ONE, "spatial_parts": 2, "slice": "horizontal", "micro_batches": 2,
+                              "schedule": "gpipe"}, {0: 2})
+    losses = run_workers(_bf16_worker, 2, str(path), timeout_s=300)[0]
+    model = _make("unet32")[0]
+    opt = _adam(model.parameters())
+    ref = []
+    for step in range(STEPS):
+        x, y = _data("unet32", step, 2)
+        opt.zero_grad()
+        acc = 0.0
+        for xc, yc in zip(x.chunk(2), y.chunk(2), strict=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                pred = model(xc)
+            loss = nn.MSELoss()(pred.float(), yc)
+            (loss / 2).backward()
+            acc += float(loss.detach())
+        opt.step()
+        ref.append(acc / 2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=0.0)
