@@ -18,6 +18,7 @@ from nowdl.errors import NowdlError
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
 from nowdl.partitioner.costs.costmodel import Costs, tied_nodes
+from nowdl.partitioner.costs.levers import host_share
 from nowdl.partitioner.placement.layout import request_topology
 from nowdl.partitioner.search.best_plan import build_plan, timed_search
 from nowdl.partitioner.search.config import PlanRequest
@@ -174,7 +175,8 @@ class CompiledModel:
         req = self.request
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=cap,
-                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec))
+                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec),
+                      host_memory=host_share(spec, self._spec_arg()), host_link_bw=getattr(spec, "host_link_bw", None))
         # time_limit bounds the whole plan() call: the search gets what tracing and profiling
         # left of it (less a second for the MILP's read-back and tie-breaks)
         left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)

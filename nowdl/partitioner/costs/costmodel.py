@@ -26,6 +26,7 @@ import torch
 from torch import fx
 
 from nowdl.partitioner.costs.held_tensors import backward_grad_bytes, deferred_bytes, held_buffers
+from nowdl.partitioner.costs.levers import apply_levers, offload_time_s
 from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.placement.layout import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.search.config import Candidate
@@ -52,6 +53,8 @@ class Costs:
     mem_cap: float | None
     tied: tuple[tuple[str, ...], ...] = ()  # node groups sharing a weight (``tied_nodes``)
     topology: Topology | None = None  # None: one node, every message at link_bw
+    host_memory: float | None = None  # bytes of host memory one GPU may offload to (levers.host_share); None: none
+    host_link_bw: float | None = None  # bytes/s GPU <-> host, one direction ([Note: host offload] in levers.py)
 
     def topo(self, gpus: int) -> Topology:
         """The cluster, or one flat node of ``gpus`` ranks at ``link_bw`` when none was given."""
@@ -204,6 +207,7 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
                   recv_held=held[s][0], send_held=held[s][1], skip_wait=waits[s])
         for s in range(cand.stages)
     ]
+    stages = apply_levers(prof, cand, stages, variants)  # [Note: recompute cost], [Note: host offload]
     k = cand.stages
     ranks: list[list[int]] = []
     if cand.replicas == 2:
@@ -296,7 +300,8 @@ def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> 
     sync = grad_sync_s(costs, cand, stage_param)
     sums = stage_sums(costs, cand, part.stage_of)
     lat = message_latency_s(costs, cand, part.stage_of)
-    times = [part.stage_time[s] + lat[s] for s in range(k)]
+    off = offload_time_s(cand, sums, costs.host_link_bw)  # [Note: host offload]: not weighed by the solvers
+    times = [part.stage_time[s] + lat[s] + off[s] for s in range(k)]
     slow = max(range(k), key=lambda s: times[s])
     busy = sums[slow]["fwd_s"] + sums[slow]["bwd_s"]
     slots = pipeline_slots(cand, sums[slow]["fwd_s"] / busy if busy > 0 else 1 / 3)

@@ -47,6 +47,7 @@ from nowdl.partitioner.search.infeasible import (
     infeasible_message,
     no_candidate_message,
 )
+from nowdl.partitioner.search.levers import check_offload_possible, fit_with_levers, floor_candidate, host_fits, with_forced
 from nowdl.partitioner.search.model_space import batch_of as _batch
 from nowdl.partitioner.search.model_space import max_stages as _max_stages
 from nowdl.partitioner.search.model_space import tileable_ends as _tileable_ends
@@ -164,6 +165,12 @@ def search(
                                       max_stages=_max_stages(costs, req), micro_batch=batch))
     if not cands:
         raise NowdlError(no_candidate_message(req, front, first_untileable(costs, front)))
+    check_offload_possible(costs, req)
+    cands = [c for c in (with_forced(req, c) for c in cands) if c is not None]  # [Note: choosing levers]
+    if not cands:
+        raise NowdlError(f"recompute={req.recompute!r}, offload={req.offload!r}: no candidate configuration has the "
+                         "stages they name (zero bubble takes neither): name stages below the pipeline depth, "
+                         "pin --stages, or use schedule 1f1b or gpipe")
     entries: list[tuple[Candidate, Problem, Bounds]] = []
     for cand in cands:
         problem = build_problem(costs, cand, req.balance)
@@ -184,12 +191,22 @@ def search(
             pruned = len(order) - done
             break
         if costs.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
-            floor = memory_floor(_as_memory(problem), costs.mem_cap * (1 + _REL), b.mem_lb)
+            leanest = floor_candidate(costs, req, cand)  # levers "auto" may add: the leanest ones
+            lean_p = problem if leanest == cand else build_problem(costs, leanest, req.balance)
+            lean_lb = b.mem_lb if leanest == cand else candidate_bounds(costs, leanest, lean_p, batch).mem_lb
+            floor = memory_floor(_as_memory(lean_p), costs.mem_cap * (1 + _REL), lean_lb)
             if floor > costs.mem_cap * (1 + _REL):
                 over += 1
                 continue
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
-        ev = _evaluate(costs, cand, problem, b, cache, batch, screen, req.mip_gap)
+        def solve_levers(c: Candidate, screen: float = screen) -> _Eval | None:
+            p = build_problem(costs, c, req.balance)
+            e = _evaluate(costs, c, p, candidate_bounds(costs, c, p, batch), cache, batch, screen, req.mip_gap)
+            return e if e is None or host_fits(costs, c, e.part.stage_of) else dataclasses.replace(e, fits=False)
+
+        ev = solve_levers(cand) if cand.offload else _evaluate(costs, cand, problem, b, cache, batch, screen, req.mip_gap)
+        if ev is not None and not ev.fits:
+            ev = fit_with_levers(costs, req, ev, solve_levers)
         if ev is None:
             continue
         evals.append(ev)
