@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from nowdl.partitioner.costs.costmodel import Costs, build_problem, layout_of, message_latency_s, stage_sums
+from nowdl.partitioner.costs.costmodel import (
+    Costs,
+    build_problem,
+    layout_of,
+    message_latency_s,
+    stage_sums,
+)
 from nowdl.partitioner.costs.levers import lever_figures
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition

@@ -47,7 +47,13 @@ from nowdl.partitioner.search.infeasible import (
     infeasible_message,
     no_candidate_message,
 )
-from nowdl.partitioner.search.levers import check_offload_possible, fit_with_levers, floor_candidate, host_fits, with_forced
+from nowdl.partitioner.search.levers import (
+    check_offload_possible,
+    fit_with_levers,
+    floor_candidate,
+    host_fits,
+    with_forced,
+)
 from nowdl.partitioner.search.model_space import batch_of as _batch
 from nowdl.partitioner.search.model_space import max_stages as _max_stages
 from nowdl.partitioner.search.model_space import tileable_ends as _tileable_ends
