@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from nowdl.cli.inputs import whole_input
+from nowdl.cli.levers import add_lever_arguments
 from nowdl.errors import NowdlError
 from nowdl.units import parse_parts
 
@@ -50,6 +51,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="fuse conv/pool runs into one deeper halo exchange (auto, off, or up to N per exchange)")
     p.add_argument("--balance", choices=("memory", "compute"), default="memory",
                    help="what the planner balances (default memory)")
+    add_lever_arguments(p)
     p.add_argument("--num-classes", type=int, metavar="C",
                    help="label classes (default: the model's output channels; built-in models are built "
                    "with it unless --model-args says otherwise)")
