@@ -52,6 +52,7 @@ from nowdl.partitioner.search.levers import (
     fit_with_levers,
     floor_candidate,
     host_fits,
+    host_message,
     with_forced,
 )
 from nowdl.partitioner.search.model_space import batch_of as _batch
@@ -189,6 +190,7 @@ def search(
     evals: list[_Eval] = []
     best_lb = 0.0
     pruned = over = 0
+    host_refused: list[str] = []  # forced offloads over the host memory ([Note: host offload])
     for done, i in enumerate(order):
         cand, problem, b = entries[i]
         if progress is not None:
@@ -208,7 +210,10 @@ def search(
         def solve_levers(c: Candidate, screen: float = screen) -> _Eval | None:
             p = build_problem(costs, c, req.balance)
             e = _evaluate(costs, c, p, candidate_bounds(costs, c, p, batch), cache, batch, screen, req.mip_gap)
-            return e if e is None or host_fits(costs, c, e.part.stage_of) else dataclasses.replace(e, fits=False)
+            if e is None or host_fits(costs, c, e.part.stage_of):
+                return e
+            host_refused.append(host_message(costs, req, c, e.part.stage_of))
+            return dataclasses.replace(e, fits=False)
 
         ev = solve_levers(cand) if cand.offload else _evaluate(costs, cand, problem, b, cache, batch, screen, req.mip_gap)
         if ev is not None and not ev.fits:
@@ -226,6 +231,8 @@ def search(
     if not fitting:  # the leanest split screened, and more: [Note: infeasible figures]
         lean = min(results, key=lambda e: e.part.bottleneck_mem, default=None)
         searched = (lean.part.bottleneck_mem, describe(lean.cand, req.gpus)) if lean is not None else (math.inf, "")
+        if host_refused and req.offload not in ("auto", "off"):
+            raise InfeasibleError(host_refused[0])
         raise InfeasibleError(infeasible_message(costs, req, searched, cache))  # the graph's lattices, solved splits
     best = min(fitting, key=lambda e: e.key())
     if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap

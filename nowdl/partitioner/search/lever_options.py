@@ -39,7 +39,7 @@ def check_lever(name: str, value: object) -> LeverSetting:
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
         stages = tuple(sorted(set(value)))
         return stages if stages else "off"
-    raise NowdlError(f"{name}={value!r} is not a {name} setting: pass 'auto' (the planner does it only on stages "
+    raise NowdlError(f"{name}={value!r} is not a valid {name} setting: pass 'auto' (the planner does it only on stages "
                      f"that do not fit the memory cap otherwise), 'on' (every stage), 'off' (never) or a list of "
                      f"stage indices such as [0, 1] (--{name} 0,1 on the command line); {name}: {_HELP.get(name, _HELP['recompute'])}")
 

@@ -29,7 +29,7 @@ from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.search.lever_options import forced_stages
 
-__all__ = ["with_forced", "floor_candidate", "fit_with_levers", "host_fits", "check_offload_possible"]
+__all__ = ["with_forced", "floor_candidate", "fit_with_levers", "host_fits", "host_message", "check_offload_possible"]
 
 _REL = 1e-6
 
@@ -96,6 +96,17 @@ def host_fits(costs: Costs, cand: Candidate, stage_of: list[int]) -> bool:
         return True
     limit = costs.host_memory or 0.0
     return max(host_bytes(cand, stage_sums(costs, cand, stage_of))) <= limit * (1 + _REL)
+
+
+def host_message(costs: Costs, req: PlanRequest, cand: Candidate, stage_of: list[int]) -> str:
+    """Why ``cand``'s offloaded activations do not fit host memory, with the fix."""
+    need = max(host_bytes(cand, stage_sums(costs, cand, stage_of)))
+    gib = 2.0**30
+    return (f"offload={req.offload!r} leaves no host memory: the offloaded stages {list(cand.offload)} need "
+            f"{need / gib:.1f} GiB of host memory per GPU, but the device spec leaves {(costs.host_memory or 0) / gib:.1f} "
+            "GiB per GPU for offload (80% of its host_memory over the node's GPUs): offload fewer stages "
+            "(offload='auto' or a shorter list), recompute them instead (recompute='auto'), use more GPUs, or give "
+            "the spec a larger host_memory")
 
 
 def _over_stages(problem: Problem, part: Partition, cap: float) -> list[int]:
