@@ -10,7 +10,13 @@ import torch
 
 import nowdl
 from nowdl.errors import InfeasibleError, NowdlError
-from nowdl.partitioner.costs.costmodel import Costs, build_problem, predict_step, stage_sums, tied_nodes
+from nowdl.partitioner.costs.costmodel import (
+    Costs,
+    build_problem,
+    predict_step,
+    stage_sums,
+    tied_nodes,
+)
 from nowdl.partitioner.costs.levers import HOST_USABLE, host_share, offload_time_s
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, evaluate
