@@ -267,6 +267,10 @@ def pin_conflicts(args: argparse.Namespace, config: dict[str, Any]) -> list[tupl
         want = getattr(args, opt)
         if want is not None and want != config.get(opt):
             out.append(("--" + opt.replace("_", "-"), want, config.get(opt)))
+    for opt in ("recompute", "offload"):  # "auto" pins nothing; a plan without the key was made with "auto"
+        want, have = getattr(args, opt, "auto"), config.get(opt, "auto")
+        if want != "auto" and (list(want) if isinstance(want, tuple) else want) != have:
+            out.append(("--" + opt, want, have))
     return out
 
 

@@ -67,3 +67,22 @@ def test_offload_without_host_memory(tmp_path: Path, capsys: pytest.CaptureFixtu
     small.write_text(json.dumps({**d, "name": "smallhost", "host_memory": 4096, "host_link_bw": 1e9}))
     assert main([*BASE, *PIPE, "--offload", "on", "--device-spec", str(small), "--out", str(out)]) == 2
     assert "leaves no host memory" in capsys.readouterr().err and not out.exists()
+
+
+def test_run_flags_against_a_saved_plan() -> None:
+    """``nowdl run PLAN.json --recompute ...``: a setting the plan was not made with is a pin conflict."""
+    import argparse
+
+    from nowdl.cli.runspec import pin_conflicts
+
+    def ns(**kw: object) -> argparse.Namespace:
+        base: dict[str, object] = dict(stages=None, micro_batches=None, dp=None, replicas=None, schedule=None,
+                                       recompute="auto", offload="auto")
+        return argparse.Namespace(**{**base, **kw})
+
+    config = {"stages": 2, "recompute": [0], "offload": "auto"}
+    assert pin_conflicts(ns(), config) == []
+    assert pin_conflicts(ns(recompute=(0,)), config) == []
+    assert pin_conflicts(ns(recompute="off", offload="on"), config) == [("--recompute", "off", [0]),
+                                                                        ("--offload", "on", "auto")]
+    assert pin_conflicts(ns(offload="off"), {"stages": 2}) == [("--offload", "off", "auto")]
