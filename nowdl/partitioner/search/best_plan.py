@@ -37,7 +37,6 @@ from nowdl.partitioner.costs.costmodel import (
 )
 from nowdl.partitioner.costs.no_idle import idle_stages, idle_warning
 from nowdl.partitioner.costs.problem import Partition, Problem
-from nowdl.partitioner.milp.lp_bound import memory_floor
 from nowdl.partitioner.search.assemble import SearchResult, build_plan
 from nowdl.partitioner.search.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
@@ -48,9 +47,10 @@ from nowdl.partitioner.search.infeasible import (
     no_candidate_message,
 )
 from nowdl.partitioner.search.levers import (
+    LEVER_SHARE,
     check_offload_possible,
     fit_with_levers,
-    floor_candidate,
+    floors_over,
     host_fits,
     host_message,
     with_forced,
@@ -198,14 +198,15 @@ def search(
         if b.throughput_ub < best_lb * (1 - _REL):
             pruned = len(order) - done
             break
+        base_over = False  # no split fits without the levers "auto" may add
         if costs.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
-            leanest = floor_candidate(costs, req, cand)  # levers "auto" may add: the leanest ones
-            lean_p = problem if leanest == cand else build_problem(costs, leanest, req.balance)
-            lean_lb = b.mem_lb if leanest == cand else candidate_bounds(costs, leanest, lean_p, batch).mem_lb
-            floor = memory_floor(_as_memory(lean_p), costs.mem_cap * (1 + _REL), lean_lb)
-            if floor > costs.mem_cap * (1 + _REL):
+            lean_over, base_over = floors_over(costs, req, cand, problem, b.mem_lb, batch)
+            if lean_over:
                 over += 1
                 continue
+        lever_deadline = t0 + LEVER_SHARE * req.time_limit
+        if base_over and time.perf_counter() > lever_deadline:
+            continue  # only levers could fit it, and their time is spent
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
         def solve_levers(c: Candidate, screen: float = screen) -> _Eval | None:
             p = build_problem(costs, c, req.balance)
@@ -215,9 +216,10 @@ def search(
             host_refused.append(host_message(costs, req, c, e.part.stage_of))
             return dataclasses.replace(e, fits=False)
 
-        ev = solve_levers(cand) if cand.offload else _evaluate(costs, cand, problem, b, cache, batch, screen, req.mip_gap)
-        if ev is not None and not ev.fits:
-            ev = fit_with_levers(costs, req, ev, solve_levers)
+        ev = solve_levers(cand) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
+            costs, cand, _uncapped(problem) if base_over else problem, b, cache, batch, screen, req.mip_gap)
+        if ev is not None and not ev.fits:  # levers while LEVER_SHARE of the time limit is left unspent
+            ev = fit_with_levers(costs, req, ev, solve_levers, deadline=lever_deadline)
         if ev is None:
             continue
         evals.append(ev)

@@ -13,25 +13,32 @@ may move), at most ``2 x K`` rounds, until it fits or no over-cap stage has a le
 candidate that fits without levers never gets one, with either balance: levers only buy memory.
 Before any solve, a candidate is dropped when even its leanest lever choice cannot fit
 (``floor_candidate``: every free stage offloaded where "auto" offload has host memory, else
-recomputed), so levers never make the search skip what it skipped before.
+recomputed), so levers never make the search skip what it skipped before. Lever rounds start
+only within the first ``LEVER_SHARE`` of the search's time limit (the candidates are taken best
+throughput bound first), so a search with levers keeps to its limit about as well as one
+without.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from nowdl.errors import NowdlError
-from nowdl.partitioner.costs.costmodel import Costs, stage_sums
+from nowdl.partitioner.costs.costmodel import Costs, build_problem, stage_sums
 from nowdl.partitioner.costs.levers import host_bytes, offload_time_s
 from nowdl.partitioner.costs.problem import Partition, Problem
+from nowdl.partitioner.milp.lp_bound import memory_floor
+from nowdl.partitioner.search.bounds import candidate_bounds
 from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.search.lever_options import forced_stages
 
-__all__ = ["with_forced", "floor_candidate", "fit_with_levers", "host_fits", "host_message", "check_offload_possible"]
+__all__ = ["LEVER_SHARE", "with_forced", "floor_candidate", "floors_over", "fit_with_levers", "host_fits", "host_message", "check_offload_possible"]
 
 _REL = 1e-6
+LEVER_SHARE = 0.75  # of the search's time limit: no new lever round starts after it
 
 
 class Solved(Protocol):
@@ -88,6 +95,22 @@ def floor_candidate(costs: Costs, req: PlanRequest, cand: Candidate) -> Candidat
     if req.recompute == "auto":
         return dataclasses.replace(cand, recompute=tuple(sorted({*cand.recompute, *free})))
     return cand
+
+
+def floors_over(costs: Costs, req: PlanRequest, cand: Candidate, problem: Problem, mem_lb: float,
+                batch: int) -> tuple[bool, bool]:
+    """(no lever choice can fit ``cand`` under the cap, ``cand`` cannot fit without the levers
+    "auto" may add), by the memory floor (``milp.lp_bound.memory_floor``) of ``problem`` and of
+    :func:`floor_candidate`'s problem. Needs ``costs.mem_cap``."""
+    cap = (costs.mem_cap or 0.0) * (1 + 1e-9)
+    memory = problem if problem.objective == "memory" else dataclasses.replace(problem, objective="memory")
+    if memory_floor(memory, cap, mem_lb) <= cap:
+        return False, False
+    lean = floor_candidate(costs, req, cand)
+    if lean == cand:
+        return True, True
+    lean_p = build_problem(costs, lean, "memory")
+    return memory_floor(lean_p, cap, candidate_bounds(costs, lean, lean_p, batch).mem_lb) > cap, True
 
 
 def host_fits(costs: Costs, cand: Candidate, stage_of: list[int]) -> bool:
@@ -155,11 +178,16 @@ def _next_levers(costs: Costs, req: PlanRequest, ev: Solved) -> Candidate | None
 S = TypeVar("S", bound=Solved)
 
 
-def fit_with_levers(costs: Costs, req: PlanRequest, ev: S, solve: Callable[[Candidate], S | None]) -> S:
+def fit_with_levers(costs: Costs, req: PlanRequest, ev: S, solve: Callable[[Candidate], S | None], *,
+                    deadline: float = float("inf")) -> S:
     """[Note: choosing levers] ``ev`` (a candidate that does not fit) with levers added on its
-    over-cap stages until it fits; the last try when nothing more helps (``fits`` False)."""
+    over-cap stages until it fits; the last try when nothing more helps (``fits`` False). No
+    round starts after ``deadline`` (``time.perf_counter()`` seconds): candidates are taken best
+    bound first, so the time goes to those that may win."""
     best = ev
     for _ in range(2 * ev.cand.stages):
+        if time.perf_counter() > deadline:
+            break
         cand = _next_levers(costs, req, best)
         if cand is None:
             break
