@@ -13,6 +13,8 @@ candidates whose value is not proven and that may beat the best proven one go to
 (at most ``FINALISTS``), each started from its heuristic split, best first: each may use what
 is left of ``time_limit`` (which bounds the whole search) but ``FINALIST_RESERVE_S`` for each
 one after it, and its MILP stops once within ``mip_gap``.
+A candidate that does not fit the cap may recompute or offload stages where the user's
+settings allow ([Note: choosing levers] in search/levers.py): it is solved again with them.
 The best candidate is the one with no idle GPU and the highest predicted throughput (then
 the least memory); one that idles a GPU is chosen only when every candidate does, and the
 plan then says so.
@@ -34,7 +36,9 @@ from nowdl.partitioner.costs.costmodel import (
     grad_sync_s,
     message_latency_s,
     predict_step,
+    stage_sums,
 )
+from nowdl.partitioner.costs.levers import offload_time_s
 from nowdl.partitioner.costs.no_idle import idle_stages, idle_warning
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.search.assemble import SearchResult, build_plan
@@ -106,6 +110,7 @@ class _Eval:
         params = sum(n.param_bytes for n in costs.profile.nodes)
         sync = grad_sync_s(costs, c, [params] * c.stages, [params] * c.stages)  # an upper bound
         lat = max(message_latency_s(costs, c, self.part.stage_of)) * c.replicas  # this split's ([Note: message latency])
+        lat += max(offload_time_s(c, stage_sums(costs, c, self.part.stage_of), costs.host_link_bw)) * c.replicas
         step = (c.micro_batches + c.stages - 1) * (self.part.bottleneck_time + lat) + sync
         return batch * c.micro_batches * c.replicas * c.dp / step if step > 0 else math.inf
 

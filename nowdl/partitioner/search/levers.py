@@ -54,11 +54,12 @@ def check_offload_possible(costs: Costs, req: PlanRequest) -> None:
     """Refuse a forced offload when the device spec has no host memory to offload to.
 
     Raises:
-        NowdlError: ``req.offload`` is "on" or a list and ``costs.host_memory`` is None.
+        NowdlError: ``req.offload`` is "on" or a list and ``costs.host_memory`` or
+            ``costs.host_link_bw`` is None.
     """
-    if req.offload not in ("auto", "off") and not costs.host_memory:
+    if req.offload not in ("auto", "off") and not (costs.host_memory and costs.host_link_bw):
         raise NowdlError(f"offload={req.offload!r} needs host memory, but the device spec has none (no host_memory "
-                         "field, or a CPU spec): add \"host_memory\" (bytes per node) and \"host_link_bw\" (bytes/s) "
+                         "and host_link_bw fields, or a CPU spec): add \"host_memory\" (bytes per node) and \"host_link_bw\" (bytes/s) "
                          "to the spec JSON, use a built-in GPU spec (h100: 2 TiB per 8 GPUs), or pass "
                          "offload='off' (--offload off) and recompute='auto'")
 
