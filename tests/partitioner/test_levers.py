@@ -179,3 +179,15 @@ def test_bad_lever_settings(kw: dict[str, object], match: str) -> None:
 def test_alias_disagreeing_with_recompute() -> None:
     with pytest.raises(NowdlError, match="activation_checkpointing=True and recompute='off' disagree"):
         nowdl.compile(_model(), gpus=2, activation_checkpointing=True, recompute="off")
+
+
+def test_a_plan_that_fits_without_levers_does_not_change() -> None:
+    """[Note: choosing levers]: levers only buy memory; under the default 80 GiB cap nothing is
+    over it, so "auto" plans exactly what "off" plans."""
+    auto = _plan(gpus=4)
+    off = _plan(gpus=4, recompute="off", offload="off")
+    assert not any(s.recompute or s.offload for s in auto.stages)
+    assert [s.nodes for s in auto.stages] == [s.nodes for s in off.stages]
+    keys = ("stages", "micro_batches", "schedule", "replicas", "dp", "spatial")
+    assert {k: auto.config[k] for k in keys} == {k: off.config[k] for k in keys}
+    assert auto.predicted["step_s"] == off.predicted["step_s"]

@@ -238,7 +238,7 @@ def search(
     if not fitting:  # the leanest split screened, and more: [Note: infeasible figures]
         lean = min(results, key=lambda e: e.part.bottleneck_mem, default=None)
         searched = (lean.part.bottleneck_mem, describe(lean.cand, req.gpus)) if lean is not None else (math.inf, "")
-        if host_refused and req.offload not in ("auto", "off"):
+        if host_refused and (req.offload not in ("auto", "off") or searched[0] <= (costs.mem_cap or 0.0)):
             raise InfeasibleError(host_refused[0])
         raise InfeasibleError(infeasible_message(costs, req, searched, cache))  # the graph's lattices, solved splits
     best = min(fitting, key=lambda e: e.key())

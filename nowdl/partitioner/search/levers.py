@@ -142,27 +142,34 @@ def _over_stages(problem: Problem, part: Partition, cap: float) -> list[int]:
 
 
 def _next_levers(costs: Costs, req: PlanRequest, ev: Solved) -> Candidate | None:
-    """The candidate with a lever added (or recompute turned to offload) on each over-cap stage."""
+    """The candidate with a lever added (or recompute turned to offload) on each over-cap stage,
+    and offload turned to recompute where a rank's offloaded activations overflow its host share."""
     cand = ev.cand
     cap = costs.mem_cap
     if cap is None:
         return None
     sums = stage_sums(costs, cand, ev.part.stage_of)
     inflight = cand.inflight()
+    k = cand.stages
     rc, off = set(cand.recompute), set(cand.offload)
-    forced = set(forced_stages(req.recompute, cand.stages)) | set(forced_stages(req.offload, cand.stages))
+    forced = set(forced_stages(req.recompute, k)) | set(forced_stages(req.offload, k))
     can_off = req.offload == "auto" and bool(costs.host_memory) and bool(costs.host_link_bw)
+    limit = (costs.host_memory or 0.0) * (1 + _REL)
     changed = False
+    for j, held in enumerate(host_bytes(cand, sums)):  # host overflow: recompute instead where that saves
+        for s in sorted(({j, k - 1 - j} if cand.replicas == 2 else {j}) & off - forced):
+            if held > limit and req.recompute == "auto" and inflight[s] > 1:
+                off.discard(s)
+                rc.add(s)
+                changed = True
     for s in _over_stages(ev.problem, ev.part, cap):
         if s in forced or s in off:
             continue
-        trial = dataclasses.replace(cand, offload=(s,), recompute=())
-        off_cost = offload_time_s(trial, sums, costs.host_link_bw)[s] if can_off else float("inf")
-        host_ok = can_off and max(host_bytes(trial, sums)) <= (costs.host_memory or 0.0)
+        trial = dataclasses.replace(cand, offload=tuple(sorted(off | {s})), recompute=())
+        host_ok = can_off and max(host_bytes(trial, sums)) <= limit
+        off_cost = offload_time_s(trial, sums, costs.host_link_bw)[s] if host_ok else float("inf")
         rc_ok = req.recompute == "auto" and s not in rc and inflight[s] > 1
         rc_cost = sums[s]["fwd_s"] if rc_ok else float("inf")
-        if not host_ok:
-            off_cost = float("inf")
         if rc_cost == off_cost == float("inf"):
             continue
         if rc_cost <= off_cost:
