@@ -195,7 +195,7 @@ def search(
     evals: list[_Eval] = []
     best_lb = 0.0
     pruned = over = 0
-    host_refused: list[str] = []  # forced offloads over the host memory ([Note: host offload])
+    host_refused: dict[Candidate, str] = {}  # offloads over the host memory ([Note: host offload])
     for done, i in enumerate(order):
         cand, problem, b = entries[i]
         if progress is not None:
@@ -218,7 +218,7 @@ def search(
             e = _evaluate(costs, c, p, candidate_bounds(costs, c, p, batch), cache, batch, screen, req.mip_gap)
             if e is None or host_fits(costs, c, e.part.stage_of):
                 return e
-            host_refused.append(host_message(costs, req, c, e.part.stage_of))
+            host_refused[c] = host_message(costs, req, c, e.part.stage_of)
             return dataclasses.replace(e, fits=False)
 
         ev = solve_levers(cand) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
@@ -238,8 +238,11 @@ def search(
     if not fitting:  # the leanest split screened, and more: [Note: infeasible figures]
         lean = min(results, key=lambda e: e.part.bottleneck_mem, default=None)
         searched = (lean.part.bottleneck_mem, describe(lean.cand, req.gpus)) if lean is not None else (math.inf, "")
-        if host_refused and (req.offload not in ("auto", "off") or searched[0] <= (costs.mem_cap or 0.0)):
-            raise InfeasibleError(host_refused[0])
+        why_host = host_refused.get(lean.cand) if lean is not None else None  # it fits the GPU, not the host
+        if why_host and searched[0] <= (costs.mem_cap or 0.0) * (1 + _REL):
+            raise InfeasibleError(why_host)
+        if host_refused and req.offload not in ("auto", "off"):
+            raise InfeasibleError(next(iter(host_refused.values())))
         raise InfeasibleError(infeasible_message(costs, req, searched, cache))  # the graph's lattices, solved splits
     best = min(fitting, key=lambda e: e.key())
     if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap
