@@ -48,7 +48,7 @@ def lever_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _time(s: float) -> str:
-    return f"{s * 1e3:.0f} ms" if s < 10 else f"{s:.1f} s"
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def format_levers(plan: Plan) -> str:
