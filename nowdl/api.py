@@ -13,6 +13,7 @@ from nowdl.errors import NowdlError, PlanError
 from nowdl.optimizers import OptimizerSpec, build_optimizer
 from nowdl.options import CacheSetting, DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
 from nowdl.partitioner.search.config import PlanRequest
+from nowdl.partitioner.search.lever_options import check_lever, recompute_setting
 from nowdl.profiler.cost import Profile
 from nowdl.units import parse_bytes
 
@@ -38,6 +39,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     gpu_memory: int | float | str | None = None,
     nodes: int | None = None,
     gpus_per_node: int | None = None,
+    recompute: str | Sequence[int] = "auto",
+    offload: str | Sequence[int] = "auto",
     # profiling
     mode: str = "auto",
     device: str | torch.device | None = None,
@@ -77,8 +80,12 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         precision: "fp32", "bf16" or "fp16" (autocast; fp16 with a loss scaler agreed by all ranks).
             The planner profiles under the same autocast: activations and the tensors sent
             between stages at that width, parameters, gradients and Adam state in float32.
-        activation_checkpointing: True (every stage) or a list of stage indices whose forward is
-            recomputed during their backward.
+        recompute, offload: "auto" (the planner recomputes, or keeps in host memory, the saved
+            activations of the stages that do not fit the cap otherwise, whichever adds less
+            time), "on" (every stage), "off" (never) or a list of stage indices; the plan
+            records the choice per stage (docs/planner.md, "Recompute and offload").
+        activation_checkpointing: the older name of ``recompute``: True means recompute="on",
+            a list of stage indices recompute=[...] (the runtime also reads it as before).
         cache: the profile cache: True (the default folder), False (none) or a folder.
         progress: show tracing and planning progress on a terminal.
         planner: planner tuning, rarely needed: ``nowdl.PlannerOptions(time_limit=30,
@@ -124,7 +131,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
                               spatial_parts=_parts_arg(spatial_parts),
                               spatial_stages=spatial_stages, slice=slice, gpu_memory=cap,
                               time_limit=planner.time_limit, mip_gap=planner.mip_gap, nodes=nodes,
-                              gpus_per_node=gpus_per_node)
+                              gpus_per_node=gpus_per_node, offload=check_lever("offload", offload),
+                              recompute=recompute_setting(recompute, options.activation_checkpointing))
     cm = CompiledModel(model, request=request, plan_path=plan_path, options=options, planner=planner)
     cm.optimizer = build_optimizer(options.optimizer, model)
     return cm

@@ -17,8 +17,10 @@ from nowdl.codegen.chain import StageChain, chain_stages
 from nowdl.errors import NowdlError
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
-from nowdl.partitioner.costs.costmodel import Costs, tied_nodes
+from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference
+from nowdl.partitioner.costs.levers import host_share
+from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.placement.layout import request_topology
 from nowdl.partitioner.search.best_plan import build_plan, timed_search
 from nowdl.partitioner.search.config import PlanRequest
@@ -203,7 +205,8 @@ class CompiledModel:
         req = request if train else inference_request(request)
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=cap,
-                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec), inference=not train)
+                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
+                      host_memory=host_share(spec, self._spec_arg()), host_link_bw=getattr(spec, "host_link_bw", None))
         # time_limit bounds the whole plan() call: the search gets what tracing and profiling
         # left of it (less a second for the MILP's read-back and tie-breaks)
         left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)

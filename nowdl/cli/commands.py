@@ -15,6 +15,7 @@ import torch
 
 from nowdl.cli.export import add_export_parser
 from nowdl.cli.inputs import whole_input
+from nowdl.cli.levers import add_lever_arguments, format_levers, lever_kwargs
 from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.models.resolve import resolve_model
 from nowdl.units import parse_bytes, parse_parts, parse_shape
@@ -100,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                     "gets what tracing and profiling leave (default 30)")
     pp.add_argument("--mip-gap", type=float, default=0.01, help="the MILP stops once its split is proven within "
                     "this relative gap of the optimum; the plan records the gap reached (default 0.01; 0: exact)")
+    add_lever_arguments(pp)
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
     pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     pp.add_argument("--plot", metavar="FILE", help="also draw the plan (memory per rank, schedule, stage graph) "
@@ -297,6 +299,7 @@ def _run(args: argparse.Namespace) -> int:
 
             check_plot(args.plot)
         print(plan)
+        print(format_levers(plan) or "levers: none (no stage recomputes or offloads)")
         if args.nodes:
             for s in plan.stages:
                 print(f"stage {s.index}: {' '.join(s.nodes)}")
@@ -372,14 +375,14 @@ def _run(args: argparse.Namespace) -> int:
                        dp=args.dp, spatial_parts=args.spatial_parts, spatial_stages=args.spatial_stages,
                        slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
                        device_spec=args.device_spec, optimizer=args.optimizer, cache=cache, halo_fusion=args.halo_fusion,
-                       precision=args.precision, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                       precision=args.precision, nodes=args.nodes, gpus_per_node=args.gpus_per_node, **lever_kwargs(args),
                        planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap))
     plan = cm.plan(*x, train=not args.inference)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}
     if args.out:
         plan.save(args.out)
-    print(plan.to_json() if args.json else plan)
+    print(plan.to_json() if args.json else "\n".join(t for t in (str(plan), format_levers(plan)) if t))
     if args.out and not args.json:
         print(f"saved {args.out}")
     if args.plot:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nowdl.cli.levers import lever_kwargs
 from nowdl.cli.runspec import RunSource
 
 __all__ = ["plan_job", "probe_job_links", "job_nodes", "current_plan", "plan_line"]
@@ -32,7 +33,8 @@ def plan_job(model: nn.Module, args: argparse.Namespace, rank: int, world: int, 
                                 replicas=args.replicas, dp=args.dp, spatial_parts=args.spatial_parts,
                                 spatial_stages=args.spatial_stages, slice=args.slice, halo_fusion=args.halo_fusion,
                                 gpu_memory=args.gpu_memory, mode="estimate", device_spec=args.device_spec,
-                                optimizer=optimizer, progress=progress, nodes=nodes, gpus_per_node=per_node)
+                                optimizer=optimizer, progress=progress, nodes=nodes, gpus_per_node=per_node,
+                                **lever_kwargs(args))
         if planner.request is not None:
             planner.request = dataclasses.replace(planner.request, global_batch=batch)
         plan = planner.plan(torch.empty((micro_batch, *src.sample_shape), device="meta"))

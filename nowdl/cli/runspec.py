@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from nowdl.cli.inputs import whole_input
+from nowdl.cli.levers import add_lever_arguments
 from nowdl.cli.losses import add_loss_arguments
 from nowdl.cli.validation import add_validation_arguments
 from nowdl.errors import NowdlError
@@ -52,6 +53,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="fuse conv/pool runs into one deeper halo exchange (auto, off, or up to N per exchange)")
     p.add_argument("--balance", choices=("memory", "compute"), default="memory",
                    help="what the planner balances (default memory)")
+    add_lever_arguments(p)
     p.add_argument("--num-classes", type=int, metavar="C",
                    help="label classes (default: the model's output channels; built-in models are built "
                    "with it unless --model-args says otherwise)")
@@ -269,6 +271,10 @@ def pin_conflicts(args: argparse.Namespace, config: dict[str, Any]) -> list[tupl
         want = getattr(args, opt)
         if want is not None and want != config.get(opt):
             out.append(("--" + opt.replace("_", "-"), want, config.get(opt)))
+    for opt in ("recompute", "offload"):  # "auto" pins nothing; a plan without the key was made with "auto"
+        want, have = getattr(args, opt, "auto"), config.get(opt, "auto")
+        if want != "auto" and (list(want) if isinstance(want, tuple) else want) != have:
+            out.append(("--" + opt, want, have))
     return out
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from nowdl.plan.plan import Plan, StagePlan, format_bytes
 
-__all__ = ["KIND_COLORS", "RankMemory", "memory_bars", "stage_memory_parts", "draw_memory"]
+__all__ = ["KIND_COLORS", "OFF_DEVICE", "RankMemory", "memory_bars", "stage_memory_parts", "draw_memory"]
 
 KIND_COLORS = {
     "parameters": "#1f77b4",
@@ -23,6 +23,10 @@ KIND_COLORS = {
     "other": "#d9d9d9",
 }
 
+OFF_DEVICE = {"recomputed (not held)": "#ff7f0e", "offloaded to host": "#17becf"}
+"""Bytes a rank keeps off the GPU by recomputing or offloading (plan keys ``recomputed_bytes`` and
+``offloaded_bytes``): drawn hatched above its bar, not part of its peak."""
+
 
 @dataclass
 class RankMemory:
@@ -32,6 +36,7 @@ class RankMemory:
     label: str
     parts: dict[str, float] = field(default_factory=dict)
     peak: float = 0.0
+    off_device: dict[str, float] = field(default_factory=dict)  # OFF_DEVICE kinds: not on the GPU
 
 
 def stage_memory_parts(stage: StagePlan) -> dict[str, float]:
@@ -49,7 +54,8 @@ def stage_memory_parts(stage: StagePlan) -> dict[str, float]:
             "gradients": float(q.get("grad_bytes", 0.0)),
             "optimizer state": float(q.get("optim_bytes", 0.0)),
             # less what one micro-batch has freed by the peak ([Note: freed by the peak])
-            "saved activations": inflight * float(q["saved_bytes"]) - float(q.get("freed_bytes", 0.0)),
+            "saved activations": float(q.get("saved_held", inflight)) * float(q["saved_bytes"])
+            - float(q.get("freed_bytes", 0.0)),
             "received tensors": float(q.get("recv_held", inflight)) * float(q.get("recv_bytes", 0.0)),
             "sent tensors": float(q.get("send_held", inflight)) * float(q.get("send_bytes", 0.0)),
             "workspace": float(q.get("workspace_bytes", 0.0)),
@@ -89,11 +95,15 @@ def memory_bars(plan: Plan) -> list[RankMemory]:
         if rp.dp != 0:
             continue
         parts: dict[str, float] = {}
+        off = dict.fromkeys(OFF_DEVICE, 0.0)
         for e in rp.stages:
-            for kind, b in stage_memory_parts(plan.stages[int(e["stage"])]).items():
+            st = plan.stages[int(e["stage"])]
+            for kind, b in stage_memory_parts(st).items():
                 parts[kind] = parts.get(kind, 0.0) + b
+            off["recomputed (not held)"] += float(st.predicted.get("recomputed_bytes", 0.0))
+            off["offloaded to host"] += float(st.predicted.get("offloaded_bytes", 0.0))
         bars.append(RankMemory(rank=rp.rank, label=_rank_label(plan, rp.stages), parts=parts,
-                               peak=float(rp.predicted_peak_bytes)))
+                               peak=float(rp.predicted_peak_bytes), off_device={k: v for k, v in off.items() if v > 0}))
     return bars
 
 
@@ -107,7 +117,7 @@ def _unit(top: float) -> tuple[float, str]:
 def draw_memory(ax: Any, plan: Plan) -> list[RankMemory]:
     """Draw :func:`memory_bars` on ``ax``: stacked bars per rank, the cap as a dashed line."""
     bars = memory_bars(plan)
-    top = max([b.peak for b in bars] + [sum(b.parts.values()) for b in bars] + [1.0])
+    top = max([b.peak + sum(b.off_device.values()) for b in bars] + [sum(b.parts.values()) for b in bars] + [1.0])
     cap = plan.config.get("gpu_memory")
     shown_cap = isinstance(cap, (int, float)) and cap > 0 and cap <= 2.5 * top
     ylim = max(top, float(cap) if shown_cap and cap else 0.0) * 1.12
@@ -120,8 +130,14 @@ def draw_memory(ax: Any, plan: Plan) -> list[RankMemory]:
         ax.bar(xs, vals, bottom=bottom, width=0.7, color=KIND_COLORS[kind], label=kind,
                edgecolor="white", linewidth=0.5)
         bottom = [a + v for a, v in zip(bottom, vals, strict=True)]
+    for kind, color in OFF_DEVICE.items():  # hatched above the bar: kept off the GPU, not in its peak
+        vals = [b.off_device.get(kind, 0.0) / scale for b in bars]
+        if any(v > 0 for v in vals):
+            ax.bar(xs, vals, bottom=bottom, width=0.7, color="none", edgecolor=color, hatch="//", linewidth=0.8,
+                   label=f"{kind}: off the GPU")
+            bottom = [a + v for a, v in zip(bottom, vals, strict=True)]
     for x, b in zip(xs, bars, strict=True):
-        ax.text(x, b.peak / scale + ylim / scale * 0.01, format_bytes(b.peak), ha="center", va="bottom",
+        ax.text(x, max(b.peak / scale, bottom[x]) + ylim / scale * 0.01, format_bytes(b.peak), ha="center", va="bottom",
                 fontsize=7 if len(bars) <= 16 else 5, rotation=0 if len(bars) <= 12 else 90)
     handles, _ = ax.get_legend_handles_labels()
     if isinstance(cap, (int, float)) and cap > 0:

@@ -15,7 +15,7 @@ import torch
 
 from nowdl.errors import NowdlError
 
-__all__ = ["DeviceSpec", "BUILTIN_SPECS", "get_device_spec", "measure_cpu_spec", "OP_CLASSES"]
+__all__ = ["DeviceSpec", "BUILTIN_SPECS", "HOST_FIELDS", "get_device_spec", "measure_cpu_spec", "OP_CLASSES"]
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,9 @@ _MIB = 2**20
 
 #: op classes of ``DeviceSpec.op_throughput``: FLOP/s for conv2d/conv3d/matmul, bytes/s for the rest
 OP_CLASSES = {"conv2d": "flops", "conv3d": "flops", "matmul": "flops", "elementwise": "bytes", "norm": "bytes"}
-_OPTIONAL = ("link_latency_s", "allreduce_bw", "allreduce_latency_s", "op_throughput", "calibration")
+HOST_FIELDS = ("host_memory", "host_link_bw")  # host offload: not part of a profile's cache key
+_OPTIONAL = ("link_latency_s", "allreduce_bw", "allreduce_latency_s", "op_throughput", "calibration",
+             "host_memory", "host_link_bw")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -44,6 +46,11 @@ class DeviceSpec:
     all-reduce inside a node), ``op_throughput`` (``{dtype: {op class: rate}}``, the achieved
     FLOP/s or bytes/s per class of :data:`OP_CLASSES`, which the estimate-mode roofline uses
     in place of the peaks) and ``calibration`` (where and how it was measured).
+
+    Optional, for host offload (None: no host memory to offload to): ``host_memory`` (bytes of
+    host RAM of one node, shared by the node's GPUs: the spec's ``"node"`` or the built-in DGX
+    node, [Note: host offload] in partitioner/costs/levers.py) and ``host_link_bw`` (bytes/s one
+    GPU copies to or from host memory, one direction, as achieved rather than the PCIe peak).
     """
 
     name: str
@@ -59,6 +66,8 @@ class DeviceSpec:
     allreduce_latency_s: float | None = None
     op_throughput: dict[str, dict[str, float]] | None = field(default=None, hash=False)
     calibration: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    host_memory: int | None = None
+    host_link_bw: float | None = None
 
     def achieved(self, op_class: str, dtype: torch.dtype | str) -> float | None:
         """The calibrated rate of ``op_class`` in ``dtype`` (FLOP/s or bytes/s), None if not measured."""
@@ -121,6 +130,11 @@ class DeviceSpec:
                                   or v < 0 or (k == "allreduce_bw" and v == 0)):
                 raise NowdlError(f"device spec field {k!r} must be a {'positive' if k == 'allreduce_bw' else 'non-negative'} "
                                  f"number (or absent), got {v!r}")
+        for k in ("host_memory", "host_link_bw"):
+            v = d.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise NowdlError(f"device spec field {k!r} must be a positive number (or absent), got {v!r}")
         calib = d.get("calibration")
         if calib is not None and not isinstance(calib, dict):
             raise NowdlError(f"device spec field 'calibration' must be a JSON object (or absent), got {calib!r}")
@@ -138,6 +152,8 @@ class DeviceSpec:
             allreduce_latency_s=_opt_float(d.get("allreduce_latency_s")),
             op_throughput=_op_throughput(d.get("op_throughput")),
             calibration=calib,
+            host_memory=None if d.get("host_memory") is None else int(d["host_memory"]),
+            host_link_bw=_opt_float(d.get("host_link_bw")),
         )
 
     @classmethod
@@ -193,20 +209,30 @@ def _op_throughput(v: Any) -> dict[str, dict[str, float]] | None:
 
 
 # Public datasheet numbers, dense. link_bw = NVLink bandwidth per GPU, one direction.
+# host_memory: system RAM of the vendor's 8-GPU server (DGX-1 V100: 512 GiB; DGX A100 640GB:
+# 2 TiB; DGX H100 and DGX H200: 2 TiB), shared by its 8 GPUs. host_link_bw: what one GPU achieves
+# copying pinned memory to or from the host, one direction, about 85% of the PCIe x16 peak
+# (Gen3 16 GB/s -> 12e9, Gen4 32 GB/s -> 25e9, Gen5 64 GB/s -> 55e9; NVIDIA's bandwidthTest on
+# H100 SXM reports 55 GB/s).
+_TIB = 2**40
 BUILTIN_SPECS: dict[str, DeviceSpec] = {
     # V100 SXM2: 15.7 TF fp32, 125 TF fp16 tensor; no bf16 (taken as fp32), 900 GB/s HBM2,
-    # NVLink2 300 GB/s total (150 GB/s per direction).
-    "v100": DeviceSpec("v100", 15.7e12, 15.7e12, 125e12, 900e9, 150e9, 32 * _GIB),
-    "v100-16gb": DeviceSpec("v100-16gb", 15.7e12, 15.7e12, 125e12, 900e9, 150e9, 16 * _GIB),
+    # NVLink2 300 GB/s total (150 GB/s per direction). DGX-1: 512 GiB host, PCIe Gen3.
+    "v100": DeviceSpec("v100", 15.7e12, 15.7e12, 125e12, 900e9, 150e9, 32 * _GIB,
+                       host_memory=512 * _GIB, host_link_bw=12e9),
+    "v100-16gb": DeviceSpec("v100-16gb", 15.7e12, 15.7e12, 125e12, 900e9, 150e9, 16 * _GIB,
+                            host_memory=512 * _GIB, host_link_bw=12e9),
     # A100 SXM 80GB: 19.5 TF fp32, 156 TF tf32, 312 TF bf16/fp16, 2039 GB/s HBM2e,
-    # NVLink3 600 GB/s total.
-    "a100": DeviceSpec("a100", 19.5e12, 312e12, 312e12, 2039e9, 300e9, 80 * _GIB, 156e12),
+    # NVLink3 600 GB/s total. DGX A100 640GB: 2 TiB host, PCIe Gen4.
+    "a100": DeviceSpec("a100", 19.5e12, 312e12, 312e12, 2039e9, 300e9, 80 * _GIB, 156e12,
+                       host_memory=2 * _TIB, host_link_bw=25e9),
     # H100 SXM5 80GB: 67 TF fp32, 494.5 TF tf32, 989.4 TF bf16/fp16, 3.35 TB/s HBM3,
-    # NVLink4 900 GB/s total.
-    "h100": DeviceSpec("h100", 67e12, 989.4e12, 989.4e12, 3.35e12, 450e9, 80 * _GIB, 494.5e12),
-    # H200 SXM 141GB: H100 compute, 4.8 TB/s HBM3e, NVLink4 900 GB/s total.
+    # NVLink4 900 GB/s total. DGX H100: 2 TiB host, PCIe Gen5.
+    "h100": DeviceSpec("h100", 67e12, 989.4e12, 989.4e12, 3.35e12, 450e9, 80 * _GIB, 494.5e12,
+                       host_memory=2 * _TIB, host_link_bw=55e9),
+    # H200 SXM 141GB: H100 compute, 4.8 TB/s HBM3e, NVLink4 900 GB/s total. DGX H200: 2 TiB host.
     "h200": DeviceSpec("h200", 67e12, 989.4e12, 989.4e12, 4.8e12, 450e9, 143771 * _MIB,
-                       494.5e12),
+                       494.5e12, host_memory=2 * _TIB, host_link_bw=55e9),
 }
 
 

@@ -20,7 +20,7 @@ from nowdl.profiler.cache import (
 )
 from nowdl.profiler.compose import scale_times, whole_pass
 from nowdl.profiler.cost import Profile
-from nowdl.profiler.devices import DeviceSpec, get_device_spec
+from nowdl.profiler.devices import HOST_FIELDS, DeviceSpec, get_device_spec
 from nowdl.profiler.estimate import EstimateBackend
 from nowdl.profiler.measure import MeasureBackend, device_label, resolve_device
 from nowdl.profiler.memory import OPTIMIZER_STATES
@@ -123,7 +123,7 @@ def profile(
         key_parts["whole_pass"] = 1  # [Note: whole-pass scale]
     else:
         spec = get_device_spec(device_spec, cache_dir=cache_dir)
-        key_parts["spec"] = spec.to_dict()
+        key_parts["spec"] = {k: v for k, v in spec.to_dict().items() if k not in HOST_FIELDS}  # no bearing on a profile
     key = cache_key(key_parts)
     if cache_dir is not None:
         hit = load_cached(cache_dir, key)

@@ -22,10 +22,11 @@ from helpers.problems import (
 
 from nowdl.errors import InfeasibleError
 from nowdl.models import resnet
-from nowdl.partitioner.costs.costmodel import Costs, build_problem, predict_step, tied_nodes
+from nowdl.partitioner.costs.costmodel import Costs, build_problem, predict_step
 from nowdl.partitioner.costs.no_idle import idle_stages
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
 from nowdl.partitioner.costs.structure import make_partition, objective_values
+from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.exact.ideal_dp import IdealCosts, beam_ideals, enumerate_ideals, solve_ideals
 from nowdl.partitioner.master.exact import lagrangian_bound
 from nowdl.partitioner.master.pairing import master_split

@@ -22,11 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
-from torch import fx
-
 from nowdl.partitioner.costs.held_tensors import backward_grad_bytes, deferred_bytes, held_buffers
 from nowdl.partitioner.costs.inference import inference_stages
+from nowdl.partitioner.costs.levers import apply_levers, offload_time_s
 from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.placement.layout import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.search.config import Candidate
@@ -36,7 +34,7 @@ from nowdl.profiler.cost import NodeCost, Profile
 from nowdl.schedule.orders import skip_waits
 from nowdl.schedule.zero_bubble_order import zb_slots
 
-__all__ = ["Costs", "edge_indices", "build_problem", "predict_step", "message_latency_s", "tied_nodes", "HALO_LATENCY_S",
+__all__ = ["Costs", "edge_indices", "build_problem", "predict_step", "message_latency_s", "HALO_LATENCY_S",
            "spatial_dims_of", "dtype_bytes", "layout_of", "grad_sync_s", "pipeline_slots",
            "exposed_halo_s", "border_fraction", "grad_workspace"]
 
@@ -54,6 +52,8 @@ class Costs:
     tied: tuple[tuple[str, ...], ...] = ()  # node groups sharing a weight (``tied_nodes``)
     topology: Topology | None = None  # None: one node, every message at link_bw
     inference: bool = False  # a forward-only plan ([Note: inference memory] in costs/inference.py)
+    host_memory: float | None = None  # bytes of host memory one GPU may offload to (levers.host_share); None: none
+    host_link_bw: float | None = None  # bytes/s GPU <-> host, one direction ([Note: host offload] in levers.py)
 
     def topo(self, gpus: int) -> Topology:
         """The cluster, or one flat node of ``gpus`` ranks at ``link_bw`` when none was given."""
@@ -206,8 +206,7 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
                   recv_held=held[s][0], send_held=held[s][1], skip_wait=waits[s])
         for s in range(cand.stages)
     ]
-    if costs.inference:
-        stages = inference_stages(stages)
+    stages = inference_stages(stages) if costs.inference else apply_levers(prof, cand, stages, variants)
     k = cand.stages
     ranks: list[list[int]] = []
     if cand.replicas == 2:
@@ -243,47 +242,6 @@ def _deferred_variants(costs: Costs, cand: Candidate, variants: dict[str, NodeVe
     return names
 
 
-def tied_nodes(gm: fx.GraphModule) -> tuple[tuple[str, ...], ...]:
-    """Groups of nodes that use one parameter or buffer (a call_module owning it, or a node
-    reading it through get_attr): they must share a stage, since the runtime cannot yet sum
-    a shared weight's gradients across stages."""
-    users: dict[int, list[str]] = {}
-    for node in gm.graph.nodes:
-        tensors: list[torch.Tensor] = []
-        names = [node.name]
-        if node.op == "call_module":
-            mod = gm.get_submodule(str(node.target))
-            tensors = [*mod.parameters(), *mod.buffers()]
-        elif node.op == "get_attr":
-            owner, _, leaf = str(node.target).rpartition(".")
-            mod = gm.get_submodule(owner) if owner else gm
-            if leaf in mod._parameters or leaf in mod._buffers:
-                tensors = [getattr(mod, leaf)]
-            names = [u.name for u in node.users]  # get_attr lives with its users
-        for t in tensors:
-            for name in names:
-                if name not in users.setdefault(id(t), []):
-                    users[id(t)].append(name)
-    # merge groups that share a node (a module with two tied weights, say)
-    parent: dict[str, str] = {}
-
-    def root(a: str) -> str:
-        while parent.setdefault(a, a) != a:
-            a = parent[a]
-        return a
-
-    for names in users.values():
-        for other in names[1:]:
-            parent[root(other)] = root(names[0])
-    groups: dict[str, list[str]] = {}
-    for names in users.values():
-        for name in names:
-            groups.setdefault(root(name), [])
-            if name not in groups[root(name)]:
-                groups[root(name)].append(name)
-    return tuple(tuple(g) for g in groups.values() if len(g) > 1)
-
-
 def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> dict[str, float]:
     """Step time and throughput of a solved candidate.
 
@@ -300,7 +258,8 @@ def predict_step(costs: Costs, cand: Candidate, part: Partition, batch: int) -> 
     sync = grad_sync_s(costs, cand, stage_param)
     sums = stage_sums(costs, cand, part.stage_of)
     lat = message_latency_s(costs, cand, part.stage_of)
-    times = [part.stage_time[s] + lat[s] for s in range(k)]
+    off = offload_time_s(cand, sums, costs.host_link_bw)  # [Note: host offload]: not weighed by the solvers
+    times = [part.stage_time[s] + lat[s] + off[s] for s in range(k)]
     slow = max(range(k), key=lambda s: times[s])
     busy = sums[slow]["fwd_s"] + sums[slow]["bwd_s"]
     slots = pipeline_slots(cand, sums[slow]["fwd_s"] / busy if busy > 0 else 1 / 3)

@@ -2,7 +2,9 @@
 
 ``config`` holds what the user pins and the candidates; ``model_space`` what the model allows;
 ``bounds`` bounds each candidate so only those that can win are solved; ``search`` runs it;
-``assemble`` builds the Plan; ``infeasible`` says, with figures, why nothing fits.
+``assemble`` builds the Plan; ``infeasible`` says, with figures, why nothing fits;
+``lever_options`` checks the recompute/offload settings and ``levers`` chooses the stages that
+recompute or offload.
 """
 
 from typing import TYPE_CHECKING

@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from nowdl.partitioner.costs.costmodel import Costs, layout_of, message_latency_s, stage_sums
+from nowdl.partitioner.costs.costmodel import (
+    Costs,
+    build_problem,
+    layout_of,
+    message_latency_s,
+    stage_sums,
+)
+from nowdl.partitioner.costs.levers import lever_figures
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition
 from nowdl.partitioner.placement.traffic import cross_node_bytes, halo_bytes, together_groups
@@ -56,22 +63,24 @@ def build_plan(
     halo = halo_bytes(costs, cand, part.stage_of)
     stages = []
     lat = message_latency_s(costs, cand, part.stage_of)  # [Note: message latency]
-    time_s = [part.stage_time[s] + lat[s] for s in range(k)]
+    lever = lever_figures(build_problem(costs, cand, "memory"), cand, part.stage_of, sums, costs.host_link_bw)
+    time_s = [part.stage_time[s] + lat[s] + lever[s]["offload_s"] for s in range(k)]
     peak = [part.stage_mem[s] - mem[s]["freed_bytes"] for s in range(k)]  # [Note: freed by the peak]
     for s in range(k):
-        comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"])
+        comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"] + lever[s]["recompute_s"] + lever[s]["offload_s"])
         stages.append(StagePlan(
             index=s, nodes=stage_nodes[s], ranks=[rank_of[(0, s, q)] for q in range(parts[s])],
             parts=parts[s], slice=cand.slice if parts[s] > 1 else None,
             grid=list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 else [],
             params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
             param_bytes=int(sums[s]["param_bytes"]),
+            recompute=s in cand.recompute, offload=s in cand.offload,
             predicted={
                 "peak_bytes": peak[s], "static_bytes": sums[s]["static_bytes"],
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
                 "comm_s": max(0.0, comm), "time_s": time_s[s],
                 "inflight": float(cand.inflight()[s]), "deferred": float(cand.deferred()[s]), "halo_bytes": halo[s],
-                **mem[s],
+                **mem[s], **lever[s],
             },
         ))
     ranks: list[RankPlan] = []
@@ -105,6 +114,8 @@ def build_plan(
         "gpus": req.gpus, "balance": req.balance, "stages": k, "micro_batches": cand.micro_batches,
         "schedule": cand.schedule, "replicas": cand.replicas, "dp": cand.dp, "spatial": spatial,
         "gpu_memory": costs.mem_cap,
+        "recompute": _setting(req.recompute), "offload": _setting(req.offload),
+        "host_memory": costs.host_memory, "host_link_bw": costs.host_link_bw,
         "pinned": {key: getattr(req, key) for key in ("stages", "micro_batches", "schedule", "replicas", "dp",
                                                      "spatial_parts", "spatial_stages", "slice") if getattr(req, key) is not None},
     }
@@ -123,6 +134,11 @@ def build_plan(
     plan.topology["together"] = together_groups(plan)
     plan.topology["cross_node_bytes"] = cross_node_bytes(plan)
     return plan
+
+
+def _setting(v: object) -> object:
+    """A lever setting as JSON: "auto", "on", "off" or a list of stages."""
+    return list(v) if isinstance(v, tuple) else v
 
 
 def charge_fused_workspace(plan: Plan, costs: Costs, result: SearchResult, fused_ws: Mapping[str, float]) -> None:

@@ -13,6 +13,8 @@ candidates whose value is not proven and that may beat the best proven one go to
 (at most ``FINALISTS``), each started from its heuristic split, best first: each may use what
 is left of ``time_limit`` (which bounds the whole search) but ``FINALIST_RESERVE_S`` for each
 one after it, and its MILP stops once within ``mip_gap``.
+A candidate that does not fit the cap may recompute or offload stages where the user's
+settings allow ([Note: choosing levers] in search/levers.py): it is solved again with them.
 The best candidate is the one with no idle GPU and the highest predicted throughput (then
 the least memory); one that idles a GPU is chosen only when every candidate does, and the
 plan then says so.
@@ -34,10 +36,11 @@ from nowdl.partitioner.costs.costmodel import (
     grad_sync_s,
     message_latency_s,
     predict_step,
+    stage_sums,
 )
+from nowdl.partitioner.costs.levers import offload_time_s
 from nowdl.partitioner.costs.no_idle import idle_stages, idle_warning
 from nowdl.partitioner.costs.problem import Partition, Problem
-from nowdl.partitioner.milp.lp_bound import memory_floor
 from nowdl.partitioner.search.assemble import SearchResult, build_plan
 from nowdl.partitioner.search.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
@@ -46,6 +49,15 @@ from nowdl.partitioner.search.infeasible import (
     first_untileable,
     infeasible_message,
     no_candidate_message,
+)
+from nowdl.partitioner.search.levers import (
+    LEVER_SHARE,
+    check_offload_possible,
+    fit_with_levers,
+    floors_over,
+    host_fits,
+    host_message,
+    with_forced,
 )
 from nowdl.partitioner.search.model_space import batch_of as _batch
 from nowdl.partitioner.search.model_space import max_stages as _max_stages
@@ -98,6 +110,7 @@ class _Eval:
         params = sum(n.param_bytes for n in costs.profile.nodes)
         sync = grad_sync_s(costs, c, [params] * c.stages, [params] * c.stages)  # an upper bound
         lat = max(message_latency_s(costs, c, self.part.stage_of)) * c.replicas  # this split's ([Note: message latency])
+        lat += max(offload_time_s(c, stage_sums(costs, c, self.part.stage_of), costs.host_link_bw)) * c.replicas
         step = (c.micro_batches + c.stages - 1) * (self.part.bottleneck_time + lat) + sync
         return batch * c.micro_batches * c.replicas * c.dp / step if step > 0 else math.inf
 
@@ -164,6 +177,12 @@ def search(
                                       max_stages=_max_stages(costs, req), micro_batch=batch))
     if not cands:
         raise NowdlError(no_candidate_message(req, front, first_untileable(costs, front)))
+    check_offload_possible(costs, req)
+    cands = [c for c in (with_forced(req, c) for c in cands) if c is not None]  # [Note: choosing levers]
+    if not cands:
+        raise NowdlError(f"recompute={req.recompute!r}, offload={req.offload!r}: no candidate configuration has the "
+                         "stages they name (zero bubble takes neither): name stages below the pipeline depth, "
+                         "pin --stages, or use schedule 1f1b or gpipe")
     entries: list[tuple[Candidate, Problem, Bounds]] = []
     for cand in cands:
         problem = build_problem(costs, cand, req.balance)
@@ -176,6 +195,7 @@ def search(
     evals: list[_Eval] = []
     best_lb = 0.0
     pruned = over = 0
+    host_refused: dict[Candidate, str] = {}  # offloads over the host memory ([Note: host offload])
     for done, i in enumerate(order):
         cand, problem, b = entries[i]
         if progress is not None:
@@ -183,13 +203,28 @@ def search(
         if b.throughput_ub < best_lb * (1 - _REL):
             pruned = len(order) - done
             break
+        base_over = False  # no split fits without the levers "auto" may add
         if costs.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
-            floor = memory_floor(_as_memory(problem), costs.mem_cap * (1 + _REL), b.mem_lb)
-            if floor > costs.mem_cap * (1 + _REL):
+            lean_over, base_over = floors_over(costs, req, cand, problem, b.mem_lb, batch)
+            if lean_over:
                 over += 1
                 continue
+        lever_deadline = t0 + LEVER_SHARE * req.time_limit
+        if base_over and time.perf_counter() > lever_deadline:
+            continue  # only levers could fit it, and their time is spent
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
-        ev = _evaluate(costs, cand, problem, b, cache, batch, screen, req.mip_gap)
+        def solve_levers(c: Candidate, screen: float = screen) -> _Eval | None:
+            p = build_problem(costs, c, req.balance)
+            e = _evaluate(costs, c, p, candidate_bounds(costs, c, p, batch), cache, batch, screen, req.mip_gap)
+            if e is None or host_fits(costs, c, e.part.stage_of):
+                return e
+            host_refused[c] = host_message(costs, req, c, e.part.stage_of)
+            return dataclasses.replace(e, fits=False)
+
+        ev = solve_levers(cand) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
+            costs, cand, _uncapped(problem) if base_over else problem, b, cache, batch, screen, req.mip_gap)
+        if ev is not None and not ev.fits:  # levers while LEVER_SHARE of the time limit is left unspent
+            ev = fit_with_levers(costs, req, ev, solve_levers, deadline=lever_deadline)
         if ev is None:
             continue
         evals.append(ev)
@@ -203,6 +238,11 @@ def search(
     if not fitting:  # the leanest split screened, and more: [Note: infeasible figures]
         lean = min(results, key=lambda e: e.part.bottleneck_mem, default=None)
         searched = (lean.part.bottleneck_mem, describe(lean.cand, req.gpus)) if lean is not None else (math.inf, "")
+        why_host = host_refused.get(lean.cand) if lean is not None else None  # it fits the GPU, not the host
+        if why_host and searched[0] <= (costs.mem_cap or 0.0) * (1 + _REL):
+            raise InfeasibleError(why_host)
+        if host_refused and req.offload not in ("auto", "off"):
+            raise InfeasibleError(next(iter(host_refused.values())))
         raise InfeasibleError(infeasible_message(costs, req, searched, cache))  # the graph's lattices, solved splits
     best = min(fitting, key=lambda e: e.key())
     if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap

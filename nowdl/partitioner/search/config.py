@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from nowdl.errors import NowdlError
+from nowdl.partitioner.search.lever_options import LeverSetting, check_lever, check_lever_pair
 from nowdl.partitioner.spatial.tileable import SLICE_METHODS
 from nowdl.schedule.zero_bubble_order import zb_held
 
@@ -47,6 +48,8 @@ class PlanRequest:
     global_batch: int | None = None  # samples per optimizer step: micro-batch x m x replicas x dp must equal it
     nodes: int | None = None  # cluster nodes (None: from gpus_per_node or the device spec's node)
     gpus_per_node: int | None = None  # GPUs per node (None: the device spec's node, e.g. 8 for h100)
+    recompute: LeverSetting = "auto"  # [Note: lever settings] in search/lever_options.py
+    offload: LeverSetting = "auto"
 
     def __post_init__(self) -> None:
         _pos_int("gpus", self.gpus, allow_none=False)
@@ -85,6 +88,9 @@ class PlanRequest:
                              f"{self.nodes * self.gpus_per_node} GPUs, but gpus is {self.gpus}: give nodes x "
                              f"gpus_per_node = gpus (e.g. --nodes {max(1, self.gpus // self.gpus_per_node)} "
                              f"--gpus-per-node {self.gpus_per_node})")
+        object.__setattr__(self, "recompute", check_lever("recompute", self.recompute))
+        object.__setattr__(self, "offload", check_lever("offload", self.offload))
+        check_lever_pair(self.recompute, self.offload, gpus=self.gpus, stages=self.stages)
         if self.time_limit <= 0:
             raise NowdlError(f"time_limit must be positive seconds, got {self.time_limit}")
         if not 0 <= self.mip_gap < 1:
@@ -106,6 +112,8 @@ class Candidate:
     back: int  # spatial stages at the back (mirrored UNet decoder)
     slice: str
     taper: tuple[int, ...] = ()  # parts of each front spatial stage when they differ (back stages mirror)
+    recompute: tuple[int, ...] = ()  # stages that recompute their forward in the backward (costs/levers.py)
+    offload: tuple[int, ...] = ()  # stages whose saved activations wait in host memory
 
     def stage_parts(self) -> list[int]:
         k = self.stages

@@ -1,0 +1,74 @@
+"""``--recompute`` and ``--offload`` on ``nowdl plan`` and ``nowdl run``, and what a plan's choices cost.
+
+The flags take what ``compile(recompute=..., offload=...)`` takes ([Note: lever settings] in
+partitioner/search/lever_options.py): ``auto``, ``on``, ``off`` or stage indices ``0,2``.
+:func:`format_levers` is the text ``nowdl plan`` and ``nowdl show`` print under the plan: per
+stage that recomputes or offloads, the time it adds and the bytes it moves off the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from nowdl.errors import NowdlError
+from nowdl.partitioner.search.lever_options import LeverSetting, check_lever
+from nowdl.plan.plan import Plan, format_bytes
+
+__all__ = ["add_lever_arguments", "lever_arg", "lever_kwargs", "format_levers"]
+
+
+def lever_arg(text: str) -> LeverSetting:
+    """Parse ``auto``, ``on``, ``off`` or ``0,2`` (argparse type; a bad value exits 2 naming it)."""
+    t = text.strip()
+    value: object = t
+    if t and all(part.strip().isdigit() for part in t.split(",")):
+        value = [int(part) for part in t.split(",")]
+    try:
+        return check_lever("setting", value)
+    except NowdlError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not auto, on, off or a list of stage indices such as 0,2") from None
+
+
+def add_lever_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``--recompute`` and ``--offload`` to ``p``."""
+    p.add_argument("--recompute", type=lever_arg, default="auto", metavar="auto|on|off|S,..",
+                   help="recompute a stage's forward in its backward instead of keeping its saved activations: "
+                        "auto (only stages that do not fit the cap otherwise; default), on (every stage), off, or "
+                        "the stage indices (e.g. 0,1)")
+    p.add_argument("--offload", type=lever_arg, default="auto", metavar="auto|on|off|S,..",
+                   help="keep a stage's saved activations in host memory between forward and backward (needs the "
+                        "device spec's host_memory): auto (default), on, off, or the stage indices")
+
+
+def lever_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``compile()`` keywords of the two flags (absent flags: "auto")."""
+    return {"recompute": getattr(args, "recompute", "auto"), "offload": getattr(args, "offload", "auto")}
+
+
+def _time(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def format_levers(plan: Plan) -> str:
+    """One line per stage that recomputes or offloads: the seconds it adds per step (its
+    per-micro-batch figure x micro-batches) and the bytes per GPU it keeps off the device; ""
+    when no stage does."""
+    m = int(plan.config.get("micro_batches", 1) or 1)
+    lines = []
+    for s in plan.stages:
+        q = s.predicted
+        if s.recompute:
+            lines.append(f"stage {s.index}: recompute (+{_time(m * float(q.get('recompute_s', 0.0)))}/step of its "
+                         f"work, saves {format_bytes(float(q.get('recomputed_bytes', 0.0)))} per GPU at the peak)")
+        if s.offload:
+            lines.append(f"stage {s.index}: offload (+{_time(m * float(q.get('offload_s', 0.0)))}/step of host "
+                         f"copies not hidden by compute, {format_bytes(float(q.get('offloaded_bytes', 0.0)))} per GPU "
+                         "in host memory)")
+    if not lines:
+        return ""
+    host = plan.config.get("host_memory")
+    tail = f"; host memory for offload: {format_bytes(float(host))} per GPU" if isinstance(host, (int, float)) else ""
+    return "\n".join([f"levers (recompute {plan.config.get('recompute', '?')}, offload "
+                      f"{plan.config.get('offload', '?')}{tail}):", *lines])

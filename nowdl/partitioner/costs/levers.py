@@ -1,0 +1,150 @@
+"""What recomputing a stage, or offloading its saved activations to host memory, costs and saves.
+
+[Note: recompute cost] A recomputed stage (``Candidate.recompute``) keeps, of each micro-batch
+in flight, only its inputs (the received tensors the stage holds anyway, and the model inputs
+on stage 0); in its backward it runs its forward again, saving that one micro-batch's
+activations, then runs the backward. Its peak is the plain one with one micro-batch's saved
+activations instead of ``inflight``: in the Problem, the stage's ``inflight`` becomes 1 and
+each placeholder's bytes are multiplied by the old ``inflight`` (they stay per micro-batch).
+Its time per micro-batch gains the forward again: each node's time grows by its forward share
+``fwd_s / (fwd_s + bwd_s)``, so a spatial stage's halo exchange is charged again in the same
+proportion. The choice is per stage, the whole stage as one segment (the runtime checkpoints
+the stage's forward): where a stage holds one micro-batch (one stage, the last stage of 1F1B,
+one micro-batch) it saves nothing and only costs time, so the planner never chooses it there.
+
+[Note: host offload] An offloaded stage (``Candidate.offload``) copies each saved activation to
+host memory on a side stream as the forward makes it and brings it back ahead of the backward
+that needs it. On the GPU it holds, during node v's backward, v's saved bytes and those of the
+node before it in graph order (the next backward's, coming back) on top of v's workspace: the
+Problem's workspace of v grows by both, and its saved bytes (placeholders excepted) leave it. Per micro-batch the stage moves its saved bytes ``A`` out and back
+at ``host_link_bw`` (DeviceSpec, one direction per GPU). The copy out overlaps with the
+forward and the copy back with the backward; with several micro-batches in flight the link is
+full duplex and each direction overlaps with a whole forward + backward slot. So the exposed
+time per micro-batch is ``max(0, A/bw - fwd) + max(0, A/bw - bwd)`` when the stage holds one
+micro-batch, else ``max(0, A/bw - (fwd + bwd))``. Like message latency ([Note: message
+latency] in costmodel.py) the solvers do not weigh it; it is added to the predicted stage time
+and step. Host memory is a constraint: the micro-batches in flight keep ``inflight x A`` bytes
+on the host per rank, at most ``HOST_USABLE`` of the rank's share of its node's
+``host_memory`` (the node's RAM divided by its GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
+from nowdl.partitioner.search.config import Candidate
+from nowdl.plan.topology import node_spec_for
+from nowdl.profiler.cost import Profile
+
+__all__ = ["HOST_USABLE", "RECOMPUTE_TAG", "OFFLOAD_TAG", "host_share", "apply_levers", "recompute_vectors",
+           "offload_vectors", "offload_time_s", "host_bytes", "lever_figures", "LEVER_KEYS"]
+
+HOST_USABLE = 0.8  # of a GPU's share of host memory, what offloaded activations may take (the rest: OS, data)
+RECOMPUTE_TAG = "+rc"
+OFFLOAD_TAG = "+off"
+LEVER_KEYS = ("recompute_s", "offload_s", "recomputed_bytes", "offloaded_bytes", "saved_held")
+"""Per-stage figures :func:`lever_figures` adds to a plan's ``stages[i].predicted``."""
+
+
+def host_share(spec: Any, device_spec: Any = None) -> float | None:
+    """Bytes of host memory one GPU may fill with offloaded activations: ``HOST_USABLE`` x the
+    spec's ``host_memory`` / the GPUs of its node (the spec's ``"node"``, the built-in DGX node,
+    else 1); None when the spec has no ``host_memory``."""
+    host = getattr(spec, "host_memory", None)
+    if not host:
+        return None
+    arg = device_spec if isinstance(device_spec, (str, os.PathLike)) else None
+    node = node_spec_for(arg if arg is not None else getattr(spec, "name", None), getattr(spec, "name", None))
+    return HOST_USABLE * float(host) / (node.gpus_per_node if node is not None else 1)
+
+
+def _fwd_share(fwd: float, bwd: float) -> float:
+    return fwd / (fwd + bwd) if fwd + bwd > 0 else 0.0
+
+
+def recompute_vectors(prof: Profile, base: NodeVectors, inflight: int) -> NodeVectors:
+    """``base`` for a recomputed stage that held ``inflight`` micro-batches ([Note: recompute cost])."""
+    act = [a * inflight if n.op == "placeholder" else a for n, a in zip(prof.nodes, base.act, strict=True)]
+    time = [t * (1.0 + _fwd_share(n.fwd_s, n.bwd_s)) for n, t in zip(prof.nodes, base.time, strict=True)]
+    return NodeVectors(act=act, time=time, workspace=base.workspace, out=base.out)
+
+
+def offload_vectors(prof: Profile, base: NodeVectors) -> NodeVectors:
+    """``base`` for an offloaded stage ([Note: host offload])."""
+    keep = [n.op == "placeholder" for n in prof.nodes]
+    act = [a if k else 0.0 for a, k in zip(base.act, keep, strict=True)]
+    off = [0.0 if k else a for a, k in zip(base.act, keep, strict=True)]
+    ws = [w + a + (off[v - 1] if v else 0.0) for v, (w, a) in enumerate(zip(base.workspace, off, strict=True))]
+    return NodeVectors(act=act, time=base.time, workspace=ws, out=base.out)
+
+
+def apply_levers(prof: Profile, cand: Candidate, stages: list[StageSpec],
+                 variants: dict[str, NodeVectors]) -> list[StageSpec]:
+    """``stages`` with ``cand``'s recomputed and offloaded stages on their lever variants (added
+    to ``variants``); unchanged for a candidate without levers."""
+    out = list(stages)
+    for s in cand.recompute:
+        spec = out[s]
+        key = f"{spec.variant}{RECOMPUTE_TAG}{spec.inflight}"
+        if key not in variants:
+            variants[key] = recompute_vectors(prof, variants[spec.variant], spec.inflight)
+        out[s] = dataclasses.replace(spec, variant=key, inflight=1)
+    for s in cand.offload:
+        spec = out[s]
+        key = f"{spec.variant}{OFFLOAD_TAG}"
+        if key not in variants:
+            variants[key] = offload_vectors(prof, variants[spec.variant])
+        out[s] = dataclasses.replace(spec, variant=key)
+    return out
+
+
+def offload_time_s(cand: Candidate, sums: Sequence[dict[str, float]], host_link_bw: float | None) -> list[float]:
+    """Per stage: the exposed host-copy seconds per micro-batch of [Note: host offload] (0 where
+    the stage is not offloaded). ``sums``: ``costmodel.stage_sums`` of the split."""
+    out = [0.0] * cand.stages
+    if not cand.offload:
+        return out
+    bw = host_link_bw or 0.0
+    inflight = cand.inflight()
+    for s in cand.offload:
+        a = sums[s]["act_bytes"]
+        copy = a / bw if bw > 0 else float("inf")
+        f, b = sums[s]["fwd_s"], sums[s]["bwd_s"]
+        out[s] = (max(0.0, copy - f) + max(0.0, copy - b)) if inflight[s] <= 1 else max(0.0, copy - (f + b))
+    return out
+
+
+def host_bytes(cand: Candidate, sums: Sequence[dict[str, float]]) -> list[float]:
+    """Per pipeline slot (a rank of it): host bytes its offloaded stages hold at their peak,
+    ``inflight x saved`` each (MASTER: both stages of the slot)."""
+    k = cand.stages
+    inflight = cand.inflight()
+    per_stage = [inflight[s] * sums[s]["act_bytes"] if s in cand.offload else 0.0 for s in range(k)]
+    if cand.replicas == 2:
+        return [per_stage[j] + per_stage[k - 1 - j] for j in range(k)]
+    return per_stage
+
+
+def lever_figures(problem: Problem, cand: Candidate, stage_of: Sequence[int], sums: Sequence[dict[str, float]],
+                  host_link_bw: float | None) -> list[dict[str, float]]:
+    """Per stage, the keys of :data:`LEVER_KEYS`: seconds per micro-batch that recomputation
+    and the exposed host copies add, bytes per rank the recomputation keeps off the GPU at the
+    peak (``(inflight - 1) x saved``), bytes held on the host, and how many micro-batches' saved
+    activations the stage holds at its peak."""
+    k = cand.stages
+    inflight = cand.inflight()
+    off_s = offload_time_s(cand, sums, host_link_bw)
+    rc_s = [0.0] * k
+    for v, s in enumerate(stage_of):
+        name = problem.stages[s].variant
+        if RECOMPUTE_TAG in name:
+            base = problem.variants[name.rsplit(RECOMPUTE_TAG, 1)[0]]
+            rc_s[s] += problem.variants[name].time[v] - base.time[v]
+    hb = [inflight[s] * sums[s]["act_bytes"] if s in cand.offload else 0.0 for s in range(k)]
+    return [{"recompute_s": rc_s[s], "offload_s": off_s[s],
+             "recomputed_bytes": (inflight[s] - 1) * sums[s]["act_bytes"] if s in cand.recompute else 0.0,
+             "offloaded_bytes": hb[s], "saved_held": float(problem.stages[s].inflight)} for s in range(k)]
