@@ -15,11 +15,11 @@ from nowdl.partitioner.costs.costmodel import (
     build_problem,
     predict_step,
     stage_sums,
-    tied_nodes,
 )
 from nowdl.partitioner.costs.levers import HOST_USABLE, host_share, offload_time_s
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, evaluate
+from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.profiler.devices import BUILTIN_SPECS, DeviceSpec
