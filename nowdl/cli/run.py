@@ -65,6 +65,7 @@ import argparse
 import functools
 import inspect
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -79,6 +80,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.cli.resume import StopSignal, reusable_plan, run_state
+from nowdl.cli.runguard import check_outputs, run_end
 from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
 from nowdl.cli.runspec import (
     RunSource,
@@ -89,10 +91,10 @@ from nowdl.cli.runspec import (
     run_source,
     step_batches,
 )
-from nowdl.errors import NowdlError, ReportedError, error_text
+from nowdl.errors import NowdlError
 from nowdl.runtime.data.feed import Feed, check_data_spec, label_loss, make_feed
 from nowdl.runtime.launch.failure import open_channel
-from nowdl.runtime.launch.group import PeerError
+from nowdl.runtime.launch.lost import report_failure
 from nowdl.runtime.training.checkpoint import Checkpoint, open_checkpoint
 from nowdl.runtime.training.metrics import MetricsWriter, PeakMeter
 
@@ -114,21 +116,25 @@ def run_main(args: argparse.Namespace) -> int:
     env = launch_env()
     compile_params, optimizer = _check_options(args)
     world, rank = env.world_size, env.rank
+    check_outputs(args, rank)  # before anything is planned or trained
     initialized_here = False
     if world > 1 and not dist.is_initialized():
         init_distributed(timeout_s=args.timeout)
         initialized_here = True
     channel = open_channel(rank, world, report=lambda m: print(f"nowdl run: error: {m}", file=sys.stderr, flush=True),
                            timeout_s=args.timeout)
+    tmp = Path(tempfile.mkdtemp(prefix="nowdl-run-"))
+    if channel is not None:  # also when a peer's failure ends this process from the watcher thread
+        channel.before_exit.append(functools.partial(shutil.rmtree, tmp, ignore_errors=True))
     try:
-        with tempfile.TemporaryDirectory(prefix="nowdl-run-") as tmp:
-            return _run(args, rank, world, optimizer, compile_params, Path(tmp))
+        return _run(args, rank, world, optimizer, compile_params, tmp)
     except Exception as e:
-        if channel is None:
+        instead = report_failure(e, rank, world, channel)  # once for the job; a lost peer is named
+        if instead is None:
             raise
-        channel.fail(error_text(e), consequence=isinstance(e, PeerError))  # rank 0 prints the job's first failure; every rank exits 2
-        raise ReportedError(str(e)) from e
+        raise instead from e
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
         if channel is not None:
             channel.close()
         if initialized_here and dist.is_initialized():
@@ -153,14 +159,11 @@ class _Job:
     ck: Checkpoint | None  # the checkpoint found there
     ckpt_plan: Path | None  # the checkpoint's plan, when this job can run it as is
     start: int  # steps done before this run
+    total: int  # the step this run ends at (runguard.run_end)
 
     @property
     def say(self) -> bool:
         return self.rank == 0
-
-    @property
-    def total(self) -> int:
-        return self.start + self.args.steps
 
     @property
     def training(self) -> bool:
@@ -200,6 +203,11 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn
 def _run(args: argparse.Namespace, rank: int, world: int,
          optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], compile_params: Any, tmp: Path) -> int:
     job, model, name = _open_job(args, rank, world, tmp)
+    if job.start >= job.total:  # a restarted job whose last attempt had finished
+        if job.say:
+            print(f"nowdl run: the run restarted from {job.ckpt} had finished (step {job.start} of {job.total}): "
+                  "nothing to do", flush=True)
+        return 0
     feed = _feed(job, model, name)
     progress = job.say and sys.stderr.isatty()
     if job.say:
@@ -258,7 +266,8 @@ def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tup
     check_model_input(src, model)
     batch, micro_batch = step_batches(args, src, saved_run)
     start = ck.step if ck is not None and not args.eval else 0
-    return _Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start), model, name
+    total = run_end(saved_run, start, args.steps) if not args.eval else args.steps
+    return _Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start, total), model, name
 
 
 def _feed(job: _Job, model: nn.Module, name: str) -> Feed:
@@ -371,7 +380,7 @@ def _save(job: _Job, cm: Any, step: int, emit: _Printer) -> None:
     assert job.ckpt is not None
     src = job.src
     run = {"model": src.spec, "model_args": json.loads(src.model_args or "{}"), "batch_size": job.batch,
-           "seed": job.args.seed, "data": job.args.data, "step": step}
+           "seed": job.args.seed, "data": job.args.data, "step": step, "total": job.total}
     cm.save_checkpoint(job.ckpt, meta={"run": run})
     if job.rank == 0:
         plan = current_plan(cm)

@@ -15,6 +15,7 @@ from torch import nn
 from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
 from nowdl.runtime.launch.nodes import check_node_map
+from nowdl.runtime.launch.where import set_step
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
@@ -184,6 +185,7 @@ class Trainer:
 
     # ---- steps -----------------------------------------------------------------------------------
     def train_step(self, x: Any, y: Any) -> float:
+        set_step(self.steps + 1)  # named in a lost peer's message (runtime/launch/where.py)
         eng = self._setup(x, y)
         loss, _ = eng.run(x, y, train=True)
         self.steps += 1
@@ -194,6 +196,7 @@ class Trainer:
 
         The micro-batches' outputs are concatenated along the batch, in the structure the model
         returns (a tensor, or a tuple/list/dict of tensors)."""
+        set_step(self.steps + 1)
         eng = self._setup(x)
         _, outs = eng.run(x, None, train=False)
         if not outs:
