@@ -10,6 +10,7 @@ and action (runtime/launch/where.py), what happens next, and the backend's first
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -40,7 +41,12 @@ def peer_loss(e: BaseException) -> bool:
 
 
 def _first_line(e: BaseException) -> str:
+    """``Type: the backend's words``, without gloo's source path and boilerplate."""
+    if isinstance(e, PeerError) and e.__cause__ is not None:
+        return f"{e.what}: {_first_line(e.__cause__)}"
     text = (str(e).strip().splitlines() or [""])[0]
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    text = text.split(". This is typically caused")[0]
     return f"{type(e).__name__}: {text[:300]}"
 
 
