@@ -53,5 +53,5 @@ def job_store(host: str, port: int, rank: int, world: int, timeout: timedelta,
     """The rendezvous store of this attempt: a client of torchrun's agent store, else a TCP store
     rank 0 hosts at ``host:port``; its keys under :func:`attempt_prefix`."""
     hosted = not agent_store(environ) and rank == 0
-    store = dist.TCPStore(host, port, world, hosted, timeout, wait_for_workers=hosted, multi_tenant=True)
+    store = dist.TCPStore(host, port, world, hosted, timeout, multi_tenant=True)  # every rank counts in
     return dist.PrefixStore(f"{attempt_prefix(environ)}/pg", store)
