@@ -116,7 +116,6 @@ def run_main(args: argparse.Namespace) -> int:
     env = launch_env()
     compile_params, optimizer = _check_options(args)
     world, rank = env.world_size, env.rank
-    check_outputs(args, rank)  # before anything is planned or trained
     initialized_here = False
     if world > 1 and not dist.is_initialized():
         init_distributed(timeout_s=args.timeout)
@@ -127,6 +126,7 @@ def run_main(args: argparse.Namespace) -> int:
     if channel is not None:  # also when a peer's failure ends this process from the watcher thread
         channel.before_exit.append(functools.partial(shutil.rmtree, tmp, ignore_errors=True))
     try:
+        check_outputs(args, rank)  # before anything is planned or trained; a failure on any rank is reported
         return _run(args, rank, world, optimizer, compile_params, tmp)
     except Exception as e:
         instead = report_failure(e, rank, world, channel)  # once for the job; a lost peer is named
