@@ -1,9 +1,10 @@
 """``nowdl run``'s checks before the first step, and where a restarted job ends.
 
 * :func:`check_outputs`: every folder the run writes to (``--checkpoint`` on every rank, since
-  each rank writes its shards there; ``--log-dir`` on rank 0, which writes the metrics) is
-  created and written to once before anything is planned, so a folder that cannot be written is
-  refused in one paragraph at once, not after the steps have trained.
+  each rank writes its shards there; ``--log-dir`` on rank 0, which writes the metrics) gets a
+  file written and removed before anything is planned (in the folder, or in the nearest folder
+  above it that exists: nothing is created), so a folder that cannot be written is refused in
+  one paragraph at once, not after the steps have trained.
 * :func:`run_end`: under ``torchrun --max-restarts`` or a Slurm requeue ([Note: restarts] in
   runtime/launch/attempt.py) the same command starts again and resumes from the checkpoint; it
   must finish the run it restarts (end at the step the first attempt aimed for), not run
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
 from pathlib import Path
@@ -25,11 +27,17 @@ __all__ = ["check_outputs", "run_end"]
 
 
 def _writable(folder: Path, option: str) -> None:
-    probe = folder / f".nowdl-write-test-{socket.gethostname()}-{os.getpid()}"
+    """Write and remove a file in ``folder``, or in the nearest folder above it that exists (so
+    that a run that fails later leaves nothing behind)."""
     try:
         if folder.exists() and not folder.is_dir():
             raise NotADirectoryError(f"{folder} is a file")
-        folder.mkdir(parents=True, exist_ok=True)
+        here = folder
+        while not here.exists() and here != here.parent:
+            here = here.parent
+        if not here.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        probe = here / f".nowdl-write-test-{socket.gethostname()}-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
