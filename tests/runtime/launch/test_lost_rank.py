@@ -36,6 +36,7 @@ def _freeze_rank2(rank: int, world: int) -> None:
     dist.recv(t, src=2)  # ranks 0 and 1 wait for it; rank 0's watcher sees its beat stop
 
 
+@pytest.mark.slow
 def test_a_silent_rank_is_named_within_the_timeout(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(WorkerError) as e:
         run_workers(_freeze_rank2, 3, timeout_s=60, grace_s=2, start_method="spawn")
