@@ -22,20 +22,10 @@ The loss is cross-entropy (``--loss``: any callable, nowdl/cli/losses.py): again
 label per sample for ``(N, C)`` logits, against an integer label map of the output's spatial
 shape for dense outputs (segmentation). ``--val-data``: nowdl/cli/validation.py.
 
-Data (``--data``):
-
-* ``synthetic`` (default): a seeded random global batch per step, generated on every rank from
-  ``--seed`` and the step number, so the ranks (and a resumed run) see the same data.
-* ``imagefolder:PATH``: ``PATH/<class>/<file>``, one class per subfolder (sorted names give the
-  labels 0, 1, ...). ``.npy`` arrays ``(C, H, W)`` (or ``(H, W)``; 3D models: ``(C, D, H, W)``)
-  load with numpy; ``.png``/``.jpg``/``.jpeg``/``.tif``/``.tiff`` need Pillow (``pip install
-  pillow``; it is not a dependency of nowdl). Samples are scaled to ``[0, 1]`` (uint8 / 255),
-  resized so that they cover ``--input`` and centre-cropped to it; the order is a seeded
-  shuffle per epoch. Per-image labels only fit classification models.
-* ``zarr:PATH[:ARRAY]``, ``tiff:PATH[:level=N]``, ``h5:PATH:DATASET``: seeded ``--input`` crops of
-  large images, masks from ``--labels`` (``nowdl.runtime.data.feed``); with a spatial plan each rank
-  reads only its tile. ``package.module:callable`` (``--data-args JSON``): a torch Dataset.
-  Datasets load through ``nowdl.data.loader`` with ``--workers`` processes.
+Data (``--data``): ``synthetic`` (default: a seeded random global batch per step, the same on
+every rank and after a resume), ``imagefolder:PATH``, ``zarr:``/``tiff:``/``h5:`` crops of large
+images with ``--labels`` masks (with a spatial plan each rank reads only its tile), or a torch
+Dataset ``package.module:callable`` (``--data-args JSON``); see docs/runtime.md.
 
 ``--log-dir DIR``: ``DIR/metrics.jsonl`` and TensorBoard events (``nowdl.runtime.training.metrics``).
 
@@ -65,6 +55,7 @@ import argparse
 import functools
 import inspect
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -81,6 +72,7 @@ from torch import nn
 from nowdl.cli import validation
 from nowdl.cli.losses import make_loss
 from nowdl.cli.resume import StopSignal, reusable_plan, run_state
+from nowdl.cli.runguard import check_outputs, run_end
 from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
 from nowdl.cli.runspec import (
     RunSource,
@@ -91,10 +83,10 @@ from nowdl.cli.runspec import (
     run_source,
     step_batches,
 )
-from nowdl.errors import NowdlError, ReportedError, error_text
+from nowdl.errors import NowdlError
 from nowdl.runtime.data.feed import Feed, check_data_spec, label_loss, make_feed
 from nowdl.runtime.launch.failure import open_channel
-from nowdl.runtime.launch.group import PeerError
+from nowdl.runtime.launch.lost import report_failure
 from nowdl.runtime.training.checkpoint import Checkpoint, open_checkpoint
 from nowdl.runtime.training.metrics import MetricsWriter, PeakMeter
 
@@ -122,15 +114,19 @@ def run_main(args: argparse.Namespace) -> int:
         initialized_here = True
     channel = open_channel(rank, world, report=lambda m: print(f"nowdl run: error: {m}", file=sys.stderr, flush=True),
                            timeout_s=args.timeout)
+    tmp = Path(tempfile.mkdtemp(prefix="nowdl-run-"))
+    if channel is not None:  # also when a peer's failure ends this process from the watcher thread
+        channel.before_exit.append(functools.partial(shutil.rmtree, tmp, ignore_errors=True))
     try:
-        with tempfile.TemporaryDirectory(prefix="nowdl-run-") as tmp:
-            return _run(args, rank, world, optimizer, compile_params, Path(tmp))
+        check_outputs(args, rank)  # before anything is planned or trained; a failure on any rank is reported
+        return _run(args, rank, world, optimizer, compile_params, tmp)
     except Exception as e:
-        if channel is None:
+        instead = report_failure(e, rank, world, channel)  # once for the job; a lost peer is named
+        if instead is None:
             raise
-        channel.fail(error_text(e), consequence=isinstance(e, PeerError))  # rank 0 prints the job's first failure; every rank exits 2
-        raise ReportedError(str(e)) from e
+        raise instead from e
     finally:
+        shutil.rmtree(tmp, ignore_errors=True)
         if channel is not None:
             channel.close()
         if initialized_here and dist.is_initialized():
@@ -155,15 +151,12 @@ class _Job:
     ck: Checkpoint | None  # the checkpoint found there
     ckpt_plan: Path | None  # the checkpoint's plan, when this job can run it as is
     start: int  # steps done before this run
+    total: int  # the step this run ends at (runguard.run_end)
     val: validation.ValidationSet | None = None  # --val-data
 
     @property
     def say(self) -> bool:
         return self.rank == 0
-
-    @property
-    def total(self) -> int:
-        return self.start + self.args.steps
 
     @property
     def training(self) -> bool:
@@ -205,6 +198,11 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn
 def _run(args: argparse.Namespace, rank: int, world: int,
          optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], compile_params: Any, tmp: Path) -> int:
     job, model, name = _open_job(args, rank, world, tmp)
+    if job.start >= job.total:  # a restarted job whose last attempt had finished
+        if job.say:
+            print(f"nowdl run: the run restarted from {job.ckpt} had finished (step {job.start} of {job.total}): "
+                  "nothing to do", flush=True)
+        return 0
     feed = _feed(job, model, name)
     job.val = validation.ValidationSet(args, job.src.sample_shape) if args.val_data is not None else None
     progress = job.say and sys.stderr.isatty()
@@ -265,7 +263,8 @@ def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tup
     check_model_input(src, model)
     batch, micro_batch = step_batches(args, src, saved_run)
     start = ck.step if ck is not None and not args.eval else 0
-    return _Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start), model, name
+    total = run_end(saved_run, start, args.steps) if not args.eval else args.steps
+    return _Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start, total), model, name
 
 
 def _feed(job: _Job, model: nn.Module, name: str) -> Feed:
@@ -384,7 +383,7 @@ def _save(job: _Job, cm: Any, step: int, emit: _Printer) -> None:
     assert job.ckpt is not None
     src = job.src
     run = {"model": src.spec, "model_args": json.loads(src.model_args or "{}"), "batch_size": job.batch,
-           "seed": job.args.seed, "data": job.args.data, "step": step}
+           "seed": job.args.seed, "data": job.args.data, "step": step, "total": job.total}
     cm.save_checkpoint(job.ckpt, meta={"run": run})
     if job.rank == 0:
         plan = current_plan(cm)

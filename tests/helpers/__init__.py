@@ -10,6 +10,7 @@ folder (``pythonpath = ["tests"]`` in pyproject.toml).
 - ``run_cli``: ``nowdl run`` under torchrun and the losses it prints.
 - ``monai_zoo``: the MONAI networks nowdl is checked against.
 - ``multinode_worker``: one rank of a multi-node job, run as a script.
+- ``dying_data``: a seeded Dataset whose rank SIGKILLs itself at a chosen read (restart tests).
 """
 
 __all__: list[str] = []

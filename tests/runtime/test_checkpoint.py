@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import pickle
 from pathlib import Path
@@ -153,18 +154,45 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatc
     real = ckmod.dcp.save
 
     def crash(state: Any, **kw: Any) -> Any:
-        real(state, **kw)
-        raise OSError("disk full (simulated)")
+        real(state, **kw)  # the shards are written, then the disk fills up
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ckmod.dcp, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=r"saving the checkpoint of step 2 to .*ck failed \(OSError: No space left "
+                       r"on device\): the previous checkpoint .*step-00000001 is kept intact and a resume starts from "
+                       r"it; free space"):
         cm.save_checkpoint(tmp_path / "ck")
     monkeypatch.undo()
     assert (tmp_path / "ck" / "latest").read_text() == "step-00000001"
-    assert (tmp_path / "ck" / ".saving-step-00000002").exists()
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-00000001"]  # no debris left
     _load(tmp_path / "ck")  # the previous checkpoint is whole
-    cm.save_checkpoint(tmp_path / "ck")  # the next save clears the debris
+    cm.save_checkpoint(tmp_path / "ck")
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step-00000002"]
+
+
+def test_failed_pointer_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cm = _cm(1, ONE)
+    _train(cm, range(1))
+    with monkeypatch.context() as m:  # the first save of a folder fails: nothing to keep
+        m.setattr(ckmod.dcp, "save", lambda state, **kw: (_ for _ in ()).throw(OSError(errno.EDQUOT, "Disk quota exceeded")))
+        with pytest.raises(CheckpointError, match=r"Disk quota exceeded\): no earlier checkpoint is there"):
+            cm.save_checkpoint(tmp_path / "ck")
+    assert list((tmp_path / "ck").iterdir()) == []
+    cm.save_checkpoint(tmp_path / "ck")
+    _train(cm, range(1, 2))
+    real = Path.write_text
+
+    def full(self: Path, text: str, *a: Any, **kw: Any) -> int:
+        if self.name == ".latest.tmp":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(CheckpointError, match="step-00000001 is kept intact"):
+        cm.save_checkpoint(tmp_path / "ck")
+    monkeypatch.undo()
+    assert (tmp_path / "ck" / "latest").read_text() == "step-00000001"
+    _load(tmp_path / "ck")
 
 
 def test_not_a_checkpoint(tmp_path: Path) -> None:

@@ -99,6 +99,13 @@ class CropDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(index), self.read(index, mask=True)
 
+    def describe(self, index: int) -> str:
+        """Where crop ``index`` comes from: its image (and mask) file and region."""
+        im, starts = self.origin(index)
+        region = "[" + ", ".join(f"{lo}:{hi}" for lo, hi in self._region(starts, None)) + "]"
+        mask = f", mask {self.masks[im].path}" if self.masks is not None else ""
+        return f"{self.images[im].path}{mask}, region {region}"
+
     def lazy_batch(self, indices: Sequence[int]) -> tuple[TiledInput, TiledInput]:
         """The crops ``indices`` as ``(x, y)`` TiledInputs: nothing is read until a rank reads its window."""
         idx = list(indices)
@@ -174,9 +181,10 @@ def dataset_from_callable(spec: str, args_json: str | None) -> Any:
     return ds
 
 
-def check_sample(item: Any, index: int, where: str, sample_shape: Sequence[int],
-                 label_shape: Sequence[int] | None) -> None:
-    """Raise a NowdlError naming sample ``index`` of ``where`` unless it is ``(x, y)`` of the right shapes.
+def check_sample(item: Any, index: int | str, where: str, sample_shape: Sequence[int],
+                 label_shape: Sequence[int] | None, classes: int | None = None) -> None:
+    """Raise a NowdlError naming sample ``index`` of ``where`` unless it is ``(x, y)`` of the right shapes
+    (and, given ``classes``, labels in ``0 .. classes - 1``).
 
     ``label_shape`` None: the labels are not checked (inference).
     """
@@ -195,8 +203,21 @@ def check_sample(item: Any, index: int, where: str, sample_shape: Sequence[int],
     if label_shape is None:
         return
     if isinstance(y, (int, np.integer)) and not label_shape:
+        _check_classes(torch.tensor(int(y)), head, classes)
         return
     if not isinstance(y, torch.Tensor) or y.is_floating_point() or tuple(y.shape) != tuple(label_shape):
         what = f"a {y.dtype} tensor of shape {tuple(y.shape)}" if isinstance(y, torch.Tensor) else f"a {type(y).__name__}"
         want = "an int class index" if not label_shape else f"an integer tensor shaped {tuple(label_shape)} (class per pixel)"
         raise NowdlError(f"{head}: y is {what}; the model's output needs {want}")
+    _check_classes(y, head, classes)
+
+
+def _check_classes(y: torch.Tensor, head: str, classes: int | None) -> None:
+    """Refuse labels outside ``0 .. classes - 1`` (cross-entropy would fail on the rank computing the loss)."""
+    if classes is None or y.numel() == 0 or (int(y.min()) >= 0 and int(y.max()) < classes):
+        return
+    found = torch.unique(y).tolist()
+    shown = ", ".join(map(str, found[:12])) + (", ..." if len(found) > 12 else "")
+    raise NowdlError(f"{head} has label values {{{shown}}} but the model outputs {classes} class(es), so labels must be "
+                     f"in 0..{classes - 1}: fix the labels, or build the model with more classes (e.g. --model-args "
+                     f"'{{\"num_classes\": {max(found) + 1}}}' or out_channels)")

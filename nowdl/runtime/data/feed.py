@@ -50,8 +50,9 @@ class Feed:
 
     def __init__(self, kind: str, label: str, *, synthetic: SyntheticData | None = None, dataset: Any = None,
                  name: str = "", sample_shape: tuple[int, ...] = (), label_shape: tuple[int, ...] | None = None,
-                 seed: int = 0, workers: int = 0) -> None:
+                 seed: int = 0, workers: int = 0, classes: int | None = None) -> None:
         self.kind, self.label, self.synthetic, self.dataset, self.name = kind, label, synthetic, dataset, name
+        self.classes = classes  # labels are checked against it (None: not)
         self.sample_shape, self.label_shape, self.seed, self.workers = sample_shape, label_shape, seed, workers
         self.lazy = False
         self._it: Iterator[Any] | None = None
@@ -78,7 +79,8 @@ class Feed:
             self._ahead = TileReadAhead(self.dataset, StepSampler(len(self.dataset), batch, seed=self.seed), stop)
             return
         self._it = iter(loader(self.dataset, batch, seed=self.seed, workers=self.workers, start_step=step,
-                               sample_shape=self.sample_shape, label_shape=self.label_shape, name=self.name))
+                               sample_shape=self.sample_shape, label_shape=self.label_shape, name=self.name,
+                               classes=self.classes if self.label_shape is not None else None))
 
     def next(self, step: int) -> tuple[Any, Any, float]:
         """``(x, y, seconds waited)`` of ``step`` (steps in order; the same step again is cached)."""
@@ -156,8 +158,8 @@ def make_feed(args: argparse.Namespace, sample_shape: tuple[int, ...], out: tupl
             first = ds[0]
         except Exception as e:
             raise NowdlError(f"sample 0 of --data {spec} failed to load: {type(e).__name__}: {e}") from None
-        check_sample(first, 0, f"--data {spec}", sample_shape, want)
-        return Feed(kind, spec, dataset=ds, name=f"--data {spec}", label_shape=want, **common)
+        check_sample(first, 0, f"--data {spec}", sample_shape, want, None if args.eval else channels)
+        return Feed(kind, spec, dataset=ds, name=f"--data {spec}", label_shape=want, classes=channels, **common)
     if not label_shape and not args.eval:
         raise NowdlError(f"--data {spec} gives per-pixel labels (--labels) but {model_name} is a classifier with "
                          f"outputs {out}: use imagefolder or a Dataset (--data package.module:callable)")
@@ -172,4 +174,4 @@ def make_feed(args: argparse.Namespace, sample_shape: tuple[int, ...], out: tupl
                                                    stacked=any(im.index is not None for im in images))
     ds = CropDataset(images, masks, sample_shape, seed=args.seed)
     return Feed(kind, f"{kind} ({len(images)} image{'s' if len(images) > 1 else ''}, {len(ds)} crops/epoch)",
-                dataset=ds, name=spec, label_shape=None if args.eval else label_shape, **common)
+                dataset=ds, name=spec, label_shape=None if args.eval else label_shape, classes=channels, **common)

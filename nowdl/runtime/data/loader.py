@@ -85,15 +85,16 @@ class _Indexed(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> tuple[int, Any]:
-        return index, self.dataset[index]
+    def __getitem__(self, index: int) -> tuple[int | str, Any]:
+        describe = getattr(self.dataset, "describe", None)  # a crop: its file and region
+        return (f"{index} ({describe(index)})" if callable(describe) else index), self.dataset[index]
 
 
 def _collate(batch: list[Any], *, where: str, sample_shape: Sequence[int] | None,
-             label_shape: Sequence[int] | None) -> Any:
+             label_shape: Sequence[int] | None, classes: int | None = None) -> Any:
     if sample_shape is not None:
         for i, item in batch:
-            check_sample(item, i, where, sample_shape, label_shape)
+            check_sample(item, i, where, sample_shape, label_shape, classes)
         batch = [item for _, item in batch]
     x, y = default_collate(batch) if isinstance(batch[0], (tuple, list)) else (default_collate(batch), None)
     if isinstance(y, torch.Tensor) and not y.is_floating_point():
@@ -104,7 +105,7 @@ def _collate(batch: list[Any], *, where: str, sample_shape: Sequence[int] | None
 def loader(dataset: Dataset[Any], batch_size: int, *, seed: int = 0, workers: int | None = None,
            start_step: int = 0, steps: int | None = None, pin_memory: bool | None = None,
            sample_shape: Sequence[int] | None = None, label_shape: Sequence[int] | None = None,
-           name: str = "the dataset") -> DataLoader[Any]:
+           name: str = "the dataset", classes: int | None = None) -> DataLoader[Any]:
     """A DataLoader of global batches ``(x, y)`` that ``CompiledModel.train_step(x, y)`` takes.
 
     Every rank builds the same loader and gets the same batch at the same step; pass
@@ -120,6 +121,7 @@ def loader(dataset: Dataset[Any], batch_size: int, *, seed: int = 0, workers: in
         steps: how many batches (None: endless).
         pin_memory: default: when CUDA is available.
         sample_shape, label_shape: check every sample against them (a NowdlError names a bad one).
+        classes: also check that every label is in ``0 .. classes - 1`` (with ``sample_shape``).
         name: what the errors call the dataset.
 
     Example:
@@ -130,7 +132,8 @@ def loader(dataset: Dataset[Any], batch_size: int, *, seed: int = 0, workers: in
     if workers < 0:
         raise NowdlError(f"workers must be >= 0, got {workers}")
     sampler = StepSampler(len(dataset), batch_size, seed=seed, start=start_step, steps=steps)  # type: ignore[arg-type]
-    collate = functools.partial(_collate, where=name, sample_shape=sample_shape, label_shape=label_shape)
+    collate = functools.partial(_collate, where=name, sample_shape=sample_shape, label_shape=label_shape,
+                                classes=classes)
     return DataLoader(dataset if sample_shape is None else _Indexed(dataset), batch_sampler=sampler, num_workers=workers, collate_fn=collate,
                       pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
                       prefetch_factor=2 if workers else None, persistent_workers=False)

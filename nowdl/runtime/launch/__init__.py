@@ -1,8 +1,10 @@
 """Launching: who am I, how many are we, joining the process group, and failing as one job.
 
-``group`` reads torchrun/srun/mpirun's environment and joins; ``group_exit`` destroys the group
-at interpreter exit; ``nodes`` checks the job's nodes against the plan; ``failure`` reports the
-first failing rank's error once.
+``launcher`` reads torchrun/srun/mpirun's environment (rank, world, node layout); ``group``
+joins; ``attempt`` keeps each restart's rendezvous keys apart; ``group_exit`` destroys the
+group at interpreter exit; ``nodes`` checks the job's nodes against the plan; ``failure``
+reports the first failing rank's error once and watches every rank's beat; ``where`` records
+the step and action in flight; ``lost`` names the rank a failed exchange lost.
 """
 
 from typing import TYPE_CHECKING

@@ -1,23 +1,12 @@
-"""Launch layer of the distributed runtime: who am I, how many are we, and join the group.
+"""Launch layer of the distributed runtime: join the group, and wait on peers with a deadline.
 
-A pipeline job is started by one of several launchers, each of which describes the job in
-its own environment variables:
-
-* ``torchrun`` (and ``python -m torch.distributed.run``): ``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``;
-* Open MPI's ``mpirun``: ``OMPI_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``;
-* MVAPICH2: ``MV2_COMM_WORLD_RANK`` / ``_SIZE`` / ``_LOCAL_RANK``;
-* MPICH / Intel MPI (Hydra): ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``;
-* Slurm's ``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``.
-
-Across nodes, the node rank and the processes per node come from ``GROUP_RANK`` /
-``LOCAL_WORLD_SIZE`` (torchrun), ``SLURM_NODEID`` / ``SLURM_NTASKS_PER_NODE`` (srun) or the
-MPI local-size variables; the CUDA device of a process is its local rank on its node.
-
-:func:`launch_env` reads them (in that order of precedence; none means a single process),
-:func:`init_distributed` joins the default process group, and :func:`wait` waits for an
-asynchronous send/receive/collective with a deadline, turning a silent hang on a dead peer
-into a :class:`PeerError` that names the peer and what was being exchanged.
+:func:`launch_env` (``runtime/launch/launcher.py``) reads torchrun's, srun's or mpirun's
+variables (none means a single process), :func:`init_distributed` joins the default process
+group on a rendezvous store whose keys belong to this attempt of the job only ([Note:
+restarts] in ``runtime/launch/attempt.py``), and :func:`wait` waits for an asynchronous
+send/receive/collective with a deadline, turning a silent hang on a dead peer into a
+:class:`PeerError` that names the peer, what was being exchanged and where this rank was
+(``runtime/launch/where.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -34,7 +23,10 @@ import torch.distributed as dist
 
 from nowdl.backends import BACKENDS, backend_name
 from nowdl.errors import NowdlError
+from nowdl.runtime.launch.attempt import job_store
 from nowdl.runtime.launch.group_exit import destroy_at_exit
+from nowdl.runtime.launch.launcher import LAUNCHER_VAR, LaunchEnv, launch_env
+from nowdl.runtime.launch.where import here
 
 __all__ = [
     "LaunchEnv",
@@ -49,8 +41,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Backends :func:`default_backend` and :func:`init_distributed` accept.
-
 
 class PeerError(NowdlError):
     """A point-to-point or collective exchange with a peer rank failed or timed out.
@@ -64,136 +54,6 @@ class PeerError(NowdlError):
         self.peer = peer
         self.what = what
         self.timeout_s = timeout_s
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """Where this process sits in the job, as its launcher described it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str | None
-    master_port: int | None
-    launcher: str
-    """``"torchrun"``, ``"openmpi"``, ``"mvapich"``, ``"mpich"``, ``"slurm"`` or ``"single"``."""
-    node_rank: int | None = None
-    """This process's node (torchrun ``GROUP_RANK``, Slurm ``SLURM_NODEID``; else rank // local size)."""
-    local_world_size: int | None = None
-    """Processes on this node (torchrun ``LOCAL_WORLD_SIZE``, Slurm ``SLURM_NTASKS_PER_NODE``, ...)."""
-
-
-# (launcher, rank variable, size variable, local-rank variable), in order of precedence.
-# MPI comes before Slurm: ``mpirun`` inside an ``salloc``/``sbatch`` allocation still sees
-# the allocation's SLURM_* variables, and the MPI ones describe the actual processes.
-_LAUNCHERS: tuple[tuple[str, str, str, str], ...] = (
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),
-    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-)
-
-
-def _int_var(environ: Mapping[str, str], name: str, launcher: str) -> int:
-    raw = environ[name]
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise NowdlError(
-            f"{name}={raw!r} is not an integer (read as the {launcher} launch environment); "
-            f"fix or unset {name}"
-        ) from None
-
-
-def _master(environ: Mapping[str, str]) -> tuple[str | None, int | None]:
-    addr = environ.get("MASTER_ADDR", "").strip() or None
-    raw_port = environ.get("MASTER_PORT", "").strip()
-    if not raw_port:
-        return addr, None
-    try:
-        port = int(raw_port)
-    except ValueError:
-        raise NowdlError(f"MASTER_PORT={raw_port!r} is not an integer port number") from None
-    if not 1 <= port <= 65535:
-        raise NowdlError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
-    return addr, port
-
-
-# launcher -> (node-rank variable or "", processes-per-node variable)
-_NODE_VARS: dict[str, tuple[str, str]] = {
-    "torchrun": ("GROUP_RANK", "LOCAL_WORLD_SIZE"),
-    "openmpi": ("", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    "mvapich": ("", "MV2_COMM_WORLD_LOCAL_SIZE"),
-    "mpich": ("", "MPI_LOCALNRANKS"),
-    "slurm": ("SLURM_NODEID", "SLURM_NTASKS_PER_NODE"),
-}
-
-
-def _node_vars(env: Mapping[str, str], launcher: str, rank: int, world: int) -> tuple[int | None, int | None]:
-    """(node rank, processes per node) as the launcher tells them, None where it does not. Slurm
-    writes SLURM_NTASKS_PER_NODE as ``2`` or ``2(x4)``; without a node-rank variable the node is
-    rank // processes per node (block placement)."""
-    node_var, size_var = _NODE_VARS[launcher]
-    size: int | None = None
-    raw = env.get(size_var, "").strip()
-    if raw:
-        head = raw.split(",")[0].split("(")[0]
-        try:
-            size = int(head)
-        except ValueError:
-            raise NowdlError(f"{size_var}={raw!r} is not a number of processes per node ({launcher})") from None
-        if not 1 <= size <= world:
-            raise NowdlError(f"{size_var}={raw!r}: processes per node must be in 1..{world} ({launcher})")
-    node: int | None = None
-    if node_var and env.get(node_var, "").strip():
-        node = _int_var(env, node_var, launcher)
-        if node < 0:
-            raise NowdlError(f"{node_var}={env[node_var]!r}: a node rank is >= 0 ({launcher})")
-    elif size is not None:
-        node = rank // size
-    return node, size
-
-
-def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
-    """Read this process's rank, world size and local rank from its launcher's variables.
-
-    ``environ`` defaults to :data:`os.environ`. The first launcher (torchrun, Open MPI,
-    MVAPICH, MPICH/Hydra, Slurm) whose rank or size variable is set wins; if none is, the
-    process is alone (rank 0 of 1). ``MASTER_ADDR``/``MASTER_PORT`` are read whatever the
-    launcher. Raises :class:`~nowdl.errors.NowdlError`, naming the variables and their
-    values, if they are not integers or do not fit together (e.g. rank >= world size).
-    """
-    env: Mapping[str, str] = os.environ if environ is None else environ
-    master_addr, master_port = _master(env)
-    for launcher, rank_var, size_var, local_var in _LAUNCHERS:
-        if rank_var not in env and size_var not in env:
-            continue
-        missing = [v for v in (rank_var, size_var) if v not in env]
-        if missing:
-            present = rank_var if rank_var in env else size_var
-            raise NowdlError(
-                f"{present}={env[present]!r} is set but {missing[0]} is not: the {launcher} "
-                f"launch environment needs both {rank_var} and {size_var}"
-            )
-        rank = _int_var(env, rank_var, launcher)
-        world = _int_var(env, size_var, launcher)
-        local = _int_var(env, local_var, launcher) if local_var in env else 0
-        shown = f"{rank_var}={env[rank_var]!r}, {size_var}={env[size_var]!r}"
-        if world < 1:
-            raise NowdlError(f"{shown}: the world size must be at least 1 ({launcher})")
-        if not 0 <= rank < world:
-            raise NowdlError(f"{shown}: the rank must be in 0..{world - 1} ({launcher})")
-        if not 0 <= local < world:
-            raise NowdlError(
-                f"{local_var}={env[local_var]!r}, {size_var}={env[size_var]!r}: the local "
-                f"rank must be in 0..{world - 1} ({launcher})"
-            )
-        if local_var not in env and world > 1:
-            logger.debug("%s not set; assuming local rank 0", local_var)
-        node_rank, local_size = _node_vars(env, launcher, rank, world)
-        return LaunchEnv(rank, world, local, master_addr, master_port, launcher, node_rank, local_size)
-    return LaunchEnv(0, 1, 0, master_addr, master_port, "single")
 
 
 def _check_backend(backend: str, source: str) -> str:
@@ -323,19 +183,12 @@ def init_distributed(
             for key, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
                                ("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port)):
                 os.environ.setdefault(key, str(value))
-        host = env.master_addr
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"  # IPv6 literal
+            os.environ[LAUNCHER_VAR] = env.launcher  # later reads keep this launcher's node layout
         logger.info("rank %d/%d (%s, local %d) joining %s at %s:%d", env.rank, env.world_size,
                     env.launcher, env.local_rank, name, env.master_addr, env.master_port)
         try:
-            dist.init_process_group(
-                name,
-                init_method=f"tcp://{host}:{env.master_port}",
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timeout,
-            )
+            store = job_store(env.master_addr, env.master_port, env.rank, env.world_size, timeout, environ)
+            dist.init_process_group(name, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
         except (RuntimeError, TimeoutError) as exc:  # DistStoreError, DistNetworkError: RuntimeErrors
             raise NowdlError(rendezvous_message(env, timeout_s, exc)) from exc
     return env
@@ -388,8 +241,9 @@ def wait(work: dist.Work | None, *, timeout_s: float, what: str, peer: int | Non
     else:
         problem = f"the exchange with {who} failed after {elapsed:.1f} s"
     suspect = f"rank {peer}" if peer is not None else "one of the other ranks"
+    at = here()
     message = (
-        f"{prefix}{problem} while exchanging {what}: {suspect} probably died or is stuck "
+        f"{prefix}{problem} while exchanging {what}{' at ' + at if at else ''}: {suspect} probably died or is stuck "
         f"(see its log for the first error)"
     )
     if detail:

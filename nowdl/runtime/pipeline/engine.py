@@ -31,6 +31,7 @@ from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
 from nowdl.profiler import PRECISIONS as AUTOCAST_DTYPES
 from nowdl.profiler import check_precision
+from nowdl.runtime.launch.where import set_action
 from nowdl.runtime.pipeline.deferred_wgrad import enable
 from nowdl.runtime.pipeline.grad_sync import GradSync
 from nowdl.runtime.pipeline.rank_view import RankView
@@ -177,7 +178,9 @@ class PipelineEngine:
         step = self.runner.begin(x, y, train)
         for idx, act in enumerate(self.actions):
             if train or act.kind == "F":
+                set_action(act)  # named in a lost peer's message (runtime/launch/where.py)
                 self.runner.before(step, idx, act)
                 self._kinds[act.kind](step, act)
                 self.runner.after(step, act)
+        set_action(None)
         return self.runner.end(step)

@@ -20,6 +20,7 @@ tensors are read by DCP with ``weights_only=True``; our own metadata is JSON.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -54,13 +55,16 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _agree(error: str | None) -> None:
-    """Raise ``error`` on every rank if any rank has one (the lowest rank's message wins)."""
+def _agree(error: str | None, cleanup: Path | None = None) -> None:
+    """Raise ``error`` on every rank if any rank has one (the lowest rank's message wins), after
+    removing ``cleanup`` (an unfinished save's folder). Collective: a barrier when all is well."""
     if _distributed():
         errors: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
         error = next((e for e in errors if e), None)
     if error:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
         raise CheckpointError(error)
 
 
@@ -90,7 +94,9 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: Mappi
     """Write this rank's ``tensors`` as step ``step`` of ``directory`` (collective: every rank calls it).
 
     ``meta`` (JSON-ready, rank 0's is written) is stored beside the shards in ``nowdl.json``.
-    Returns the step folder. The previous checkpoint stays valid until this one is complete.
+    Returns the step folder. The previous checkpoint stays valid until this one is complete; a save
+    that fails on any rank (a full disk) removes its unfinished folder and raises
+    :class:`CheckpointError` on every rank, naming the checkpoint that is kept.
     """
     root = Path(directory)
     rank = dist.get_rank() if _distributed() else 0
@@ -108,32 +114,62 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: Mappi
         except OSError as e:
             error = f"cannot write a checkpoint in {root}: {e}; pass a writable folder"
     _agree(error)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
-        dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
-    files = sorted(p.name for p in tmp.iterdir() if p.is_file())
-    mine = {name: [(tmp / name).stat().st_size, _crc(tmp / name)] for name in files[rank::world]}
+    kept = _kept(root)
+    error = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
+            dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+        files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        mine = {name: [(tmp / name).stat().st_size, _crc(tmp / name)] for name in files[rank::world]}
+    except Exception as e:  # noqa: BLE001 - a full disk, a quota, a lost mount: reported on every rank below
+        error, mine = _failed(e, root, step, kept), {}
+    _agree(error, cleanup=tmp if rank == 0 else None)
     sums: list[Any] = [mine]
     if _distributed():
         sums = [None] * world
         dist.all_gather_object(sums, mine)
     final = root / _step_name(step)
     if rank == 0:
-        record = {"format": FORMAT, "version": VERSION, "step": step, "world": world, **dict(meta),
-                  "files": {k: v for part in sums for k, v in part.items()}}
-        (tmp / META).write_text(json.dumps(record, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / LATEST)
-        steps = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != final.name)
-        for old in steps[:max(0, len(steps) - (keep - 1))] if keep >= 1 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    if _distributed():
-        dist.barrier()
+        try:
+            record = {"format": FORMAT, "version": VERSION, "step": step, "world": world, **dict(meta),
+                      "files": {k: v for part in sums for k, v in part.items()}}
+            (tmp / META).write_text(json.dumps(record, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            pointer = root / f".{LATEST}.tmp"
+            pointer.write_text(final.name)
+            os.replace(pointer, root / LATEST)
+        except OSError as e:
+            error = _failed(e, root, step, _kept(root))
+        else:
+            steps = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != final.name)
+            for old in steps[:max(0, len(steps) - (keep - 1))] if keep >= 1 else []:
+                shutil.rmtree(old, ignore_errors=True)
+    _agree(error, cleanup=tmp if rank == 0 else None)  # also the barrier: every rank returns once it is complete
     return final
+
+
+def _kept(root: Path) -> str:
+    """What the pointer of ``root`` names now (the checkpoint a failed save leaves in place)."""
+    try:
+        name = (root / LATEST).read_text().strip()
+    except OSError:
+        return ""
+    return name if (root / name).is_dir() else ""
+
+
+def _failed(e: BaseException, root: Path, step: int, kept: str) -> str:
+    """The message of a save of ``step`` that failed with ``e`` (``kept``: the checkpoint still valid)."""
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).strip().splitlines() or [""])[0][:200]
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        fix = "free space on that filesystem (or pass another --checkpoint folder) and resume"
+    else:
+        fix = "fix the folder (space, quota, permissions, the mount) and resume"
+    where = (f"the previous checkpoint {root / kept} is kept intact and a resume starts from it" if kept else
+             "no earlier checkpoint is there, so a resume starts from the beginning")
+    return f"saving the checkpoint of step {step} to {root} failed ({type(e).__name__}: {reason}): {where}; {fix}"
 
 
 # ---- loading -------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
 from nowdl.plan.purpose import require_training
 from nowdl.runtime.launch.nodes import check_node_map
+from nowdl.runtime.launch.where import set_step
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
@@ -218,6 +219,7 @@ class Trainer:
 
     # ---- steps -----------------------------------------------------------------------------------
     def train_step(self, x: Any, y: Any) -> float:
+        set_step(self.steps + 1)  # named in a lost peer's message (runtime/launch/where.py)
         eng = self._setup(x, y)
         loss, _ = eng.run(x, y, train=True)
         self.steps += 1

@@ -1,0 +1,113 @@
+"""docs/multinode.md's Slurm batch script, read from the page: its srun line runs under srun's
+variables, SIGTERM (``--signal=TERM@...``) saves a checkpoint, and a requeue finishes the run."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.run_cli import ROOT, step_losses
+
+from nowdl.cli.commands import main
+
+DOC = ROOT / "docs" / "multinode.md"
+TINY = '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}'
+
+
+def _script() -> str:
+    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S)
+    found = [b for b in blocks if "#SBATCH" in b]
+    assert len(found) == 1, "docs/multinode.md should hold one Slurm batch script"
+    return found[0]
+
+
+def _job_id() -> int:
+    """A job id whose MASTER_PORT (20000 + id % 20000, as the script computes it) is free now."""
+    for port in range(20000 + os.getpid() % 19000, 40000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port - 20000 + 20000 * 7
+    raise RuntimeError("no free port in 20000..39999")
+
+
+def _expand(script: str, tmp: Path, job: int) -> tuple[list[str], dict[str, str]]:
+    """The script run by bash with stand-ins for srun, scontrol and nowdl: srun's argv and the exports."""
+    harness = ("srun() { printf '%s\\n' \"$@\" > srun.args; }\n"
+               "scontrol() { echo 127.0.0.1; }\n"
+               "nowdl() { :; }\n" + script +
+               "\necho \"$MASTER_ADDR $MASTER_PORT\" > master.txt\n")
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": str(job), "SLURM_CPUS_PER_TASK": "2",
+           "SLURM_JOB_NODELIST": "node[0-1]"}
+    subprocess.run(["bash", "-euc", harness], cwd=tmp, env=env, check=True, timeout=30)
+    addr, port = (tmp / "master.txt").read_text().split()
+    return (tmp / "srun.args").read_text().splitlines(), {"MASTER_ADDR": addr, "MASTER_PORT": port}
+
+
+def test_script_has_what_a_long_job_needs() -> None:
+    script = _script()
+    assert re.search(r"^#SBATCH --signal=TERM@\d+$", script, re.M)  # saves before the time limit
+    assert re.search(r"^#SBATCH --cpus-per-task=\d+$", script, re.M)
+    assert re.search(r"^#SBATCH --requeue$", script, re.M)
+    assert re.search(r"^export MASTER_PORT=.*SLURM_JOB_ID", script, re.M)  # job-unique
+    assert "--checkpoint " in script and "--save-every " in script and "--workers " in script
+
+
+def _tasks(argv: list[str], tmp: Path, master: dict[str, str], job: int, restart: int) -> list[subprocess.Popen[str]]:
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT") and not k.startswith(("SLURM_", "OMPI_"))}
+    procs = []
+    for r in range(2):  # two nodes of one task, as srun --distribution=block starts them
+        env = {**base, **master, "NOWDL_BACKEND": "gloo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+               "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": str(r),
+               "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_ID": str(job), "SLURM_CPUS_PER_TASK": "2",
+               "SLURM_RESTART_COUNT": str(restart)}
+        procs.append(subprocess.Popen([sys.executable, *argv], cwd=tmp, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.slow
+def test_script_launch_line_saves_on_sigterm_and_finishes_when_requeued(tmp_path: Path) -> None:
+    job = _job_id()
+    argv, master = _expand(_script(), tmp_path, job)
+    assert master["MASTER_PORT"] == str(20000 + job % 20000)
+    assert argv[:argv.index("python")] == ["--distribution=block", "--cpus-per-task=2"]
+    run = argv[argv.index("python") + 1:]
+    assert run[:3] == ["-m", "nowdl", "run"] and "--workers" in run and run[run.index("--workers") + 1] == "1"
+    # the doc's 64-GPU plan becomes a 2-node plan of a small model, its 1000 steps 6; the rest as written
+    assert main(["plan", "resnet", "--model-args", TINY, "--input", "2x3x16x16", "--gpus", "2", "--nodes", "2",
+                 "--gpus-per-node", "1", "--stages", "2", "--micro-batches", "2", "--dp", "1", "--replicas", "1",
+                 "--device-spec", "cpu", "--out", str(tmp_path / run[3])]) == 0
+    run[run.index("--steps") + 1] = "6"
+    ckpt = tmp_path / run[run.index("--checkpoint") + 1]
+
+    first = _tasks(run, tmp_path, master, job, 0)
+    assert first[0].stdout is not None
+    seen, deadline = "", time.monotonic() + 240
+    while "step 2/6" not in seen and time.monotonic() < deadline and first[0].poll() is None:
+        seen += first[0].stdout.readline()
+    for p in first:  # Slurm signals every task of the step
+        p.send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=240) for p in first]
+    out = seen + outs[0][0]
+    assert [p.returncode for p in first] == [143, 143], [o[1][-2000:] for o in outs]
+    assert not any("node(s)" in o[1] for o in outs), outs  # no "the job runs on 1 node(s)": srun's 2 nodes were read
+    m = re.search(r"stopped by SIGTERM after step (\d) of 6; resume with the same command", out)
+    assert m is not None and f"saved checkpoint at step {m.group(1)} to {ckpt.relative_to(tmp_path)}" in out, out
+    assert (ckpt / "latest").read_text() == f"step-0000000{m.group(1)}"
+    # a requeue (SLURM_RESTART_COUNT=1) runs the same line: it resumes and ends at step 6
+    second = _tasks(run, tmp_path, master, job, 1)
+    outs = [p.communicate(timeout=240) for p in second]
+    assert [p.returncode for p in second] == [0, 0], [o[1][-2000:] for o in outs]
+    assert f"resumed from {ckpt.relative_to(tmp_path)} at step {m.group(1)}" in outs[0][0], outs[0][0]
+    assert max(step_losses(outs[0][0])) == 6 and not re.search(r"^step 7/", outs[0][0], re.M)
