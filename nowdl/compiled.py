@@ -197,6 +197,8 @@ class CompiledModel:
             params_per_node=_params_per_node(t.gm),
         )
         fusion = self.options.halo_fusion
+        if result.costs is not None:  # planned at another micro-batch size than the example's
+            costs, prof = result.costs, result.costs.profile
         plan_fusion(t.gm, plan, prof, costs, result, fusion, float(spec.link_bw), costs.topo(req.gpus).intra.latency_s)
         plan.config["halo_fusion"] = fusion
         plan.config["precision"] = self.precision

@@ -19,8 +19,6 @@ def plan_job(model: nn.Module, args: argparse.Namespace, rank: int, world: int, 
              micro_batch: int, src: RunSource, optimizer: Any, progress: bool) -> str:
     """Rank 0 plans one ``micro_batch``-sample micro-batch for a ``batch``-sample step; every rank
     gets the plan JSON (or rank 0's error), through the trainer's ``plan_on_rank0``."""
-    import dataclasses
-
     import nowdl
     from nowdl.runtime.training.trainer import plan_on_rank0
 
@@ -32,9 +30,8 @@ def plan_job(model: nn.Module, args: argparse.Namespace, rank: int, world: int, 
                                 replicas=args.replicas, dp=args.dp, spatial_parts=args.spatial_parts,
                                 spatial_stages=args.spatial_stages, slice=args.slice, halo_fusion=args.halo_fusion,
                                 gpu_memory=args.gpu_memory, mode="estimate", device_spec=args.device_spec,
-                                optimizer=optimizer, progress=progress, nodes=nodes, gpus_per_node=per_node)
-        if planner.request is not None:
-            planner.request = dataclasses.replace(planner.request, global_batch=batch)
+                                optimizer=optimizer, progress=progress, nodes=nodes, gpus_per_node=per_node,
+                                global_batch=batch, tiles_per_gpu=getattr(args, "tiles_per_gpu", "auto"))
         plan = planner.plan(torch.empty((micro_batch, *src.sample_shape), device="meta"))
         plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
         return plan

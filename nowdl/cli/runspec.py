@@ -35,9 +35,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="the whole input of one micro-batch, batch first, as `nowdl plan` reads it: N samples "
                    "of CxHxW, e.g. 1x3x1024x1024 (default: the built-in model's or the plan's)")
     p.add_argument("--steps", type=int, required=True, help="optimizer (or inference) steps to run")
-    p.add_argument("--batch-size", type=int, help="GLOBAL batch per step = micro-batch (1 sample when planning) "
-                   "x micro-batches x replicas x dp (default with a plan: the plan's)")
+    p.add_argument("--batch-size", type=int, help="GLOBAL batch per step = micro-batch x micro-batches x replicas x "
+                   "dp; the planner chooses the split (default with a plan: the plan's)")
     p.add_argument("--micro-batches", type=int, help="pin micro-batches per step")
+    p.add_argument("--tiles-per-gpu", default="auto", metavar="auto|N",
+                   help="tiles each GPU of a spatial stage runs one after another (auto: the planner chooses; 1: never)")
     p.add_argument("--stages", type=int, help="pin the number of pipeline stages")
     p.add_argument("--dp", type=int, help="pin the data-parallel degree")
     p.add_argument("--replicas", type=int, choices=(1, 2), help="pin replicas (2: GEMS-MASTER mirrored replica)")
