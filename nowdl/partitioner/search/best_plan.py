@@ -165,41 +165,24 @@ def search(
     if not cands:
         raise NowdlError(no_candidate_message(req, front, first_untileable(costs, front), costs=costs))
     by_batch = CostsByBatch(costs, batch)
-    entries: list[tuple[Candidate, Costs, Problem, Bounds]] = []
-    for cand in cands:
-        cc, problem = candidate_problem(by_batch, cand, req.balance)
-        try:
-            entries.append((cand, cc, problem, candidate_bounds(cc, cand, problem, cand.micro_batch_size)))
-        except InfeasibleError:  # pins and tileability allow no split
-            continue
-    order = sorted(range(len(entries)), key=lambda i: (-entries[i][3].throughput_ub, i))
     cache = SolveCache()
+    # [Note: sequential tiles last] tiles run in turn on a GPU never make a configuration faster
+    # (the forward runs twice): with tiles_per_gpu "auto" they are searched only when nothing
+    # fits without them, so plans that fit stay as they were
+    first = [c for c in cands if c.tiles_per_gpu == 1]
+    later = [c for c in cands if c.tiles_per_gpu > 1]
+    pools = [first, later] if first and later else [cands]
     evals: list[_Eval] = []
-    best_lb = 0.0
+    results: list[_Eval] = []
     pruned = over = 0
-    for done, i in enumerate(order):
-        cand, cc, problem, b = entries[i]
-        if progress is not None:
-            progress(done + 1, len(order))
-        if b.throughput_ub < best_lb * (1 - _REL):
-            pruned = len(order) - done
+    for pool in pools:
+        pool_evals, p, o = _screen(req, pool, by_batch, cache, t0, progress)
+        evals += pool_evals
+        pruned, over = pruned + p, over + o
+        results += _finalists(req, pool_evals, cache, deadline=t0 + req.time_limit)
+        if any(e.fits for e in results):
             break
-        if cc.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
-            floor = memory_floor(_as_memory(problem), cc.mem_cap * (1 + _REL), b.mem_lb)
-            if floor > cc.mem_cap * (1 + _REL):
-                over += 1
-                continue
-        screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
-        ev = _evaluate(cc, cand, problem, b, cache, screen, req.mip_gap)
-        if ev is None:
-            continue
-        evals.append(ev)
-        if ev.fits and not ev.idle:
-            best_lb = max(best_lb, ev.achievable(req.balance))
-    if progress is not None and pruned:
-        progress(len(order), len(order))
     screen_s = time.perf_counter() - t0
-    results = _finalists(req, evals, cache, deadline=t0 + req.time_limit)
     fitting = [e for e in results if e.fits]
     if not fitting:  # the leanest split screened, and more: [Note: infeasible figures]
         lean = min(results, key=lambda e: e.part.bottleneck_mem, default=None)
@@ -238,6 +221,46 @@ def search(
     return SearchResult(best.cand, best.part, best.pred, len(cands), stats, warnings,
                         costs=best.costs if best.costs is not costs else None, batch_note=batch_choice(req, best.cand),
                         problem=best.problem)
+
+
+def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cache: SolveCache, t0: float,
+            progress: Callable[[int, int], None] | None) -> tuple[list[_Eval], int, int]:
+    """Bound every candidate of ``pool`` and solve, best bound first, those that can still win
+    ([Note: configuration search]); the solved ones, and how many the bounds pruned or proved
+    over the cap."""
+    entries: list[tuple[Candidate, Costs, Problem, Bounds]] = []
+    for cand in pool:
+        cc, problem = candidate_problem(by_batch, cand, req.balance)
+        try:
+            entries.append((cand, cc, problem, candidate_bounds(cc, cand, problem, cand.micro_batch_size)))
+        except InfeasibleError:  # pins and tileability allow no split
+            continue
+    order = sorted(range(len(entries)), key=lambda i: (-entries[i][3].throughput_ub, i))
+    evals: list[_Eval] = []
+    best_lb = 0.0
+    pruned = over = 0
+    for done, i in enumerate(order):
+        cand, cc, problem, b = entries[i]
+        if progress is not None:
+            progress(done + 1, len(order))
+        if b.throughput_ub < best_lb * (1 - _REL):
+            pruned = len(order) - done
+            break
+        if cc.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
+            floor = memory_floor(_as_memory(problem), cc.mem_cap * (1 + _REL), b.mem_lb)
+            if floor > cc.mem_cap * (1 + _REL):
+                over += 1
+                continue
+        screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
+        ev = _evaluate(cc, cand, problem, b, cache, screen, req.mip_gap)
+        if ev is None:
+            continue
+        evals.append(ev)
+        if ev.fits and not ev.idle:
+            best_lb = max(best_lb, ev.achievable(req.balance))
+    if progress is not None and pruned:
+        progress(len(order), len(order))
+    return evals, pruned, over
 
 
 def _finalists(req: PlanRequest, evals: list[_Eval], cache: SolveCache, *, deadline: float) -> list[_Eval]:

@@ -1,8 +1,10 @@
 """Tile grids the search may try: spatial part counts up to the GPU count, sequential tiles per GPU.
 
 [Note: search grids] A spatial stage of P parts cuts the image by ``slice_grid(slice, P)``; the
-search tries every P from 2 to the GPU count whose grid cuts the input's spatial dims evenly
-(an 8192² image: the powers of two; a 3000² one: 2, 3, 4, 5, 6, 8, ...). With ``tiles_per_gpu``
+search tries every P from 2 to the GPU count whose grid cuts the input's spatial dims evenly into
+tiles of at least ``MIN_TILE`` pixels (an 8192² image: the powers of two; a 3000² one: 2, 3, 4,
+5, 6, 8, ...), and 2, 4, 8 and 16 always (uneven tiles differ by a pixel; too small ones are
+kept out of the ops that cannot run on them, ``candidate_problem.too_small``). With ``tiles_per_gpu``
 T a stage runs the grid ``slice_grid(slice, P x T)``, each GPU its T tiles one after another: the
 P x T grid must refine the P grid (each P-tile is cut into the same sub-grid, the elementwise
 quotient) and cut the image evenly; T is tried in powers of two up to ``MAX_TILES_PER_GPU``
@@ -20,6 +22,7 @@ __all__ = ["grid_of", "part_counts", "tile_counts", "sub_grid", "cuts_evenly", "
 
 MIN_TILE = 16  # pixels per cut dim of the smallest tile tried (input resolution)
 MAX_TILES_PER_GPU = 64
+_ALWAYS = (2, 4, 8, 16)
 
 
 def grid_of(slice_: str, parts: int, dims: int) -> tuple[int, ...] | None:
@@ -40,15 +43,15 @@ def cuts_evenly(image: Sequence[int] | None, grid: Sequence[int]) -> bool:
 
 
 def part_counts(gpus: int, slice_: str, image: Sequence[int] | None) -> list[int]:
-    """Spatial part counts (>= 2, <= ``gpus``) to try: see [Note: search grids]."""
+    """Spatial part counts (>= 2, <= ``gpus``) to try: see [Note: search grids]. 2, 4, 8 and 16
+    are always tried (tiles of uneven sizes, as before counts beyond 16 were searched)."""
     dims = len(image) if image else 2
-    if image is None:
-        return [p for p in (2**i for i in range(1, gpus.bit_length() + 1)) if p <= gpus
-                and grid_of(slice_, p, dims) is not None]
     out = []
     for p in range(2, gpus + 1):
         g = grid_of(slice_, p, dims)
-        if g is not None and cuts_evenly(image, g):
+        if g is None:
+            continue
+        if p in _ALWAYS or (image is None and p & (p - 1) == 0) or (image is not None and cuts_evenly(image, g)):
             out.append(p)
     return out
 

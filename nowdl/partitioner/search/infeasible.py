@@ -189,14 +189,21 @@ def searched_space(costs: Costs, req: PlanRequest) -> str:
 
 
 def _tiles_hint(costs: Costs, req: PlanRequest, cap: float, deadline: float, cache: SolveCache) -> str:
-    """', or allow sequential tiles (...)' when they are forbidden and would fit these GPUs."""
-    if req.tiles_per_gpu != 1 or not tileable_ends(costs)[0] or time.perf_counter() >= deadline:
+    """', or allow sequential tiles (...)' with the fewest tiles per GPU that fit these GPUs,
+    when they are forbidden ('' when none fits before ``deadline``)."""
+    if req.tiles_per_gpu != 1 or not tileable_ends(costs)[0]:
         return ""
-    found = leanest(costs, dataclasses.replace(req, tiles_per_gpu=None), deadline, cache)
-    if found[0] > cap:
-        return ""
-    return (f", or allow sequential tiles (tiles_per_gpu='auto', --tiles-per-gpu auto): {found[1]} needs "
-            f"{format_bytes(found[0])}")
+    for t in tile_counts(1, req.slice or "square", image_of(costs)):
+        if time.perf_counter() >= deadline:
+            break
+        try:
+            found = leanest(costs, dataclasses.replace(req, tiles_per_gpu=t), deadline, cache)
+        except NowdlError:
+            continue
+        if found[0] <= cap:
+            return (f", or allow sequential tiles (--tiles-per-gpu {t} or auto): {found[1]} needs "
+                    f"{format_bytes(found[0])}")
+    return ""
 
 
 def first_untileable(costs: Costs, front: bool) -> str:
