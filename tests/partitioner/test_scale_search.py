@@ -31,7 +31,8 @@ def test_part_counts_go_up_to_the_gpus_for_grids_that_cut_the_image() -> None:
     assert part_counts(64, "square", (8192, 8192)) == [2, 4, 8, 16, 32, 64]
     odd = part_counts(16, "square", (3000, 3000))
     assert {3, 5, 6, 10, 12, 15} <= set(odd) and 7 not in odd and 11 not in odd  # 7 and 11 do not divide 3000
-    assert part_counts(128, "square", (960, 960))[-1] == 120  # a 10 x 12 grid of 96 x 80 tiles
+    big = part_counts(128, "square", (960, 960))
+    assert {120, 128} <= set(big) and 127 not in big  # 10 x 12 tiles of 96 x 80 pixels; 8 x 16 of 120 x 60
     assert part_counts(8, "cube", (64, 64, 64)) == [8]
     assert sub_grid("square", 4, 2, 2) == (1, 2) and sub_grid("square", 2, 2, 2) == (2, 1)
     assert tile_counts(1, "square", (64, 64)) == [2, 4, 8, 16]  # 16 x 16 pixel tiles at most
@@ -116,7 +117,7 @@ def test_sequential_tiles_trade_time_for_memory() -> None:
     st = seq.stages[0]
     assert st.tiles_per_gpu == 4 and seq.config["spatial"]["tiles_per_gpu"] == 4
     assert seq.predicted["peak_bytes"] < 0.6 * whole.predicted["peak_bytes"]
-    assert seq.predicted["step_s"] > 1.8 * whole.predicted["step_s"]  # the forward runs twice, with margins
+    assert seq.predicted["step_s"] > 1.25 * whole.predicted["step_s"]  # the forward twice (b = 2f: 4/3), margins
     assert "4 tiles per GPU" in str(seq)
     # under a cap the whole image cannot meet, "auto" picks sequential tiles on one GPU
     cap = int(0.7 * whole.predicted["peak_bytes"])
@@ -125,9 +126,12 @@ def test_sequential_tiles_trade_time_for_memory() -> None:
 
 
 def test_sequential_tiles_keep_image_statistics_norms_out() -> None:
-    plan = _plan(_unet(norm=True), (1, 3, 256, 256), gpus=1, global_batch=1, tiles_per_gpu=4)
+    plan = _plan(_unet(norm=True), (1, 3, 256, 256), gpus=2, global_batch=1, tiles_per_gpu=4)
     seq = [s for s in plan.stages if s.tiles_per_gpu > 1]
     assert seq and all("bn" not in n for s in seq for n in s.nodes), [s.nodes for s in seq]
+    with pytest.raises(InfeasibleError, match=r"tiles_per_gpu=4: node 'encoders_0_bn1' \(BatchNorm2d\) normalises "
+                       "with statistics over the whole image"):
+        _plan(_unet(norm=True), (1, 3, 256, 256), gpus=1, global_batch=1, tiles_per_gpu=4)
 
 
 @pytest.mark.parametrize(("kw", "needle"), [
@@ -145,7 +149,7 @@ def test_nothing_fits_names_the_cap_and_the_smallest_changes() -> None:
         _plan(_unet(), (1, 3, 512, 512), gpus=1, global_batch=1, tiles_per_gpu=1, gpu_memory="20MiB")
     msg = str(e.value)
     assert "the memory cap is the constraint that failed" in msg and "1 tile per GPU (pinned)" in msg
-    assert "GPUs would fit it" in msg and "--tiles-per-gpu auto" in msg
+    assert "4 GPUs would fit it" in msg and "or allow sequential tiles (--tiles-per-gpu 4 or auto): " in msg
 
 
 def test_pins_that_cannot_fill_the_gpus_show_the_arithmetic() -> None:

@@ -19,6 +19,7 @@ import time
 
 from nowdl.errors import InfeasibleError, NowdlError
 from nowdl.partitioner.costs.costmodel import Costs
+from nowdl.partitioner.costs.sequential_tiles import image_norms
 from nowdl.partitioner.search.batch_split import CostsByBatch
 from nowdl.partitioner.search.bounds import candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
@@ -160,7 +161,7 @@ def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, st
     else:
         more = f"no GPU count up to {tried} was found to fit it" + (f" ({leanest_txt})" if leanest_txt else "")
     raise_to = f" to {cap_text(found[0])}" if math.isfinite(found[0]) else ""
-    return (f"nothing fits in {format_bytes(cap)} per GPU with {req.gpus} GPUs (the memory cap is the constraint "
+    return (f"{_norms_text(costs, req)}nothing fits in {format_bytes(cap)} per GPU with {req.gpus} GPUs (the memory cap is the constraint "
             f"that failed; the search tried {searched_space(costs, req)}): {need}. Raise the cap{raise_to} "
             f"(--gpu-memory), or use more GPUs: {more}{_tiles_hint(costs, req, cap, deadline, cache)}.")
 
@@ -175,7 +176,8 @@ def searched_space(costs: Costs, req: PlanRequest) -> str:
         out.append(f"spatial parts {req.spatial_parts} (pinned)")
     elif front:
         ps = part_counts(req.gpus, slice_, image)
-        out.append(f"spatial parts up to {max(ps)}" if ps else "no spatial parts (the image cuts into none)")
+        out.append(f"spatial parts up to {max(ps)}" if ps else
+                   "no spatial parts" + (" (1 GPU)" if req.gpus < 2 else " (the image cuts into none)"))
     else:
         out.append("no spatial stage (the model's first op cannot run on tiles)")
     if req.tiles_per_gpu is not None:
@@ -186,6 +188,17 @@ def searched_space(costs: Costs, req: PlanRequest) -> str:
     if req.micro_batches:
         out.append(f"{req.micro_batches} micro-batches (pinned)")
     return ", ".join(out)
+
+
+def _norms_text(costs: Costs, req: PlanRequest) -> str:
+    """Why pinned sequential tiles could not cover the model: the first norm with image statistics."""
+    norms = image_norms(costs)
+    if not req.tiles_per_gpu or req.tiles_per_gpu == 1 or not norms:
+        return ""
+    n = costs.profile.nodes[norms[0]]
+    return (f"tiles_per_gpu={req.tiles_per_gpu}: node {n.name!r} ({n.target.rsplit('.', 1)[-1]}) normalises with "
+            "statistics over the whole image, which tiles run one after another cannot gather before normalising, so "
+            "a stage of sequential tiles ends before it (refused, not costed as a statistics pass). ")
 
 
 def _tiles_hint(costs: Costs, req: PlanRequest, cap: float, deadline: float, cache: SolveCache) -> str:
