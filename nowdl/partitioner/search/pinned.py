@@ -80,7 +80,7 @@ def pinned_arithmetic(req: PlanRequest, *, tileable_front: bool, tileable_back: 
     found: dict[int, Candidate] = {}
     for g in range(1, min(4 * req.gpus, 256) + 1):
         try:
-            r = dataclasses.replace(req, gpus=g, dp=1, global_batch=None)
+            r = dataclasses.replace(req, gpus=g, dp=1, global_batch=None, tiles_per_gpu=req.tiles_per_gpu or 1)
         except NowdlError:
             continue
         for c in enumerate_candidates(r, tileable_front=tileable_front, tileable_back=tileable_back,
