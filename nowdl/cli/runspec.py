@@ -227,7 +227,8 @@ def step_batches(args: argparse.Namespace, src: RunSource, saved_run: dict[str, 
 
     The global batch is ``--batch-size``, else the plan's, else the checkpoint's. A micro-batch is
     ``--input``'s batch dimension; without ``--input`` it is ``batch / (micro-batches x replicas x
-    dp)`` when all three are pinned, else one sample.
+    dp)`` when all three are pinned, else the planner chooses it from a one-sample example (the
+    second value is then that example's size, 1).
     """
     if saved_run is not None and args.batch_size is None and src.plan_batch is None:
         args.batch_size = int(saved_run["batch_size"])

@@ -124,7 +124,7 @@ def build_plan(
         "schedule": cand.schedule, "replicas": cand.replicas, "dp": cand.dp, "spatial": spatial,
         "gpu_memory": costs.mem_cap,
         "pinned": {key: getattr(req, key) for key in ("stages", "micro_batches", "schedule", "replicas", "dp",
-                                                     "spatial_parts", "spatial_stages", "slice", "global_batch",
+                                                     "spatial_parts", "spatial_stages", "slice", "global_batch", "micro_batch_size",
                                                      "tiles_per_gpu") if getattr(req, key) is not None},
     }
     topology = lay.topo.to_dict()

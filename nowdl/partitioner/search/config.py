@@ -52,13 +52,14 @@ class PlanRequest:
     nodes: int | None = None  # cluster nodes (None: from gpus_per_node or the device spec's node)
     gpus_per_node: int | None = None  # GPUs per node (None: the device spec's node, e.g. 8 for h100)
     tiles_per_gpu: int | None = None  # tiles each GPU of a spatial stage runs in turn (None: searched)
+    micro_batch_size: int | None = None  # samples per micro-batch with a global batch (None: searched)
 
     def __post_init__(self) -> None:
         _pos_int("gpus", self.gpus, allow_none=False)
         if self.balance not in BALANCES:
             raise NowdlError(f"unknown balance {self.balance!r}: use 'memory' (smallest peak memory per GPU) or 'compute' (fastest stage time)")
         for name in ("stages", "micro_batches", "replicas", "dp", "global_batch", "nodes", "gpus_per_node",
-                     "tiles_per_gpu"):
+                     "tiles_per_gpu", "micro_batch_size"):
             _pos_int(name, getattr(self, name))
         if isinstance(self.spatial_parts, (list, tuple)):
             sp = tuple(self.spatial_parts)
@@ -277,15 +278,16 @@ def _ranks_of(k: int, rep: int, parts: int, front: int, back: int, taper: tuple[
 
 def batch_splits(req: PlanRequest, rep: int, dp: int, micro_batch: int, mbs: Sequence[int]) -> list[tuple[int, int]]:
     """``(micro-batches, micro-batch size)`` pairs for ``rep`` replicas and ``dp`` copies: with a
-    global batch G every m x b = G / (rep x dp) (m as pinned), else ``mbs`` x ``micro_batch``."""
+    global batch G every m x b = G / (rep x dp) (m and b as pinned), else ``mbs`` x ``micro_batch``."""
     if req.global_batch is None:
         return [(m, micro_batch) for m in mbs]
     per, rest = divmod(req.global_batch, rep * dp)
     if rest or per < 1:
         return []
-    if req.micro_batches:
-        return [(req.micro_batches, per // req.micro_batches)] if per % req.micro_batches == 0 else []
-    return [(per // b, b) for b in range(1, per + 1) if per % b == 0]
+    sizes = [b for b in range(1, per + 1) if per % b == 0]
+    if req.micro_batch_size is not None:
+        sizes = [b for b in sizes if b == req.micro_batch_size]
+    return [(per // b, b) for b in sizes if not req.micro_batches or per // b == req.micro_batches]
 
 
 def _stage_counts(req: PlanRequest, ranks: int, rep: int, dp: int, shape: _Shape, tileable_back: bool,

@@ -233,7 +233,7 @@ def no_candidate_message(req: PlanRequest, front: bool, untileable: str = "", *,
     """The error for pinned settings that no configuration of ``req.gpus`` GPUs matches; with
     ``costs``, the arithmetic: the ranks a pipeline of these pins takes and GPU counts that work."""
     pins = {k: getattr(req, k) for k in ("stages", "dp", "replicas", "spatial_parts", "spatial_stages", "global_batch",
-                                         "micro_batches", "tiles_per_gpu") if getattr(req, k)}
+                                         "micro_batches", "micro_batch_size", "tiles_per_gpu") if getattr(req, k)}
     why = ""
     if (req.spatial_parts or req.spatial_stages) and not front:
         why = " The model's first operation cannot run on image tiles, so no spatial stage is possible." + untileable
