@@ -13,7 +13,6 @@ costs, so its tensors and recorded input carry b samples.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.search.config import MICRO_BATCH_CHOICES, Candidate, PlanRequest
@@ -59,15 +58,16 @@ class CostsByBatch:
         return self._made[b]
 
 
-def batch_choice(req: PlanRequest, cand: Candidate, describe_alternatives: Callable[[], str] = lambda: "") -> str:
+def batch_choice(req: PlanRequest, cand: Candidate) -> str:
     """One sentence: the global batch of ``cand`` and why ([Note: micro-batch size])."""
     split = (f"{cand.micro_batches} micro-batch{'es' if cand.micro_batches != 1 else ''} of "
              f"{cand.micro_batch_size} sample{'s' if cand.micro_batch_size != 1 else ''}"
              + (" x 2 replicas" if cand.replicas == 2 else "") + (f" x dp {cand.dp}" if cand.dp > 1 else ""))
     g = cand.global_batch()
     if req.global_batch is not None:
-        return (f"global batch {g} as given, split into {split}: the split with the highest predicted "
-                "throughput that fits" + describe_alternatives())
+        how = ("the samples per micro-batch as pinned" if req.micro_batch_size is not None
+               else "the split with the highest predicted throughput that fits")
+        return f"global batch {g} as given, split into {split}: {how}"
     tried = (f"{req.micro_batches} micro-batch{'es' if req.micro_batches != 1 else ''} (pinned)" if req.micro_batches
              else "micro-batches " + ", ".join(str(m) for m in MICRO_BATCH_CHOICES))
     return (f"global batch {g} chosen by the planner ({split}): no batch size was given, so it tried {tried} "
