@@ -49,15 +49,18 @@ def test_64_tiles_on_64_gpus() -> None:
     assert free.solver["candidates"] < 5000
 
 
-def test_global_batch_splits_every_way() -> None:
+def test_global_batch_splits() -> None:
     req = PlanRequest(gpus=4, global_batch=8)
-    assert batch_splits(req, 1, 2, 1, [1]) == [(4, 1), (2, 2), (1, 4)]
+    assert batch_splits(req, 1, 2, 1, [1]) == [(4, 1)]  # m free: micro-batches of the example's size
+    assert batch_splits(req, 1, 2, 3, [1]) == [(2, 2)]  # the largest size up to the example's that divides
     assert batch_splits(PlanRequest(gpus=4, global_batch=8, micro_batches=2), 2, 1, 1, [2]) == [(2, 2)]
+    assert batch_splits(PlanRequest(gpus=4, global_batch=8, micro_batch_size=4), 1, 2, 1, [1]) == [(1, 4)]
     assert batch_splits(PlanRequest(gpus=4, global_batch=6), 1, 4, 1, [1]) == []  # 6 is not a multiple of dp 4
     assert batch_splits(PlanRequest(gpus=4), 1, 1, 3, [1, 2]) == [(1, 3), (2, 3)]  # free: the example's size
-    cands = list(enumerate_candidates(req, tileable_front=False, tileable_back=False, max_stages=4))
-    assert cands and all(c.global_batch() == 8 for c in cands)
-    assert {c.micro_batch_size for c in cands} == {1, 2, 4, 8}
+    pinned = PlanRequest(gpus=4, global_batch=8, micro_batches=1)
+    cands = list(enumerate_candidates(pinned, tileable_front=False, tileable_back=False, max_stages=4))
+    assert cands and all(c.global_batch() == 8 and c.micro_batches == 1 for c in cands)
+    assert {(c.dp * c.replicas, c.micro_batch_size) for c in cands} == {(1, 8), (2, 4), (4, 2)}
 
 
 def test_the_fixed_case_plans_one_micro_batch_of_four() -> None:

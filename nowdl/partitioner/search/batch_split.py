@@ -1,7 +1,12 @@
 """The micro-batch size: the costs of b samples from a profile of b0, and why a global batch was chosen.
 
 [Note: micro-batch size] With a global batch G the search splits it as micro-batches m x
-replicas x dp x b (``config.batch_splits``). A candidate of b samples per micro-batch is costed
+replicas x dp x b (``config.batch_splits``). With m pinned, b = G / (m x replicas x dp). With m
+free, b stays the example's size b0 (m = G / (b0 x replicas x dp)): a micro-batch of more samples
+is never predicted faster or leaner under this linear cost model (1F1B and GPipe take
+(m + K - 1) x b x t1 with m x b fixed, and hold b samples' activations per micro-batch in flight;
+only the per-message latency of fewer micro-batches would favour it, less than the bubble costs).
+A candidate of b samples per micro-batch is costed
 from the profile of the example's b0 samples scaled by b / b0: each node's forward and backward
 time, FLOPs, output, saved activations and workspace (and the batch dim of its output shape);
 weights, gradients and optimizer state do not scale. Estimate mode's roofline times are linear in

@@ -10,7 +10,8 @@ from nowdl.partitioner.search.grids import part_counts, tile_counts
 from nowdl.partitioner.spatial.tileable import SLICE_METHODS
 from nowdl.schedule.zero_bubble_order import zb_held
 
-__all__ = ["PlanRequest", "Candidate", "enumerate_candidates", "BALANCES", "SCHEDULES", "MICRO_BATCH_CHOICES"]
+__all__ = ["PlanRequest", "Candidate", "enumerate_candidates", "BALANCES", "SCHEDULES", "MICRO_BATCH_CHOICES",
+           "batch_splits"]
 
 BALANCES = ("memory", "compute")
 SCHEDULES = ("1f1b", "gpipe", "zb")
@@ -278,7 +279,9 @@ def _ranks_of(k: int, rep: int, parts: int, front: int, back: int, taper: tuple[
 
 def batch_splits(req: PlanRequest, rep: int, dp: int, micro_batch: int, mbs: Sequence[int]) -> list[tuple[int, int]]:
     """``(micro-batches, micro-batch size)`` pairs for ``rep`` replicas and ``dp`` copies: with a
-    global batch G every m x b = G / (rep x dp) (m and b as pinned), else ``mbs`` x ``micro_batch``."""
+    global batch G, m x b = G / (rep x dp) with m or b as pinned, else b the example's size
+    ``micro_batch`` (or the largest divisor below it: [Note: micro-batch size]); without one,
+    ``mbs`` x ``micro_batch``."""
     if req.global_batch is None:
         return [(m, micro_batch) for m in mbs]
     per, rest = divmod(req.global_batch, rep * dp)
@@ -287,6 +290,8 @@ def batch_splits(req: PlanRequest, rep: int, dp: int, micro_batch: int, mbs: Seq
     sizes = [b for b in range(1, per + 1) if per % b == 0]
     if req.micro_batch_size is not None:
         sizes = [b for b in sizes if b == req.micro_batch_size]
+    elif not req.micro_batches:  # [Note: micro-batch size] in batch_split.py: the example's size
+        sizes = [max(b for b in sizes if b <= micro_batch)]
     return [(per // b, b) for b in sizes if not req.micro_batches or per // b == req.micro_batches]
 
 
