@@ -56,6 +56,8 @@ class StagePlan:
         """'spatial stage 0: 4 tiles (square, grid 2x2)' (for a spatial stage; with sequential tiles
         also ', 4 tiles per GPU one after another')."""
         seq = f", {self.tiles_per_gpu} tiles per GPU one after another" if self.tiles_per_gpu > 1 else ""
+        if self.parts == 1:
+            return f"spatial stage {self.index}: 1 GPU ({self.slice}){seq}"
         return f"spatial stage {self.index}: {self.parts} tiles ({self.slice}, grid {'x'.join(map(str, self.grid))}){seq}"
 
 
