@@ -17,7 +17,7 @@ from nowdl.partitioner.search.lever_options import check_lever, recompute_settin
 from nowdl.profiler.cost import Profile
 from nowdl.units import parse_bytes
 
-__all__ = ["compile", "CompiledModel", "PlannerOptions", "profile_model"]
+__all__ = ["compile", "CompiledModel", "PlannerOptions", "profile_model", "tiles_arg"]
 
 
 def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
@@ -41,6 +41,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
     gpus_per_node: int | None = None,
     recompute: str | Sequence[int] = "auto",
     offload: str | Sequence[int] = "auto",
+    global_batch: int | None = None,
+    tiles_per_gpu: str | int = "auto",
     # profiling
     mode: str = "auto",
     device: str | torch.device | None = None,
@@ -93,6 +95,13 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         nodes, gpus_per_node: the cluster (nodes x gpus_per_node must equal gpus); default:
             the device spec's node (h100/h200: 8-GPU DGX H100, a100: DGX A100) when it divides
             gpus, else one node. Placement and link costs follow it (docs/multinode.md).
+        global_batch: samples per optimizer step; the planner chooses how to split it into
+            micro-batches x replicas x dp x samples per micro-batch. Default: the batch of the first
+            ``train_step``; ``plan(x)`` without it treats ``x`` as one micro-batch and says which
+            global batch it chose (docs/plan-format.md).
+        tiles_per_gpu: "auto" (the planner may run a spatial stage's tiles one after another on
+            each GPU, recomputing them in the backward), 1 (never) or N (N tiles per GPU; the
+            image must cut into them). Norms with image statistics stay outside such stages.
 
     Returns:
         A CompiledModel; ``cm.plan(x)`` gives the Plan.
@@ -132,10 +141,23 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
                               spatial_stages=spatial_stages, slice=slice, gpu_memory=cap,
                               time_limit=planner.time_limit, mip_gap=planner.mip_gap, nodes=nodes,
                               gpus_per_node=gpus_per_node, offload=check_lever("offload", offload),
-                              recompute=recompute_setting(recompute, options.activation_checkpointing))
+                              recompute=recompute_setting(recompute, options.activation_checkpointing),
+                              global_batch=global_batch, tiles_per_gpu=tiles_arg(tiles_per_gpu))
     cm = CompiledModel(model, request=request, plan_path=plan_path, options=options, planner=planner)
     cm.optimizer = build_optimizer(options.optimizer, model)
     return cm
+
+
+def tiles_arg(v: object) -> int | None:
+    """``tiles_per_gpu`` as the PlanRequest takes it: None for "auto", else a positive int."""
+    if v == "auto" or v is None:
+        return None
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise NowdlError(f"tiles_per_gpu={v!r} is neither 'auto' nor a positive integer: pass 'auto' (the planner "
+                         "chooses), 1 (no sequential tiles) or e.g. 4 (--tiles-per-gpu auto|1|4)")
+    return v
 
 
 def _parts_arg(v: int | Sequence[int] | None) -> int | tuple[int, ...] | None:

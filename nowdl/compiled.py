@@ -229,6 +229,8 @@ class CompiledModel:
             params_per_node=_params_per_node(t.gm),
         )
         fusion = self.options.halo_fusion
+        if result.costs is not None:  # planned at another micro-batch size than the example's
+            costs, prof = result.costs, result.costs.profile
         unfused = None if train or fusion != "auto" or cap is None else Plan.from_json(plan.to_json())
         plan_fusion(t.gm, plan, prof, costs, result, fusion, float(spec.link_bw), costs.topo(req.gpus).intra.latency_s)
         if unfused is not None and cap is not None and max(r.predicted_peak_bytes for r in plan.ranks) > cap:

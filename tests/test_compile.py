@@ -201,8 +201,9 @@ def test_memory_cap_respected_and_infeasible_message() -> None:
     peak = free.predicted["peak_bytes"]
     capped = nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1, gpu_memory=int(peak * 1.01)).plan(x)
     assert capped.predicted["peak_bytes"] <= peak * 1.01
-    with pytest.raises(InfeasibleError) as e:
-        nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1, gpu_memory=int(peak * 0.3)).plan(x)
+    with pytest.raises(InfeasibleError) as e:  # without sequential tiles, which fit more: tests/partitioner
+        nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1, gpu_memory=int(peak * 0.3),
+                      tiles_per_gpu=1).plan(x)
     msg = str(e.value)
     assert "nothing fits" in msg and "GPUs" in msg
     # the need it states lies between the cap and the need of the split planned without it, and
@@ -215,11 +216,11 @@ def test_memory_cap_respected_and_infeasible_message() -> None:
     stated = float(need.group(1)) * units[need.group(2)]
     assert peak * 0.3 < stated * 1.01 and stated <= peak * 1.01, (stated, peak)
     cap = float(raise_to.group(1)) * units[raise_to.group(2)]
-    nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1, gpu_memory=int(cap)).plan(x)
+    nowdl.compile(model, gpus=4, stages=4, dp=1, replicas=1, micro_batches=1, gpu_memory=int(cap), tiles_per_gpu=1).plan(x)
     if more is None:  # this small net's weights and input keep every split above the cap
         assert "no GPU count up to 4096 was found to fit it (the leanest split found, " in msg, msg
     else:
-        nowdl.compile(model, gpus=int(more.group(1)), micro_batches=1, gpu_memory=int(peak * 0.3)).plan(x)
+        nowdl.compile(model, gpus=int(more.group(1)), micro_batches=1, gpu_memory=int(peak * 0.3), tiles_per_gpu=1).plan(x)
 
 
 def test_infeasible_message_says_when_its_search_ran_out(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,24 +229,26 @@ def test_infeasible_message_says_when_its_search_ran_out(monkeypatch: pytest.Mon
     monkeypatch.setattr(infeasible, "BUDGET_S", 0.0)
     with pytest.raises(InfeasibleError) as e:
         nowdl.compile(_small_unet(), gpus=4, stages=4, dp=1, replicas=1, micro_batches=1,
-                      gpu_memory=45_000).plan(torch.randn(1, 1, 32, 32))
+                      gpu_memory=45_000, tiles_per_gpu=1).plan(torch.randn(1, 1, 32, 32))
     msg = str(e.value)
     # no claim about splits never made or GPU counts never tried
-    assert "with 4 GPUs: no split of it was made within the 0 s for this search" in msg, msg
+    assert "with 4 GPUs (" in msg and "): no split of it was made within the 0 s for this search" in msg, msg
     assert "no GPU count up to 4 fits it, and the 0 s for this search ran out at 8 GPUs: try a larger --gpus" in msg, msg
 
 
 def test_infeasible_figures_are_splits_that_exist() -> None:
     # UNet at 16384^2 under 40 GiB on 8 GPUs: the bound of a 4-stage, 4-tile candidate (48.7 GiB)
     # was stated as the need ("raise the cap to at least 48.7 GiB": it still failed), and "no GPU
-    # count up to 4096 fits it" where 64 GPUs do (4 stages of 16 tiles, 30 GiB)
+    # count up to 4096 fits it" where 64 GPUs do (4 stages of 16 tiles, 30 GiB); with tile counts up to
+    # the GPU count 32 GPUs do (32 tiles), and sequential tiles (forbidden here) on these 8
     x = torch.empty(1, 3, 16384, 16384, device="meta")
     with pytest.raises(InfeasibleError) as e:
-        nowdl.compile(nowdl.models.unet(), gpus=8, gpu_memory="40GiB", progress=False).plan(x)
+        nowdl.compile(nowdl.models.unet(), gpus=8, gpu_memory="40GiB", progress=False, tiles_per_gpu=1).plan(x)
     msg = str(e.value)
     assert "the leanest split found needs 120.2 GiB on its fullest GPU (8 GPUs: 1 stage, 8 tiles" in msg, msg
-    assert "Raise the cap to 120.2 GiB" in msg and "64 GPUs would fit it (64 GPUs: 4 stages, 16 tiles" in msg, msg
-    plan = nowdl.compile(nowdl.models.unet(), gpus=8, gpu_memory="120.2GiB", progress=False).plan(x)
+    assert "Raise the cap to 120.2 GiB" in msg and "32 GPUs would fit it (32 GPUs: 1 stage, 32 tiles" in msg, msg
+    assert "or allow sequential tiles (--tiles-per-gpu 4 or auto)" in msg, msg
+    plan = nowdl.compile(nowdl.models.unet(), gpus=8, gpu_memory="120.2GiB", progress=False, tiles_per_gpu=1).plan(x)
     assert plan.predicted["peak_bytes"] <= 120.2 * 2**30
 
 

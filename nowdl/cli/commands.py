@@ -78,7 +78,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="minimise the largest per-GPU peak memory (default) or the slowest stage's time")
     pp.add_argument("--gpu-memory", metavar="SIZE", help="per-GPU memory cap, e.g. 80GiB (default: the device spec's memory)")
     pp.add_argument("--stages", type=int, help="pin the number of pipeline stages")
-    pp.add_argument("--micro-batches", type=int, help="pin micro-batches per step (the input is one micro-batch)")
+    pp.add_argument("--micro-batches", type=int, help="pin micro-batches per step")
+    pp.add_argument("--batch-size", type=int, help="the GLOBAL batch per step; the planner splits it into micro-batches "
+                    "x replicas x dp x samples per micro-batch (default: --input is one micro-batch and the plan "
+                    "says which global batch it chose)")
+    pp.add_argument("--tiles-per-gpu", default="auto", metavar="auto|N",
+                    help="tiles each GPU of a spatial stage runs one after another (auto: the planner chooses; "
+                    "1: never)")
     pp.add_argument("--schedule", choices=("1f1b", "gpipe", "zb"),
                     help="pin the pipeline schedule (default 1f1b; zb: zero bubble, ZB-H1)")
     pp.add_argument("--spatial-parts", type=parse_parts, metavar="P[,P2..]",
@@ -376,6 +382,7 @@ def _run(args: argparse.Namespace) -> int:
                        slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
                        device_spec=args.device_spec, optimizer=args.optimizer, cache=cache, halo_fusion=args.halo_fusion,
                        precision=args.precision, nodes=args.nodes, gpus_per_node=args.gpus_per_node, **lever_kwargs(args),
+                       global_batch=args.batch_size, tiles_per_gpu=args.tiles_per_gpu,
                        planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap))
     plan = cm.plan(*x, train=not args.inference)
     plan.model["name"] = name

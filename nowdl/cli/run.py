@@ -15,7 +15,8 @@ JSON as MODEL, every rank loads it and rebuilds the model from the plan's record
 a micro-batch is N samples of CxHxW. ``--batch-size`` is the GLOBAL batch of a step: N x
 micro-batches x replicas x dp (the planner picks a configuration that makes it). Without
 ``--input`` (the built-in model's default sample shape), a micro-batch is ``batch / (micro-batches
-x replicas x dp)`` samples when all three are pinned, otherwise one sample. ``--precision`` is passed to ``nowdl.compile`` when it takes one
+x replicas x dp)`` samples when all three are pinned, otherwise the planner chooses its size from
+the global batch (the plan's ``micro_batch_size``). ``--precision`` is passed to ``nowdl.compile`` when it takes one
 (fp32 only otherwise).
 
 The loss is cross-entropy (``--loss``: any callable, nowdl/cli/losses.py): against one integer

@@ -38,9 +38,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="the whole input of one micro-batch, batch first, as `nowdl plan` reads it: N samples "
                    "of CxHxW, e.g. 1x3x1024x1024 (default: the built-in model's or the plan's)")
     p.add_argument("--steps", type=int, required=True, help="optimizer (or inference) steps to run")
-    p.add_argument("--batch-size", type=int, help="GLOBAL batch per step = micro-batch (1 sample when planning) "
-                   "x micro-batches x replicas x dp (default with a plan: the plan's)")
+    p.add_argument("--batch-size", type=int, help="GLOBAL batch per step = micro-batch x micro-batches x replicas x "
+                   "dp; the planner chooses the split (default with a plan: the plan's)")
     p.add_argument("--micro-batches", type=int, help="pin micro-batches per step")
+    p.add_argument("--tiles-per-gpu", default="auto", metavar="auto|N",
+                   help="tiles each GPU of a spatial stage runs one after another (auto: the planner chooses; 1: never)")
     p.add_argument("--stages", type=int, help="pin the number of pipeline stages")
     p.add_argument("--dp", type=int, help="pin the data-parallel degree")
     p.add_argument("--replicas", type=int, choices=(1, 2), help="pin replicas (2: GEMS-MASTER mirrored replica)")
@@ -231,7 +233,8 @@ def step_batches(args: argparse.Namespace, src: RunSource, saved_run: dict[str, 
 
     The global batch is ``--batch-size``, else the plan's, else the checkpoint's. A micro-batch is
     ``--input``'s batch dimension; without ``--input`` it is ``batch / (micro-batches x replicas x
-    dp)`` when all three are pinned, else one sample.
+    dp)`` when all three are pinned, else the planner chooses it from a one-sample example (the
+    second value is then that example's size, 1).
     """
     if saved_run is not None and args.batch_size is None and src.plan_batch is None:
         args.batch_size = int(saved_run["batch_size"])

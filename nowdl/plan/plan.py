@@ -53,8 +53,12 @@ class StagePlan:
     # fwd_s, bwd_s, comm_s, time_s (per micro-batch, per rank of this stage)
 
     def tiles(self) -> str:
-        """'spatial stage 0: 4 tiles (square, grid 2x2)' (for a spatial stage)."""
-        return f"spatial stage {self.index}: {self.parts} tiles ({self.slice}, grid {'x'.join(map(str, self.grid))})"
+        """'spatial stage 0: 4 tiles (square, grid 2x2)' (for a spatial stage; with sequential tiles
+        also ', 4 tiles per GPU one after another')."""
+        seq = f", {self.tiles_per_gpu} tiles per GPU one after another" if self.tiles_per_gpu > 1 else ""
+        if self.parts == 1:
+            return f"spatial stage {self.index}: 1 GPU ({self.slice}){seq}"
+        return f"spatial stage {self.index}: {self.parts} tiles ({self.slice}, grid {'x'.join(map(str, self.grid))}){seq}"
 
 
 @dataclass
@@ -297,6 +301,7 @@ class Plan:
             f"replicas {c['replicas']}{' (MASTER)' if c['replicas'] == 2 else ''}, balance {c.get('balance', '?')}"
             + (f"; spatial stages {sp.get('stages')} x {'/'.join(map(str, sp.get('stage_parts') or [sp.get('parts')]))} "
                f"parts ({sp.get('slice')})" if sp.get("stages") else "")
+            + (f", {sp['tiles_per_gpu']} tiles per GPU in turn" if sp.get("tiles_per_gpu", 1) > 1 else "")
             + (f"; cap {format_bytes(c['gpu_memory'])}/GPU" if c.get("gpu_memory") else ""),
         ]
         hdr = f"{'stage':>5} {'ranks':<12} {'nodes':>5}  {'first .. last':<34} {'params':>9} {'peak mem':>10} {'time/mb':>9} {'in':>9} {'out':>9}"
@@ -329,14 +334,18 @@ class Plan:
             f"{len(self.tensors)} cross-stage tensors ({skips} long skips sent directly)"
         )
         for s in self.stages:
-            if s.parts > 1:
+            if s.parts > 1 or s.tiles_per_gpu > 1:
                 fused = f"; halo fusion: {len(s.fused)} run(s) of {', '.join(str(len(f)) for f in s.fused)} ops" if s.fused else ""
-                lines.append(f"{s.tiles()}, halo exchange before each conv/pool{fused}")
+                how = ("each tile run over the stage with its margin, recomputed in the backward" if s.tiles_per_gpu > 1
+                       else "halo exchange before each conv/pool")
+                lines.append(f"{s.tiles()}, {how}{fused}")
         lines.append(
             f"predicted: peak {format_bytes(pr.get('peak_bytes', 0))}/GPU (max over ranks), step "
             f"{_format_time(pr.get('step_s', 0))}, {pr.get('throughput', 0):.3g} images/s"
-            f" (global batch {pr.get('global_batch', '?')})"
+            f" (global batch {_count(pr.get('global_batch'))})"
         )
+        if c.get("batch_choice"):
+            lines.append(f"batch: {c['batch_choice']}")
         gap = self.solver.get("gap")
         lines.append(
             f"solver: {self.solver.get('name', '?')} {self.solver.get('status', '?')}"
@@ -355,6 +364,11 @@ class Plan:
                 "(nowdl show: the rank -> node map)")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _count(v: Any) -> str:
+    """A count the predictions store as a float, as an integer ('?' when missing)."""
+    return str(int(v)) if isinstance(v, (int, float)) and math.isfinite(v) and v == int(v) else str(v if v is not None else "?")
 
 
 def _search_text(st: Any) -> str:

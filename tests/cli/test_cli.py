@@ -66,6 +66,13 @@ def test_plan_model_with_two_inputs(capsys: pytest.CaptureFixture[str]) -> None:
         (["plan", "monai.networks.nets:UNet", "--gpus", "2", "--model-args", MONAI_ARGS], "give --input"),
         (["plan", "unet", "--input", "1x3x64x64", "--gpus", "2", "--mip-gap", "2"], "mip_gap must be"),
         (["show", "/nonexistent/plan.json"], "does not exist"),
+        (["plan", "unet", "--input", "1x3x64x64", "--gpus", "2", "--tiles-per-gpu", "3"],
+         "tiles_per_gpu=3 cannot cut the 64x64 input into tiles"),
+        (["plan", "unet", "--input", "1x3x64x64", "--gpus", "2", "--tiles-per-gpu", "lots"],
+         "tiles_per_gpu='lots' is neither 'auto' nor a positive integer"),
+        (["plan", "unet", "--input", "1x3x64x64", "--gpus", "2", "--batch-size", "0"], "global_batch must be a positive"),
+        (["plan", "unet", "--input", "1x3x64x64", "--gpus", "4", "--dp", "4", "--batch-size", "6"],
+         "the global batch"),
     ],
 )
 def test_cli_errors(argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,6 +83,22 @@ def test_cli_errors(argv: list[str], needle: str, tmp_path: Path, capsys: pytest
     assert needle in err, err
     assert err.count("\n") <= 2, "one paragraph"
     assert not out.exists(), "nothing written on error"
+
+
+def test_plan_batch_size_and_tiles_per_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    rc = main(["plan", "unet", "--model-args", '{"depth": 2, "base_width": 8}', "--input", "1x3x256x256",
+               "--gpus", "2", "--batch-size", "8", "--tiles-per-gpu", "4", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    import nowdl
+
+    plan = nowdl.Plan.load(out)
+    c = plan.config
+    assert c["global_batch"] == 8 and c["micro_batches"] * c["replicas"] * c["dp"] * c["micro_batch_size"] == 8
+    assert any(s.tiles_per_gpu == 4 for s in plan.stages)
+    assert "batch: global batch 8 as given" in text and "4 tiles per GPU" in text
+    assert plan.model["inputs"][0][0] == c["micro_batch_size"]
 
 
 def test_infeasible_cap_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

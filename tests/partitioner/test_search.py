@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from helpers.problems import (
 
 from nowdl.errors import InfeasibleError
 from nowdl.models import resnet
-from nowdl.partitioner.costs.costmodel import Costs, build_problem, predict_step
+from nowdl.partitioner.costs.costmodel import Costs, predict_step
 from nowdl.partitioner.costs.no_idle import idle_stages
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
 from nowdl.partitioner.costs.structure import make_partition, objective_values
@@ -32,6 +33,7 @@ from nowdl.partitioner.master.exact import lagrangian_bound
 from nowdl.partitioner.master.pairing import master_split
 from nowdl.partitioner.milp.lp_bound import assignment_lower_bound
 from nowdl.partitioner.milp.solve import solve_ilp
+from nowdl.partitioner.search.batch_split import CostsByBatch
 from nowdl.partitioner.search.best_plan import (
     _as_memory,
     _batch,
@@ -40,7 +42,9 @@ from nowdl.partitioner.search.best_plan import (
     search,
 )
 from nowdl.partitioner.search.bounds import candidate_bounds
-from nowdl.partitioner.search.config import PlanRequest, enumerate_candidates
+from nowdl.partitioner.search.candidate_problem import candidate_problem
+from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
+from nowdl.partitioner.search.model_space import image_of
 from nowdl.partitioner.solver import SolveCache, proven, solve
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.profiler import get_device_spec, profile
@@ -62,6 +66,16 @@ def costs() -> Costs:
     return _costs()
 
 
+def _problems(costs: Costs, req: PlanRequest, balance: str) -> Iterator[tuple[Candidate, Costs, Problem]]:
+    """Every candidate the search enumerates, with its costs and problem as the search builds them."""
+    front, back = _tileable_ends(costs)
+    by_batch = CostsByBatch(costs, _batch(costs))
+    for cand in enumerate_candidates(req, tileable_front=front, tileable_back=back, max_stages=_max_stages(costs, req),
+                                     micro_batch=_batch(costs), image=image_of(costs)):
+        cc, problem = candidate_problem(by_batch, cand, balance)
+        yield cand, cc, problem
+
+
 def _key(costs: Costs, cand: object, problem: Problem, batch: int) -> tuple[bool, float, float]:
     part = solve(problem)
     pred = predict_step(costs, cand, part, batch)  # type: ignore[arg-type]
@@ -75,34 +89,27 @@ def test_pruning_finds_the_same_optimum_as_solving_every_candidate(
 ) -> None:
     req = PlanRequest(gpus=4, balance=balance, stages=stages)
     got = search(costs, req)
-    front, back = _tileable_ends(costs)
-    batch = _batch(costs)
-    keys = []
-    for cand in enumerate_candidates(req, tileable_front=front, tileable_back=back,
-                                     max_stages=_max_stages(costs, req), micro_batch=batch):
+    keys: dict[bool, list[tuple[bool, float, float]]] = {False: [], True: []}
+    for cand, cc, problem in _problems(costs, req, balance):
         try:
-            keys.append(_key(costs, cand, build_problem(costs, cand, balance), batch))
+            keys[cand.tiles_per_gpu > 1].append(_key(cc, cand, problem, cand.micro_batch_size))
         except InfeasibleError:
             continue
-    best = min(keys)
+    best = min(keys[False] or keys[True])  # [Note: sequential tiles last]: everything fits without them here
     assert close(got.predicted["throughput"], -best[1], 1e-9), (got.candidate, best)
     assert bool(got.warnings) == best[0]
     assert got.stats["evaluated"] + got.stats["pruned_by_bound"] <= got.stats["enumerated"]
 
 
 def test_bounds_hold_for_every_candidate(costs: Costs) -> None:
-    req = PlanRequest(gpus=4, balance="compute")
-    front, back = _tileable_ends(costs)
-    batch = _batch(costs)
-    for cand in enumerate_candidates(req, tileable_front=front, tileable_back=back,
-                                     max_stages=_max_stages(costs, req), micro_batch=batch):
-        for balance in ("compute", "memory"):
-            problem = build_problem(costs, cand, balance)
-            b = candidate_bounds(costs, cand, problem, batch)
+    req = PlanRequest(gpus=4, balance="compute", global_batch=4)
+    for balance in ("compute", "memory"):
+        for cand, cc, problem in _problems(costs, req, balance):
+            b = candidate_bounds(cc, cand, problem, cand.micro_batch_size)
             part = solve(problem)
             assert b.time_lb <= part.bottleneck_time * (1 + 1e-9), cand
             assert b.mem_lb <= part.bottleneck_mem * (1 + 1e-9), cand
-            pred = predict_step(costs, cand, part, batch)
+            pred = predict_step(cc, cand, part, cand.micro_batch_size)
             assert b.throughput_ub >= pred["throughput"] * (1 - 1e-9), cand
 
 
@@ -111,17 +118,13 @@ def test_assignment_bound_holds_for_every_candidate(costs: Costs) -> None:
     bound must lie below the candidate's least memory (MASTER, dp and both balances), and it
     is never weaker than the candidate's own memory bound."""
     req = PlanRequest(gpus=4, balance="compute")
-    front, back = _tileable_ends(costs)
-    batch = _batch(costs)
     stronger = 0
-    for cand in enumerate_candidates(req, tileable_front=front, tileable_back=back,
-                                     max_stages=_max_stages(costs, req), micro_batch=batch):
-        for balance in ("compute", "memory"):
-            problem = build_problem(costs, cand, balance)
+    for balance in ("compute", "memory"):
+        for cand, cc, problem in _problems(costs, req, balance):
             lp = assignment_lower_bound(_as_memory(problem))
             least = solve(dataclasses.replace(_as_memory(problem), mem_cap=None)).bottleneck_mem
             assert lp <= least * (1 + 1e-9), cand
-            mem_lb = candidate_bounds(costs, cand, problem, batch).mem_lb
+            mem_lb = candidate_bounds(cc, cand, problem, cand.micro_batch_size).mem_lb
             assert lp >= mem_lb * (1 - 1e-9), cand
             stronger += lp > mem_lb * 1.01
     assert stronger > 0
@@ -413,7 +416,7 @@ def test_finalists_run_best_first_each_keeping_a_reserve_for_the_rest(monkeypatc
     clock = [100.0]
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
 
-    def fake_finish(costs, ev, time_limit, cache, batch, mip_gap=1e-6):  # noqa: ANN001, ANN202
+    def fake_finish(ev, time_limit, cache, mip_gap=1e-6):  # noqa: ANN001, ANN202
         given.append((ev.cand, time_limit))
         clock[0] += spent[ev.cand]
         return dataclasses.replace(ev, final=True, exact=True)
@@ -421,12 +424,12 @@ def test_finalists_run_best_first_each_keeping_a_reserve_for_the_rest(monkeypatc
     monkeypatch.setattr(search_mod, "_finish", fake_finish)
 
     def ev(i: int) -> search_mod._Eval:
-        return search_mod._Eval(cand=i, problem=None, bounds=SimpleNamespace(throughput_ub=1e9),  # type: ignore[arg-type]
+        return search_mod._Eval(cand=i, costs=None, problem=None, bounds=SimpleNamespace(throughput_ub=1e9),  # type: ignore[arg-type]
                                 part=SimpleNamespace(bottleneck_mem=float(i), solver="beam"),  # type: ignore[arg-type]
                                 pred={"throughput": 10.0 - i}, exact=False, final=False, fits=True, idle=False)
 
     req = PlanRequest(gpus=4, balance="memory")
-    out = search_mod._finalists(None, req, [ev(0), ev(1), ev(2)], None, 1, deadline=120.0)  # type: ignore[arg-type]
+    out = search_mod._finalists(req, [ev(0), ev(1), ev(2)], None, deadline=120.0)  # type: ignore[arg-type]
     reserve = search_mod.FINALIST_RESERVE_S
     assert [c for c, _ in given] == [0, 1, 2]  # best heuristic key first
     assert given[0][1] == pytest.approx(20.0 - 2 * reserve)
@@ -438,7 +441,7 @@ def test_finalists_run_best_first_each_keeping_a_reserve_for_the_rest(monkeypatc
     given.clear()
     spent.update({0: 15.0, 1: 3.5})
     clock[0] = 100.0
-    out = search_mod._finalists(None, req, [ev(0), ev(1), ev(2)], None, 1, deadline=120.0)  # type: ignore[arg-type]
+    out = search_mod._finalists(req, [ev(0), ev(1), ev(2)], None, deadline=120.0)  # type: ignore[arg-type]
     assert [c for c, _ in given] == [0, 1]
     assert given[1][1] == pytest.approx(20.0 - 15.0 - reserve)
     assert len(out) == 3 and [e.final for e in sorted(out, key=lambda e: e.cand)] == [True, True, False]
@@ -447,6 +450,6 @@ def test_finalists_run_best_first_each_keeping_a_reserve_for_the_rest(monkeypatc
     given.clear()
     clock[0] = 100.0
     evs = [dataclasses.replace(ev(i), fits=False) for i in range(3)]
-    out = search_mod._finalists(None, req, evs, None, 1, deadline=120.0)  # type: ignore[arg-type]
+    out = search_mod._finalists(req, evs, None, deadline=120.0)  # type: ignore[arg-type]
     assert [c for c, _ in given] == [0, 1, 2]
     assert given[2][1] == pytest.approx(1.5)

@@ -14,7 +14,7 @@ from nowdl.partitioner.costs.costmodel import (
 )
 from nowdl.partitioner.costs.levers import lever_figures
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
-from nowdl.partitioner.costs.problem import Partition
+from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.placement.traffic import cross_node_bytes, halo_bytes, together_groups
 from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.spatial.tileable import slice_grid
@@ -33,6 +33,9 @@ class SearchResult:
     screened: int  # candidate configurations enumerated
     stats: dict[str, object] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    costs: Costs | None = None  # the costs at the chosen micro-batch size, when not the profiled one
+    batch_note: str = ""  # the global batch and why ([Note: micro-batch size] in batch_split.py)
+    problem: Problem | None = None  # the chosen candidate's problem (sequential tiles: its vectors)
 
 
 def build_plan(
@@ -46,8 +49,14 @@ def build_plan(
     created_by: str,
     params_per_node: dict[str, int],
 ) -> Plan:
-    """Assemble the Plan (stages, rank map, cross-stage tensors, predictions) for a solved search."""
+    """Assemble the Plan (stages, rank map, cross-stage tensors, predictions) for a solved search.
+
+    The plan is made from the costs at the chosen micro-batch size (``result.costs``), so its
+    tensors and recorded inputs carry that many samples."""
     cand, part = result.candidate, result.partition
+    if result.costs is not None:
+        costs = result.costs
+        model_info = {**model_info, "inputs": costs.profile.input_shapes}
     prof = costs.profile
     k = cand.stages
     parts = cand.stage_parts()
@@ -56,6 +65,9 @@ def build_plan(
     rank_of = lay.rank_of
     sums = stage_sums(costs, cand, part.stage_of)
     mem = stage_memory(costs, cand, part.stage_of)  # [Note: memory breakdown]
+    seq = _sequential_stages(cand)
+    if seq and result.problem is not None:
+        _sequential_terms(result.problem, part.stage_of, seq, mem, sums)
     sp_dims = max(1, len(prof.input_shapes[0]) - 2) if prof.input_shapes else 2
     stage_nodes: list[list[str]] = [[] for _ in range(k)]
     for i, n in enumerate(prof.nodes):
@@ -70,8 +82,9 @@ def build_plan(
         comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"] + lever[s]["recompute_s"] + lever[s]["offload_s"])
         stages.append(StagePlan(
             index=s, nodes=stage_nodes[s], ranks=[rank_of[(0, s, q)] for q in range(parts[s])],
-            parts=parts[s], slice=cand.slice if parts[s] > 1 else None,
-            grid=list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 else [],
+            parts=parts[s], slice=cand.slice if parts[s] > 1 or s in seq else None,
+            grid=list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 or s in seq else [],
+            tiles_per_gpu=cand.tiles_per_gpu if s in seq else 1,
             params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
             param_bytes=int(sums[s]["param_bytes"]),
             recompute=s in cand.recompute, offload=s in cand.offload,
@@ -108,16 +121,22 @@ def build_plan(
         n = prof.nodes[ui]
         tensors.append(TensorPlan(producer=n.name, from_stage=part.stage_of[ui], to_stages=sorted(consumers[ui]),
                                   shape=list(n.out_shape or []), dtype=n.out_dtype, bytes=int(n.out_bytes)))
-    spatial = ({"stages": cand.spatial_stages(), "parts": cand.parts, "slice": cand.slice,
-                "stage_parts": [parts[s] for s in cand.spatial_stages()]} if cand.parts > 1 else {})
+    spatial: dict[str, object] = ({"stages": cand.spatial_stages(), "parts": cand.parts, "slice": cand.slice,
+                                   "stage_parts": [parts[s] for s in cand.spatial_stages()]} if cand.parts > 1 else {})
+    if seq:
+        spatial = {"stages": sorted(seq), "parts": cand.parts, "slice": cand.slice,
+                   "stage_parts": [parts[s] for s in sorted(seq)], "tiles_per_gpu": cand.tiles_per_gpu}
     config = {
         "gpus": req.gpus, "balance": req.balance, "stages": k, "micro_batches": cand.micro_batches,
+        "micro_batch_size": cand.micro_batch_size, "global_batch": cand.global_batch(),
+        "batch_choice": result.batch_note,
         "schedule": cand.schedule, "replicas": cand.replicas, "dp": cand.dp, "spatial": spatial,
         "gpu_memory": costs.mem_cap,
         "recompute": _setting(req.recompute), "offload": _setting(req.offload),
         "host_memory": costs.host_memory, "host_link_bw": costs.host_link_bw,
         "pinned": {key: getattr(req, key) for key in ("stages", "micro_batches", "schedule", "replicas", "dp",
-                                                     "spatial_parts", "spatial_stages", "slice") if getattr(req, key) is not None},
+                                                     "spatial_parts", "spatial_stages", "slice", "global_batch", "micro_batch_size",
+                                                     "tiles_per_gpu") if getattr(req, key) is not None},
     }
     topology = lay.topo.to_dict()
     topology["node_of_rank"] = [lay.node(r.rank) for r in ranks]
@@ -147,8 +166,10 @@ def charge_fused_workspace(plan: Plan, costs: Costs, result: SearchResult, fused
     partitioner/spatial/halo_fusion.py); ``fused_ws`` maps a run's first node to that workspace."""
     if not fused_ws:
         return
-    mem = stage_memory(costs, result.candidate, result.partition.stage_of, fused_ws)
+    mem = stage_memory(result.costs or costs, result.candidate, result.partition.stage_of, fused_ws)
     for st, m in zip(plan.stages, mem, strict=True):
+        if st.tiles_per_gpu > 1:
+            continue  # a stage of sequential tiles fuses its halos whole ([Note: sequential tiles cost])
         p = st.predicted
         delta = (m["workspace_bytes"] - p["workspace_bytes"]) - (m["freed_bytes"] - p["freed_bytes"])
         p.update(workspace_bytes=m["workspace_bytes"], freed_bytes=m["freed_bytes"], peak_bytes=p["peak_bytes"] + delta)
@@ -156,3 +177,22 @@ def charge_fused_workspace(plan: Plan, costs: Costs, result: SearchResult, fused
     for r in plan.ranks:
         r.predicted_peak_bytes = sum(peak[h["stage"]] for h in r.stages)
     plan.predicted["peak_bytes"] = max(r.predicted_peak_bytes for r in plan.ranks)
+
+
+def _sequential_stages(cand: Candidate) -> set[int]:
+    """Stages running tiles one after another on each GPU."""
+    return set(cand.tiled_stages()) if cand.tiles_per_gpu > 1 else set()
+
+
+def _sequential_terms(problem: Problem, stage_of: list[int], seq: set[int], mem: list[dict[str, float]],
+                      sums: list[dict[str, float]]) -> None:
+    """Saved bytes, workspace and act of the stages in ``seq`` from the problem's sequential-tile
+    vectors (one tile's working set; [Note: sequential tiles cost]), in place; nothing is freed
+    by their peak but what the vectors say."""
+    for s in seq:
+        vec = problem.variants[problem.stages[s].variant]
+        nodes = [v for v, st in enumerate(stage_of) if st == s]
+        saved = sum(vec.act[v] for v in nodes)
+        mem[s].update(saved_bytes=saved, workspace_bytes=max((vec.workspace[v] for v in nodes), default=0.0),
+                      freed_bytes=0.0)
+        sums[s]["act_bytes"] = saved

@@ -13,8 +13,6 @@ candidates whose value is not proven and that may beat the best proven one go to
 (at most ``FINALISTS``), each started from its heuristic split, best first: each may use what
 is left of ``time_limit`` (which bounds the whole search) but ``FINALIST_RESERVE_S`` for each
 one after it, and its MILP stops once within ``mip_gap``.
-A candidate that does not fit the cap may recompute or offload stages where the user's
-settings allow ([Note: choosing levers] in search/levers.py): it is solved again with them.
 The best candidate is the one with no idle GPU and the highest predicted throughput (then
 the least memory); one that idles a GPU is chosen only when every candidate does, and the
 plan then says so.
@@ -32,7 +30,6 @@ from dataclasses import dataclass
 from nowdl.errors import InfeasibleError, NowdlError
 from nowdl.partitioner.costs.costmodel import (
     Costs,
-    build_problem,
     grad_sync_s,
     message_latency_s,
     predict_step,
@@ -41,10 +38,14 @@ from nowdl.partitioner.costs.costmodel import (
 from nowdl.partitioner.costs.levers import offload_time_s
 from nowdl.partitioner.costs.no_idle import idle_stages, idle_warning
 from nowdl.partitioner.costs.problem import Partition, Problem
+from nowdl.partitioner.milp.lp_bound import memory_floor
 from nowdl.partitioner.search.assemble import SearchResult, build_plan
+from nowdl.partitioner.search.batch_split import CostsByBatch, batch_choice
 from nowdl.partitioner.search.bounds import Bounds, candidate_bounds
+from nowdl.partitioner.search.candidate_problem import candidate_problem
 from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.search.infeasible import (
+    check_tiles_per_gpu,
     describe,
     first_untileable,
     infeasible_message,
@@ -60,6 +61,7 @@ from nowdl.partitioner.search.levers import (
     with_forced,
 )
 from nowdl.partitioner.search.model_space import batch_of as _batch
+from nowdl.partitioner.search.model_space import image_of as _image
 from nowdl.partitioner.search.model_space import max_stages as _max_stages
 from nowdl.partitioner.search.model_space import tileable_ends as _tileable_ends
 from nowdl.partitioner.search.model_space import uncapped as _uncapped
@@ -88,6 +90,7 @@ class _Eval:
     """One solved candidate."""
 
     cand: Candidate
+    costs: Costs  # at the candidate's micro-batch size
     problem: Problem
     bounds: Bounds
     part: Partition
@@ -100,19 +103,19 @@ class _Eval:
     def key(self) -> tuple[bool, float, float]:
         return (self.idle, -self.pred["throughput"], self.part.bottleneck_mem)
 
-    def achievable(self, balance: str, costs: Costs, batch: int) -> float:
+    def achievable(self, balance: str) -> float:
         """A throughput this candidate's final plan reaches at least (0: unknown)."""
         if self.final:
             return self.pred["throughput"]
         if balance != "compute":
             return 0.0  # the MILP's memory optimum may be slower than the heuristic split
-        c = self.cand
+        c, costs = self.cand, self.costs
         params = sum(n.param_bytes for n in costs.profile.nodes)
         sync = grad_sync_s(costs, c, [params] * c.stages, [params] * c.stages)  # an upper bound
         lat = max(message_latency_s(costs, c, self.part.stage_of)) * c.replicas  # this split's ([Note: message latency])
         lat += max(offload_time_s(c, stage_sums(costs, c, self.part.stage_of), costs.host_link_bw)) * c.replicas
         step = (c.micro_batches + c.stages - 1) * (self.part.bottleneck_time + lat) + sync
-        return batch * c.micro_batches * c.replicas * c.dp / step if step > 0 else math.inf
+        return c.global_batch() / step if step > 0 else math.inf
 
 
 def _as_memory(p: Problem) -> Problem:
@@ -120,7 +123,7 @@ def _as_memory(p: Problem) -> Problem:
 
 
 def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, cache: SolveCache,
-              batch: int, time_limit: float = 30.0, mip_gap: float = 1e-6) -> _Eval | None:
+              time_limit: float = 30.0, mip_gap: float = 1e-6) -> _Eval | None:
     """Solve a candidate without the MILP; None when pins/tileability allow no split.
 
     ``time_limit`` bounds the MILP that screening falls back to when no heuristic split fits the
@@ -137,20 +140,20 @@ def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, c
     if costs.mem_cap is not None and part.bottleneck_mem > costs.mem_cap * (1 + 1e-6):
         fits = False
     idle = bool(idle_stages(problem, part.stage_of))
-    return _Eval(cand, problem, bounds, part, predict_step(costs, cand, part, batch),
+    return _Eval(cand, costs, problem, bounds, part, predict_step(costs, cand, part, cand.micro_batch_size),
                  exact=proven(part), final=final_split(part), fits=fits, idle=idle)
 
 
-def _finish(costs: Costs, ev: _Eval, time_limit: float, cache: SolveCache, batch: int,
-            mip_gap: float = 1e-6) -> _Eval | None:
+def _finish(ev: _Eval, time_limit: float, cache: SolveCache, mip_gap: float = 1e-6) -> _Eval | None:
     """The MILP on a candidate, started from its heuristic split."""
+    costs = ev.costs
     try:
         part = solve(ev.problem, time_limit=time_limit, cache=cache, start=ev.part, mip_gap=mip_gap)
     except InfeasibleError as e:
         log.info("candidate %s does not fit: %s", ev.cand, e)
         return None
     fits = costs.mem_cap is None or part.bottleneck_mem <= costs.mem_cap * (1 + 1e-6)
-    return dataclasses.replace(ev, part=part, pred=predict_step(costs, ev.cand, part, batch),
+    return dataclasses.replace(ev, part=part, pred=predict_step(costs, ev.cand, part, ev.cand.micro_batch_size),
                                exact=proven(part), final=True, fits=fits,
                                idle=bool(idle_stages(ev.problem, part.stage_of)))
 
@@ -173,67 +176,37 @@ def search(
     t0 = time.perf_counter()
     front, back = _tileable_ends(costs)
     batch = _batch(costs)
+    check_tiles_per_gpu(req, _image(costs), front)
     cands = list(enumerate_candidates(req, tileable_front=front, tileable_back=back,
-                                      max_stages=_max_stages(costs, req), micro_batch=batch))
+                                      max_stages=_max_stages(costs, req), micro_batch=batch, image=_image(costs)))
     if not cands:
-        raise NowdlError(no_candidate_message(req, front, first_untileable(costs, front)))
+        raise NowdlError(no_candidate_message(req, front, first_untileable(costs, front), costs=costs))
     check_offload_possible(costs, req)
     cands = [c for c in (with_forced(req, c) for c in cands) if c is not None]  # [Note: choosing levers]
     if not cands:
         raise NowdlError(f"recompute={req.recompute!r}, offload={req.offload!r}: no candidate configuration has the "
                          "stages they name (zero bubble takes neither): name stages below the pipeline depth, "
                          "pin --stages, or use schedule 1f1b or gpipe")
-    entries: list[tuple[Candidate, Problem, Bounds]] = []
-    for cand in cands:
-        problem = build_problem(costs, cand, req.balance)
-        try:
-            entries.append((cand, problem, candidate_bounds(costs, cand, problem, batch)))
-        except InfeasibleError:  # pins and tileability allow no split
-            continue
-    order = sorted(range(len(entries)), key=lambda i: (-entries[i][2].throughput_ub, i))
+    by_batch = CostsByBatch(costs, batch)
     cache = SolveCache()
+    # [Note: sequential tiles last] tiles run in turn on a GPU never make a configuration faster
+    # (the forward runs twice): with tiles_per_gpu "auto" they are searched only when nothing
+    # fits without them, so plans that fit stay as they were
+    first = [c for c in cands if c.tiles_per_gpu == 1]
+    later = [c for c in cands if c.tiles_per_gpu > 1]
+    pools = [first, later] if first and later else [cands]
     evals: list[_Eval] = []
-    best_lb = 0.0
+    results: list[_Eval] = []
     pruned = over = 0
     host_refused: dict[Candidate, str] = {}  # offloads over the host memory ([Note: host offload])
-    for done, i in enumerate(order):
-        cand, problem, b = entries[i]
-        if progress is not None:
-            progress(done + 1, len(order))
-        if b.throughput_ub < best_lb * (1 - _REL):
-            pruned = len(order) - done
+    for pool in pools:
+        pool_evals, p, o = _screen(req, pool, by_batch, cache, t0, progress, host_refused)
+        evals += pool_evals
+        pruned, over = pruned + p, over + o
+        results += _finalists(req, pool_evals, cache, deadline=t0 + req.time_limit)
+        if any(e.fits for e in results):
             break
-        base_over = False  # no split fits without the levers "auto" may add
-        if costs.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
-            lean_over, base_over = floors_over(costs, req, cand, problem, b.mem_lb, batch)
-            if lean_over:
-                over += 1
-                continue
-        lever_deadline = t0 + LEVER_SHARE * req.time_limit
-        if base_over and time.perf_counter() > lever_deadline:
-            continue  # only levers could fit it, and their time is spent
-        screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
-        def solve_levers(c: Candidate, screen: float = screen) -> _Eval | None:
-            p = build_problem(costs, c, req.balance)
-            e = _evaluate(costs, c, p, candidate_bounds(costs, c, p, batch), cache, batch, screen, req.mip_gap)
-            if e is None or host_fits(costs, c, e.part.stage_of):
-                return e
-            host_refused[c] = host_message(costs, req, c, e.part.stage_of)
-            return dataclasses.replace(e, fits=False)
-
-        ev = solve_levers(cand) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
-            costs, cand, _uncapped(problem) if base_over else problem, b, cache, batch, screen, req.mip_gap)
-        if ev is not None and not ev.fits:  # levers while LEVER_SHARE of the time limit is left unspent
-            ev = fit_with_levers(costs, req, ev, solve_levers, deadline=lever_deadline)
-        if ev is None:
-            continue
-        evals.append(ev)
-        if ev.fits and not ev.idle:
-            best_lb = max(best_lb, ev.achievable(req.balance, costs, batch))
-    if progress is not None and pruned:
-        progress(len(order), len(order))
     screen_s = time.perf_counter() - t0
-    results = _finalists(costs, req, evals, cache, batch, deadline=t0 + req.time_limit)
     fitting = [e for e in results if e.fits]
     if not fitting:  # the leanest split screened, and more: [Note: infeasible figures]
         lean = min(results, key=lambda e: e.part.bottleneck_mem, default=None)
@@ -247,7 +220,8 @@ def search(
     best = min(fitting, key=lambda e: e.key())
     if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap
         part = solve(best.problem, cache=cache, start=best.part, mip_gap=req.mip_gap)
-        best = dataclasses.replace(best, part=part, pred=predict_step(costs, best.cand, part, batch))
+        best = dataclasses.replace(best, part=part, pred=predict_step(best.costs, best.cand, part,
+                                                                      best.cand.micro_batch_size))
         results = [best if e.cand == best.cand else e for e in results]
         fitting = [e for e in results if e.fits]
     # could a candidate whose split is not proven optimal beat the choice? only if its bound says so
@@ -273,11 +247,74 @@ def search(
             warnings.append(msg)
     log.info("search: %d candidates, %d solved (%d proven), %d pruned by bounds, in %.2f s",
              len(cands), len(evals), stats["proven"], pruned, time.perf_counter() - t0)
-    return SearchResult(best.cand, best.part, best.pred, len(cands), stats, warnings)
+    return SearchResult(best.cand, best.part, best.pred, len(cands), stats, warnings,
+                        costs=best.costs if best.costs is not costs else None, batch_note=batch_choice(req, best.cand),
+                        problem=best.problem)
 
 
-def _finalists(costs: Costs, req: PlanRequest, evals: list[_Eval], cache: SolveCache,
-               batch: int, *, deadline: float) -> list[_Eval]:
+def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cache: SolveCache, t0: float,
+            progress: Callable[[int, int], None] | None,
+            host_refused: dict[Candidate, str]) -> tuple[list[_Eval], int, int]:
+    """Bound every candidate of ``pool`` and solve, best bound first, those that can still win
+    ([Note: configuration search]); the solved ones, and how many the bounds pruned or proved
+    over the cap."""
+    entries: list[tuple[Candidate, Costs, Problem, Bounds]] = []
+    for cand in pool:
+        cc, problem = candidate_problem(by_batch, cand, req.balance)
+        try:
+            entries.append((cand, cc, problem, candidate_bounds(cc, cand, problem, cand.micro_batch_size)))
+        except InfeasibleError:  # pins and tileability allow no split
+            continue
+    order = sorted(range(len(entries)), key=lambda i: (-entries[i][3].throughput_ub, i))
+    evals: list[_Eval] = []
+    best_lb = 0.0
+    pruned = over = 0
+    for done, i in enumerate(order):
+        cand, cc, problem, b = entries[i]
+        if progress is not None:
+            progress(done + 1, len(order))
+        if b.throughput_ub < best_lb * (1 - _REL):
+            pruned = len(order) - done
+            break
+        base_over = False  # no split fits without the levers "auto" may add
+        if cc.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
+            if cand.tiles_per_gpu > 1:  # sequential tiles keep no activations: no lever applies
+                floor = memory_floor(_as_memory(problem), cc.mem_cap * (1 + _REL), b.mem_lb)
+                lean_over = floor > cc.mem_cap * (1 + _REL)
+            else:
+                lean_over, base_over = floors_over(cc, req, cand, problem, b.mem_lb, cand.micro_batch_size)
+            if lean_over:
+                over += 1
+                continue
+        lever_deadline = t0 + LEVER_SHARE * req.time_limit
+        if base_over and time.perf_counter() > lever_deadline:
+            continue  # only levers could fit it, and their time is spent
+        screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
+
+        def solve_levers(c: Candidate, screen: float = screen) -> _Eval | None:
+            c_costs, p = candidate_problem(by_batch, c, req.balance)
+            e = _evaluate(c_costs, c, p, candidate_bounds(c_costs, c, p, c.micro_batch_size), cache, screen,
+                          req.mip_gap)
+            if e is None or host_fits(c_costs, c, e.part.stage_of):
+                return e
+            host_refused[c] = host_message(c_costs, req, c, e.part.stage_of)
+            return dataclasses.replace(e, fits=False)
+
+        ev = solve_levers(cand) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
+            cc, cand, _uncapped(problem) if base_over else problem, b, cache, screen, req.mip_gap)
+        if ev is not None and not ev.fits and cand.tiles_per_gpu == 1:  # levers while LEVER_SHARE is left
+            ev = fit_with_levers(cc, req, ev, solve_levers, deadline=lever_deadline)
+        if ev is None:
+            continue
+        evals.append(ev)
+        if ev.fits and not ev.idle:
+            best_lb = max(best_lb, ev.achievable(req.balance))
+    if progress is not None and pruned:
+        progress(len(order), len(order))
+    return evals, pruned, over
+
+
+def _finalists(req: PlanRequest, evals: list[_Eval], cache: SolveCache, *, deadline: float) -> list[_Eval]:
     """Run the MILP on the unproven candidates that may beat the best proven one, sharing
     what is left of the search's time limit best first (one left with less than
     FINALIST_RESERVE_S keeps its screened split if that fits the cap, else gets 0.5 s at least)."""
@@ -298,7 +335,7 @@ def _finalists(costs: Costs, req: PlanRequest, evals: list[_Eval], cache: SolveC
         return evals
     out = [e for e in evals if all(e is not t for t in todo)]
     for i, ev in enumerate(todo):
-        done_best = max((e.achievable(req.balance, costs, batch) for e in out
+        done_best = max((e.achievable(req.balance) for e in out
                          if e.fits and not e.idle), default=0.0)
         if ev.bounds.throughput_ub < done_best * (1 - _REL):  # cannot win any more: keep as is
             out.append(ev)
@@ -311,7 +348,7 @@ def _finalists(costs: Costs, req: PlanRequest, evals: list[_Eval], cache: SolveC
         if share < FINALIST_RESERVE_S and ev.fits:  # [Note: HiGHS overrun]: keep the screened split
             out.append(ev)
             continue
-        done = _finish(costs, ev, max(0.5, share), cache, batch, req.mip_gap)
+        done = _finish(ev, max(0.5, share), cache, req.mip_gap)
         out.append(done if done is not None else dataclasses.replace(ev, fits=False))
     return out
 

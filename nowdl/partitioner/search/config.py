@@ -6,15 +6,17 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from nowdl.errors import NowdlError
+from nowdl.partitioner.search.grids import part_counts, tile_counts
 from nowdl.partitioner.search.lever_options import LeverSetting, check_lever, check_lever_pair
 from nowdl.partitioner.spatial.tileable import SLICE_METHODS
 from nowdl.schedule.zero_bubble_order import zb_held
 
-__all__ = ["PlanRequest", "Candidate", "enumerate_candidates", "BALANCES", "SCHEDULES"]
+__all__ = ["PlanRequest", "Candidate", "enumerate_candidates", "BALANCES", "SCHEDULES", "MICRO_BATCH_CHOICES",
+           "batch_splits"]
 
 BALANCES = ("memory", "compute")
 SCHEDULES = ("1f1b", "gpipe", "zb")
-_MICRO_BATCH_CHOICES = (1, 2, 4, 8)
+MICRO_BATCH_CHOICES = (1, 2, 4, 8)  # micro-batches per step tried when the global batch is free
 
 
 def _pos_int(name: str, v: object, *, allow_none: bool = True) -> None:
@@ -28,8 +30,11 @@ def _pos_int(name: str, v: object, *, allow_none: bool = True) -> None:
 class PlanRequest:
     """What the user asked for; ``None`` means "let the search choose".
 
-    ``micro_batches`` counts micro-batches per step: the example input is ONE micro-batch, so
-    the global batch is micro-batch x micro_batches x replicas x dp.
+    ``micro_batches`` counts micro-batches per step. With ``global_batch`` the search chooses the
+    micro-batch size b too (micro_batches x replicas x dp x b = global_batch); without it the
+    example input is one micro-batch and the global batch follows from the configuration chosen.
+    ``tiles_per_gpu`` None searches sequential tiles (a spatial stage's tiles run one after
+    another on each GPU); 1 forbids them; N pins them.
     """
 
     gpus: int
@@ -50,12 +55,15 @@ class PlanRequest:
     gpus_per_node: int | None = None  # GPUs per node (None: the device spec's node, e.g. 8 for h100)
     recompute: LeverSetting = "auto"  # [Note: lever settings] in search/lever_options.py
     offload: LeverSetting = "auto"
+    tiles_per_gpu: int | None = None  # tiles each GPU of a spatial stage runs in turn (None: searched)
+    micro_batch_size: int | None = None  # samples per micro-batch with a global batch (None: searched)
 
     def __post_init__(self) -> None:
         _pos_int("gpus", self.gpus, allow_none=False)
         if self.balance not in BALANCES:
             raise NowdlError(f"unknown balance {self.balance!r}: use 'memory' (smallest peak memory per GPU) or 'compute' (fastest stage time)")
-        for name in ("stages", "micro_batches", "replicas", "dp", "global_batch", "nodes", "gpus_per_node"):
+        for name in ("stages", "micro_batches", "replicas", "dp", "global_batch", "nodes", "gpus_per_node",
+                     "tiles_per_gpu", "micro_batch_size"):
             _pos_int(name, getattr(self, name))
         if isinstance(self.spatial_parts, (list, tuple)):
             sp = tuple(self.spatial_parts)
@@ -112,8 +120,20 @@ class Candidate:
     back: int  # spatial stages at the back (mirrored UNet decoder)
     slice: str
     taper: tuple[int, ...] = ()  # parts of each front spatial stage when they differ (back stages mirror)
+    micro_batch_size: int = 1  # samples per micro-batch
+    tiles_per_gpu: int = 1  # tiles each GPU of a spatial stage runs one after another
     recompute: tuple[int, ...] = ()  # stages that recompute their forward in the backward (costs/levers.py)
     offload: tuple[int, ...] = ()  # stages whose saved activations wait in host memory
+
+    def global_batch(self) -> int:
+        """Samples per optimizer step: micro-batch size x micro-batches x replicas x dp."""
+        return self.micro_batch_size * self.micro_batches * self.replicas * self.dp
+
+    def tiled_stages(self) -> list[int]:
+        """Stages that run on tiles: the spatial ones, and with sequential tiles (``tiles_per_gpu``
+        > 1) also those of one GPU in the front/back layout."""
+        k = self.stages
+        return [s for s in range(k) if s < self.front or s >= k - self.back]
 
     def stage_parts(self) -> list[int]:
         k = self.stages
@@ -157,15 +177,21 @@ class Candidate:
         if self.schedule != "zb":
             return [0] * self.stages
         held = zb_held(self.stages, self.micro_batches)
-        return [0 if p > 1 else held[s][1] for s, p in enumerate(self.stage_parts())]
+        tiled = set(self.tiled_stages()) if self.tiles_per_gpu > 1 else set()
+        return [0 if p > 1 or s in tiled else held[s][1] for s, p in enumerate(self.stage_parts())]
 
 
 def enumerate_candidates(req: PlanRequest, *, tileable_front: bool, tileable_back: bool,
-                         max_stages: int | None = None, micro_batch: int = 1) -> Iterator[Candidate]:
+                         max_stages: int | None = None, micro_batch: int = 1,
+                         image: Sequence[int] | None = None) -> Iterator[Candidate]:
     """Every configuration consistent with ``req`` whose ranks add up to ``req.gpus``.
 
-    ``max_stages`` bounds the pipeline depth (a stage needs at least one node). With
-    ``req.global_batch``, only configurations with micro_batch x m x replicas x dp equal to it.
+    ``max_stages`` bounds the pipeline depth (a stage needs at least one node). Spatial parts go
+    up to the GPU count, every count whose grid cuts ``image`` (the input's spatial dims) evenly
+    (``grids.part_counts``); sequential tiles likewise (``grids.tile_counts``). With
+    ``req.global_batch`` G, every split m x replicas x dp x b = G (b: the micro-batch size);
+    without it, micro-batches of ``micro_batch`` samples (the example's batch) and m from
+    ``MICRO_BATCH_CHOICES`` unless pinned.
 
     Args:
         tileable_front: the model starts with ops that can run on tiles.
@@ -174,6 +200,7 @@ def enumerate_candidates(req: PlanRequest, *, tileable_front: bool, tileable_bac
     """
     dps = [req.dp] if req.dp else [d for d in range(1, req.gpus + 1) if req.gpus % d == 0]
     reps = [req.replicas] if req.replicas else [1, 2]
+    slice_ = req.slice or "square"
     tapers: list[tuple[int, ...]] = [()]
     if isinstance(req.spatial_parts, tuple):
         parts_list = [max(req.spatial_parts)]
@@ -181,30 +208,54 @@ def enumerate_candidates(req: PlanRequest, *, tileable_front: bool, tileable_bac
     elif req.spatial_parts:
         parts_list = [req.spatial_parts]
     elif req.spatial_stages:
-        parts_list = [p for p in (2, 4, 8, 16) if p <= req.gpus]
+        parts_list = part_counts(req.gpus, slice_, image)
     elif tileable_front and req.spatial_stages is None:
-        parts_list = [1] + [p for p in (2, 4, 8, 16) if p <= req.gpus]
+        parts_list = [1] + part_counts(req.gpus, slice_, image)
     else:
         parts_list = [1]
-    mbs = [req.micro_batches] if req.micro_batches else list(_MICRO_BATCH_CHOICES)
+    mbs = [req.micro_batches] if req.micro_batches else list(MICRO_BATCH_CHOICES)
     scheds = [req.schedule] if req.schedule else ["1f1b"]
-    slice_ = req.slice or "square"
     seen: set[Candidate] = set()
     for dp in dps:
         ranks = req.gpus // dp
         for rep in reps:
             for parts in parts_list:
-                if parts == 1:
-                    layouts = [(0, 0)]
-                else:
-                    fronts = [req.spatial_stages] if req.spatial_stages else [1, 2]
-                    layouts = [(f, 0) for f in fronts]
-                    if tileable_back:
-                        layouts += [(f, f) for f in fronts]
-                for front, back in layouts:
-                    for taper in _tapers(tapers, parts, front, pinned=isinstance(req.spatial_parts, tuple)):
-                        yield from _stage_counts(req, ranks, rep, dp, parts, front, back, taper, tileable_back,
-                                                 mbs, scheds, slice_, micro_batch, max_stages, seen)
+                for tiles in _tiles_for(req, parts, slice_, image, tileable_front):
+                    if parts == 1 and tiles == 1:
+                        layouts = [(0, 0)]
+                    else:
+                        fronts = [req.spatial_stages] if req.spatial_stages else [1, 2]
+                        layouts = [(f, 0) for f in fronts]
+                        if tileable_back:
+                            layouts += [(f, f) for f in fronts]
+                    for front, back in layouts:
+                        for taper in _tapers(tapers, parts, front, pinned=isinstance(req.spatial_parts, tuple)):
+                            shape = _Shape(parts, front, back, taper, tiles)
+                            yield from _stage_counts(req, ranks, rep, dp, shape, tileable_back,
+                                                     mbs, scheds, slice_, micro_batch, max_stages, seen)
+
+
+def _tiles_for(req: PlanRequest, parts: int, slice_: str, image: Sequence[int] | None, tileable: bool) -> list[int]:
+    """Tiles per GPU to try with ``parts`` spatial parts: the pinned count, or 1 and every count
+    ``grids.tile_counts`` allows (none without a tileable front, or with spatial stages forbidden
+    by ``spatial_parts=1`` and tiles per GPU not pinned)."""
+    if req.tiles_per_gpu is not None:
+        return [req.tiles_per_gpu] if tileable or req.tiles_per_gpu == 1 else []
+    if not tileable or (parts == 1 and (req.spatial_parts == 1 or req.spatial_stages == 0)):
+        return [1]
+    extra = tile_counts(parts, slice_, image)
+    return extra if parts == 1 and req.spatial_stages else [1, *extra]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The spatial layout of a candidate: parts, spatial stages at each end, taper, tiles per GPU."""
+
+    parts: int
+    front: int
+    back: int
+    taper: tuple[int, ...]
+    tiles: int
 
 
 def _tapers(pinned_tapers: list[tuple[int, ...]], parts: int, front: int, *, pinned: bool) -> list[tuple[int, ...]]:
@@ -234,9 +285,29 @@ def _ranks_of(k: int, rep: int, parts: int, front: int, back: int, taper: tuple[
     return k - len(special) + sum(p(j) for j in special)
 
 
-def _stage_counts(req: PlanRequest, ranks: int, rep: int, dp: int, parts: int, front: int, back: int,
-                  taper: tuple[int, ...], tileable_back: bool, mbs: Sequence[int], scheds: Sequence[str], slice_: str,
-                  micro_batch: int, max_stages: int | None, seen: set[Candidate]) -> Iterator[Candidate]:
+def batch_splits(req: PlanRequest, rep: int, dp: int, micro_batch: int, mbs: Sequence[int]) -> list[tuple[int, int]]:
+    """``(micro-batches, micro-batch size)`` pairs for ``rep`` replicas and ``dp`` copies: with a
+    global batch G, m x b = G / (rep x dp) with m or b as pinned, else b the example's size
+    ``micro_batch`` (or the largest divisor below it: [Note: micro-batch size]); without one,
+    ``mbs`` x ``micro_batch``."""
+    if req.global_batch is None:
+        return [(m, micro_batch) for m in mbs]
+    per, rest = divmod(req.global_batch, rep * dp)
+    if rest or per < 1:
+        return []
+    sizes = [b for b in range(1, per + 1) if per % b == 0]
+    if req.micro_batch_size is not None:
+        sizes = [b for b in sizes if b == req.micro_batch_size]
+    elif not req.micro_batches:  # [Note: micro-batch size] in batch_split.py: the example's size
+        sizes = [max(b for b in sizes if b <= micro_batch)]
+    return [(per // b, b) for b in sizes if not req.micro_batches or per // b == req.micro_batches]
+
+
+def _stage_counts(req: PlanRequest, ranks: int, rep: int, dp: int, shape: _Shape, tileable_back: bool,
+                  mbs: Sequence[int], scheds: Sequence[str], slice_: str, micro_batch: int,
+                  max_stages: int | None, seen: set[Candidate]) -> Iterator[Candidate]:
+    parts, front, back, taper = shape.parts, shape.front, shape.back, shape.taper
+    splits = batch_splits(req, rep, dp, micro_batch, mbs)
     for k in range(1, min(ranks, max_stages or ranks) + 1):
         if req.stages and k != req.stages:
             continue
@@ -246,14 +317,9 @@ def _stage_counts(req: PlanRequest, ranks: int, rep: int, dp: int, parts: int, f
             continue
         if front + back > k or (front and front + back == k and not tileable_back):
             continue
-        ms = mbs
-        if req.global_batch is not None:
-            per = micro_batch * rep * dp
-            m_fit = req.global_batch // per if req.global_batch % per == 0 else 0
-            ms = [m_fit] if m_fit >= 1 and (not req.micro_batches or req.micro_batches == m_fit) else []
-        for m in ms:
+        for m, b in splits:
             for sched in scheds:
-                c = Candidate(k, m, sched, rep, dp, parts, front, back, slice_, taper)
+                c = Candidate(k, m, sched, rep, dp, parts, front, back, slice_, taper, b, shape.tiles)
                 if c.ranks_per_pipeline() == ranks and c not in seen:
                     seen.add(c)
                     yield c

@@ -13,19 +13,31 @@ search's ``SolveCache`` (the graph's ideals are enumerated once for every GPU co
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 from nowdl.errors import InfeasibleError, NowdlError
-from nowdl.partitioner.costs.costmodel import Costs, build_problem
+from nowdl.partitioner.costs.costmodel import Costs
+from nowdl.partitioner.costs.sequential_tiles import image_norms
+from nowdl.partitioner.search.batch_split import CostsByBatch
 from nowdl.partitioner.search.bounds import candidate_bounds
+from nowdl.partitioner.search.candidate_problem import candidate_problem
 from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
-from nowdl.partitioner.search.model_space import batch_of, max_stages, tileable_ends, uncapped
+from nowdl.partitioner.search.grids import part_counts, tile_counts
+from nowdl.partitioner.search.model_space import (
+    batch_of,
+    image_of,
+    max_stages,
+    tileable_ends,
+    uncapped,
+)
+from nowdl.partitioner.search.pinned import check_tiles_per_gpu, pinned_arithmetic
 from nowdl.partitioner.solver import SolveCache, solve
 from nowdl.plan.plan import format_bytes
 
 __all__ = ["cap_text", "describe", "infeasible_message", "leanest", "no_candidate_message", "first_untileable", "BUDGET_S",
-           "MAX_GPUS"]
+           "MAX_GPUS", "check_tiles_per_gpu", "searched_space"]
 
 BUDGET_S = 20.0  # seconds for the leanest splits of the requested and of the doubled GPU counts
 MAX_GPUS = 4096
@@ -47,11 +59,14 @@ def describe(c: Candidate, gpus: int) -> str:
     parts = [f"{c.stages} stage{'s' if c.stages != 1 else ''}"]
     if c.parts > 1:
         parts.append(f"{c.parts} tiles in the spatial stages")
+    if c.tiles_per_gpu > 1:
+        parts.append(f"{c.tiles_per_gpu} tiles per GPU in turn")
     if c.replicas > 1:
         parts.append("MASTER")
     if c.dp > 1:
         parts.append(f"dp {c.dp}")
-    parts.append(f"{c.micro_batches} micro-batch{'es' if c.micro_batches != 1 else ''}")
+    parts.append(f"{c.micro_batches} micro-batch{'es' if c.micro_batches != 1 else ''}"
+                 + (f" of {c.micro_batch_size} samples" if c.micro_batch_size != 1 else ""))
     return f"{gpus} GPUs: " + ", ".join(parts)
 
 
@@ -61,20 +76,24 @@ def leanest(costs: Costs, req: PlanRequest, deadline: float, cache: SolveCache) 
     front, back = tileable_ends(costs)
     try:
         cands = list(enumerate_candidates(req, tileable_front=front, tileable_back=back,
-                                          max_stages=max_stages(costs, req), micro_batch=batch_of(costs)))
+                                          max_stages=max_stages(costs, req), micro_batch=batch_of(costs),
+                                          image=image_of(costs)))
     except NowdlError:  # this GPU count allows no configuration
         return math.inf, ""
     if not cands:
         return math.inf, ""
     least_m = min(c.micro_batches for c in cands)  # fewer micro-batches in flight hold less
     least_dp = min(c.dp for c in cands)  # dp copies hold as much each and leave fewer ranks per pipeline
+    least_b = min(c.micro_batch_size for c in cands)  # fewer samples per micro-batch hold less
+    by_batch = CostsByBatch(costs, batch_of(costs))
     ranked = []
     for c in cands:
-        if c.micro_batches != least_m or c.dp != least_dp:
+        if c.micro_batches != least_m or c.dp != least_dp or c.micro_batch_size != least_b:
             continue
-        problem = uncapped(build_problem(costs, c, "memory"))
+        cc, problem = candidate_problem(by_batch, c, "memory")
+        problem = uncapped(problem)
         try:
-            ranked.append((candidate_bounds(costs, c, problem, batch_of(costs)).mem_lb, c, problem))
+            ranked.append((candidate_bounds(cc, c, problem, c.micro_batch_size).mem_lb, c, problem))
         except InfeasibleError:
             continue
     ranked.sort(key=lambda e: e[0])
@@ -101,7 +120,7 @@ def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float, c
     while g <= MAX_GPUS:
         try:
             r = PlanRequest(gpus=g, balance="memory", micro_batches=req.micro_batches, schedule=req.schedule,
-                            slice=req.slice, time_limit=req.time_limit)
+                            slice=req.slice, time_limit=req.time_limit, tiles_per_gpu=req.tiles_per_gpu)
         except NowdlError:
             break
         found = leanest(costs, r, deadline, cache)
@@ -140,11 +159,64 @@ def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, st
         more = (f"no GPU count up to {tried} fits it, and the {BUDGET_S:.0f} s for this search ran out at "
                 f"{2 * tried} GPUs{' (' + leanest_txt + ')' if leanest_txt else ''}: try a larger --gpus")
     else:
-        more = (f"no GPU count up to {tried} was found to fit it"
-                + (f" ({leanest_txt}; spatial parts go up to 16: pin more with --spatial-parts)" if leanest_txt else ""))
+        more = f"no GPU count up to {tried} was found to fit it" + (f" ({leanest_txt})" if leanest_txt else "")
     raise_to = f" to {cap_text(found[0])}" if math.isfinite(found[0]) else ""
-    return (f"nothing fits in {format_bytes(cap)} per GPU with {req.gpus} GPUs: {need}. Raise the cap{raise_to} "
-            f"(--gpu-memory), or use more GPUs: {more}.")
+    return (f"{_norms_text(costs, req)}nothing fits in {format_bytes(cap)} per GPU with {req.gpus} GPUs (the memory cap is the constraint "
+            f"that failed; the search tried {searched_space(costs, req)}): {need}. Raise the cap{raise_to} "
+            f"(--gpu-memory), or use more GPUs: {more}{_tiles_hint(costs, req, cap, deadline, cache)}.")
+
+
+def searched_space(costs: Costs, req: PlanRequest) -> str:
+    """What the search tried, in words: 'spatial parts up to 64, up to 64 tiles per GPU in turn, ...'."""
+    slice_ = req.slice or "square"
+    image = image_of(costs)
+    front = tileable_ends(costs)[0]
+    out = []
+    if isinstance(req.spatial_parts, tuple) or req.spatial_parts:
+        out.append(f"spatial parts {req.spatial_parts} (pinned)")
+    elif front:
+        ps = part_counts(req.gpus, slice_, image)
+        out.append(f"spatial parts up to {max(ps)}" if ps else
+                   "no spatial parts" + (" (1 GPU)" if req.gpus < 2 else " (the image cuts into none)"))
+    else:
+        out.append("no spatial stage (the model's first op cannot run on tiles)")
+    if req.tiles_per_gpu is not None:
+        out.append(f"{req.tiles_per_gpu} tile{'s' if req.tiles_per_gpu != 1 else ''} per GPU (pinned)")
+    elif front:
+        ts = tile_counts(1, slice_, image)
+        out.append(f"up to {max(ts)} tiles per GPU in turn" if ts else "no sequential tiles")
+    if req.micro_batches:
+        out.append(f"{req.micro_batches} micro-batches (pinned)")
+    return ", ".join(out)
+
+
+def _norms_text(costs: Costs, req: PlanRequest) -> str:
+    """Why pinned sequential tiles could not cover the model: the first norm with image statistics."""
+    norms = image_norms(costs)
+    if not req.tiles_per_gpu or req.tiles_per_gpu == 1 or not norms:
+        return ""
+    n = costs.profile.nodes[norms[0]]
+    return (f"tiles_per_gpu={req.tiles_per_gpu}: node {n.name!r} ({n.target.rsplit('.', 1)[-1]}) normalises with "
+            "statistics over the whole image, which tiles run one after another cannot gather before normalising, so "
+            "a stage of sequential tiles ends before it (refused, not costed as a statistics pass). ")
+
+
+def _tiles_hint(costs: Costs, req: PlanRequest, cap: float, deadline: float, cache: SolveCache) -> str:
+    """', or allow sequential tiles (...)' with the fewest tiles per GPU that fit these GPUs,
+    when they are forbidden ('' when none fits before ``deadline``)."""
+    if req.tiles_per_gpu != 1 or not tileable_ends(costs)[0]:
+        return ""
+    for t in tile_counts(1, req.slice or "square", image_of(costs)):
+        if time.perf_counter() >= deadline:
+            break
+        try:
+            found = leanest(costs, dataclasses.replace(req, tiles_per_gpu=t), deadline, cache)
+        except NowdlError:
+            continue
+        if found[0] <= cap:
+            return (f", or allow sequential tiles (--tiles-per-gpu {t} or auto): {found[1]} needs "
+                    f"{format_bytes(found[0])}")
+    return ""
 
 
 def first_untileable(costs: Costs, front: bool) -> str:
@@ -157,17 +229,26 @@ def first_untileable(costs: Costs, front: bool) -> str:
     return ""
 
 
-def no_candidate_message(req: PlanRequest, front: bool, untileable: str = "") -> str:
-    """The error for pinned settings that no configuration of ``req.gpus`` GPUs matches."""
-    pins = {k: getattr(req, k) for k in ("stages", "dp", "replicas", "spatial_parts", "spatial_stages", "global_batch") if getattr(req, k)}
+def no_candidate_message(req: PlanRequest, front: bool, untileable: str = "", *, costs: Costs | None = None) -> str:
+    """The error for pinned settings that no configuration of ``req.gpus`` GPUs matches; with
+    ``costs``, the arithmetic: the ranks a pipeline of these pins takes and GPU counts that work."""
+    pins = {k: getattr(req, k) for k in ("stages", "dp", "replicas", "spatial_parts", "spatial_stages", "global_batch",
+                                         "micro_batches", "micro_batch_size", "tiles_per_gpu") if getattr(req, k)}
     why = ""
     if (req.spatial_parts or req.spatial_stages) and not front:
         why = " The model's first operation cannot run on image tiles, so no spatial stage is possible." + untileable
+    elif costs is not None:
+        back = tileable_ends(costs)[1]
+        why = pinned_arithmetic(req, tileable_front=front, tileable_back=back, max_stages=max_stages(costs, req),
+                                micro_batch=batch_of(costs), image=image_of(costs))
+        if (req.spatial_parts not in (None, 1) or req.spatial_stages) and not back and req.stages == 1:
+            why += " A spatial stage needs a non-spatial stage after it unless the whole model runs on tiles." + untileable
     elif req.spatial_parts not in (None, 1) or req.spatial_stages:
         why = (" Spatial stages need a non-spatial stage after them unless the whole model runs on tiles."
                + untileable)
     return (
         f"no configuration of {req.gpus} GPUs matches the pinned settings {pins}: ranks per pipeline "
-        "(stages, plus (parts - 1) for each spatial stage) times dp must equal gpus." + why +
-        " Drop a pinned setting or change gpus."
+        "(stages, plus (parts - 1) for each spatial stage) times dp must equal gpus"
+        + (", and micro-batches x replicas x dp x samples per micro-batch the global batch" if req.global_batch else "")
+        + "." + why + " Drop a pinned setting or change gpus."
     )

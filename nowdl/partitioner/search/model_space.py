@@ -9,7 +9,7 @@ from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.problem import Problem
 from nowdl.partitioner.search.config import PlanRequest
 
-__all__ = ["tileable_ends", "max_stages", "batch_of", "uncapped"]
+__all__ = ["tileable_ends", "max_stages", "batch_of", "image_of", "uncapped"]
 
 
 def uncapped(p: Problem) -> Problem:
@@ -21,6 +21,12 @@ def batch_of(costs: Costs) -> int:
     """Samples per micro-batch: the profiled input's batch size."""
     shapes = costs.profile.input_shapes
     return int(shapes[0][0]) if shapes and shapes[0] else 1
+
+
+def image_of(costs: Costs) -> tuple[int, ...] | None:
+    """The spatial dims of the model's (first) input, or None when it has none."""
+    shapes = costs.profile.input_shapes
+    return tuple(int(d) for d in shapes[0][2:]) if shapes and len(shapes[0]) >= 3 else None
 
 
 def tileable_ends(costs: Costs) -> tuple[bool, bool]:

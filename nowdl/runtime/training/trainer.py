@@ -213,6 +213,9 @@ class Trainer:
             b = n // per
         if req is not None and req.global_batch is None:
             self.cm.request = dataclasses.replace(req, global_batch=n)
+        elif req is not None and req.global_batch != n:
+            raise NowdlError(f"compile(global_batch={req.global_batch}) but the first step has {n} samples: pass "
+                             f"batches of {req.global_batch} samples, or compile with global_batch={n}")
         examples = tuple(torch.empty((b,) + tuple(t.shape[1:]), dtype=t.dtype, device="meta") for t in xs)
         target = y[:b] if isinstance(y, torch.Tensor) and y.dim() and y.shape[0] == n else None  # [Note: loss memory]
         return self.cm.plan(*examples, target=target)

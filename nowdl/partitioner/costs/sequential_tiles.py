@@ -1,0 +1,125 @@
+"""What sequential tiles cost: a spatial stage whose GPUs each run T tiles one after another.
+
+[Note: sequential tiles cost] With ``tiles_per_gpu`` T a stage of P parts runs the P x T grid
+(``search.grids.sub_grid``), each GPU its T tiles in turn. A tile's forward runs over the whole
+stage on the tile widened by a margin that covers what the rest of the stage reads around it
+(a fused halo), keeping nothing; the backward recomputes it, saving, and runs its backward.
+Only the stage's input and output tiles (all T of them) are kept between forward and backward.
+So, per node v of such a stage, with ``infl_v`` the margin's extra pixels (the tile's area with
+its margin over its area, at v's resolution):
+
+- memory: the saved activations and workspace of ONE tile, ``act_v x infl_v / T`` (held once,
+  not per in-flight micro-batch: the vector holds it divided by ``inflight``, so the cost model's
+  ``inflight x act`` is one tile's), plus the input tile per in-flight micro-batch (the model
+  input's node keeps its whole act) and the boundary tensors as for any stage;
+- time: ``(2 x fwd_v + bwd_v) x infl_v / P`` (T tiles, the forward twice, nothing overlapped
+  between tiles) plus the halo time the P-part stage pays between GPUs.
+
+The margin of node v is what the nodes after it in the tileable region read around a tile,
+in pixels at v's output: each consumer adds its halo and scales by its resolution change
+(a pool of stride 2 doubles it). It runs to the end of the region, so a stage that ends earlier
+needs less: an upper bound. Norms whose statistics span the image (BatchNorm in training,
+InstanceNorm, GroupNorm) would need every tile's statistics before any tile is normalised:
+they are not costed as a statistics pass but refused, kept out of stages with T > 1
+(:func:`image_norms`; the runtime refuses them too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from nowdl.partitioner.costs.costmodel import Costs
+from nowdl.partitioner.costs.problem import NodeVectors, Problem
+
+__all__ = ["margins", "inflation", "image_norms", "sequential_vectors", "sequential_problem"]
+
+
+def _spatial(shape: Sequence[int] | None) -> list[int]:
+    return [int(d) for d in shape[2:]] if shape is not None and len(shape) >= 3 else []
+
+
+def image_norms(costs: Costs) -> list[int]:
+    """Indices of the nodes whose statistics span the image (norms), which stages with sequential
+    tiles cannot hold."""
+    return [i for i, n in enumerate(costs.profile.nodes)
+            if (r := costs.rules.get(n.name)) is not None and r.tileable and r.kind == "norm"]
+
+
+def margins(costs: Costs) -> list[tuple[float, ...]]:
+    """Per node, the pixels per side (per spatial dim, at its output's resolution) that the rest
+    of the tileable region reads around a tile of its output ([Note: sequential tiles cost])."""
+    prof = costs.profile
+    nodes = prof.nodes
+    consumers: list[list[int]] = [[] for _ in nodes]
+    for u, v in costs.edges:
+        consumers[u].append(v)
+    out: list[tuple[float, ...]] = [()] * len(nodes)
+    for v in range(len(nodes) - 1, -1, -1):
+        mine = _spatial(nodes[v].out_shape)
+        need = [0.0] * len(mine)
+        for c in consumers[v]:
+            rule = costs.rules.get(nodes[c].name)
+            theirs = _spatial(nodes[c].out_shape)
+            if nodes[c].op == "output" or rule is None or not rule.tileable or len(theirs) != len(mine):
+                continue
+            halo = list(rule.halo) + [rule.halo[-1] if rule.halo else 0] * len(mine)
+            for d in range(len(mine)):
+                later = out[c][d] if d < len(out[c]) else 0.0
+                need[d] = max(need[d], math.ceil(later * mine[d] / max(1, theirs[d])) + halo[d])
+        out[v] = tuple(need)
+    return out
+
+
+def inflation(shape: Sequence[int] | None, grid: Sequence[int], margin: Sequence[float]) -> float:
+    """A tile's area with its margin over its area, for an output of ``shape`` cut by ``grid``
+    (the margin stops at the image's border)."""
+    sp = _spatial(shape)
+    if not sp:
+        return 1.0
+    g = [1] * (len(sp) - len(grid)) + list(grid)[-len(sp):]
+    f = 1.0
+    for n, gi, m in zip(sp, g, list(margin) + [0.0] * len(sp), strict=False):
+        side = n / max(1, gi)
+        if gi > 1 and side > 0:
+            f *= min(float(n), side + 2 * m) / side
+    return f
+
+
+def sequential_vectors(costs: Costs, base: NodeVectors, parts: int, tiles: int, grid: Sequence[int],
+                       inflight: int) -> NodeVectors:
+    """Per-node vectors of a stage of ``parts`` parts running ``tiles`` tiles per GPU over the
+    whole ``grid`` (P x T tiles), from its ``base`` vectors (P-part tiles, or plain for one
+    part); ``inflight``: micro-batches the stage holds ([Note: sequential tiles cost])."""
+    act, time, ws = [], [], []
+    for n, a, t, w, m in zip(costs.profile.nodes, base.act, base.time, base.workspace, margins(costs), strict=True):
+        f = inflation(n.out_shape, grid, m)
+        act.append(float(a) if n.op == "placeholder" else a * f / tiles / max(1, inflight))
+        halo_s = max(0.0, t - n.time_s / parts)  # what the P-part stage pays between GPUs
+        time.append(halo_s + (2 * n.fwd_s + n.bwd_s) * f / parts)
+        ws.append(w * f / tiles)
+    return NodeVectors(act=act, time=time, workspace=ws, out=list(base.out))
+
+
+def sequential_problem(costs: Costs, problem: Problem, *, stages: Sequence[int], parts: Sequence[int],
+                       tiles: int, grids: Sequence[Sequence[int]]) -> Problem:
+    """``problem`` with ``stages`` running ``tiles`` tiles per GPU: their vectors from
+    :func:`sequential_vectors` (``grids[s]``: stage s's whole grid of P x T tiles), each marked
+    spatial, and the image-statistics norms kept out of every spatial stage."""
+    if tiles <= 1:
+        return problem
+    variants = dict(problem.variants)
+    specs = list(problem.stages)
+    for s in stages:
+        spec = specs[s]
+        base_name = spec.variant if parts[s] > 1 else "plain"
+        name = f"seq:{base_name}x{tiles}/{spec.inflight}"
+        if name not in variants:
+            variants[name] = sequential_vectors(costs, problem.variants[base_name], parts[s], tiles, grids[s],
+                                                spec.inflight)
+        specs[s] = dataclasses.replace(spec, variant=name, spatial=True)
+    norms = set(image_norms(costs))
+    tileable = list(problem.tileable) or [True] * problem.n
+    tileable = [t and i not in norms for i, t in enumerate(tileable)]
+    return dataclasses.replace(problem, variants=variants, stages=specs, tileable=tileable)
