@@ -191,7 +191,8 @@ def search(
     cache = SolveCache()
     # [Note: sequential tiles last] tiles run in turn on a GPU never make a configuration faster
     # (the forward runs twice): with tiles_per_gpu "auto" they are searched only when nothing
-    # fits without them, so plans that fit stay as they were
+    # fits without them or fits only with recompute/offload (then the faster one wins), so
+    # plans that fit stay as they were
     first = [c for c in cands if c.tiles_per_gpu == 1]
     later = [c for c in cands if c.tiles_per_gpu > 1]
     pools = [first, later] if first and later else [cands]
@@ -204,8 +205,8 @@ def search(
         evals += pool_evals
         pruned, over = pruned + p, over + o
         results += _finalists(req, pool_evals, cache, deadline=t0 + req.time_limit)
-        if any(e.fits for e in results):
-            break
+        if any(e.fits and not (e.cand.recompute or e.cand.offload) for e in results):
+            break  # else sequential tiles compete with recompute/offload on predicted throughput
     screen_s = time.perf_counter() - t0
     fitting = [e for e in results if e.fits]
     if not fitting:  # the leanest split screened, and more: [Note: infeasible figures]
