@@ -229,7 +229,7 @@ def test_infeasible_message_says_when_its_search_ran_out(monkeypatch: pytest.Mon
     monkeypatch.setattr(infeasible, "BUDGET_S", 0.0)
     with pytest.raises(InfeasibleError) as e:
         nowdl.compile(_small_unet(), gpus=4, stages=4, dp=1, replicas=1, micro_batches=1,
-                      gpu_memory=45_000, tiles_per_gpu=1).plan(torch.randn(1, 1, 32, 32))
+                      gpu_memory=45_000, tiles_per_gpu=1, recompute="off", offload="off").plan(torch.randn(1, 1, 32, 32))
     msg = str(e.value)
     # no claim about splits never made or GPU counts never tried
     assert "with 4 GPUs (" in msg and "): no split of it was made within the 0 s for this search" in msg, msg
@@ -240,15 +240,18 @@ def test_infeasible_figures_are_splits_that_exist() -> None:
     # UNet at 16384^2 under 40 GiB on 8 GPUs: the bound of a 4-stage, 4-tile candidate (48.7 GiB)
     # was stated as the need ("raise the cap to at least 48.7 GiB": it still failed), and "no GPU
     # count up to 4096 fits it" where 64 GPUs do (4 stages of 16 tiles, 30 GiB); with tile counts up to
-    # the GPU count 32 GPUs do (32 tiles), and sequential tiles (forbidden here) on these 8
+    # the GPU count 32 GPUs do (32 tiles), and sequential tiles (forbidden here, as recompute and
+    # offload) on these 8
     x = torch.empty(1, 3, 16384, 16384, device="meta")
     with pytest.raises(InfeasibleError) as e:
-        nowdl.compile(nowdl.models.unet(), gpus=8, gpu_memory="40GiB", progress=False, tiles_per_gpu=1).plan(x)
+        nowdl.compile(nowdl.models.unet(), gpus=8, gpu_memory="40GiB", progress=False, tiles_per_gpu=1,
+                      recompute="off", offload="off").plan(x)
     msg = str(e.value)
     assert "the leanest split found needs 120.2 GiB on its fullest GPU (8 GPUs: 1 stage, 8 tiles" in msg, msg
     assert "Raise the cap to 120.2 GiB" in msg and "32 GPUs would fit it (32 GPUs: 1 stage, 32 tiles" in msg, msg
     assert "or allow sequential tiles (--tiles-per-gpu 4 or auto)" in msg, msg
-    plan = nowdl.compile(nowdl.models.unet(), gpus=8, gpu_memory="120.2GiB", progress=False, tiles_per_gpu=1).plan(x)
+    plan = nowdl.compile(nowdl.models.unet(), gpus=8, gpu_memory="120.2GiB", progress=False, tiles_per_gpu=1,
+                         recompute="off", offload="off").plan(x)
     assert plan.predicted["peak_bytes"] <= 120.2 * 2**30
 
 
