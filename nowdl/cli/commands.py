@@ -1,4 +1,4 @@
-"""The nowdl command line: profile | plan | show | codegen | run | calibrate | report."""
+"""The nowdl command line: profile | plan | show | codegen | run | predict | calibrate | report."""
 
 from __future__ import annotations
 
@@ -126,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                           description="Plan (or load a plan), then train or run inference for --steps steps on "
                           "every rank of the job; rank 0 prints the loss and images/s of each step.")
     add_run_arguments(prun)
+    from nowdl.cli.predict import add_predict_parser
+
+    add_predict_parser(sub)
 
     ps = sub.add_parser("show", help="print a saved plan", description="Validate and print a saved plan JSON file.")
     ps.add_argument("plan", metavar="PLAN.json")
@@ -330,6 +333,10 @@ def _run(args: argparse.Namespace) -> int:
         from nowdl.cli.run import run_main
 
         return run_main(args)
+    if args.command == "predict":
+        from nowdl.cli.predict import predict_main
+
+        return predict_main(args)
     if args.command == "calibrate":
         from nowdl.profiler.calibrate.command import calibrate_command
         from nowdl.runtime.launch.group import init_distributed, launch_env

@@ -66,6 +66,6 @@ def write_slide(path: Path, img: np.ndarray, tile: int = 64) -> None:
     """``img`` ``(H, W, 3)`` uint8 as a tiled pyramidal TIFF that OpenSlide reads as a generic tiled TIFF."""
     import tifffile
 
-    with tifffile.TiffWriter(path) as w:
-        w.write(img, tile=(tile, tile), photometric="rgb", compression="zlib", subifds=1)
+    with tifffile.TiffWriter(path) as w:  # levels in successive pages: OpenSlide's generic TIFF pyramid
+        w.write(img, tile=(tile, tile), photometric="rgb", compression="zlib")
         w.write(img[::2, ::2], tile=(tile, tile), photometric="rgb", compression="zlib", subfiletype=1)

@@ -140,8 +140,8 @@ def network_reach(gm: fx.GraphModule, example: torch.Tensor) -> Reach:
         m_out = []
         for d in range(nd):
             m = m_in[d] + halo[d] * s_in[d]
-            if s_out[d] > 1:  # a pixel at this resolution covers s_out input pixels
-                m = math.ceil(m / s_out[d]) * s_out[d] + s_out[d]
+            if s_out[d] > 1:  # a pixel at this resolution covers s_out input pixels (windows start aligned)
+                m = math.ceil(m / s_out[d]) * s_out[d]
             m_out.append(m)
             if s_out[d] >= 1:
                 align[d] = math.lcm(align[d], int(round(s_out[d])))
