@@ -16,7 +16,7 @@ from typing import Any
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.data.readers import ImageArray, open_images
-from nowdl.runtime.predict.runner import Target, _agree, _world, discard_targets, predict_images
+from nowdl.runtime.predict.runner import Target, agree, rank_world, discard_targets, predict_images, write_error
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.writers import check_out, discard, output_kind, partial_path, publish
 
@@ -123,7 +123,7 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
 
     if launch_env().world_size > 1:
         init_distributed(backend=backend, timeout_s=timeout_s)
-    rank, _ = _world()
+    rank, _ = rank_world()
     channels, ndim = model_input(cm)
     spec = source if isinstance(source, str) else ""
     images = open_images(source, channels, ndim) if isinstance(source, str) else list(source)
@@ -136,7 +136,7 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
             discard(path)  # debris of an earlier run that died
         if folder:
             stage.mkdir()
-    _agree(err)
+    agree(err)
     try:
         summary = predict_images(cm, images, targets, output=output, window=window, on_window=on_window,
                                  timeout_s=timeout_s, backend=backend)
@@ -146,9 +146,8 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
                 _convert(targets)
                 publish(stage, target)
             except OSError as e:
-                err = f"writing {target} failed: {e.strerror or e}; nothing was written under {target}: free space " \
-                      "and run again"
-        _agree(err)
+                err = write_error(e, str(target))
+        agree(err)
     except BaseException:
         if rank == 0:
             discard_targets(targets)

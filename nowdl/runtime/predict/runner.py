@@ -36,7 +36,7 @@ from nowdl.runtime.predict.writers import LevelStore, build_level, discard, ngff
 from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.trainer import Trainer
 
-__all__ = ["plan_for", "predict_images", "discard_targets", "OUTPUTS", "Target"]
+__all__ = ["plan_for", "predict_images", "discard_targets", "write_error", "agree", "rank_world", "OUTPUTS", "Target"]
 
 OUTPUTS = ("logits", "probabilities", "argmax")
 
@@ -109,15 +109,15 @@ class _WindowRunner(Trainer):
         return 0, 1
 
 
-def _world() -> tuple[int, int]:
+def rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def _agree(error: str | None) -> None:
+def agree(error: str | None) -> None:
     """Raise ``error`` on every rank if any rank has one."""
-    _, world = _world()
+    _, world = rank_world()
     errors: list[Any] = [error]
     if world > 1:
         errors = [None] * world
@@ -127,18 +127,23 @@ def _agree(error: str | None) -> None:
         raise NowdlError(first)
 
 
+def write_error(e: OSError, what: str) -> str:
+    """The one-paragraph message of a failed write (a full disk named as such)."""
+    why = "the disk is full" if e.errno == errno.ENOSPC else f"{e.strerror or e}"
+    return (f"writing {what} failed: {why} (errno {errno.errorcode.get(e.errno or 0, e.errno)}); nothing was "
+            "written under the output name: free space (or fix the path) and run again")
+
+
 def _guard(fn: Callable[[], Any], what: str) -> None:
     """Run ``fn``; every rank agrees on success, or raises the first rank's error (a full disk named)."""
     err = None
     try:
         fn()
     except OSError as e:
-        why = "the disk is full" if e.errno == errno.ENOSPC else f"{e.strerror or e}"
-        err = (f"writing {what} failed: {why} (errno {errno.errorcode.get(e.errno or 0, e.errno)}); nothing was "
-               "written under the output name: free space (or fix the path) and run again")
+        err = write_error(e, what)
     except NowdlError as e:
         err = str(e)
-    _agree(err)
+    agree(err)
 
 
 @dataclasses.dataclass
@@ -204,7 +209,7 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
     """
     if output not in OUTPUTS:
         raise NowdlError(f"--output {output!r}: use one of {', '.join(OUTPUTS)}")
-    rank, world = _world()
+    rank, world = rank_world()
     runners: dict[tuple[int, ...], _WindowRunner] = {}
     summary = PredictSummary(world=world)
     layouts: list[tuple[list[Window], Reach, tuple[int, ...]]] = []
