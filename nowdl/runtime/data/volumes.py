@@ -38,14 +38,14 @@ def _nibabel(spec: str) -> Any:
 def _volume(path: str) -> Any:
     import nibabel
 
-    return nibabel.load(path).dataobj
+    return nibabel.load(path).dataobj  # type: ignore[attr-defined]
 
 
 def nifti_header(path: str | Path) -> tuple[np.ndarray, tuple[float, ...]]:
     """The ``(4, 4)`` affine and the voxel spacing of the volume at ``path``."""
     import nibabel
 
-    img = nibabel.load(str(path))
+    img: Any = nibabel.load(str(path))
     return np.asarray(img.affine, dtype=np.float64), tuple(float(z) for z in img.header.get_zooms()[:3])
 
 

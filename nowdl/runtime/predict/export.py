@@ -47,10 +47,9 @@ def write_tiff(root: Path, levels: int, target: Path) -> None:
         for k, st in enumerate(stores):
             c, h, w = st.shape
             shape: Sequence[int] = (c, h, w) if c > 1 else (h, w)
-            opts = {"subifds": levels - 1} if k == 0 else {"subfiletype": 1}
             tif.write(_tiles(st), shape=tuple(shape), dtype=st.array.dtype, tile=(TIFF_TILE, TIFF_TILE),
-                      photometric="minisblack", planarconfig="separate" if c > 1 else None,
-                      compression="zlib", metadata=None, **opts)
+                      photometric="minisblack", planarconfig="separate" if c > 1 else None, compression="zlib",
+                      metadata=None, subifds=levels - 1 if k == 0 else None, subfiletype=1 if k else 0)
 
 
 def write_nifti(root: Path, target: Path, affine: np.ndarray | None, spacing: Sequence[float] | None) -> None:
@@ -63,6 +62,6 @@ def write_nifti(root: Path, target: Path, affine: np.ndarray | None, spacing: Se
                          "or OUT.tif")
     vol = data[0] if data.shape[0] == 1 else np.moveaxis(data, 0, -1)
     img = nibabel.Nifti1Image(vol, np.eye(4) if affine is None else affine)
-    if spacing is not None:
+    if spacing is not None and affine is None:
         img.header.set_zooms(tuple(spacing)[:3] + tuple(img.header.get_zooms()[3:]))
     nibabel.save(img, str(target))

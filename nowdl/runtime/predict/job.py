@@ -16,7 +16,14 @@ from typing import Any
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.data.readers import ImageArray, open_images
-from nowdl.runtime.predict.runner import Target, agree, rank_world, discard_targets, predict_images, write_error
+from nowdl.runtime.predict.runner import (
+    Target,
+    agree,
+    discard_targets,
+    predict_images,
+    rank_world,
+    write_error,
+)
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.writers import check_out, discard, output_kind, partial_path, publish
 
@@ -76,10 +83,10 @@ def _targets(spec: str, images: Sequence[ImageArray], out: Path, fmt: str | None
         kind = output_kind(out)
         affine, spacing = _header(spec, images[0])
         if kind == "zarr":
-            return [Target(stage, kind, None, affine, spacing)], stage, False
+            return [Target(stage, kind, out.name, None, affine, spacing)], stage, False
         suffix = ".nii.gz" if str(out).lower().endswith(".nii.gz") else out.suffix
         file = partial_path(out, suffix)
-        return [Target(partial_path(out, ".work.zarr"), kind, file, affine, spacing)], file, False
+        return [Target(partial_path(out, ".work.zarr"), kind, out.name, file, affine, spacing)], file, False
     if fmt is not None and fmt not in FORMATS:
         raise NowdlError(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
     kind, suffix = FORMATS[fmt or "zarr"]
@@ -89,9 +96,10 @@ def _targets(spec: str, images: Sequence[ImageArray], out: Path, fmt: str | None
         name = _stem(im, taken)
         affine, spacing = _header(spec, im)
         if kind == "zarr":
-            targets.append(Target(stage / f"{name}.zarr", kind, None, affine, spacing))
+            targets.append(Target(stage / f"{name}.zarr", kind, f"{name}.zarr", None, affine, spacing))
         else:
-            targets.append(Target(stage / f".{name}.work.zarr", kind, stage / f"{name}{suffix}", affine, spacing))
+            targets.append(Target(stage / f".{name}.work.zarr", kind, f"{name}{suffix}", stage / f"{name}{suffix}", affine,
+                                  spacing))
     return targets, stage, True
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +33,13 @@ from nowdl.plan.plan import Plan
 from nowdl.runtime.data.readers import ImageArray, to_tensor
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.windows import Reach, Window, layout_windows, network_reach
-from nowdl.runtime.predict.writers import LevelStore, build_level, discard, ngff_attributes, pyramid_shapes
+from nowdl.runtime.predict.writers import (
+    LevelStore,
+    build_level,
+    discard,
+    ngff_attributes,
+    pyramid_shapes,
+)
 from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.trainer import Trainer
 
@@ -152,6 +159,7 @@ class Target:
 
     work: Path
     kind: str  # zarr, tiff, nifti
+    name: str = ""  # the output's final name (OME-Zarr multiscales name)
     file: Path | None = None
     affine: np.ndarray | None = None
     spacing: tuple[float, ...] | None = None
@@ -179,6 +187,32 @@ def _finish(out: torch.Tensor, output: str) -> np.ndarray:
     if output == "probabilities":
         out = out.softmax(dim=0) if out.shape[0] > 1 else out.sigmoid()
     return out.numpy()
+
+
+def _create_store(target: Target, spatial: Sequence[int], reach: Reach, output: str, rank: int) -> int:
+    """Rank 0 creates the work store's levels (collective); returns how many levels it has."""
+    out_sp = tuple(s // f for s, f in zip(spatial, reach.scale, strict=True))
+    levels = pyramid_shapes(out_sp) if target.kind != "nifti" else [out_sp]
+    channels = 1 if output == "argmax" else reach.out_channels
+    dtype = np.float32 if output != "argmax" else np.uint8 if reach.out_channels <= 256 else np.int32
+    attrs = ngff_attributes(target.name or target.work.name, len(levels), len(out_sp), target.spacing)
+
+    def create() -> None:
+        if rank == 0:
+            for k, sp in enumerate(levels):
+                LevelStore.create(target.work, k, (channels, *sp), dtype, attrs if k == 0 else None)
+
+    _guard(create, str(target.work))
+    return len(levels)
+
+
+def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, out: torch.Tensor | None, w: Window,
+                 scale: Sequence[int], output: str) -> None:
+    """Write this rank's ``share`` (output pixels) of the window output ``out`` ``(1, C, *window)``."""
+    if out is None or share is None:
+        return
+    rel = tuple(slice(a - r0 // f, b - r0 // f) for (a, b), (r0, _), f in zip(share, w.read, scale, strict=True))
+    store.write(share, _finish(out[0][(slice(None), *rel)].cpu(), output))
 
 
 def _image_input(image: ImageArray, win: Window) -> TiledInput:
@@ -221,17 +255,7 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
     total = sum(len(w) for w, _, _ in layouts)
     done, t0 = 0, time.perf_counter()
     for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
-        out_sp = tuple(s // f for s, f in zip(image.spatial, reach.scale, strict=True))
-        levels = pyramid_shapes(out_sp) if target.kind != "nifti" else [out_sp]
-        channels = 1 if output == "argmax" else reach.out_channels
-        dtype = np.uint8 if output == "argmax" and reach.out_channels <= 256 else (
-            np.int32 if output == "argmax" else np.float32)
-        if rank == 0:
-            attrs = ngff_attributes(target.work.name, len(levels), len(out_sp), target.spacing)
-            _guard(lambda: [LevelStore.create(target.work, k, (channels, *sp), dtype, attrs if k == 0 else None)
-                            for k, sp in enumerate(levels)], str(target.work))
-        else:
-            _guard(lambda: None, str(target.work))
+        levels = _create_store(target, image.spatial, reach, output, rank)
         store = LevelStore(target.work, 0)
         runner = runners.get(win) or runners.setdefault(win, _WindowRunner(cm, timeout_s, backend))
         for i, w in enumerate(wins):
@@ -240,20 +264,12 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
             part, parts = runner.writer_share()
             core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
             share = _share(core_out, store.chunks[1:], part, parts) if out is not None else None
-
-            def write(o: Any = out, share: Any = share, w: Window = w) -> None:
-                if o is None or share is None:
-                    return
-                rel = tuple(slice(a - r0 // f, b - r0 // f) for (a, b), (r0, _), f in zip(share, w.read, reach.scale,
-                                                                                           strict=True))
-                store.write(share, _finish(o[0][(slice(None), *rel)].cpu(), output))
-
-            _guard(write, str(target.work))
+            _guard(functools.partial(_write_share, store, share, out, w, reach.scale, output), str(target.work))
             done += 1
             if on_window is not None:
                 on_window(done, total)
-        for k in range(1, len(levels)):
-            _guard(lambda k=k: build_level(target.work, k, output == "argmax", rank, world), str(target.work))
+        for k in range(1, levels):
+            _guard(functools.partial(build_level, target.work, k, output == "argmax", rank, world), str(target.work))
         summary.add_image(image.spatial, len(wins), reach, runner.plan, rank)
     summary.seconds = time.perf_counter() - t0
     summary.gather()
