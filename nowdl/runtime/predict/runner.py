@@ -279,7 +279,16 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
 def _window_shape(cm: Any, image: ImageArray, window: Sequence[int] | None) -> tuple[int, ...]:
     sp = image.spatial
     if getattr(cm, "plan_path", None) is not None:
-        planned = tuple(int(s) for s in Plan.load(cm.plan_path).model["inputs"][0][2:])
+        plan = Plan.load(cm.plan_path)
+        c = plan.config
+        per = int(plan.model["inputs"][0][0]) * int(c["micro_batches"]) * int(c["replicas"]) * int(c["dp"])
+        if per != 1:
+            raise NowdlError(f"the plan {cm.plan_path} takes {per} samples per step (micro-batch "
+                             f"{plan.model['inputs'][0][0]} x micro_batches {c['micro_batches']} x replicas "
+                             f"{c['replicas']} x dp {c['dp']}) but predict runs one window per step: re-plan with "
+                             "--micro-batches 1 --replicas 1 --dp 1 and a batch of 1, or give MODEL by name (predict "
+                             "then plans for the window)")
+        planned = tuple(int(s) for s in plan.model["inputs"][0][2:])
         if len(planned) != len(sp) or any(p > s for p, s in zip(planned, sp, strict=True)):
             raise NowdlError(f"the plan {cm.plan_path} is for windows of {'x'.join(map(str, planned))} pixels but "
                              f"{image.path} is {'x'.join(map(str, sp))}: re-plan for a window that fits the image "
