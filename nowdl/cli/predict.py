@@ -124,8 +124,13 @@ def predict_main(args: argparse.Namespace) -> int:
     env = launch_env()
     if env.world_size > 1:
         init_distributed(timeout_s=args.timeout)
+    from pathlib import Path
+
+    from nowdl.runtime.predict.writers import check_out
+
     spec = _spec(args.data, args.level)
     window = _window(args.window)
+    check_out(Path(args.out), args.overwrite)  # before the weights are read
     cm = _build(args, env.world_size)
     bar = Progress("predicting", enabled=env.rank == 0, unit="window", min_total=2)
     try:

@@ -95,3 +95,43 @@ def test_bad_inputs(files: dict[str, Path], capsys: pytest.CaptureFixture[str], 
     _refused(capsys, d / "a.tif", "the disk is full", *base, "--data", slide)
     _refused(capsys, d / "taken.zarr", "the disk is full", *base, "--data", slide, "--overwrite")
     assert (d / "taken.zarr").is_dir()  # the old output stays when the new one fails
+
+
+@pytest.mark.slow
+def test_predict_under_torchrun(files: dict[str, Path]) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.run_cli import ROOT, free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(NOWDL_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    out = files["dir"] / "p.tif"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "nowdl", "predict", MODEL, "--model-args", ARGS,
+           "--checkpoint", str(files["w"]), "--data", f"openslide:{files['slide']}", "--out", str(out),
+           "--stages", "1", "--spatial-parts", "2", "--window", "64"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("predicted 1 image(s)") == 1 and res.stdout.count("(plan ") == 2
+    pixels = np.asarray(__import__("tifffile").imread(files["slide"]), dtype=np.float32).transpose(2, 0, 1) / 255
+    got = __import__("tifffile").imread(out)
+    np.testing.assert_allclose(got, reference(seg_net(in_ch=3), pixels), atol=1e-4)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and res.stderr.count("already exists: pass --overwrite") == 1
+
+
+@pytest.mark.slow
+def test_nowdl_run_trains_on_nifti_volumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    nibabel = pytest.importorskip("nibabel")
+    (tmp_path / "masks").mkdir()
+    for i in range(2):
+        v = np.random.default_rng(i).random((16, 16, 16)).astype(np.float32)
+        nibabel.save(nibabel.Nifti1Image(v, np.eye(4)), str(tmp_path / f"v{i}.nii.gz"))
+        nibabel.save(nibabel.Nifti1Image((v > 0.5).astype(np.uint8), np.eye(4)), str(tmp_path / "masks" / f"v{i}.nii.gz"))
+    rc = main(["run", "unet3d", "--model-args", '{"in_channels": 1, "out_channels": 2, "depth": 1, "base_width": 4}',
+               "--input", "1x1x8x8x8", "--batch-size", "1", "--steps", "2", "--data", f"nifti:{tmp_path}",
+               "--labels", f"nifti:{tmp_path / 'masks'}"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "nifti (2 images" in out and "step 2/2  loss" in out

@@ -120,7 +120,7 @@ def _convert(targets: Sequence[Target]) -> None:
 def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[str], *, output: str = "logits",
             window: Sequence[int] | None = None, overwrite: bool = False, fmt: str | None = None,
             on_window: Callable[[int, int], None] | None = None, timeout_s: float = 300.0,
-            backend: str | None = None) -> PredictSummary:
+            backend: str | None = None, measure_memory: bool = True) -> PredictSummary:
     """Predict ``source`` (a ``--data`` reader spec, or opened images) into ``out`` (collective).
 
     Raises:
@@ -147,7 +147,7 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
     agree(err)
     try:
         summary = predict_images(cm, images, targets, output=output, window=window, on_window=on_window,
-                                 timeout_s=timeout_s, backend=backend)
+                                 timeout_s=timeout_s, backend=backend, measure_memory=measure_memory)
         err = None
         if rank == 0:
             try:

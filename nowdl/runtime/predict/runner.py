@@ -225,7 +225,8 @@ def _image_input(image: ImageArray, win: Window) -> TiledInput:
 
 def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Target], *, output: str = "logits",
                    window: Sequence[int] | None = None, on_window: Callable[[int, int], None] | None = None,
-                   timeout_s: float = 300.0, backend: str | None = None) -> PredictSummary:
+                   timeout_s: float = 300.0, backend: str | None = None, measure_memory: bool = True
+                   ) -> PredictSummary:
     """Predict every image into its target work store (collective: every rank calls it alike).
 
     Args:
@@ -236,6 +237,8 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
         window: the window size per spatial dim (default: the plan's input, else the whole image up
             to 2048 pixels per dim in 2D and 128 in 3D).
         on_window: called with (windows done, windows in all) after each window.
+        measure_memory: measure the peak memory (on CPU by tracking allocations, which slows the
+            first two windows of each image several times over; CUDA's counter costs nothing).
 
     Raises:
         NowdlError: a window too small for the receptive field, an image the network's stride
@@ -259,7 +262,7 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
         store = LevelStore(target.work, 0)
         runner = runners.get(win) or runners.setdefault(win, _WindowRunner(cm, timeout_s, backend))
         for i, w in enumerate(wins):
-            out, peak = runner.run_window(_image_input(image, w), measure=i < 2)
+            out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2)
             summary.add_peak(peak)
             part, parts = runner.writer_share()
             core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
