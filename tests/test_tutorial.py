@@ -115,6 +115,7 @@ def test_conventions_parse() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a dozen commands, three of them torchrun jobs: over 600 s on a loaded machine
 def test_tutorial_commands_print_what_it_shows(tmp_path: Path) -> None:
     for module in ("monai", "tifffile", "matplotlib", "tensorboard"):
         pytest.importorskip(module)
