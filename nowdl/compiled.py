@@ -36,6 +36,7 @@ from nowdl.trace.check import stand_in
 from nowdl.trace.tracer import Traced, trace
 
 if TYPE_CHECKING:
+    from nowdl.runtime.predict.summary import PredictSummary
     from nowdl.runtime.spatial.tiles import TiledInput
     from nowdl.runtime.training.trainer import Trainer
 
@@ -318,6 +319,19 @@ class CompiledModel:
         """Resume from ``directory``, saved by any plan of this model (resharded by name); ``x`` (a
         batch) sets the runtime up when no step ran yet."""
         self._train().load_checkpoint(directory, x)
+
+    def predict(self, source: Any, out: str | os.PathLike[str], *, output: str = "logits",
+                window: Any = None, overwrite: bool = False, format: str | None = None,
+                on_window: Any = None, measure_memory: bool = True) -> PredictSummary:
+        """Predict ``source`` (a ``--data`` spec such as ``"openslide:slide.svs"``, or opened images)
+        into ``out`` (``.zarr``, ``.tif``, ``.nii.gz`` or a folder) on this plan's ranks, in windows
+        whose centres are exact; every rank calls it. ``output``: logits, probabilities or argmax;
+        ``measure_memory=False`` skips the peak-memory meter (slow on CPU). See docs/predict.md."""
+        from nowdl.runtime.predict.job import predict
+
+        return predict(self, source, out, output=output, window=window, overwrite=overwrite, fmt=format,
+                       on_window=on_window, timeout_s=self.options.timeout_s, backend=self.options.backend,
+                       measure_memory=measure_memory)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         """Run the plan's stages, the modules training runs (``build_stages``), one after another

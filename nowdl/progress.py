@@ -27,18 +27,18 @@ def status(text: str, *, enabled: bool) -> Iterator[None]:
 class Progress:
     """A tqdm bar on stderr for long searches, silent when not a terminal or disabled."""
 
-    def __init__(self, desc: str, *, enabled: bool) -> None:
-        self.desc = desc
+    def __init__(self, desc: str, *, enabled: bool, unit: str = "config", min_total: int = 8) -> None:
+        self.desc, self.unit, self.min_total = desc, unit, min_total
         self.enabled = enabled and sys.stderr.isatty()
         self._bar: Any = None
 
     def update(self, done: int, total: int) -> None:
-        if not self.enabled or total < 8:
+        if not self.enabled or total < self.min_total:
             return
         if self._bar is None:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=self.desc, unit="config", leave=False, file=sys.stderr)
+            self._bar = tqdm(total=total, desc=self.desc, unit=self.unit, leave=False, file=sys.stderr)
         self._bar.n = done
         self._bar.refresh()
 

@@ -29,6 +29,8 @@ _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 _VOLATILE = [  # (pattern, replacement): what a run measures, not what it computes
     (re.compile(r"(?<![\w.+-])\d+(\.\d+)? s\b"), "<t> s"),  # step, solver and mean step seconds
     (re.compile(r"(?<![\w.+-])\d+(\.\d+)? images/s\b"), "<r> images/s"),  # measured rates (not 3.55e+03)
+    (re.compile(r"(?<![\w.+-])\d+(\.\d+)? Mpixel/s\b"), "<r> Mpixel/s"),  # nowdl predict's rate
+    (re.compile(r"peak memory per rank: .*$"), "peak memory per rank: <m>"),  # ... and its measured peaks
     (re.compile(r"events\.out\.tfevents\.\S+"), "events.out.tfevents.<host>"),
     (re.compile(r"waiting for data \d+%"), "waiting for data <p>%"),
     # nowdl report's rows: the measured peak and its ratio vary from run to run on CPU (22.7 and
@@ -113,6 +115,7 @@ def test_conventions_parse() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # a dozen commands, three of them torchrun jobs: over 600 s on a loaded machine
 def test_tutorial_commands_print_what_it_shows(tmp_path: Path) -> None:
     for module in ("monai", "tifffile", "matplotlib", "tensorboard"):
         pytest.importorskip(module)

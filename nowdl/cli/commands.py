@@ -1,4 +1,4 @@
-"""The nowdl command line: profile | plan | show | codegen | run | calibrate | report | export."""
+"""The nowdl command line: profile | plan | show | codegen | run | predict | calibrate | report | export."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 
@@ -18,6 +18,7 @@ from nowdl.cli.inputs import whole_input
 from nowdl.cli.levers import add_lever_arguments, format_levers, lever_kwargs
 from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.models.resolve import resolve_model
+from nowdl.profiler.table import print_profile
 from nowdl.units import parse_bytes, parse_parts, parse_shape
 
 __all__ = ["main", "resolve_model"]
@@ -136,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
                           description="Plan (or load a plan), then train or run inference for --steps steps on "
                           "every rank of the job; rank 0 prints the loss and images/s of each step.")
     add_run_arguments(prun)
+    from nowdl.cli.predict import add_predict_parser
+
+    add_predict_parser(sub)
 
     ps = sub.add_parser("show", help="print a saved plan", description="Validate and print a saved plan JSON file.")
     ps.add_argument("plan", metavar="PLAN.json")
@@ -165,34 +169,6 @@ def _parser() -> argparse.ArgumentParser:
                     "(.png, .svg or .pdf; needs pip install 'nowdl[plot]')")
     add_export_parser(sub)
     return ap
-
-
-def _print_profile(prof: Any, top: int, sort: str) -> None:
-    from nowdl.plan.plan import format_bytes
-
-    keyf = {
-        "time": lambda n: n.fwd_s + n.bwd_s, "flops": lambda n: n.flops, "act": lambda n: n.act_bytes,
-        "saved": lambda n: n.saved_bytes, "params": lambda n: n.param_bytes, "out": lambda n: n.out_bytes,
-        "order": None,
-    }[sort]
-    nodes = list(prof.nodes)
-    if keyf is not None:
-        nodes.sort(key=keyf, reverse=True)
-    if top:
-        nodes = nodes[:top]
-    print(f"profile ({prof.source} on {prof.device}, {prof.dtype}, {prof.optimizer}): {len(prof.nodes)} nodes, "
-          f"input {prof.input_shapes}, made in {prof.wall_s:.2f} s")
-    hdr = f"{'node':<28} {'target':<22} {'fwd':>9} {'bwd':>9} {'GFLOP':>9} {'out':>10} {'saved':>10} {'act':>10} {'params':>10}"
-    print(hdr)
-    print("-" * len(hdr))
-    for n in nodes:
-        print(f"{n.name[:28]:<28} {n.target.split('.')[-1][:22]:<22} {n.fwd_s * 1e3:>7.2f}ms {n.bwd_s * 1e3:>7.2f}ms "
-              f"{n.flops / 1e9:>9.2f} {format_bytes(n.out_bytes):>10} {format_bytes(n.saved_bytes):>10} "
-              f"{format_bytes(n.act_bytes):>10} {format_bytes(n.param_bytes):>10}")
-    t = prof.totals()
-    print("-" * len(hdr))
-    print(f"{'total':<28} {'':<22} {t['fwd_s'] * 1e3:>7.2f}ms {t['bwd_s'] * 1e3:>7.2f}ms {t['flops'] / 1e9:>9.2f} "
-          f"{'':>10} {format_bytes(t['saved_bytes']):>10} {format_bytes(t['act_bytes']):>10} {format_bytes(t['param_bytes']):>10}")
 
 
 def _codegen(args: argparse.Namespace) -> int:
@@ -346,6 +322,10 @@ def _run(args: argparse.Namespace) -> int:
         from nowdl.cli.run import run_main
 
         return run_main(args)
+    if args.command == "predict":
+        from nowdl.cli.predict import predict_main
+
+        return predict_main(args)
     if args.command == "calibrate":
         from nowdl.profiler.calibrate.command import calibrate_command
         from nowdl.runtime.launch.group import init_distributed, launch_env
@@ -365,7 +345,7 @@ def _run(args: argparse.Namespace) -> int:
         x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate", model)
         prof = nowdl.profile(model, *x, mode=args.mode, device=args.device, device_spec=args.device_spec,
                              optimizer=args.optimizer, cache=cache)
-        _print_profile(prof, args.top, args.sort)
+        print_profile(prof, args.top, args.sort)
         if args.out:
             with open(args.out, "w") as f:
                 f.write(prof.to_json())

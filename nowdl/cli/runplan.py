@@ -24,7 +24,7 @@ def plan_job(model: nn.Module, args: argparse.Namespace, rank: int, world: int, 
     import dataclasses
 
     import nowdl
-    from nowdl.runtime.training.trainer import plan_on_rank0
+    from nowdl.runtime.training.plan_share import plan_on_rank0
 
     nodes, per_node = job_nodes(world)
 

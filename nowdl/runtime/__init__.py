@@ -4,7 +4,8 @@
 * ``spatial``: a stage run on image tiles with exact halo exchange and tile norms;
 * ``data``: readers of large images, datasets, a DataLoader every rank agrees on, read-ahead;
 * ``launch``: who am I, joining the process group, the job's nodes, one error report per job;
-* ``training``: the trainer behind ``CompiledModel.train_step``, its state, checkpoints, metrics.
+* ``training``: the trainer behind ``CompiledModel.train_step``, its state, checkpoints, metrics;
+* ``predict``: whole images in exact windows on a plan, written as OME-Zarr, TIFF or NIfTI.
 
 Nothing here is imported by ``import nowdl`` or by planning; it loads on the first train,
 eval or run.

@@ -5,6 +5,8 @@ A spec names the file and what to read of it::
     zarr:PATH[:ARRAY]          a zarr array (or the array ARRAY of a zarr group)
     tiff:PATH[:level=N]        a TIFF file, or a folder of .tif/.tiff files; N: pyramid level (0 = full size)
     h5:PATH:DATASET            an HDF5 dataset
+    openslide:PATH[:level=N]   a whole slide (or a folder of them) through OpenSlide (``slides``)
+    nifti:PATH                 a .nii/.nii.gz volume, or a folder of them, through nibabel (``volumes``)
 
 An image is ``(*S)`` (one channel), ``(C, *S)`` or ``(*S, C)`` (channels last, as RGB TIFFs
 are), or ``(N, C, *S)`` (N images); ``S`` has as many dims as the model's input. Only the
@@ -32,7 +34,7 @@ from nowdl.errors import NowdlError
 __all__ = ["READERS", "ImageArray", "ReadCounter", "open_images", "is_reader_spec"]
 
 #: ``--data`` / ``--labels`` kinds served by this module.
-READERS = ("zarr", "tiff", "h5")
+READERS = ("zarr", "tiff", "h5", "openslide", "nifti")
 _LIBS = {"zarr": "zarr", "tiff": "tifffile", "h5": "h5py"}
 _TIFF_EXTS = (".tif", ".tiff")
 
@@ -260,17 +262,24 @@ def open_images(spec: str, channels: int, ndim: int, *, label: bool = False,
     """
     kind, _, rest = spec.partition(":")
     if kind not in READERS or not rest:
-        raise NowdlError(f"{spec}: use zarr:PATH, tiff:PATH[:level=N] or h5:PATH:DATASET")
+        raise NowdlError(f"{spec}: use zarr:PATH, tiff:PATH[:level=N], h5:PATH:DATASET, openslide:PATH[:level=N] "
+                         "or nifti:PATH")
     path_text, opts, name = _split_opts(rest, kind, spec)
     path = Path(path_text)
     if not path.exists():
         raise NowdlError(f"{path} does not exist ({spec}): check the path")
     arrays: list[tuple[str, Callable[[], Any]]]
-    if kind == "tiff":
+    if kind in ("tiff", "openslide"):
         bad = set(opts) - {"level"}
         if bad:
-            raise NowdlError(f"{spec}: unknown option {sorted(bad)[0]!r}; tiff takes level=N")
-        arrays = _open_tiff(path, int(opts.get("level", 0)), spec)
+            raise NowdlError(f"{spec}: unknown option {sorted(bad)[0]!r}; {kind} takes level=N")
+        if kind == "openslide":
+            from nowdl.runtime.data.slides import open_slides
+        arrays = (open_slides if kind == "openslide" else _open_tiff)(path, int(opts.get("level", 0)), spec)
+    elif kind == "nifti" and not opts:
+        from nowdl.runtime.data.volumes import open_volumes
+
+        arrays = open_volumes(path, spec)
     elif opts:
         raise NowdlError(f"{spec}: {kind} takes no key=value options")
     elif kind == "zarr":

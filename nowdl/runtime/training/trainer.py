@@ -20,6 +20,7 @@ from nowdl.runtime.launch.where import set_step
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
+from nowdl.runtime.training.plan_share import plan_on_rank0
 from nowdl.runtime.training.state import (
     bind_optimizer,
     load_optimizer_state,
@@ -29,7 +30,7 @@ from nowdl.runtime.training.state import (
     state_names,
 )
 
-__all__ = ["Trainer", "Compiled", "plan_on_rank0"]
+__all__ = ["Trainer", "Compiled"]
 
 log = logging.getLogger(__name__)
 
@@ -61,29 +62,6 @@ def _first_tensor(x: Any) -> torch.Tensor:
     if isinstance(x, (list, tuple)) and x and isinstance(x[0], (torch.Tensor, TiledInput)):
         return _example(x[0])
     raise NowdlError(f"train_step/eval_step take a tensor (or a tuple of tensors) as x, got {type(x).__name__}")
-
-
-def plan_on_rank0(make: Callable[[], Plan], *, rank: int, world: int) -> Plan:
-    """Rank 0 runs ``make()`` and broadcasts the plan; every rank returns the same Plan.
-
-    If rank 0 fails, the other ranks (which would otherwise wait for the plan) raise a NowdlError
-    carrying rank 0's message, and rank 0 re-raises its own error.
-    """
-    box: list[Any] = [None]
-    failure: Exception | None = None
-    if rank == 0:
-        try:
-            box[0] = make().to_json()
-        except Exception as e:
-            failure = e
-            box[0] = {"error": str(e) if isinstance(e, NowdlError) else f"{type(e).__name__}: {e}"}
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    if failure is not None:
-        raise failure
-    if isinstance(box[0], dict):
-        raise NowdlError(f"rank 0 could not plan: {box[0]['error']}")
-    return Plan.from_json(str(box[0]), source="plan from rank 0")
 
 
 class Trainer:

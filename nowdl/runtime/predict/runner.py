@@ -1,0 +1,319 @@
+"""Predict whole images on a plan: stream windows, run the exact spatially parallel forward, write.
+
+[Note: predict runner] Every rank runs :func:`predict_images` with the same arguments. Per
+image it lays out windows (``windows.layout_windows``: one window when the image fits the
+window size), gets a plan for the window shape through :func:`plan_for` (the one place predict
+asks for a plan), and runs each window as a batch of one through the pipeline engine: the
+window is a :class:`~nowdl.runtime.spatial.tiles.TiledInput`, so each rank of a spatial first
+stage reads only its tile (the halo comes from its neighbours). The ranks of the last stage
+each get the window's output and write their share of its exact core, whole chunks each
+(``writers``); the ranks then agree that the window is written (an error on any rank, such as
+a full disk, stops every rank). The pyramid levels are built in parallel, rank 0 converts to
+TIFF or NIfTI, and the temporary output is renamed to OUT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nowdl.errors import NowdlError
+from nowdl.geometry import split_bounds
+from nowdl.plan.plan import Plan
+from nowdl.runtime.data.readers import ImageArray, to_tensor
+from nowdl.runtime.predict.summary import PredictSummary
+from nowdl.runtime.predict.windows import Reach, Window, layout_windows, network_reach
+from nowdl.runtime.predict.writers import (
+    LevelStore,
+    build_level,
+    discard,
+    ngff_attributes,
+    pyramid_shapes,
+)
+from nowdl.runtime.spatial.tiles import TiledInput
+from nowdl.runtime.training.trainer import Trainer
+
+__all__ = ["plan_for", "predict_images", "discard_targets", "write_error", "agree", "rank_world", "OUTPUTS", "Target"]
+
+OUTPUTS = ("logits", "probabilities", "argmax")
+
+
+def plan_for(cm: Any, example: torch.Tensor) -> Plan:
+    """The plan predict runs for one window shaped like ``example`` (batch 1). Any plan of the
+    model for that shape is run as it is (a training plan too: its memory figures then count
+    what training would hold)."""
+    req = getattr(cm, "request", None)
+    if req is not None and req.global_batch is None:
+        cm.request = dataclasses.replace(req, global_batch=int(example.shape[0]))
+    return cm.plan(example)
+
+
+class _Planner:
+    """What :class:`Trainer` needs of a compiled model, with plans from :func:`plan_for`."""
+
+    def __init__(self, cm: Any) -> None:
+        self.cm = cm
+        self.model, self.plan_path, self.request = cm.model, cm.plan_path, None
+        self.precision, self.device = cm.precision, cm.device
+        self.activation_checkpointing: bool | list[int] = False
+
+    def trace(self, *example_inputs: torch.Tensor) -> Any:
+        return self.cm.trace(*example_inputs)
+
+    def plan(self, *example_inputs: torch.Tensor, target: Any = None) -> Plan:
+        return plan_for(self.cm, example_inputs[0])
+
+    def inference_plan(self, *example_inputs: torch.Tensor) -> Plan:
+        return plan_for(self.cm, example_inputs[0])
+
+
+class _WindowRunner(Trainer):
+    """A trainer without optimizer whose loss function hands each window's output to predict."""
+
+    def __init__(self, cm: Any, timeout_s: float, backend: str | None) -> None:
+        self.outputs: list[torch.Tensor] = []
+        super().__init__(_Planner(cm), optimizer=None, loss_fn=self._keep, timeout_s=timeout_s, backend=backend)
+
+    def _keep(self, out: Any, _y: Any) -> torch.Tensor:
+        from torch.utils._pytree import tree_leaves
+
+        t = next(v for v in tree_leaves(out) if isinstance(v, torch.Tensor))
+        self.outputs.append(t.detach())
+        return t.new_zeros(()).float()
+
+    def run_window(self, x: TiledInput, measure: bool) -> tuple[torch.Tensor | None, int | None]:
+        """The window's output on the ranks of the last stage (None elsewhere), and this rank's peak bytes."""
+        eng = self._setup(x)
+        self.outputs = []
+        y = torch.zeros(1)
+        peak = None
+        if eng.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(eng.device)
+            eng.run(x, y, train=False)
+            peak = int(torch.cuda.max_memory_allocated(eng.device))
+        elif measure:
+            from nowdl.runtime.training.metrics import peak_of
+
+            _, peak = peak_of(lambda: eng.run(x, y, train=False), [eng.stages[s].module for _, s in eng.held], None)
+        else:
+            eng.run(x, y, train=False)
+        return (self.outputs[0] if self.outputs else None), peak
+
+    def writer_share(self) -> tuple[int, int]:
+        """(this rank's index among the ranks that write each window, how many write)."""
+        eng = self._require()
+        last = len(eng.plan.stages) - 1
+        for rep, s in eng.held:
+            if s == last:
+                return eng.part[(rep, s)], eng.parts[s]
+        return 0, 1
+
+
+def rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def agree(error: str | None) -> None:
+    """Raise ``error`` on every rank if any rank has one."""
+    _, world = rank_world()
+    errors: list[Any] = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise NowdlError(first)
+
+
+def write_error(e: OSError, what: str) -> str:
+    """The one-paragraph message of a failed write (a full disk named as such)."""
+    why = "the disk is full" if e.errno == errno.ENOSPC else f"{e.strerror or e}"
+    return (f"writing {what} failed: {why} (errno {errno.errorcode.get(e.errno or 0, e.errno)}); nothing was "
+            "written under the output name: free space (or fix the path) and run again")
+
+
+def _guard(fn: Callable[[], Any], what: str) -> None:
+    """Run ``fn``; every rank agrees on success, or raises the first rank's error (a full disk named)."""
+    err = None
+    try:
+        fn()
+    except OSError as e:
+        err = write_error(e, what)
+    except NowdlError as e:
+        err = str(e)
+    agree(err)
+
+
+@dataclasses.dataclass
+class Target:
+    """Where one image's prediction goes: the work store, and the file converted from it (or None)."""
+
+    work: Path
+    kind: str  # zarr, tiff, nifti
+    name: str = ""  # the output's final name (OME-Zarr multiscales name)
+    file: Path | None = None
+    affine: np.ndarray | None = None
+    spacing: tuple[float, ...] | None = None
+
+
+def _share(core: Sequence[tuple[int, int]], chunks: Sequence[int], part: int, parts: int
+           ) -> tuple[tuple[int, int], ...] | None:
+    """This writer's whole-chunk share of ``core`` (split along the dim with the most chunks)."""
+    counts = [(math.ceil(b / c) - a // c) for (a, b), c in zip(core, chunks, strict=True)]
+    d = max(range(len(core)), key=lambda i: counts[i])
+    lo_c, hi_c = split_bounds(counts[d], parts, part)
+    if lo_c >= hi_c:
+        return None
+    a, b = core[d]
+    first = a // chunks[d]
+    lo, hi = max(a, (first + lo_c) * chunks[d]), min(b, (first + hi_c) * chunks[d])
+    return tuple((lo, hi) if i == d else core[i] for i in range(len(core)))
+
+
+def _finish(out: torch.Tensor, output: str) -> np.ndarray:
+    out = out.float()
+    if output == "argmax":
+        labels = out.argmax(dim=0, keepdim=True) if out.shape[0] > 1 else (out > 0).long()
+        return labels.numpy().astype(np.uint8 if out.shape[0] <= 256 else np.int32)
+    if output == "probabilities":
+        out = out.softmax(dim=0) if out.shape[0] > 1 else out.sigmoid()
+    return out.numpy()
+
+
+def _create_store(target: Target, spatial: Sequence[int], reach: Reach, output: str, rank: int) -> int:
+    """Rank 0 creates the work store's levels (collective); returns how many levels it has."""
+    out_sp = tuple(s // f for s, f in zip(spatial, reach.scale, strict=True))
+    levels = pyramid_shapes(out_sp) if target.kind != "nifti" else [out_sp]
+    channels = 1 if output == "argmax" else reach.out_channels
+    dtype = np.float32 if output != "argmax" else np.uint8 if reach.out_channels <= 256 else np.int32
+    attrs = ngff_attributes(target.name or target.work.name, len(levels), len(out_sp), target.spacing)
+
+    def create() -> None:
+        if rank == 0:
+            for k, sp in enumerate(levels):
+                LevelStore.create(target.work, k, (channels, *sp), dtype, attrs if k == 0 else None)
+
+    _guard(create, str(target.work))
+    return len(levels)
+
+
+def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, out: torch.Tensor | None, w: Window,
+                 scale: Sequence[int], output: str) -> None:
+    """Write this rank's ``share`` (output pixels) of the window output ``out`` ``(1, C, *window)``."""
+    if out is None or share is None:
+        return
+    rel = tuple(slice(a - r0 // f, b - r0 // f) for (a, b), (r0, _), f in zip(share, w.read, scale, strict=True))
+    store.write(share, _finish(out[0][(slice(None), *rel)].cpu(), output))
+
+
+def _image_input(image: ImageArray, win: Window) -> TiledInput:
+    def read(idx: tuple[slice, ...]) -> torch.Tensor:
+        region = [(lo + s.start, lo + s.stop) for (lo, _), s in zip(win.read, idx[2:], strict=True)]
+        return to_tensor(image.read(region))[None][:, idx[1]]
+
+    return TiledInput((1, image.shape[0], *(b - a for a, b in win.read)), read)
+
+
+def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Target], *, output: str = "logits",
+                   window: Sequence[int] | None = None, on_window: Callable[[int, int], None] | None = None,
+                   timeout_s: float = 300.0, backend: str | None = None, measure_memory: bool = True
+                   ) -> PredictSummary:
+    """Predict every image into its target work store (collective: every rank calls it alike).
+
+    Args:
+        cm: the compiled model (``nowdl.CompiledModel``), weights loaded.
+        images: the inputs, ``(C, *spatial)`` each.
+        targets: one per image; rank 0 writes the work stores' metadata, every rank its share.
+        output: ``logits``, ``probabilities`` (softmax over classes; sigmoid for one) or ``argmax``.
+        window: the window size per spatial dim (default: the plan's input, else the whole image up
+            to 2048 pixels per dim in 2D and 128 in 3D).
+        on_window: called with (windows done, windows in all) after each window.
+        measure_memory: measure the peak memory (on CPU by tracking allocations, which slows the
+            first two windows of each image several times over; CUDA's counter costs nothing).
+
+    Raises:
+        NowdlError: a window too small for the receptive field, an image the network's stride
+            does not divide, a failed write (every rank raises the same message).
+    """
+    if output not in OUTPUTS:
+        raise NowdlError(f"--output {output!r}: use one of {', '.join(OUTPUTS)}")
+    rank, world = rank_world()
+    runners: dict[tuple[int, ...], _WindowRunner] = {}
+    summary = PredictSummary(world=world)
+    layouts: list[tuple[list[Window], Reach, tuple[int, ...]]] = []
+    for image in images:
+        win = _window_shape(cm, image, window)
+        example = torch.empty((1, image.shape[0], *win), device="meta")
+        reach = network_reach(cm.trace(example).gm, example)
+        layouts.append((layout_windows(image.spatial, win, reach), reach, win))
+    total = sum(len(w) for w, _, _ in layouts)
+    done, t0 = 0, time.perf_counter()
+    for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
+        levels = _create_store(target, image.spatial, reach, output, rank)
+        store = LevelStore(target.work, 0)
+        runner = runners.get(win) or runners.setdefault(win, _WindowRunner(cm, timeout_s, backend))
+        for i, w in enumerate(wins):
+            out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2)
+            summary.add_peak(peak)
+            part, parts = runner.writer_share()
+            core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
+            share = _share(core_out, store.chunks[1:], part, parts) if out is not None else None
+            _guard(functools.partial(_write_share, store, share, out, w, reach.scale, output), str(target.work))
+            done += 1
+            if on_window is not None:
+                on_window(done, total)
+        for k in range(1, levels):
+            _guard(functools.partial(build_level, target.work, k, output == "argmax", rank, world), str(target.work))
+        summary.add_image(image.spatial, len(wins), reach, runner.plan, rank)
+    summary.seconds = time.perf_counter() - t0
+    summary.gather()
+    return summary
+
+
+def _window_shape(cm: Any, image: ImageArray, window: Sequence[int] | None) -> tuple[int, ...]:
+    sp = image.spatial
+    if getattr(cm, "plan_path", None) is not None:
+        plan = Plan.load(cm.plan_path)
+        c = plan.config
+        per = int(plan.model["inputs"][0][0]) * int(c["micro_batches"]) * int(c["replicas"]) * int(c["dp"])
+        if per != 1:
+            raise NowdlError(f"the plan {cm.plan_path} takes {per} samples per step (micro-batch "
+                             f"{plan.model['inputs'][0][0]} x micro_batches {c['micro_batches']} x replicas "
+                             f"{c['replicas']} x dp {c['dp']}) but predict runs one window per step: re-plan with "
+                             "--micro-batches 1 --replicas 1 --dp 1 and a batch of 1, or give MODEL by name (predict "
+                             "then plans for the window)")
+        planned = tuple(int(s) for s in plan.model["inputs"][0][2:])
+        if len(planned) != len(sp) or any(p > s for p, s in zip(planned, sp, strict=True)):
+            raise NowdlError(f"the plan {cm.plan_path} is for windows of {'x'.join(map(str, planned))} pixels but "
+                             f"{image.path} is {'x'.join(map(str, sp))}: re-plan for a window that fits the image "
+                             f"(nowdl plan MODEL --input 1x{image.shape[0]}x{'x'.join(map(str, sp))})")
+        return planned
+    if window is None:
+        cap = 2048 if len(sp) <= 2 else 128
+        return tuple(min(s, cap) for s in sp)
+    if len(window) == 1:
+        window = tuple(window) * len(sp)
+    if len(window) != len(sp):
+        raise NowdlError(f"--window {'x'.join(map(str, window))} has {len(window)} dims but {image.path} has "
+                         f"{len(sp)} spatial dims")
+    return tuple(min(int(w), s) for w, s in zip(window, sp, strict=True))
+
+
+def discard_targets(targets: Sequence[Target]) -> None:
+    """Remove every target's work store and file (after a failure)."""
+    for t in targets:
+        discard(t.work)
+        if t.file is not None:
+            discard(t.file)

@@ -1,0 +1,74 @@
+"""The summary line of a prediction: images, pixels per second, peak memory per rank against the plan."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from nowdl.plan.plan import Plan
+from nowdl.runtime.predict.windows import Reach
+from nowdl.units import format_bytes
+
+__all__ = ["PredictSummary"]
+
+
+@dataclass
+class PredictSummary:
+    """What a prediction did; :meth:`line` is the summary rank 0 prints.
+
+    ``peak_bytes[r]`` is rank r's measured peak over the windows it measured (CUDA: the
+    allocator's peak; CPU: weights plus the storages a window allocates, on the first two
+    windows of each image); ``predicted_bytes[r]`` the plan's ``predicted_peak_bytes``.
+    ``approximate`` names the whole-image ops whose statistics were taken over a window.
+    """
+
+    world: int = 1
+    images: int = 0
+    pixels: int = 0
+    windows: int = 0
+    seconds: float = 0.0
+    margin: tuple[int, ...] = ()
+    approximate: str = ""
+    peak: int | None = None
+    predicted: int | None = None
+    peak_bytes: list[int | None] = field(default_factory=list)
+    predicted_bytes: list[int | None] = field(default_factory=list)
+
+    def add_peak(self, peak: int | None) -> None:
+        if peak is not None:
+            self.peak = max(self.peak or 0, peak)
+
+    def add_image(self, spatial: Sequence[int], windows: int, reach: Reach, plan: Plan | None, rank: int) -> None:
+        self.images += 1
+        self.pixels += math.prod(spatial)
+        self.windows += windows
+        self.margin = reach.margin
+        if windows > 1 and reach.whole:
+            self.approximate = reach.whole_text()
+        if plan is not None and rank < len(plan.ranks):
+            self.predicted = max(self.predicted or 0, int(plan.ranks[rank].predicted_peak_bytes))
+
+    def gather(self) -> None:
+        """Every rank's peak and predicted bytes (collective)."""
+        mine: Any = (self.peak, self.predicted)
+        got = [mine]
+        if self.world > 1 and dist.is_initialized():
+            got = [None] * self.world
+            dist.all_gather_object(got, mine)
+        self.peak_bytes = [g[0] for g in got]
+        self.predicted_bytes = [g[1] for g in got]
+
+    def line(self) -> str:
+        """``predicted 1 image(s), 4.19 Mpixel in 12.3 s (0.34 Mpixel/s), 9 window(s); peak per rank ...``"""
+        rate = self.pixels / self.seconds / 1e6 if self.seconds > 0 else float("nan")
+        mem = ", ".join(f"{format_bytes(p) if p is not None else '?'}"
+                        + (f" (plan {format_bytes(q)})" if q is not None else "")
+                        for p, q in zip(self.peak_bytes, self.predicted_bytes, strict=True))
+        how = ("exact (margin " + "x".join(map(str, self.margin)) + " px)" if not self.approximate else
+               f"NOT exact: statistics over each window for {self.approximate}")
+        return (f"predicted {self.images} image(s), {self.pixels / 1e6:.2f} Mpixel in {self.seconds:.1f} s "
+                f"({rate:.2f} Mpixel/s), {self.windows} window(s), {how}; peak memory per rank: {mem}")

@@ -1,0 +1,226 @@
+"""Streaming windows over an image larger than the job: the network's reach and the window layout.
+
+[Note: predict windows] A network's output pixel depends on the input pixels within its
+receptive field. :func:`network_reach` walks the traced graph and adds up, per spatial dim, the
+halo every conv, pool and upsample reads (``nowdl.partitioner.spatial.tileable``), scaled to
+input pixels by the resolution the op runs at: the ``margin``. A window read with ``margin``
+pixels of context on every side that is not the image border computes its centre (the ``core``)
+exactly as the whole-image forward does. Window starts are multiples of the network's total
+stride (``align``), so its pooling grid lines up with the whole image's.
+
+Ops whose result depends on the whole image cannot be made exact by a margin: InstanceNorm and
+GroupNorm (and BatchNorm in training mode) use statistics over the image, global pooling and
+attention read every pixel. :func:`network_reach` names them (``whole``); predict then computes
+their statistics over the window, and says so in its summary line. With one window covering the
+whole image nothing changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from nowdl.errors import NowdlError
+from nowdl.partitioner.spatial.tileable import spatial_rules
+
+__all__ = ["Reach", "Window", "network_reach", "layout_windows"]
+
+_STAT_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm)
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How far a network's output pixel reaches into its input.
+
+    Attributes:
+        margin: input pixels per side, per spatial dim, that a window needs around its core.
+        align: window starts must be multiples of this, per spatial dim (the total stride).
+        scale: input pixels per output pixel, per spatial dim (1 for a same-size segmentation).
+        whole: ``(node, why)`` for each op whose result depends on the whole image.
+        out_channels: channels of the output (classes of a segmentation).
+    """
+
+    margin: tuple[int, ...]
+    align: tuple[int, ...]
+    scale: tuple[int, ...]
+    whole: tuple[tuple[str, str], ...] = ()
+    out_channels: int = 1
+
+    def whole_text(self) -> str:
+        """``"instance/group norm statistics (3), global pooling (1)"`` or ``""``."""
+        counts: dict[str, int] = {}
+        for _, why in self.whole:
+            counts[why] = counts.get(why, 0) + 1
+        return ", ".join(f"{why} ({n})" for why, n in counts.items())
+
+
+def _shapes(gm: fx.GraphModule, example: torch.Tensor) -> None:
+    """Put ``tensor_meta`` on every node (fake tensors: nothing is computed or allocated)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = mode.from_tensor(torch.empty(tuple(example.shape), dtype=example.dtype))
+    ShapeProp(gm, fake_mode=mode).propagate(fake)
+
+
+def _spatial(node: object, nd: int) -> tuple[int, ...] | None:
+    tm = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
+    shape = getattr(tm, "shape", None)
+    if shape is None or len(shape) != nd + 2:
+        return None
+    return tuple(int(s) for s in shape[2:])
+
+
+def _why_whole(gm: fx.GraphModule, node: fx.Node, tileable: bool, reason: str) -> str | None:
+    if node.op == "call_module":
+        m = gm.get_submodule(str(node.target))
+        if isinstance(m, _STAT_NORMS) and not getattr(m, "track_running_stats", False):
+            return "instance/group norm statistics"
+        if isinstance(m, _BATCH_NORMS) and not m.track_running_stats:
+            return "batch norm statistics"
+        if isinstance(m, nn.MultiheadAttention):
+            return "attention"
+        if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
+                          nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)):
+            return "global pooling"
+    if not tileable:
+        low = reason.lower()
+        if "attention" in low or "softmax" in low or "matmul" in low or "bmm" in low:
+            return "attention"
+        if "pool" in low or "mean" in low or "sum" in low:
+            return "global pooling"
+        return "whole-image op"
+    return None
+
+
+def network_reach(gm: fx.GraphModule, example: torch.Tensor) -> Reach:
+    """The margin, alignment and output scale of ``gm`` for inputs shaped like ``example``
+    ``(N, C, *spatial)``, and the ops that depend on the whole image.
+
+    Raises:
+        NowdlError: the graph's output is not an ``(N, C, *spatial)`` image of the input's dims.
+    """
+    nd = example.dim() - 2
+    _shapes(gm, example)
+    rules = spatial_rules(gm)
+    size_in = tuple(int(s) for s in example.shape[2:])
+    margin: dict[str, list[float]] = {}
+    scale: dict[str, list[float]] = {}
+    align = [1] * nd
+    whole: list[tuple[str, str]] = []
+    out_node: fx.Node | None = None
+    for node in gm.graph.nodes:
+        sp = _spatial(node, nd)
+        if node.op == "placeholder":
+            if sp is not None and not margin:
+                margin[node.name], scale[node.name] = [0.0] * nd, [1.0] * nd
+            continue
+        if node.op == "output":
+            out_node = node
+            continue
+        ins = [a for a in node.all_input_nodes if a.name in margin]
+        rule = rules[node.name]
+        why = _why_whole(gm, node, rule.tileable, rule.reason)
+        if why is not None and ins:
+            whole.append((node.name, why))
+        if sp is None or not ins:
+            continue
+        m_in = [max(margin[a.name][d] for a in ins) for d in range(nd)]
+        s_in = [max(scale[a.name][d] for a in ins) for d in range(nd)]
+        halo = list(rule.halo) + [rule.halo[-1]] * (nd - len(rule.halo)) if rule.halo else [0] * nd
+        s_out = [size_in[d] / sp[d] if sp[d] else s_in[d] for d in range(nd)]
+        m_out = []
+        for d in range(nd):
+            m = m_in[d] + halo[d] * s_in[d]
+            if s_out[d] > 1:  # a pixel at this resolution covers s_out input pixels (windows start aligned)
+                m = math.ceil(m / s_out[d]) * s_out[d]
+            m_out.append(m)
+            if s_out[d] >= 1:
+                align[d] = math.lcm(align[d], int(round(s_out[d])))
+        margin[node.name], scale[node.name] = m_out, s_out
+    outs = [a for a in (out_node.all_input_nodes if out_node is not None else []) if a.name in margin]
+    if not outs:
+        raise NowdlError("the model's output is not an (N, C, *spatial) image with the input's spatial dims: predict "
+                         "writes dense outputs (segmentation logits); classify whole images with eval_step instead")
+    out = outs[0]
+    sc = tuple(max(1, int(round(s))) for s in scale[out.name])
+    marg = tuple(math.ceil(max(margin[a.name][d] for a in outs) / align[d]) * align[d] for d in range(nd))
+    shape = out.meta["tensor_meta"].shape
+    return Reach(margin=marg, align=tuple(align), scale=sc, whole=tuple(whole), out_channels=int(shape[1]))
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window: the input region read and the output region it writes exactly (input pixels)."""
+
+    read: tuple[tuple[int, int], ...]
+    core: tuple[tuple[int, int], ...]
+
+
+def _dim_windows(size: int, window: int, margin: int, grain: int, what: str) -> list[tuple[int, int, int, int]]:
+    """(read lo, read hi, core lo, core hi) along one dim."""
+    if size <= window:
+        return [(0, size, 0, size)]
+    step = (window - 2 * margin) // grain * grain
+    if step <= 0:
+        raise NowdlError(f"a window of {window} pixels along {what} leaves no exact centre: the network reads "
+                         f"{margin} pixels of context on each side (its receptive field), and the centre is cut in "
+                         f"steps of {grain}: use a window of at least {2 * margin + grain} pixels")
+    out: list[tuple[int, int, int, int]] = []
+    lo, start = 0, 0
+    while True:
+        hi = size if start + window >= size else (start + window - margin) // grain * grain
+        out.append((start, start + window, lo, hi))
+        if hi >= size:
+            return out
+        lo = hi
+        start = min(hi - margin, size - window)
+
+
+def layout_windows(shape: Sequence[int], window: Sequence[int], reach: Reach,
+                   grain: Sequence[int] | None = None) -> list[Window]:
+    """Windows of ``window`` pixels (clipped to ``shape``) whose cores tile ``shape`` once.
+
+    Each core lies ``reach.margin`` inside its window wherever the window does not touch the image
+    border, and core borders are multiples of ``grain`` (default ``reach.align``; a multiple of the
+    output's chunk size lets ranks write whole chunks). Every window has the same shape.
+
+    Raises:
+        NowdlError: a size that is not a multiple of the network's stride while windows are needed,
+            or a window too small for the receptive field.
+    """
+    nd = len(shape)
+    g = tuple(grain) if grain is not None else reach.align
+    per_dim: list[list[tuple[int, int, int, int]]] = []
+    for d in range(nd):
+        size, win = int(shape[d]), min(int(window[d]), int(shape[d]))
+        what = f"spatial dim {d}"
+        if size > win:
+            a = reach.align[d]
+            if size % a or win % a:
+                raise NowdlError(f"the image is {size} pixels along {what} and the window {win}: with more than one "
+                                 f"window both must be multiples of {a}, the network's total stride, so the windows' "
+                                 f"pooling grid lines up with the whole image's: crop or pad the image to a multiple "
+                                 f"of {a}, or use a window of {math.ceil(size / a) * a} pixels (the whole image)")
+            if g[d] % a:
+                raise NowdlError(f"the window grain {g[d]} along {what} is not a multiple of the network's stride {a}")
+        per_dim.append(_dim_windows(size, win, reach.margin[d], g[d], what))
+    out: list[Window] = []
+
+    def rec(d: int, read: tuple[tuple[int, int], ...], core: tuple[tuple[int, int], ...]) -> None:
+        if d == nd:
+            out.append(Window(read, core))
+            return
+        for r0, r1, c0, c1 in per_dim[d]:
+            rec(d + 1, read + ((r0, r1),), core + ((c0, c1),))
+
+    rec(0, (), ())
+    return out

@@ -1,0 +1,71 @@
+"""Test helper (not a test module): small segmentation nets and a predict worker for the predict tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["SegNet", "seg_net", "reference", "predict_worker", "write_slide"]
+
+
+class SegNet(nn.Module):
+    """conv -> pool -> conv -> upsample -> concat -> conv: a two-level UNet of 2D or 3D convs."""
+
+    def __init__(self, in_ch: int = 1, classes: int = 3, dims: int = 2, norm: str = "batch") -> None:
+        super().__init__()
+        conv = {2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        bn: Any = {2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[dims] if norm == "batch" else (
+            {2: nn.InstanceNorm2d, 3: nn.InstanceNorm3d}[dims])
+        self.c1 = conv(in_ch, 8, 3, padding=1)
+        self.n1 = bn(8)
+        self.pool = {2: nn.MaxPool2d, 3: nn.MaxPool3d}[dims](2)
+        self.c2 = conv(8, 8, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2)
+        self.c3 = conv(16, classes, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.n1(self.c1(x)))
+        b = self.up(torch.relu(self.c2(self.pool(a))))
+        return self.c3(torch.cat([a, b], dim=1))
+
+
+def seg_net(seed: int = 0, **kwargs: Any) -> SegNet:
+    """A seeded SegNet with non-trivial BatchNorm running statistics, in eval mode."""
+    torch.manual_seed(seed)
+    net = SegNet(**kwargs)
+    if isinstance(net.n1, nn.BatchNorm2d | nn.BatchNorm3d):
+        net.n1.running_mean.uniform_(-0.2, 0.2)
+        net.n1.running_var.uniform_(0.5, 1.5)
+    return net.eval()
+
+
+def reference(net: nn.Module, image: np.ndarray) -> np.ndarray:
+    """The one-process whole-image forward of ``image`` ``(C, *spatial)``: ``(classes, *spatial)``."""
+    with torch.no_grad():
+        return net.eval()(torch.from_numpy(image.astype(np.float32))[None])[0].numpy()
+
+
+def predict_worker(rank: int, world: int, source: str, out: str, compile_kwargs: dict[str, Any],
+                   predict_kwargs: dict[str, Any], weights: str | None = None) -> str:
+    """Compile the seeded SegNet on ``world`` ranks, predict ``source`` into ``out``; rank 0's summary line."""
+    import nowdl
+
+    net = seg_net()
+    if weights is not None:
+        net.load_state_dict(torch.load(weights, weights_only=True))
+    cm = nowdl.compile(net, gpus=world, progress=False, **compile_kwargs)
+    summary = cm.predict(source, out, **predict_kwargs)
+    return summary.line()
+
+
+def write_slide(path: Path, img: np.ndarray, tile: int = 64) -> None:
+    """``img`` ``(H, W, 3)`` uint8 as a tiled pyramidal TIFF that OpenSlide reads as a generic tiled TIFF."""
+    import tifffile
+
+    with tifffile.TiffWriter(path) as w:  # levels in successive pages: OpenSlide's generic TIFF pyramid
+        w.write(img, tile=(tile, tile), photometric="rgb", compression="zlib")
+        w.write(img[::2, ::2], tile=(tile, tile), photometric="rgb", compression="zlib", subfiletype=1)

@@ -1,0 +1,42 @@
+"""Prediction on several gloo ranks equals the one-process whole-image forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers.distributed import run_workers
+from tests.helpers.predict_models import predict_worker, reference, seg_net
+
+zarr = pytest.importorskip("zarr")
+tifffile = pytest.importorskip("tifffile")
+
+
+def _source(d: Path, shape: tuple[int, ...]) -> tuple[str, np.ndarray]:
+    img = np.random.default_rng(7).random(shape).astype(np.float32)
+    zarr.save_array(str(d / "in.zarr"), img)
+    return f"zarr:{d / 'in.zarr'}", img
+
+
+@pytest.mark.slow
+def test_four_tiles_equal_the_whole_image_forward(tmp_path: Path) -> None:
+    src, img = _source(tmp_path, (1, 96, 128))
+    pins = {"stages": 1, "spatial_parts": 4, "slice": "square", "micro_batches": 1, "replicas": 1, "dp": 1}
+    lines = run_workers(predict_worker, 4, src, str(tmp_path / "a.zarr"), pins, {"window": (64, 64)},
+                        timeout_s=600)
+    assert "6 window(s), exact" in lines[0] and lines[0].count("(plan ") == 4
+    ref = reference(seg_net(), img)
+    np.testing.assert_allclose(np.asarray(zarr.open_array(str(tmp_path / "a.zarr" / "0"))[:]), ref, atol=1e-4, rtol=0)
+    run_workers(predict_worker, 4, src, str(tmp_path / "b.zarr"), pins, {}, timeout_s=600)  # one window: the image
+    np.testing.assert_allclose(np.asarray(zarr.open_array(str(tmp_path / "b.zarr" / "0"))[:]), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_two_ranks_write_a_tiff_equal_to_the_whole_image_forward(tmp_path: Path) -> None:
+    src, img = _source(tmp_path, (1, 128, 96))
+    pins = {"stages": 1, "spatial_parts": 2, "slice": "horizontal", "micro_batches": 1, "replicas": 1, "dp": 1}
+    run_workers(predict_worker, 2, src, str(tmp_path / "p.tif"), pins, {"window": (64, 96)}, timeout_s=600)
+    got = tifffile.imread(tmp_path / "p.tif")
+    np.testing.assert_allclose(got, reference(seg_net(), img), atol=1e-4, rtol=0)
