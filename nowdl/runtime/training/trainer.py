@@ -18,6 +18,7 @@ from nowdl.runtime.launch.nodes import check_node_map
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
+from nowdl.runtime.training.input_check import InputSpec, check_step_inputs, input_spec, with_target
 from nowdl.runtime.training.state import (
     bind_optimizer,
     load_optimizer_state,
@@ -103,6 +104,7 @@ class Trainer:
         self._unused: dict[str, torch.Tensor] = {}
         self._order: list[str] = []  # the model's state_dict() keys, in its order
         self._keys: set[str] = set()
+        self._inputs: InputSpec | None = None  # [Note: input check]
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _setup(self, x: Any, y: Any = None) -> PipelineEngine:
@@ -131,6 +133,7 @@ class Trainer:
                 f"(micro-batch {mb} x micro_batches {plan.config['micro_batches']} x replicas "
                 f"{plan.config['replicas']} x dp {plan.config['dp']}): pass {mb * per} samples or re-plan"
             )
+        self._inputs = input_spec(plan.model["inputs"], mb * per, x, y)
         example = tuple(_example(t)[:mb] for t in (x if isinstance(x, (list, tuple)) else (x,)))
         traced = self.cm.trace(*example)
         plan.check_model(traced.fingerprint, [list(t.shape) for t in example])
@@ -185,6 +188,9 @@ class Trainer:
     # ---- steps -----------------------------------------------------------------------------------
     def train_step(self, x: Any, y: Any) -> float:
         eng = self._setup(x, y)
+        if self._inputs is not None:  # every step, before any communication [Note: input check]
+            self._inputs = with_target(self._inputs, y)
+            check_step_inputs(self._inputs, x, y)
         loss, _ = eng.run(x, y, train=True)
         self.steps += 1
         return loss
