@@ -112,7 +112,9 @@ class Trainer:
             return self.engine
         from nowdl.codegen import build_stages
         from nowdl.runtime.launch.group import init_distributed, launch_env
+        from nowdl.runtime.training.report_once import install
 
+        install()  # [Note: API errors under a launcher]
         env = launch_env()
         if env.world_size > 1 or dist.is_initialized():
             init_distributed(backend=self.backend, timeout_s=self.timeout_s)
