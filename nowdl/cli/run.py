@@ -47,8 +47,9 @@ Output (rank 0 only; the other ranks print nothing but errors)::
 and a tqdm bar on stderr when stderr is a terminal. Data loading is not timed.
 
 ``--checkpoint DIR``: if ``DIR`` holds a checkpoint written by ``nowdl run`` the run resumes from
-it (weights, optimizer state, RNG state, the step number and the plan it ran with) and runs
-``--steps`` MORE steps, numbered on from there. When this job has another number of ranks, or
+it (weights, optimizer state, RNG state, the step number and the plan it ran with) and runs on
+to step ``--steps`` (the run's total: the same command finishes a stopped run; with ``--eval``,
+``--steps`` counts inference steps from 0). When this job has another number of ranks, or
 pins (``--stages``, ``--dp``, ...) the saved plan disagrees with, rank 0 re-plans and the weights
 and optimizer state are resharded by name. It saves after the last step, every ``--save-every N``
 steps, and when SIGTERM or SIGINT arrives (the step in flight finishes, every rank agrees to stop
@@ -78,7 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nowdl.cli.resume import StopSignal, reusable_plan, run_state
+from nowdl.cli.resume import StopSignal, finished_text, reusable_plan, run_state
 from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
 from nowdl.cli.runspec import (
     RunSource,
@@ -160,7 +161,8 @@ class _Job:
 
     @property
     def total(self) -> int:
-        return self.start + self.args.steps
+        """The step the run ends at: ``--steps`` is the run's total, a resume included."""
+        return int(self.args.steps)
 
     @property
     def training(self) -> bool:
@@ -200,6 +202,11 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn
 def _run(args: argparse.Namespace, rank: int, world: int,
          optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], compile_params: Any, tmp: Path) -> int:
     job, model, name = _open_job(args, rank, world, tmp)
+    done = finished_text(job.ckpt, job.start, args.steps) if job.training else None
+    if done is not None:
+        if job.say:
+            print(f"nowdl run: {done}", flush=True)
+        return 0
     feed = _feed(job, model, name)
     progress = job.say and sys.stderr.isatty()
     if job.say:
@@ -211,7 +218,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="eval" if args.eval else "train", unit="step", file=sys.stderr,
+        bar = tqdm(total=job.total - job.start, desc="eval" if args.eval else "train", unit="step", file=sys.stderr,
                    leave=False)
     emit = _Printer(job.say, bar)
     with StopSignal() as stop:
