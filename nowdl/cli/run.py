@@ -202,10 +202,10 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn
 def _run(args: argparse.Namespace, rank: int, world: int,
          optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], compile_params: Any, tmp: Path) -> int:
     job, model, name = _open_job(args, rank, world, tmp)
-    done = finished_text(job.ckpt, job.start, args.steps) if job.training else None
-    if done is not None:
+    finished = finished_text(job.ckpt, job.start, args.steps) if job.training else None
+    if finished is not None:
         if job.say:
-            print(f"nowdl run: {done}", flush=True)
+            print(f"nowdl run: {finished}", flush=True)
         return 0
     feed = _feed(job, model, name)
     progress = job.say and sys.stderr.isatty()
