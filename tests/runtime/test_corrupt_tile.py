@@ -41,16 +41,19 @@ def test_reader_names_file_and_region(tmp_path: Path) -> None:
 
 def test_run_stops_without_writing_a_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 1 reads good tiles and saves; step 2's crop (seeded) meets the corrupt bottom-right
+    tile: the run stops with one paragraph and the checkpoint of step 1 stays the latest."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.chdir(tmp_path)
-    _corrupt_tiff(tmp_path / "slide.tif", list(range(16)))  # every tile: the first crop read fails
+    _corrupt_tiff(tmp_path / "slide.tif", [15])
     write_tiff(tmp_path / "mask.tif", (image()[..., 0] > 127).astype(np.uint8), pyramid=False)
-    rc = main([*UNET, "--batch-size", "2", "--steps", "3", "--data", "tiff:slide.tif", "--labels", "tiff:mask.tif",
+    rc = main([*UNET, "--batch-size", "2", "--steps", "8", "--data", "tiff:slide.tif", "--labels", "tiff:mask.tif",
                "--checkpoint", "ck", "--save-every", "1"])
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "cannot read region [" in lines[0] and "slide.tif" in lines[0], err
-    assert "(unexpected:" not in err
-    assert not (tmp_path / "ck" / "latest").exists() and not list(tmp_path.glob("ck/step-*"))  # nothing saved
+    cap = capsys.readouterr()
+    assert rc == 2, cap.err
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and "cannot read region [" in lines[0] and "of slide.tif" in lines[0], cap.err
+    assert "(unexpected:" not in cap.err and "saved checkpoint at step 1" in cap.out, cap.out
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-00000001"
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "plan.json", "step-00000001"]
