@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             sl = _slope(xs, ys) * 1000
             end = ys[-1]
             print(f"{rank:>4} {name:<22} {end:>9.2f} {unit:<3}{sl:>+13.3f} {unit:<3} {sl / end if end else 0:>+9.2%}")
+    for rank, rows in enumerate(ranks):
+        print(f"rank {rank} step time per {args.every} steps (ms): "
+              + " ".join(f"{r['step_s'] * 1e3:.0f}" for r in rows))
+    load = os.getloadavg()
+    print(f"load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {os.cpu_count()} CPUs "
+          "(other jobs on the machine slow steps down)")
     return 0
 
 
