@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nowdl.errors import PlanError
-
-if TYPE_CHECKING:
-    from nowdl.plan.plan import Plan
 
 __all__ = ["check_plan_dict", "check_counts"]
 
@@ -144,8 +141,8 @@ def check_plan_dict(d: dict[str, Any], source: str) -> None:
         raise PlanError(f"{source}: config.pinned must be an object, got {config['pinned']!r}")
 
 
-def check_counts(plan: Plan, source: str) -> None:
-    """Check that a plan's counts agree: grids, rank and stage indices, and who holds what.
+def check_counts(plan: Any, source: str) -> None:
+    """Check that a ``nowdl.Plan``'s counts agree: grids, rank and stage indices, and who holds what.
 
     Raises:
         PlanError: names the stage or rank and the numbers that disagree.
