@@ -113,6 +113,9 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         >>> cm = nowdl.compile(UNet(), gpus=8, balance="memory")
         >>> print(cm.plan(torch.empty(1, 3, 2048, 2048, device="meta")))
     """
+    from nowdl.runtime.training.report_once import install
+
+    install()  # under a launcher: one paragraph per job for a NowdlError [Note: API errors under a launcher]
     if not isinstance(model, nn.Module):
         raise NowdlError(f"nowdl.compile expects an nn.Module, got {type(model).__name__}")
     if planner is None:

@@ -13,3 +13,14 @@ def _cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mon
     d = tmp_path_factory.mktemp("nowdl-cache")
     monkeypatch.setenv("NOWDL_CACHE_DIR", str(d))
     yield d
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How many random cases each property test ran (tests/helpers/properties.py)."""
+    import sys
+
+    props = sys.modules.get("helpers.properties")
+    counts = getattr(props, "COUNTS", None)
+    if counts:
+        shown = ", ".join(f"{name} {n}" for name, n in sorted(counts.items()))
+        terminalreporter.write_line(f"hypothesis cases run ({props.PROFILE} profile): {shown}")  # type: ignore[union-attr]

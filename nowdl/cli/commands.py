@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -260,7 +262,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format=f"nowdl[rank {_rank()}]: %(name)s: %(message)s")
     logging.captureWarnings(_rank() != 0)  # other ranks' Python warnings say which rank printed them
     try:
-        return _run(args)
+        rc = _run(args)
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
+        return rc
+    except BrokenPipeError:  # `nowdl show PLAN | head`: the reader took what it wanted
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # stdout may be no file (tests)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush goes nowhere
+        return 0
     except ReportedError:  # printed once for the whole job (runtime/launch/failure.py)
         return 2
     except KeyboardInterrupt:

@@ -1,4 +1,9 @@
-"""Stopping ``nowdl run`` on a signal, and what a checkpoint says about resuming it."""
+"""Stopping ``nowdl run`` on a signal, and what a checkpoint says about resuming it.
+
+``--steps`` is the run's total: a run stopped at step 80 of ``--steps 400`` and started again
+with the same command trains steps 81..400 (the stop message gives that command), and one
+whose checkpoint already holds ``--steps`` steps has nothing left to train.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import torch.distributed as dist
 from nowdl.cli.runspec import pin_conflicts
 from nowdl.runtime.training.checkpoint import Checkpoint, CheckpointError
 
-__all__ = ["StopSignal", "run_state", "reusable_plan"]
+__all__ = ["StopSignal", "run_state", "reusable_plan", "finished_text"]
 
 
 class StopSignal:
@@ -64,3 +69,12 @@ def reusable_plan(ck: Checkpoint, args: argparse.Namespace, world: int) -> bool:
     """Whether the checkpoint's plan runs this job as asked (else the run re-plans and reshards)."""
     config = ck.record.get("plan", {}).get("config", {})
     return bool(config.get("gpus") == world and not pin_conflicts(args, config))
+
+
+def finished_text(ckpt: Any, start: int, steps: int) -> str | None:
+    """The line saying a resumed run has nothing left (its checkpoint is at or past ``--steps``),
+    or None when steps remain."""
+    if start < steps:
+        return None
+    return (f"nothing to train: {ckpt} is at step {start} and --steps {steps} is the run's total "
+            f"(give --steps above {start} to train on)")

@@ -38,8 +38,9 @@ Output (rank 0 only; the other ranks print nothing but errors)::
 and a tqdm bar on stderr when stderr is a terminal. Data loading is not timed.
 
 ``--checkpoint DIR``: if ``DIR`` holds a checkpoint written by ``nowdl run`` the run resumes from
-it (weights, optimizer state, RNG state, the step number and the plan it ran with) and runs
-``--steps`` MORE steps, numbered on from there. When this job has another number of ranks, or
+it (weights, optimizer state, RNG state, the step number and the plan it ran with) and runs on
+to step ``--steps`` (the run's total: the same command finishes a stopped run; with ``--eval``,
+``--steps`` counts inference steps from 0). When this job has another number of ranks, or
 pins (``--stages``, ``--dp``, ...) the saved plan disagrees with, rank 0 re-plans and the weights
 and optimizer state are resharded by name. It saves after the last step, every ``--save-every N``
 steps, and when SIGTERM or SIGINT arrives (the step in flight finishes, every rank agrees to stop
@@ -72,7 +73,7 @@ from torch import nn
 
 from nowdl.cli import validation
 from nowdl.cli.losses import make_loss
-from nowdl.cli.resume import StopSignal, reusable_plan, run_state
+from nowdl.cli.resume import StopSignal, finished_text, reusable_plan, run_state
 from nowdl.cli.runguard import check_outputs, run_end
 from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
 from nowdl.cli.runspec import (
@@ -199,10 +200,10 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn
 def _run(args: argparse.Namespace, rank: int, world: int,
          optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], compile_params: Any, tmp: Path) -> int:
     job, model, name = _open_job(args, rank, world, tmp)
-    if job.start >= job.total:  # a restarted job whose last attempt had finished
+    finished = finished_text(job.ckpt, job.start, job.total) if job.training else None
+    if finished is not None:  # a stopped run's command given again, or a restarted attempt that had finished
         if job.say:
-            print(f"nowdl run: the run restarted from {job.ckpt} had finished (step {job.start} of {job.total}): "
-                  "nothing to do", flush=True)
+            print(f"nowdl run: {finished}", flush=True)
         return 0
     feed = _feed(job, model, name)
     job.val = validation.ValidationSet(args, job.src.sample_shape) if args.val_data is not None else None
@@ -216,7 +217,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, desc="eval" if args.eval else "train", unit="step", file=sys.stderr,
+        bar = tqdm(total=job.total - job.start, desc="eval" if args.eval else "train", unit="step", file=sys.stderr,
                    leave=False)
     emit = _Printer(job.say, bar)
     with StopSignal() as stop:

@@ -60,9 +60,10 @@ def check_outputs(args: argparse.Namespace, rank: int) -> None:
 
 
 def run_end(saved_run: dict[str, Any] | None, start: int, steps: int) -> int:
-    """The step this run ends at: ``start + steps``, except in a restarted attempt of a job whose
-    checkpoint records the step its run aims for (``total``): then that step."""
+    """The step this run ends at: ``steps`` (``--steps`` is the run's total, a resume included),
+    except in a restarted attempt of a job whose checkpoint records the step its run aims for
+    (``total``): then that step."""
     total = (saved_run or {}).get("total")
     if restart_count() > 0 and isinstance(total, int) and total >= start:
         return total
-    return start + steps
+    return steps

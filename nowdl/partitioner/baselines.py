@@ -88,7 +88,11 @@ def solve_blockpartition(sequence: list[float], partitions: int = 1) -> list[lis
 
         while True:
             # (2) If M(P) <= m(P) + 1, then stop.
-            min_size, q = min(leaderboard())
+            # the minimal block closest to p, as the paper says (the lowest index instead can pick
+            # a q whose neighbour towards p is empty when the sequence has zeros)
+            sizes = list(leaderboard())
+            min_size = min(sizes)[0]
+            q = min((abs(i - p), i) for b, i in sizes if b == min_size)[1]
 
             if max_size <= min_size + 1:
                 return [sequence[i:j] for i, j in zip([0] + splits[:-1], splits, strict=True)]

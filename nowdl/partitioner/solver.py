@@ -255,6 +255,8 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
     work, groups, exact = problem, [[v] for v in range(problem.n)], True
     if coarsen:
         work, groups = coarsen_problem(problem)
+        if work.n < problem.k:  # merging would leave a stage empty (a few zero-cost nodes): solve as is
+            work, groups = problem, [[v] for v in range(problem.n)]
     if max_nodes is not None and work.n > max_nodes:
         small, inner = coarsen_problem(work, max_nodes=max_nodes)
         if small.n < work.n:

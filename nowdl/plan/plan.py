@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nowdl.errors import PlanError
+from nowdl.plan.validate import check_counts, check_plan_dict
 from nowdl.units import format_bytes
 
 __all__ = ["Plan", "StagePlan", "TensorPlan", "RankPlan", "PLAN_VERSION", "format_bytes"]
@@ -170,6 +171,7 @@ class Plan:
         missing = [k for k in _REQUIRED_TOP if k not in d]
         if missing:
             raise PlanError(f"{source}: missing field(s) {', '.join(missing)}: the file is incomplete; re-plan")
+        check_plan_dict(d, source)  # field types, before building from them
         try:
             stages = [StagePlan(**s) for s in _list(d, "stages", source)]
             ranks = [RankPlan(**r) for r in _list(d, "ranks", source)]
@@ -252,6 +254,7 @@ class Plan:
         for t in self.tensors:
             if t.from_stage not in range(k) or any(j not in range(k) or j <= t.from_stage for j in t.to_stages):
                 raise PlanError(f"{source}: tensor {t.producer!r} goes from stage {t.from_stage} to {t.to_stages}")
+        check_counts(self, source)
         if self.topology:
             from nowdl.plan.topology import check_topology
 

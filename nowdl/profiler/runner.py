@@ -319,6 +319,7 @@ def walk(
             except ProfileError:
                 raise
             except Exception as e:
+                _refuse_size(gm, inputs, e)
                 raise ProfileError(
                     f"could not profile node {node.format_node()} "
                     f"(target {target_name(node, gm)}): {type(e).__name__}: {str(e).rstrip('. ')}. "
@@ -358,3 +359,16 @@ def walk(
     edges = [(inp.name, node.name) for node in nodes for inp in node.all_input_nodes]
     return costs, edges
 
+
+
+def _refuse_size(gm: GraphModule, inputs: tuple[Any, ...], e: Exception) -> None:
+    """Raise the one-paragraph refusal of an input size the network cannot take ([Note: size
+    multiples]) when ``e`` is a size mismatch that a nearby multiple avoids."""
+    if "size" not in str(e).lower():
+        return
+    from nowdl.trace.sizes import size_refusal
+
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    msg = size_refusal(gm, tensors, "the model")
+    if msg is not None:
+        raise ProfileError(msg) from e

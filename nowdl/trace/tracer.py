@@ -37,6 +37,7 @@ from nowdl.trace.check import (
 )
 from nowdl.trace.deadcode import drop_dead_code
 from nowdl.trace.functional import functionalize
+from nowdl.trace.sizes import size_refusal
 from nowdl.trace.where import _first_line, _refused_by_model, _user_frame, _where
 
 __all__ = ["Traced", "trace", "fingerprint", "check_inputs"]
@@ -279,6 +280,9 @@ def trace(
         try:
             shapes = check()
         except TraceError as e:  # the model itself fails on the input: no tracer helps
+            sized = size_refusal(gm, example_inputs, mname)  # [Note: size multiples]
+            if sized is not None:
+                raise TraceError(sized) from e
             if hint is None:
                 raise
             raise TraceError(_with_hint(str(e), hint[0])) from e

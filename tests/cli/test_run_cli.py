@@ -54,7 +54,7 @@ def test_torchrun_train_and_resume(tmp_path: Path) -> None:
     assert _ckpt_step(ckpt) == 2
     assert (ckpt / "plan.json").exists() and (ckpt / "step-00000002" / ".metadata").exists()
 
-    second = _torchrun(*PIPE, "--steps", "1", "--checkpoint", str(ckpt))
+    second = _torchrun(*PIPE, "--steps", "3", "--checkpoint", str(ckpt))  # --steps: the run's total
     assert second.returncode == 0, second.stderr
     assert f"resumed from {ckpt} at step 2" in second.stdout
     resumed = _steps(second.stdout)

@@ -112,12 +112,19 @@ class ImageArray:
         t0 = time.perf_counter()
         sp = tuple(slice(a, b) for a, b in bounds)
         lead: tuple[Any, ...] = () if self.index is None else (self.index,)
-        if self.layout == "cl":
-            arr = np.moveaxis(np.asarray(self.array[lead + sp + (slice(None),)]), -1, 0)
-        elif self.layout == "none":
-            arr = np.asarray(self.array[lead + sp])[None]
-        else:
-            arr = np.asarray(self.array[lead + (slice(None),) + sp])
+        try:
+            if self.layout == "cl":
+                arr = np.moveaxis(np.asarray(self.array[lead + sp + (slice(None),)]), -1, 0)
+            elif self.layout == "none":
+                arr = np.asarray(self.array[lead + sp])[None]
+            else:
+                arr = np.asarray(self.array[lead + (slice(None),) + sp])
+        except Exception as e:  # a truncated or corrupt tile: name the file and the region
+            region = ", ".join(f"{a}:{b}" for a, b in bounds)
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise NowdlError(f"cannot read region [{region}] of {self.path} ({type(e).__name__}: {first}): the file "
+                             "is damaged there (a truncated or corrupt tile); re-export or replace it, or take it "
+                             "out of the data") from None
         if counter is not None:
             counter.add(self.path, arr, time.perf_counter() - t0)
         return arr

@@ -20,6 +20,7 @@ from nowdl.runtime.launch.where import set_step
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
+from nowdl.runtime.training.input_check import InputSpec, check_step_inputs, input_spec, with_target
 from nowdl.runtime.training.plan_share import plan_on_rank0
 from nowdl.runtime.training.state import (
     bind_optimizer,
@@ -87,13 +88,16 @@ class Trainer:
         self._keys: set[str] = set()
         self.weights_version = 0  # bumped whenever the weights change (eval engines copy them then)
         self._evaluator: Any = None  # runtime.training.evaluate.Evaluator, made on the first eval_step
+        self._inputs: InputSpec | None = None  # [Note: input check]
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _setup(self, x: Any, y: Any = None) -> PipelineEngine:
         if self.engine is not None:
             return self.engine
         from nowdl.codegen import build_stages
+        from nowdl.runtime.training.report_once import install
 
+        install()  # [Note: API errors under a launcher]
         self.join_group()
         first = _first_tensor(x)
         plan = self._plan_everywhere(x, y)
@@ -112,6 +116,7 @@ class Trainer:
                 f"(micro-batch {mb} x micro_batches {plan.config['micro_batches']} x replicas "
                 f"{plan.config['replicas']} x dp {plan.config['dp']}): pass {mb * per} samples or re-plan"
             )
+        self._inputs = input_spec(plan.model["inputs"], mb * per, x, y)
         example = tuple(_example(t)[:mb] for t in (x if isinstance(x, (list, tuple)) else (x,)))
         traced = self.cm.trace(*example)
         plan.check_model(traced.fingerprint, [list(t.shape) for t in example])
@@ -202,6 +207,9 @@ class Trainer:
     def train_step(self, x: Any, y: Any) -> float:
         set_step(self.steps + 1)  # named in a lost peer's message (runtime/launch/where.py)
         eng = self._setup(x, y)
+        if self._inputs is not None:  # every step, before any communication [Note: input check]
+            self._inputs = with_target(self._inputs, y)
+            check_step_inputs(self._inputs, x, y)
         loss, _ = eng.run(x, y, train=True)
         self.steps += 1
         self.weights_version += 1
