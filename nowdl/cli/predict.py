@@ -4,11 +4,12 @@ Launched like ``nowdl run`` (one process, or every rank of a torchrun / srun / m
 
     torchrun --nproc-per-node 4 -m nowdl predict unet --checkpoint ck/ --data openslide:slide.svs --out pred.zarr
 
-MODEL is a built-in, ``package.module:callable`` with ``--model-args``, or a plan JSON (the
-model is rebuilt from the plan's recorded source and the plan run as it is). ``--checkpoint``
+MODEL is a built-in, ``package.module:callable`` with ``--model-args``, or an inference plan
+JSON (``nowdl plan ... --inference``; the model is rebuilt from the plan's recorded source and
+the plan run as it is; a training plan is refused). ``--checkpoint``
 is a nowdl checkpoint folder (any plan of the model; read by name) or a state_dict file.
-Rank 0 plans for the window shape (``nowdl.runtime.predict.runner.plan_for``) and broadcasts
-the plan; each rank reads only its tile of each window, and the ranks of the last stage write
+Rank 0 makes an inference plan for the window shape (``nowdl.runtime.predict.runner.plan_for``)
+and broadcasts it; each rank reads only its tile of each window, and the ranks of the last stage write
 their share of it. Rank 0 prints a progress bar on a terminal and one summary line; errors are
 one paragraph and exit status 2, with nothing left under OUT (see docs/predict.md).
 """
@@ -33,7 +34,7 @@ def add_predict_parser(sub: Any) -> None:
                        description="Predict every image of --data with MODEL's weights from --checkpoint, in "
                        "windows whose centres are exact, and write --out. Launch with torchrun (or srun, mpirun) "
                        "for several ranks.")
-    p.add_argument("model", metavar="MODEL|PLAN.json", help="built-in model name, package.module:callable, or a plan")
+    p.add_argument("model", metavar="MODEL|PLAN.json", help="built-in model name, package.module:callable, or an inference plan JSON")
     p.add_argument("--model-args", metavar="JSON", help="keyword arguments for the model, as a JSON object")
     p.add_argument("--checkpoint", required=True, metavar="DIR|FILE",
                    help="a nowdl checkpoint folder (any plan of this model) or a state_dict file")
@@ -89,6 +90,7 @@ def _build(args: argparse.Namespace, world: int) -> Any:
     import nowdl
     from nowdl.models.resolve import resolve_model
     from nowdl.plan.plan import Plan
+    from nowdl.plan.purpose import require_inference
     from nowdl.runtime.predict.weights import load_weights
     from nowdl.units import parse_bytes
 
@@ -96,6 +98,7 @@ def _build(args: argparse.Namespace, world: int) -> Any:
     spec, margs = args.model, args.model_args
     if plan_path is not None:
         plan = Plan.load(plan_path)
+        require_inference(plan, f"the plan {plan_path}")  # before the weights are read
         src = plan.model.get("source")
         if not isinstance(src, dict) or not isinstance(src.get("spec"), str):
             raise NowdlError(f"{plan_path} does not record how to build its model: re-plan with `nowdl plan MODEL ... "

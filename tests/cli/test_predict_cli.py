@@ -58,8 +58,10 @@ def test_predict_a_slide_from_a_state_dict(files: dict[str, Path], capsys: pytes
 
 def test_predict_with_a_plan_and_a_checkpoint(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     d = files["dir"]
-    plan = d / "plan.json"
-    assert main(["plan", MODEL, "--model-args", ARGS, "--input", "1x3x64x64", "--gpus", "1", "--out", str(plan)]) == 0
+    plan, trained = d / "plan.json", d / "train.json"
+    for path, more in ((plan, ["--inference"]), (trained, [])):
+        assert main(["plan", MODEL, "--model-args", ARGS, "--input", "1x3x64x64", "--gpus", "1", *more,
+                     "--out", str(path)]) == 0
     cm = nowdl.compile(seg_net(in_ch=3), gpus=1, progress=False, loss_fn=torch.nn.CrossEntropyLoss())
     cm.train_step(torch.rand(1, 3, 32, 32), torch.randint(0, 3, (1, 32, 32)))
     cm.save_checkpoint(d / "ck")
@@ -68,6 +70,11 @@ def test_predict_with_a_plan_and_a_checkpoint(files: dict[str, Path], capsys: py
                              "--out", str(d / "p.tif"), "--output", "argmax")
     assert rc == 0, err
     assert "6 window(s)" in text  # the plan's 64x64 windows over 96x128: 2 x 3
+    _refused(capsys, d / "t.tif", "is a training plan", str(trained), "--checkpoint", str(d / "ck"),
+             "--data", f"openslide:{files['slide']}")
+    rc = main(["run", str(plan), "--steps", "1", "--log-dir", str(d / "log")])  # training refuses the inference plan
+    err = capsys.readouterr().err
+    assert rc == 2 and "is an inference plan" in err and "cannot train" in err and not (d / "log").exists()
     other = nowdl.compile(seg_net(in_ch=3, classes=2), gpus=1, progress=False, loss_fn=torch.nn.CrossEntropyLoss())
     other.train_step(torch.rand(1, 3, 32, 32), torch.randint(0, 2, (1, 32, 32)))
     other.save_checkpoint(d / "ck2")

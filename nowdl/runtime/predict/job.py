@@ -124,6 +124,7 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
     """Predict ``source`` (a ``--data`` reader spec, or opened images) into ``out`` (collective).
 
     Raises:
+        PlanError: ``cm`` was compiled from a plan file that is a training plan (predict runs inference plans).
         NowdlError: a missing source or level, an existing ``out`` without ``overwrite``, an
             output suffix predict does not write, a failed write (nothing is left under ``out``).
     """
@@ -132,6 +133,11 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
     if launch_env().world_size > 1:
         init_distributed(backend=backend, timeout_s=timeout_s)
     rank, _ = rank_world()
+    if getattr(cm, "plan_path", None) is not None:
+        from nowdl.plan.plan import Plan
+        from nowdl.plan.purpose import require_inference
+
+        require_inference(Plan.load(cm.plan_path), f"the plan {cm.plan_path}")  # before anything is written
     channels, ndim = model_input(cm)
     spec = source if isinstance(source, str) else ""
     images = open_images(source, channels, ndim) if isinstance(source, str) else list(source)

@@ -3,7 +3,9 @@
 [Note: predict runner] Every rank runs :func:`predict_images` with the same arguments. Per
 image it lays out windows (``windows.layout_windows``: one window when the image fits the
 window size), gets a plan for the window shape through :func:`plan_for` (the one place predict
-asks for a plan), and runs each window as a batch of one through the pipeline engine: the
+asks for a plan: an inference plan, ``cm.plan(x, train=False)``; a plan file given to predict
+must be one), and runs each window as a batch of one through the engine built for that plan
+(``Trainer._eval_engine``, forward only, as ``cm.evaluate`` runs): the
 window is a :class:`~nowdl.runtime.spatial.tiles.TiledInput`, so each rank of a spatial first
 stage reads only its tile (the halo comes from its neighbours). The ranks of the last stage
 each get the window's output and write their share of its exact core, whole chunks each
@@ -31,6 +33,7 @@ from nowdl.errors import NowdlError
 from nowdl.geometry import split_bounds
 from nowdl.plan.plan import Plan
 from nowdl.runtime.data.readers import ImageArray, to_tensor
+from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.windows import Reach, Window, layout_windows, network_reach
 from nowdl.runtime.predict.writers import (
@@ -41,6 +44,7 @@ from nowdl.runtime.predict.writers import (
     pyramid_shapes,
 )
 from nowdl.runtime.spatial.tiles import TiledInput
+from nowdl.runtime.training.plan_share import plan_on_rank0
 from nowdl.runtime.training.trainer import Trainer
 
 __all__ = ["plan_for", "predict_images", "discard_targets", "write_error", "agree", "rank_world", "OUTPUTS", "Target"]
@@ -49,13 +53,18 @@ OUTPUTS = ("logits", "probabilities", "argmax")
 
 
 def plan_for(cm: Any, example: torch.Tensor) -> Plan:
-    """The plan predict runs for one window shaped like ``example`` (batch 1). Any plan of the
-    model for that shape is run as it is (a training plan too: its memory figures then count
-    what training would hold)."""
+    """The inference plan predict runs for one window shaped like ``example`` (batch 1):
+    ``cm.plan(example, train=False)``, which counts the forward's live activations and no
+    gradients, optimizer state or saved activations.
+
+    Raises:
+        PlanError: the model was compiled from a plan file that is a training plan (or for
+            another model or shape).
+    """
     req = getattr(cm, "request", None)
     if req is not None and req.global_batch is None:
         cm.request = dataclasses.replace(req, global_batch=int(example.shape[0]))
-    return cm.plan(example)
+    return cm.plan(example, train=False)
 
 
 class _Planner:
@@ -78,7 +87,8 @@ class _Planner:
 
 
 class _WindowRunner(Trainer):
-    """A trainer without optimizer whose loss function hands each window's output to predict."""
+    """A trainer without optimizer that runs windows on an inference plan's engine; its loss
+    function hands each window's output (whole, on every rank of the last stage) to predict."""
 
     def __init__(self, cm: Any, timeout_s: float, backend: str | None) -> None:
         self.outputs: list[torch.Tensor] = []
@@ -93,7 +103,7 @@ class _WindowRunner(Trainer):
 
     def run_window(self, x: TiledInput, measure: bool) -> tuple[torch.Tensor | None, int | None]:
         """The window's output on the ranks of the last stage (None elsewhere), and this rank's peak bytes."""
-        eng = self._setup(x)
+        eng = self._window_engine(x)
         self.outputs = []
         y = torch.zeros(1)
         peak = None
@@ -108,6 +118,22 @@ class _WindowRunner(Trainer):
         else:
             eng.run(x, y, train=False)
         return (self.outputs[0] if self.outputs else None), peak
+
+    def _window_engine(self, x: TiledInput) -> PipelineEngine:
+        """The engine of the inference plan for windows shaped like ``x`` (rank 0 plans, every rank builds
+        its stages once)."""
+        if self.engine is not None:
+            return self.engine
+        self.join_group()
+        example = x.meta()
+        plan = plan_on_rank0(lambda: self.cm.plan(example), rank=self.rank, world=self.world)
+        if plan.config["gpus"] != self.world:
+            raise NowdlError(f"the inference plan for windows of {'x'.join(map(str, x.shape[2:]))} pixels needs "
+                             f"{plan.config['gpus']} ranks but the job has {self.world}: launch with torchrun "
+                             f"--nproc-per-node {plan.config['gpus']} (or compile with gpus={self.world})")
+        self.plan = plan
+        self.engine = self._eval_engine(plan, (example,))
+        return self.engine
 
     def writer_share(self) -> tuple[int, int]:
         """(this rank's index among the ranks that write each window, how many write)."""
