@@ -22,6 +22,14 @@ needs less: an upper bound. Norms whose statistics span the image (BatchNorm in 
 InstanceNorm, GroupNorm) would need every tile's statistics before any tile is normalised:
 they are not costed as a statistics pass but refused, kept out of stages with T > 1
 (:func:`image_norms`; the runtime refuses them too).
+
+In an inference plan (``Costs.inference``) each sub-tile's forward runs once, under ``no_grad``:
+nothing is saved or recomputed. The stage holds its whole input (the model input's share,
+``I``, which every node's live set counts: [Note: inference memory]), the output tiles of all T
+sub-tiles (allocated before the first sub-tile runs) and ONE sub-tile's live forward set. So
+per node v: workspace ``(ws_v - I) x infl_v / T + I``; the producers of the model's outputs
+carry their whole output tile as activation bytes (held by the stage that computes them); time
+``fwd_v x infl_v / P`` plus the halo time.
 """
 
 from __future__ import annotations
@@ -92,11 +100,22 @@ def sequential_vectors(costs: Costs, base: NodeVectors, parts: int, tiles: int, 
     """Per-node vectors of a stage of ``parts`` parts running ``tiles`` tiles per GPU over the
     whole ``grid`` (P x T tiles), from its ``base`` vectors (P-part tiles, or plain for one
     part); ``inflight``: micro-batches the stage holds ([Note: sequential tiles cost])."""
+    nodes = costs.profile.nodes
+    held = 0.0  # inference: the stage input's share that every live set counts, held whole
+    outputs: set[int] = set()  # inference: nodes whose output tiles are the model's outputs
+    if costs.inference:
+        held = sum(float(o) for n, o in zip(nodes, base.out, strict=True) if n.op == "placeholder")
+        outputs = {u for u, v in costs.edges if nodes[v].op == "output" and nodes[u].op != "placeholder"}
     act, time, ws = [], [], []
-    for n, a, t, w, m in zip(costs.profile.nodes, base.act, base.time, base.workspace, margins(costs), strict=True):
+    for i, (n, a, t, w, m) in enumerate(zip(nodes, base.act, base.time, base.workspace, margins(costs), strict=True)):
         f = inflation(n.out_shape, grid, m)
-        act.append(float(a) if n.op == "placeholder" else a * f / tiles / max(1, inflight))
         halo_s = max(0.0, t - n.time_s / parts)  # what the P-part stage pays between GPUs
+        if costs.inference:
+            act.append(float(base.out[i]) if i in outputs else 0.0)
+            time.append(halo_s + n.fwd_s * f / parts)
+            ws.append(max(0.0, w - held) * f / tiles + held)
+            continue
+        act.append(float(a) if n.op == "placeholder" else a * f / tiles / max(1, inflight))
         time.append(halo_s + (2 * n.fwd_s + n.bwd_s) * f / parts)
         ws.append(w * f / tiles)
     return NodeVectors(act=act, time=time, workspace=ws, out=list(base.out))
