@@ -99,7 +99,7 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
     for u, v in prof.edges:
         producers.setdefault(v, u)
     act, time, ws, out = [], [], [], []
-    grads = grad_workspace(prof)
+    grads = grad_workspace(prof, costs.inference)
     for n, g in zip(prof.nodes, grads, strict=True):
         rule = costs.rules.get(n.name)
         a = _tile_act(costs, n, parts)
@@ -161,8 +161,11 @@ def border_fraction(shape: Sequence[int], grid: Sequence[int], halo: Sequence[in
     return min(1.0, sum(2 * hi / max(1, side) for side, hi, gi in zip(sp, h, g, strict=True) if gi > 1))
 
 
-def grad_workspace(prof: Profile) -> list[float]:
-    """Gradients alive during each node's backward ([Note: held buffers])."""
+def grad_workspace(prof: Profile, inference: bool = False) -> list[float]:
+    """Gradients alive during each node's backward ([Note: held buffers]); zeros for an inference
+    plan (no backward)."""
+    if inference:
+        return [0.0] * len(prof.nodes)
     edges = edge_indices(prof)
     floating = [n.out_dtype.replace("torch.", "") in ("float32", "float16", "bfloat16", "float64")
                 for n in prof.nodes]
@@ -180,7 +183,7 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
         "plain": NodeVectors(
             act=[n.act_bytes for n in prof.nodes],
             time=[n.time_s for n in prof.nodes],
-            workspace=[max(n.workspace_bytes, g) for n, g in zip(prof.nodes, grad_workspace(prof), strict=True)],
+            workspace=[max(n.workspace_bytes, g) for n, g in zip(prof.nodes, grad_workspace(prof, costs.inference), strict=True)],
             out=[n.out_bytes for n in prof.nodes],
         )
     }

@@ -22,6 +22,15 @@ needs less: an upper bound. Norms whose statistics span the image (BatchNorm in 
 InstanceNorm, GroupNorm) would need every tile's statistics before any tile is normalised:
 they are not costed as a statistics pass but refused, kept out of stages with T > 1
 (:func:`image_norms`; the runtime refuses them too).
+
+In an inference plan (``Costs.inference``) each sub-tile's forward runs once, under ``no_grad``:
+nothing is saved or recomputed. The stage holds its whole input (the model input's share,
+``I``, which every node's live set counts: [Note: inference memory]), the output tiles of all T
+sub-tiles (allocated before the first sub-tile runs) and ONE sub-tile's live forward set. So
+per node v: workspace ``(ws_v - I) x infl_v / T + I``, with ``infl_v`` from the window the runtime runs every
+node on (:func:`window_margins`: the stage's whole reach, not only what later nodes read); the producers of the model's outputs
+carry their whole output tile as activation bytes (held by the stage that computes them); time
+``fwd_v x infl_v / P`` plus the halo time.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from collections.abc import Sequence
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.problem import NodeVectors, Problem
 
-__all__ = ["margins", "inflation", "image_norms", "sequential_vectors", "sequential_problem"]
+__all__ = ["margins", "window_margins", "inflation", "image_norms", "sequential_vectors", "sequential_problem"]
 
 
 def _spatial(shape: Sequence[int] | None) -> list[int]:
@@ -72,6 +81,23 @@ def margins(costs: Costs) -> list[tuple[float, ...]]:
     return out
 
 
+def window_margins(costs: Costs) -> list[tuple[float, ...]]:
+    """Per node, the margin of the window the runtime runs a sub-tile on, at the node's resolution:
+    the largest margin of :func:`margins` over the nodes, in the finest resolution's pixels, scaled
+    to each node (the runtime widens the stage's input by the stage's whole reach, and every node
+    then computes over that window, not only over what later nodes read)."""
+    nodes = costs.profile.nodes
+    shapes = [_spatial(n.out_shape) for n in nodes]
+    nd = max((len(s) for s in shapes), default=0)
+    ref = [max((s[d] for s in shapes if len(s) == nd), default=1) for d in range(nd)]
+    reach = [0.0] * nd
+    for s, m in zip(shapes, margins(costs), strict=True):
+        if len(s) == nd and len(m) == nd:
+            reach = [max(r, mi * rd / max(1, si)) for r, mi, rd, si in zip(reach, m, ref, s, strict=True)]
+    return [tuple(r * si / max(1, rd) for r, si, rd in zip(reach, s, ref, strict=True)) if len(s) == nd else ()
+            for s in shapes]
+
+
 def inflation(shape: Sequence[int] | None, grid: Sequence[int], margin: Sequence[float]) -> float:
     """A tile's area with its margin over its area, for an output of ``shape`` cut by ``grid``
     (the margin stops at the image's border)."""
@@ -92,11 +118,23 @@ def sequential_vectors(costs: Costs, base: NodeVectors, parts: int, tiles: int, 
     """Per-node vectors of a stage of ``parts`` parts running ``tiles`` tiles per GPU over the
     whole ``grid`` (P x T tiles), from its ``base`` vectors (P-part tiles, or plain for one
     part); ``inflight``: micro-batches the stage holds ([Note: sequential tiles cost])."""
+    nodes = costs.profile.nodes
+    held = 0.0  # inference: the stage input's share that every live set counts, held whole
+    outputs: set[int] = set()  # inference: nodes whose output tiles are the model's outputs
+    if costs.inference:
+        held = sum(float(o) for n, o in zip(nodes, base.out, strict=True) if n.op == "placeholder")
+        outputs = {u for u, v in costs.edges if nodes[v].op == "output" and nodes[u].op != "placeholder"}
     act, time, ws = [], [], []
-    for n, a, t, w, m in zip(costs.profile.nodes, base.act, base.time, base.workspace, margins(costs), strict=True):
+    reach = window_margins(costs) if costs.inference else margins(costs)
+    for i, (n, a, t, w, m) in enumerate(zip(nodes, base.act, base.time, base.workspace, reach, strict=True)):
         f = inflation(n.out_shape, grid, m)
-        act.append(float(a) if n.op == "placeholder" else a * f / tiles / max(1, inflight))
         halo_s = max(0.0, t - n.time_s / parts)  # what the P-part stage pays between GPUs
+        if costs.inference:
+            act.append(float(base.out[i]) if i in outputs else 0.0)
+            time.append(halo_s + n.fwd_s * f / parts)
+            ws.append(max(0.0, w - held) * f / tiles + held)
+            continue
+        act.append(float(a) if n.op == "placeholder" else a * f / tiles / max(1, inflight))
         time.append(halo_s + (2 * n.fwd_s + n.bwd_s) * f / parts)
         ws.append(w * f / tiles)
     return NodeVectors(act=act, time=time, workspace=ws, out=list(base.out))

@@ -247,6 +247,7 @@ class _Run(torch.autograd.Function):
                     outs = [y.new_zeros(tuple(y.shape[:2]) + _extent(lay, o, run)) for o, y in enumerate(ys)]
                 for o, (y, (crop, place)) in enumerate(zip(ys, sub.outs, strict=True)):
                     outs[o][place] = y[crop]
+                del ys, y  # one sub-tile's outputs live at a time
         dev = wins[0].device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.run, ctx.lay, ctx.n_in = run, lay, n_in

@@ -20,6 +20,7 @@ from torch import nn
 import nowdl
 from nowdl.errors import NowdlError
 from nowdl.runtime.spatial.sequential import sub_grid
+from nowdl.runtime.training.metrics import peak_of
 
 STEPS = 2
 
@@ -217,3 +218,32 @@ def test_sequential_tiles_under_bf16_autocast(tmp_path: Path) -> None:
         opt.step()
         ref.append(acc / 2)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=2e-2, atol=0.0)
+
+
+@pytest.mark.parametrize("tiles", [2, 4])
+def test_sequential_tiles_inference_runs_forward_only(tiles: int) -> None:
+    """An inference plan whose stage runs ``tiles`` sub-tiles per GPU (one process, float64):
+    ``eval_step`` equals the plain model's forward (1e-9), and its measured peak (static bytes +
+    the aten tracker's peak + the input) stays under the plan's prediction and below the
+    one-tile plan's, as the plan predicts."""
+    torch.manual_seed(0)
+    model = nowdl.models.unet(3, 2, depth=2, base_width=8).double().eval()
+    x = torch.randn(1, 3, 256, 256, dtype=torch.float64)
+    with torch.no_grad():
+        ref = model(x)
+    peaks = []
+    for t in (1, tiles):
+        cm = nowdl.compile(nowdl.models.unet(3, 2, depth=2, base_width=8).double(), gpus=1, mode="estimate",
+                           cache=False, progress=False, tiles_per_gpu=t)
+        cm.load_state_dict(model.state_dict())
+        out = cm.eval_step(x)
+        torch.testing.assert_close(out, ref, rtol=0.0, atol=1e-9)
+        runner = cm._train().evaluator().last
+        assert runner.plan.config["inference"] and [s.tiles_per_gpu for s in runner.plan.stages] == [t]
+        eng = runner.engine
+        assert [tl.sequential is not None for tl in eng.tiled.values()] == ([True] if t > 1 else [])
+        _, peak = peak_of(lambda cm=cm: cm.eval_step(x), [eng.stages[s].module for _, s in eng.held], None)
+        measured, predicted = peak + x.numel() * x.element_size(), runner.plan.ranks[0].predicted_peak_bytes
+        assert 0.7 * predicted <= measured <= predicted * 1.001
+        peaks.append(measured)
+    assert peaks[1] < 0.8 * peaks[0]
