@@ -4,13 +4,13 @@ without recomputation and host offload, and the predicted step time of each.
 What is measured
 ----------------
 For each model and input below (one sample per micro-batch, fp32, Adam, a meta input), and
-each lever setting -- ``recompute="off", offload="off"`` (without) and ``recompute="auto",
-offload="auto"`` (with: the planner recomputes or offloads the stages that do not fit
-otherwise, [Note: choosing levers] in partitioner/search/levers.py) -- the script plans as a
-user would::
+each lever setting -- ``recompute="off", offload="off", tiles_per_gpu=1`` (without) and
+``recompute="auto", offload="auto", tiles_per_gpu="auto"`` (with: the planner recomputes,
+offloads or runs sequential tiles where nothing fits otherwise, [Note: choosing levers] in
+partitioner/search/levers.py) -- the script plans as a user would::
 
     nowdl.compile(model, gpus=N, mode="estimate", device_spec="h100", gpu_memory="80GiB",
-                  recompute=..., offload=..., planner=nowdl.PlannerOptions(time_limit=T)).plan(x)
+                  recompute=..., offload=..., tiles_per_gpu=..., planner=nowdl.PlannerOptions(time_limit=T)).plan(x)
 
 for N = 1, 2, 4, 8, 16, 32, 64 in turn and stops at the first N that plans. A row gives that
 N, the plan's predicted step time and throughput, its configuration, the stages that
@@ -50,7 +50,7 @@ from nowdl.models import resnet110v2, unet
 from nowdl.plan.plan import Plan, format_bytes
 
 GPUS = (1, 2, 4, 8, 16, 32, 64)
-SETTINGS = {"without": ("off", "off"), "with": ("auto", "auto")}
+SETTINGS = {"without": ("off", "off", 1), "with": ("auto", "auto", "auto")}
 
 
 class _ResBlock(nn.Module):
@@ -161,13 +161,13 @@ def levers_text(plan: Plan) -> str:
 
 def fewest(label: str, build: Callable[[], nn.Module], shape: tuple[int, ...], levers: str, cache: str,
            time_limit: float) -> Row:
-    rc, off = SETTINGS[levers]
+    rc, off, tiles = SETTINGS[levers]
     why = ""
     for g in GPUS:
         t0 = time.perf_counter()
         try:
             cm = nowdl.compile(build(), gpus=g, mode="estimate", device_spec="h100", gpu_memory="80GiB", cache=cache,
-                               progress=False, recompute=rc, offload=off,
+                               progress=False, recompute=rc, offload=off, tiles_per_gpu=tiles,
                                planner=nowdl.PlannerOptions(time_limit=time_limit))
             plan = cm.plan(torch.empty(shape, device="meta"))
         except NowdlError as e:
