@@ -123,7 +123,7 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
                               schedule=schedule, replicas=replicas, dp=dp,
                               spatial_parts=_parts_arg(spatial_parts),
                               spatial_stages=spatial_stages, slice=slice, gpu_memory=cap,
-                              time_limit=planner.time_limit, mip_gap=planner.mip_gap, nodes=nodes,
+                              time_limit=planner.budget[0], milp=planner.budget[1], mip_gap=planner.mip_gap, nodes=nodes,
                               gpus_per_node=gpus_per_node)
     cm = CompiledModel(model, request=request, plan_path=plan_path, options=options, planner=planner)
     cm.optimizer = build_optimizer(options.optimizer, model)

@@ -94,8 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                     help="plan for mixed-precision training: activations and sent tensors at that width (autocast), "
                          "weights, gradients and optimizer state in float32 (default fp32)")
-    pp.add_argument("--time-limit", type=float, default=30.0, help="seconds planning may take end to end; the MILP, for graphs too wide for the exact DP, "
-                    "gets what tracing and profiling leave (default 30)")
+    pp.add_argument("--time-limit", type=float, default=None, help="seconds planning may take end to end; the MILP, for graphs too wide for the exact DP, "
+                    "improves the anytime split with what tracing and profiling leave (default: no MILP, the anytime split)")
+    pp.add_argument("--exact", action="store_true", help="prove the split with the MILP (within --mip-gap; "
+                    "--time-limit or 600 s)")
     pp.add_argument("--mip-gap", type=float, default=0.01, help="the MILP stops once its split is proven within "
                     "this relative gap of the optimum; the plan records the gap reached (default 0.01; 0: exact)")
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
@@ -366,7 +368,8 @@ def _run(args: argparse.Namespace) -> int:
                        slice=args.slice, gpu_memory=cap, mode=args.mode, device=args.device,
                        device_spec=args.device_spec, optimizer=args.optimizer, cache=cache, halo_fusion=args.halo_fusion,
                        precision=args.precision, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                       planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap))
+                       planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap,
+                                                                    exact=args.exact))
     plan = cm.plan(*x)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}
