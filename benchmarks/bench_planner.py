@@ -581,6 +581,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="end-to-end runs per Table 2 row; the median is shown (default 3)")
     ap.add_argument("--speed-only", action="store_true", help="skip Table 1 (quality)")
     ap.add_argument("--quality-only", action="store_true", help="skip Table 2 (planning time)")
+    ap.add_argument("--wide", action="store_true",
+                    help="only Table 3: the wide MONAI graphs (issue 32) against their references, and AmoebaNet-D")
+    ap.add_argument("--wide-real", action="store_true", help="with --wide: also the real widths")
     args = ap.parse_args(argv)
 
     models = QUALITY_MODELS
@@ -601,6 +604,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress("MONAI is not installed: skipping MONAI UNet")
         models = [m for m in models if m[0] != "MONAI UNet"]
 
+    if args.wide:
+        from wide_table import run_wide
+
+        print(run_wide(args.markdown, real=args.wide_real, repeats=args.repeats))
+        progress(f"done in {time.perf_counter() - _T0:.1f} s")
+        return 0
     t0 = time.perf_counter()
     plan_once(functools.partial(resnet, depth=8, version=1), 64, "compute", None, args.time_limit)
     warmup = time.perf_counter() - t0
