@@ -81,8 +81,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
             recomputed during their backward.
         cache: the profile cache: True (the default folder), False (none) or a folder.
         progress: show tracing and planning progress on a terminal.
-        planner: planner tuning, rarely needed: ``nowdl.PlannerOptions(time_limit=30,
-            mip_gap=0.01, leaf_modules=(), tracer="auto")`` (see :class:`PlannerOptions`).
+        planner: planner tuning, rarely needed: ``nowdl.PlannerOptions(time_limit=None,
+            mip_gap=0.01, leaf_modules=(), tracer="auto", exact=False)`` (see :class:`PlannerOptions`).
         nodes, gpus_per_node: the cluster (nodes x gpus_per_node must equal gpus); default:
             the device spec's node (h100/h200: 8-GPU DGX H100, a100: DGX A100) when it divides
             gpus, else one node. Placement and link costs follow it (docs/multinode.md).
