@@ -35,10 +35,17 @@ Targets (issue #9): plan end to end in <= 3 s for <= 500 nodes, <= 30 s up to 2,
 parameter balancing on the 2048² UNet and ResNet; never worse than the block partition. Rows
 are marked with a check mark or a cross; nothing is asserted.
 
+Table 3 (``--wide``, only it): wide graphs (issue 32), see ``benchmarks/wide_table.py``: MONAI's
+SwinUNETR, BasicUNetPlusPlus and UNETR at the docs/models.md widths planned end to end with the
+default PlannerOptions (the anytime split) at K = 4 and 8, against the previous planner's 120 s
+splits (``benchmarks/wide_reference.json``, made by ``benchmarks/wide_graphs.py --reference``), with
+wall and CPU seconds and the load average; AmoebaNet-D (1024², K = 8, memory) against its proven
+optimum; ``--wide-real`` adds the real widths.
+
 How to run
 ----------
     .venv/bin/python benchmarks/bench_planner.py [--quick] [--markdown] [--speed-only]
-        [--repeats N] [--time-limit S]
+        [--repeats N] [--time-limit S] [--wide [--wide-real]]
 
 ``--quick`` runs a few small cases (a smoke run, a couple of minutes); ``--speed-only`` skips
 Table 1; ``--markdown`` prints the tables as Markdown. Progress goes to stderr, the tables to
