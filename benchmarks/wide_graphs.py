@@ -99,6 +99,7 @@ def plan_wide(net: WideNet, k: int, time_limit: float | None = None,
             "cpu_s": round(cpu, 2), "solver": str(sv.get("name")), "status": str(sv.get("status")),
             "gap": float(sv.get("gap") or 0.0), "bound": sv.get("bound"),
             "config": {key: plan.config[key] for key in ("stages", "micro_batches", "replicas", "dp")},
+            "timing": dict(sv.get("timing") or {}),
             "load": list(os.getloadavg())}
 
 
