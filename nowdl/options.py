@@ -31,7 +31,8 @@ DeviceSpecLike = str | DeviceSpec | os.PathLike[str]
 CacheSetting = bool | str | os.PathLike[str]
 
 MODES = ("auto", "estimate", "measure")
-ANYTIME_S = 10.0  # plan()'s bound without a time limit: the anytime search ([Note: anytime split]) needs far less
+ANYTIME_S = 30.0  # plan()'s bound without a time limit: wide graphs' anytime split ([Note: anytime split])
+# needs far less; the exact DP's splits whose long-skip waits need a small MILP keep their budget
 EXACT_S = 600.0  # plan()'s bound with exact=True and no time limit
 TRACERS = ("auto", "fx", "export")
 
