@@ -35,10 +35,17 @@ Targets (issue #9): plan end to end in <= 3 s for <= 500 nodes, <= 30 s up to 2,
 parameter balancing on the 2048² UNet and ResNet; never worse than the block partition. Rows
 are marked with a check mark or a cross; nothing is asserted.
 
+Table 3 (``--wide``, only it): wide graphs (issue 32), see ``benchmarks/wide_table.py``: MONAI's
+SwinUNETR, BasicUNetPlusPlus and UNETR at the docs/models.md widths planned end to end with the
+default PlannerOptions (the anytime split) at K = 4 and 8, against the previous planner's 120 s
+splits (``benchmarks/wide_reference.json``, made by ``benchmarks/wide_graphs.py --reference``), with
+wall and CPU seconds and the load average; AmoebaNet-D (1024², K = 8, memory) against its proven
+optimum; ``--wide-real`` adds the real widths.
+
 How to run
 ----------
     .venv/bin/python benchmarks/bench_planner.py [--quick] [--markdown] [--speed-only]
-        [--repeats N] [--time-limit S]
+        [--repeats N] [--time-limit S] [--wide [--wide-real]]
 
 ``--quick`` runs a few small cases (a smoke run, a couple of minutes); ``--speed-only`` skips
 Table 1; ``--markdown`` prints the tables as Markdown. Progress goes to stderr, the tables to
@@ -581,6 +588,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="end-to-end runs per Table 2 row; the median is shown (default 3)")
     ap.add_argument("--speed-only", action="store_true", help="skip Table 1 (quality)")
     ap.add_argument("--quality-only", action="store_true", help="skip Table 2 (planning time)")
+    ap.add_argument("--wide", action="store_true",
+                    help="only Table 3: the wide MONAI graphs (issue 32) against their references, and AmoebaNet-D")
+    ap.add_argument("--wide-real", action="store_true", help="with --wide: also the real widths")
     args = ap.parse_args(argv)
 
     models = QUALITY_MODELS
@@ -601,6 +611,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress("MONAI is not installed: skipping MONAI UNet")
         models = [m for m in models if m[0] != "MONAI UNet"]
 
+    if args.wide:
+        from wide_table import run_wide
+
+        print(run_wide(args.markdown, real=args.wide_real, repeats=args.repeats))
+        progress(f"done in {time.perf_counter() - _T0:.1f} s")
+        return 0
     t0 = time.perf_counter()
     plan_once(functools.partial(resnet, depth=8, version=1), 64, "compute", None, args.time_limit)
     warmup = time.perf_counter() - t0

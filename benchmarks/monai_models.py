@@ -66,6 +66,21 @@ def _why_untileable(e: BaseException) -> str:
     return f"no: `{m.group(1)}`: {m.group(2).rstrip('.')}" if m else f"no: {_first_line(e)}"
 
 
+def plan8(net: monai_zoo.Net, x: torch.Tensor) -> str:
+    """The 8-stage column: wall time end to end, the configuration and the split's solver."""
+    t0 = time.perf_counter()
+    try:
+        p8 = nowdl.compile(monai_zoo.build(net), gpus=8, stages=8, progress=False, cache=False).plan(x)
+        c, sv = p8.config, p8.solver
+        g = float(sv.get("gap") or 0)
+        gap = f", gap {100 * g:.1f}%" if sv.get("status") != "optimal" or g > 0 else ""
+        shape = f"{c['stages']} stage{'s' if c['stages'] > 1 else ''}" + (
+            f" x dp {c['dp']}" if c.get("dp", 1) > 1 else "") + (" MASTER" if c.get("replicas", 1) == 2 else "")
+        return f"{time.perf_counter() - t0:.1f} s: {shape}, {sv.get('name')} {sv.get('status')}{gap}"
+    except Exception as e:
+        return f"FAILS: {_first_line(e)}"
+
+
 def survey(net: monai_zoo.Net) -> Row:
     row = Row(net)
     torch.manual_seed(0)
@@ -92,17 +107,7 @@ def survey(net: monai_zoo.Net) -> Row:
         row.stage_diff = max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True))
     except Exception as e:
         row.stage_error = _first_line(e)
-    t0 = time.perf_counter()
-    try:
-        p8 = nowdl.compile(monai_zoo.build(net), gpus=8, stages=8, progress=False, cache=False).plan(x)
-        c, sv = p8.config, p8.solver
-        g = float(sv.get("gap") or 0)
-        gap = f", gap {100 * g:.1f}%" if sv.get("status") != "optimal" or g > 0 else ""
-        shape = f"{c['stages']} stage{'s' if c['stages'] > 1 else ''}" + (
-            f" x dp {c['dp']}" if c.get("dp", 1) > 1 else "") + (" MASTER" if c.get("replicas", 1) == 2 else "")
-        row.plan8 = f"{time.perf_counter() - t0:.1f} s: {shape}, {sv.get('name')} {sv.get('status')}{gap}"
-    except Exception as e:
-        row.plan8 = f"FAILS: {_first_line(e)}"
+    row.plan8 = plan8(net, x)
     tiles = nowdl.compile(monai_zoo.build(net), gpus=2, stages=1, spatial_parts=2,
                           slice="depth" if net.dims == 3 else "vertical", progress=False, cache=False)
     try:
@@ -174,10 +179,12 @@ def markdown(rows: list[Row], trained: dict[str, list[str]], versions: str) -> s
         "* **8 stages**: `nowdl.compile(m, gpus=8, stages=8).plan(x)` (the search still chooses",
         "  micro-batches and MASTER): wall time end to end, what it chose, and the chosen split's",
         "  solver and status (`ideals optimal`: the exact DP over the DAG's ideals; `highs`: the MILP,",
-        "  for graphs with too many ideals, started from the `beam` split, and for splits whose",
-        "  long-skip gradient waits the DP cannot charge: `optimal` once proven",
-        "  within the default `mip_gap` of 1%, with the gap proven when not 0; `feasible` with its gap",
-        "  when the 30 s ran out).",
+        "  for splits whose long-skip gradient waits the DP cannot charge: `optimal` once proven",
+        "  within the default `mip_gap` of 1%, with the gap proven when not 0. Graphs with too many",
+        "  ideals get the anytime split (docs/planner.md): the best of the `beam`, `sese` (regions",
+        "  contracted) and `coarse` ideal DPs walked downhill by the local search (`+local`), no MILP",
+        "  unless a time limit or `exact=True` asks for it; `feasible` with its gap against the",
+        "  assignment LP's lower bound, a weak bound on these graphs: the split is usually much closer).",
         "* **stages = model**: the plan's stages run one after another (`cm(x)`) against `m(x)` in",
         "  eval mode, largest absolute difference (the test requires 1e-5).",
         "* **CLI**: `nowdl plan monai.networks.nets:NAME --model-args '<args>' --input SHAPE --gpus 4",
@@ -248,14 +255,37 @@ OUTSIDE = [
 ]
 
 
+def remake_plan8(path: Path, nets: list[monai_zoo.Net]) -> None:
+    """Replace the '8 stages' cell of each net's row of the table in ``path``."""
+    lines = path.read_text().splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("| network |"))
+    col = [c.strip() for c in lines[head].split("|")].index("8 stages")
+    for net in nets:
+        label = f"| {net.cls} {net.dims}D | {_args(net)} |"
+        i = next((j for j, ln in enumerate(lines) if ln.startswith(label)), None)
+        if i is None:
+            print(f"{net.id}: no row in {path}", file=sys.stderr)
+            continue
+        cells = lines[i].split("|")
+        cells[col] = f" {plan8(net, cov._input(net))} "
+        lines[i] = "|".join(cells)
+        print(f"{net.id}: 8 stages {cells[col].strip()}", file=sys.stderr, flush=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "models.md"))
     ap.add_argument("--only", help="comma-separated net ids")
     ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--plan8-only", action="store_true",
+                    help="re-make only the '8 stages' column of the existing --out table (in place)")
     args = ap.parse_args()
     nets = [n for n in monai_zoo.NETS if not args.only or n.id in args.only.split(",")]
+    if args.plan8_only:
+        remake_plan8(Path(args.out), nets)
+        return
     import tempfile
 
     rows = []

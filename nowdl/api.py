@@ -90,8 +90,8 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
             a list of stage indices recompute=[...] (the runtime also reads it as before).
         cache: the profile cache: True (the default folder), False (none) or a folder.
         progress: show tracing and planning progress on a terminal.
-        planner: planner tuning, rarely needed: ``nowdl.PlannerOptions(time_limit=30,
-            mip_gap=0.01, leaf_modules=(), tracer="auto")`` (see :class:`PlannerOptions`).
+        planner: planner tuning, rarely needed: ``nowdl.PlannerOptions(time_limit=None,
+            mip_gap=0.01, leaf_modules=(), tracer="auto", exact=False)`` (see :class:`PlannerOptions`).
         nodes, gpus_per_node: the cluster (nodes x gpus_per_node must equal gpus); default:
             the device spec's node (h100/h200: 8-GPU DGX H100, a100: DGX A100) when it divides
             gpus, else one node. Placement and link costs follow it (docs/multinode.md).
@@ -142,7 +142,7 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
                               schedule=schedule, replicas=replicas, dp=dp,
                               spatial_parts=_parts_arg(spatial_parts),
                               spatial_stages=spatial_stages, slice=slice, gpu_memory=cap,
-                              time_limit=planner.time_limit, mip_gap=planner.mip_gap, nodes=nodes,
+                              time_limit=planner.budget[0], milp=planner.budget[1], mip_gap=planner.mip_gap, nodes=nodes,
                               gpus_per_node=gpus_per_node, offload=check_lever("offload", offload),
                               recompute=recompute_setting(recompute, options.activation_checkpointing),
                               global_batch=global_batch, tiles_per_gpu=tiles_arg(tiles_per_gpu))

@@ -187,7 +187,8 @@ class CompiledModel:
                 key = tuple(tuple(x.shape) for x in example_inputs)
                 if (key, False) not in self._plans:
                     req = PlanRequest(gpus=int(made.config["gpus"]), gpu_memory=made.config.get("gpu_memory"),
-                                      time_limit=self.planner.time_limit, mip_gap=self.planner.mip_gap)
+                                      time_limit=self.planner.budget[0], milp=self.planner.budget[1],
+                                      mip_gap=self.planner.mip_gap)
                     t0 = time.perf_counter()
                     self.trace(*example_inputs)
                     self._search(example_inputs, req, train=False, target=None, t0=t0, t1=time.perf_counter())

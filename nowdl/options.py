@@ -21,7 +21,7 @@ from nowdl.partitioner.spatial.halo_fusion import check_policy
 from nowdl.profiler.devices import BUILTIN_SPECS, DeviceSpec
 from nowdl.profiler.profile_graph import PRECISIONS
 
-__all__ = ["PlannerOptions", "RuntimeOptions", "LossFn", "DeviceSpecLike", "CacheSetting", "MODES", "TRACERS"]
+__all__ = ["ANYTIME_S", "EXACT_S", "PlannerOptions", "RuntimeOptions", "LossFn", "DeviceSpecLike", "CacheSetting", "MODES", "TRACERS"]
 
 #: ``loss_fn(output, target)``: a scalar mean over the micro-batch
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -31,6 +31,9 @@ DeviceSpecLike = str | DeviceSpec | os.PathLike[str]
 CacheSetting = bool | str | os.PathLike[str]
 
 MODES = ("auto", "estimate", "measure")
+ANYTIME_S = 30.0  # plan()'s bound without a time limit: wide graphs' anytime split ([Note: anytime split])
+# needs far less; the exact DP's splits whose long-skip waits need a small MILP keep their budget
+EXACT_S = 600.0  # plan()'s bound with exact=True and no time limit
 TRACERS = ("auto", "fx", "export")
 
 
@@ -51,19 +54,36 @@ class PlannerOptions:
     Attributes:
         time_limit: seconds ``plan()`` may take: what tracing and profiling leave of it goes to
             the configuration search, whose MILP shares it among the best few configurations;
-            a solve stopped by it reports status "feasible" and its gap.
+            a solve stopped by it reports status "feasible" and its gap. None (the default):
+            the anytime search, ``ANYTIME_S`` at most: graphs too wide for the exact DP get the
+            best heuristic split (contracted regions, local search) with its LP bound's gap,
+            and no MILP. Set, it asks the MILP to improve that split for that long.
         mip_gap: the MILP stops once its split is proven within this relative gap (0: exact).
+        exact: prove the split with the MILP (``time_limit`` or ``EXACT_S`` seconds; ``nowdl
+            plan --exact``).
         leaf_modules: module types or qualified names the fx tracer keeps opaque (placed whole).
         tracer: "auto" (fx, else torch.export), "fx" or "export".
     """
 
-    time_limit: float = 30.0
+    time_limit: float | None = None
     mip_gap: float = 0.01
     leaf_modules: Sequence[type[nn.Module] | str] = ()
     tracer: str = "auto"
+    exact: bool = False
+
+    @property
+    def budget(self) -> tuple[float, bool]:
+        """(seconds ``plan()`` may take, whether the MILP runs on splits the exact DP leaves open)."""
+        if self.exact:
+            return (self.time_limit or EXACT_S), True
+        return (self.time_limit or ANYTIME_S), self.time_limit is not None
 
     def __post_init__(self) -> None:
-        _seconds("time_limit", self.time_limit, "PlannerOptions(time_limit=60) (nowdl plan --time-limit 60)")
+        if self.time_limit is not None:
+            _seconds("time_limit", self.time_limit, "PlannerOptions(time_limit=60) (nowdl plan --time-limit 60)")
+        if not isinstance(self.exact, bool):
+            raise NowdlError(f"exact must be True or False, got {self.exact!r}: pass PlannerOptions(exact=True) "
+                             "(nowdl plan --exact) for a split proven by the MILP")
         gap = self.mip_gap
         if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
             raise NowdlError(f"mip_gap must be a relative gap in [0, 1), got {gap!r}: pass e.g. PlannerOptions(mip_gap=0.01) "

@@ -106,8 +106,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="plan for mixed-precision training: activations and sent tensors at that width (autocast), "
                          "weights, gradients and optimizer state in float32 (default fp32)")
     pp.add_argument("--inference", action="store_true", help="plan a forward-only run (no gradients, optimizer or saved activations)")
-    pp.add_argument("--time-limit", type=float, default=30.0, help="seconds planning may take end to end; the MILP, for graphs too wide for the exact DP, "
-                    "gets what tracing and profiling leave (default 30)")
+    pp.add_argument("--time-limit", type=float, default=None, help="seconds planning may take end to end; the MILP, for graphs too wide for the exact DP, "
+                    "improves the anytime split with what tracing and profiling leave (default: no MILP, the anytime split)")
+    pp.add_argument("--exact", action="store_true", help="prove the split with the MILP (within --mip-gap; "
+                    "--time-limit or 600 s)")
     pp.add_argument("--mip-gap", type=float, default=0.01, help="the MILP stops once its split is proven within "
                     "this relative gap of the optimum; the plan records the gap reached (default 0.01; 0: exact)")
     add_lever_arguments(pp)
@@ -371,7 +373,7 @@ def _run(args: argparse.Namespace) -> int:
                        device_spec=args.device_spec, optimizer=args.optimizer, cache=cache, halo_fusion=args.halo_fusion,
                        precision=args.precision, nodes=args.nodes, gpus_per_node=args.gpus_per_node, **lever_kwargs(args),
                        global_batch=args.batch_size, tiles_per_gpu=args.tiles_per_gpu,
-                       planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap))
+                       planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap, exact=args.exact))
     plan = cm.plan(*x, train=not args.inference)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}

@@ -167,3 +167,19 @@ def test_status_line_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch, capsys:
     with status("tracing Net", enabled=False):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_plan_exact_flag(tmp_path: Path) -> None:
+    """A graph too wide for the exact DP: the default plan is the anytime split (no MILP, its LP
+    bound's gap); ``--exact`` asks the MILP for a proof within ``--mip-gap``."""
+    import json
+
+    common = ["plan", "nowdl.models:amoebanetd", "--model-args", '{"num_layers": 3, "num_filters": 8}', "--input", "1x3x128x128",
+              "--gpus", "4", "--stages", "4", "--micro-batches", "4", "--dp", "1", "--replicas", "1"]
+    quick, proof = tmp_path / "quick.json", tmp_path / "proof.json"
+    assert main([*common, "--out", str(quick)]) == 0
+    assert main([*common, "--exact", "--time-limit", "60", "--out", str(proof)]) == 0
+    fast, exact = json.loads(quick.read_text())["solver"], json.loads(proof.read_text())["solver"]
+    assert fast["name"] not in ("highs", "cbc") and fast["status"] in ("feasible", "optimal")
+    assert exact["name"] in ("highs", "cbc", "ideals") and exact["status"] == "optimal"
+    assert exact["gap"] <= 0.01 + 1e-9

@@ -332,6 +332,8 @@ def _finalists(req: PlanRequest, evals: list[_Eval], cache: SolveCache, *, deadl
             key=lambda e: e.key())[:FINALISTS]
     else:  # nothing fits by the heuristics: the MILP may still fit the leanest ones
         todo = sorted((e for e in evals if not e.final), key=lambda e: e.part.bottleneck_mem)[:FINALISTS]
+    if not req.milp:  # anytime: only the long-skip waits' small MILPs ([Note: anytime split])
+        todo = [e for e in todo if e.part.solver.endswith("+waits")]
     if not todo:
         return evals
     out = [e for e in evals if all(e is not t for t in todo)]

@@ -50,6 +50,7 @@ class PlanRequest:
     gpu_memory: float | None = None  # bytes; None: the device's memory
     time_limit: float = 30.0
     mip_gap: float = 0.01  # the MILP stops at this proven relative gap (the plan records the gap reached)
+    milp: bool = True  # False: the anytime split of graphs too wide for the exact DP ([Note: anytime split])
     global_batch: int | None = None  # samples per optimizer step: micro-batch x m x replicas x dp must equal it
     nodes: int | None = None  # cluster nodes (None: from gpus_per_node or the device spec's node)
     gpus_per_node: int | None = None  # GPUs per node (None: the device spec's node, e.g. 8 for h100)
