@@ -21,7 +21,7 @@ plus the peak of the storages the step allocates), then the median of ``--repeat
 Rows: pipeline (ResNet-20 v1, 2 stages, 1F1B, 4 micro-batches), spatial (nowdl UNet depth 3
 width 8, one stage on 2 tiles, GPipe, 2 micro-batches: one spatial stage holds one micro-batch
 under 1F1B, where recomputing saves nothing, [Note: recompute cost]), MASTER (replicas=2,
-2 stages; the model given by ``--master-model``).
+2 stages, GPipe, 4 micro-batches per replica, nowdl UNet).
 
 Table 2: the largest square side (multiple of 16) that plans under a fixed per-rank cap on
 2 ranks (ResNet-20, 2 stages, GPipe, 4 micro-batches), recompute "auto" vs "off", found by
@@ -90,10 +90,16 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def plan_for(kind: str, side: int, cap_mib: float, recompute: str, pins: dict[str, Any]) -> Plan:
-    """The planner's plan (estimate mode, ``cpu`` spec) for one sample at ``side``; raises NowdlError if none fits."""
+MODE = {"mode": "estimate", "device_spec": "cpu"}
+"""How table 1 profiles: ``--mode measure`` times the ops on this CPU (``mode="measure", device="cpu"``)."""
+
+
+def plan_for(kind: str, side: int, cap_mib: float, recompute: str, pins: dict[str, Any],
+             mode: dict[str, str] | None = None) -> Plan:
+    """The planner's plan (estimate mode, ``cpu`` spec, unless ``mode``) for one sample at ``side``;
+    raises NowdlError if none fits."""
     x, y = batch(kind, 0, 1, side)
-    cm = nowdl.compile(make_model(kind), gpus=2, mode="estimate", device_spec="cpu", gpu_memory=int(cap_mib * MIB),
+    cm = nowdl.compile(make_model(kind), gpus=2, **(mode or MODE), gpu_memory=int(cap_mib * MIB),
                        recompute=recompute, offload="off", tiles_per_gpu=1, optimizer=adam, loss_fn=loss_of(kind),
                        cache=False, progress=False, **pins)
     return cm.plan(x, target=y)
@@ -153,10 +159,13 @@ ROWS = [  # name, model, side, cap MiB, pins
                                            schedule="1f1b")),
     ("spatial", "unet", 128, 7.0, dict(stages=1, spatial_parts=2, replicas=1, dp=1, micro_batches=2,
                                        schedule="gpipe")),
+    ("MASTER", "unet", 128, 20.0, dict(stages=2, spatial_parts=1, replicas=2, dp=1, micro_batches=4,
+                                       schedule="gpipe")),
 ]
 
 
-def table1(rows: list[tuple[str, str, int, float, dict[str, Any]]], repeats: int, tmp: str) -> None:
+def table1(rows: list[tuple[str, str, int, float, dict[str, Any]]], repeats: int, tmp: str,
+           mode: dict[str, str]) -> None:
     print("### 1. Planned recompute vs the plan, per rank (2 CPU gloo ranks, one thread each; targets: peak "
           "±10%, recompute cost ±15%)\n")
     print("| row | model, side | cap | recompute on stages | rank | predicted peak | measured peak | ratio "
@@ -165,7 +174,7 @@ def table1(rows: list[tuple[str, str, int, float, dict[str, Any]]], repeats: int
     for name, kind, side, cap, pins in rows:
         log(f"{name}: planning {kind} {side}² under {cap} MiB")
         try:
-            plan = plan_for(kind, side, cap, "auto", pins)
+            plan = plan_for(kind, side, cap, "auto", pins, mode)
         except NowdlError as e:
             print(f"| {name} | {kind} {side}² | {cap:g} MiB | no plan: {str(e).splitlines()[0][:160]} |"
                   + " |" * 9)
@@ -237,19 +246,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 timed steps, side found to 32 pixels")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--cap-mib", type=float, default=24.0, help="per-rank cap of table 2")
-    ap.add_argument("--master-model", choices=("resnet", "unet", "none"), default="none")
-    ap.add_argument("--tables", default="12")
+    ap.add_argument("--mode", choices=("estimate", "measure"), default="estimate",
+                    help="how table 1 plans: estimate (cpu spec roofline) or measure (ops timed on this CPU)")
+    ap.add_argument("--tables", default="12", help="which tables: 1, 2 or 12")
+    ap.add_argument("--rows", default="all", help="rows of table 1: all, or names joined by commas")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     repeats = args.repeats or (2 if args.quick else 5)
-    rows = list(ROWS)
-    if args.master_model != "none":
-        rows.append(("MASTER", args.master_model, 128, 30.0 if args.master_model == "resnet" else 7.0,
-                     dict(stages=2, spatial_parts=1, replicas=2, dp=1, micro_batches=4, schedule="1f1b")))
+    rows = list(ROWS) if args.rows == "all" else [r for r in ROWS if r[0] in args.rows.split(",")]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         if "1" in args.tables:
-            table1(rows, repeats, tmp)
+            table1(rows, repeats, tmp, MODE if args.mode == "estimate" else {"mode": "measure", "device": "cpu"})
         if "2" in args.tables:
             table2(args.cap_mib, 32 if args.quick else 16, repeats, tmp)
     print(f"\n({time.perf_counter() - t0:.0f} s wall)")
