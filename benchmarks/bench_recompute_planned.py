@@ -11,7 +11,7 @@ recompute some stage (the stages it chose are printed). The same plan with every
 and batches: a warm-up step, the peak of one step under nowdl's aten allocation tracker
 (``nowdl.runtime.training.metrics.peak_of``: parameters, buffers and Adam state before the step
 plus the peak of the storages the step allocates), then the median of ``--repeats`` timed steps
-(between barriers).
+(between barriers), the two variants alternating step by step.
 
 * measured / predicted peak: against ``plan.ranks[r].predicted_peak_bytes`` (target ±10%);
 * step-time cost of recomputation: measured (planned - off) against the predicted
@@ -115,6 +115,7 @@ def without_recompute(plan: Plan) -> Plan:
 def worker(rank: int, world: int, kind: str, plans: dict[str, str], n: int, side: int, repeats: int
            ) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    models: dict[str, Any] = {}
     for name, path in plans.items():
         cm = nowdl.compile(make_model(kind), plan=path, optimizer=adam, loss_fn=loss_of(kind), progress=False,
                            timeout_s=600)
@@ -122,17 +123,20 @@ def worker(rank: int, world: int, kind: str, plans: dict[str, str], n: int, side
         eng = cm._trainer.engine
         held = [eng.stages[s].module for _, s in eng.held]
         _, peak = peak_of(lambda cm=cm: cm.train_step(*batch(kind, 1, n, side)), held, eng.optimizer)
-        times = []
-        for step in range(repeats):
-            x, y = batch(kind, 2 + step, n, side)
+        models[name] = cm
+        out[name] = {"peak": peak, "times": []}
+    for step in range(repeats):  # the variants alternate, so that the shared machine's load hits both alike
+        x, y = batch(kind, 2 + step, n, side)
+        for name, cm in models.items():
             dist.barrier()
             t0 = time.perf_counter()
             cm.train_step(x, y)
             dist.barrier()
-            times.append(time.perf_counter() - t0)
-        out[name] = {"peak": peak, "step_s": statistics.median(times) if times else float("nan")}
+            out[name]["times"].append(time.perf_counter() - t0)
+    for name, v in out.items():
+        v["step_s"] = statistics.median(v.pop("times")) if repeats else float("nan")
         if rank == 0:
-            log(f"  {name}: rank 0 peak {peak / MIB:.2f} MiB, step {out[name]['step_s'] * 1e3:.0f} ms")
+            log(f"  {name}: rank 0 peak {v['peak'] / MIB:.2f} MiB, step {v['step_s'] * 1e3:.0f} ms")
     return out
 
 
@@ -243,7 +247,7 @@ def table2(cap: float, step: int, repeats: int, tmp: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 timed steps, side found to 32 pixels")
+    ap.add_argument("--quick", action="store_true", help="3 timed steps, side found to 32 pixels")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--cap-mib", type=float, default=24.0, help="per-rank cap of table 2")
     ap.add_argument("--mode", choices=("estimate", "measure"), default="estimate",
@@ -252,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows", default="all", help="rows of table 1: all, or names joined by commas")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (3 if args.quick else 9)
     rows = list(ROWS) if args.rows == "all" else [r for r in ROWS if r[0] in args.rows.split(",")]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
