@@ -1,0 +1,272 @@
+"""Recompute chosen by the planner under a cap, measured on CPU gloo ranks: peak per rank and step time.
+
+What is measured
+----------------
+Each row is planned as a user would: ``nowdl.compile(model, gpus=2, mode="estimate",
+device_spec="cpu", gpu_memory=CAP, recompute="auto", offload="off", <pins>).plan(x)``, with a
+cap just under what the plan needs without recomputation, so that the planner chooses to
+recompute some stage (the stages it chose are printed). The same plan with every stage's
+``recompute`` set to False is the "off" variant. Two gloo processes (one thread each,
+``tests/helpers/distributed.py``'s ``run_workers``) train both variants from the same weights
+and batches: a warm-up step, the peak of one step under nowdl's aten allocation tracker
+(``nowdl.runtime.training.metrics.peak_of``: parameters, buffers and Adam state before the step
+plus the peak of the storages the step allocates), then the median of ``--repeats`` timed steps
+(between barriers), the two variants alternating step by step.
+
+* measured / predicted peak: against ``plan.ranks[r].predicted_peak_bytes`` (target ±10%);
+* step-time cost of recomputation: measured (planned - off) against the predicted
+  ``sum over the rank's stages of micro-batches x stages[s].predicted["recompute_s"]``
+  (the forward run again, per rank; the max over ranks is printed; target ±15%).
+
+Rows: pipeline (ResNet-20 v1, 2 stages, 1F1B, 4 micro-batches), spatial (nowdl UNet depth 3
+width 8, one stage on 2 tiles, GPipe, 2 micro-batches: one spatial stage holds one micro-batch
+under 1F1B, where recomputing saves nothing, [Note: recompute cost]), MASTER (replicas=2,
+2 stages, GPipe, 4 micro-batches per replica, nowdl UNet).
+
+Table 2: the largest square side (multiple of 16) that plans under a fixed per-rank cap on
+2 ranks (ResNet-20, 2 stages, GPipe, 4 micro-batches), recompute "auto" vs "off", found by
+doubling then bisection in estimate mode; then one real training step at each found side, its
+measured peak per rank against the cap. Target: side with / without >= 1.5.
+
+How to run
+----------
+    .venv/bin/python benchmarks/bench_recompute_planned.py --quick
+
+Tables go to stdout as Markdown, progress to stderr. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from helpers.distributed import run_workers  # noqa: E402
+
+import nowdl  # noqa: E402
+from nowdl.errors import NowdlError  # noqa: E402
+from nowdl.plan.plan import Plan  # noqa: E402
+from nowdl.runtime.training.metrics import peak_of  # noqa: E402
+
+__all__ = ["main"]
+
+MIB = float(1 << 20)
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "unet":
+        return nowdl.models.unet(1, 2, depth=3, base_width=8)
+    return nowdl.models.resnet(depth=20, version=1, width=16, num_classes=10, conv_bias=False)
+
+
+def loss_of(kind: str) -> nn.Module:
+    return nn.MSELoss() if kind == "unet" else nn.CrossEntropyLoss()
+
+
+def batch(kind: str, step: int, n: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "unet":
+        return torch.randn(n, 1, side, side, generator=g), torch.randn(n, 2, side, side, generator=g)
+    return torch.randn(n, 3, side, side, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+MODE = {"mode": "estimate", "device_spec": "cpu"}
+"""How table 1 profiles: ``--mode measure`` times the ops on this CPU (``mode="measure", device="cpu"``)."""
+
+
+def plan_for(kind: str, side: int, cap_mib: float, recompute: str, pins: dict[str, Any],
+             mode: dict[str, str] | None = None) -> Plan:
+    """The planner's plan (estimate mode, ``cpu`` spec, unless ``mode``) for one sample at ``side``;
+    raises NowdlError if none fits."""
+    x, y = batch(kind, 0, 1, side)
+    cm = nowdl.compile(make_model(kind), gpus=2, **(mode or MODE), gpu_memory=int(cap_mib * MIB),
+                       recompute=recompute, offload="off", tiles_per_gpu=1, optimizer=adam, loss_fn=loss_of(kind),
+                       cache=False, progress=False, **pins)
+    return cm.plan(x, target=y)
+
+
+def without_recompute(plan: Plan) -> Plan:
+    off = Plan.from_dict(plan.to_dict())
+    for s in off.stages:
+        s.recompute = False
+    return off
+
+
+def worker(rank: int, world: int, kind: str, plans: dict[str, str], n: int, side: int, repeats: int
+           ) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    models: dict[str, Any] = {}
+    for name, path in plans.items():
+        cm = nowdl.compile(make_model(kind), plan=path, optimizer=adam, loss_fn=loss_of(kind), progress=False,
+                           timeout_s=600)
+        cm.train_step(*batch(kind, 0, n, side))  # builds the stages; warm-up
+        eng = cm._trainer.engine
+        held = [eng.stages[s].module for _, s in eng.held]
+        _, peak = peak_of(lambda cm=cm: cm.train_step(*batch(kind, 1, n, side)), held, eng.optimizer)
+        models[name] = cm
+        out[name] = {"peak": peak, "times": []}
+    for step in range(repeats):  # the variants alternate, so that the shared machine's load hits both alike
+        x, y = batch(kind, 2 + step, n, side)
+        for name, cm in models.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            cm.train_step(x, y)
+            dist.barrier()
+            out[name]["times"].append(time.perf_counter() - t0)
+    for name, v in out.items():
+        v["step_s"] = statistics.median(v.pop("times")) if repeats else float("nan")
+        if rank == 0:
+            log(f"  {name}: rank 0 peak {v['peak'] / MIB:.2f} MiB, step {v['step_s'] * 1e3:.0f} ms")
+    return out
+
+
+def run(kind: str, plans: dict[str, Plan], n: int, side: int, repeats: int, tmp: str) -> list[dict[str, Any]]:
+    paths = {name: str(p.save(Path(tmp) / f"{kind}_{side}_{name}.json")) for name, p in plans.items()}
+    return run_workers(worker, 2, kind, paths, n, side, repeats, timeout_s=1800)
+
+
+def samples(plan: Plan) -> int:
+    c = plan.config
+    return int(c.get("micro_batches", 1)) * int(c.get("replicas", 1)) * int(c.get("dp", 1)) \
+        * int(c.get("micro_batch_size", 1) or 1)
+
+
+def predicted_cost(plan: Plan, rank: int) -> float:
+    """Seconds recomputation adds to ``rank``'s step: micro-batches x recompute_s of each stage it holds."""
+    m = int(plan.config.get("micro_batches", 1))
+    held = plan.ranks[rank].stages
+    return sum(m * plan.stages[h["stage"]].predicted.get("recompute_s", 0.0) for h in held)
+
+
+ROWS = [  # name, model, side, cap MiB, pins
+    ("pipeline", "resnet", 128, 22.0, dict(stages=2, spatial_parts=1, replicas=1, dp=1, micro_batches=4,
+                                           schedule="1f1b")),
+    ("spatial", "unet", 128, 7.0, dict(stages=1, spatial_parts=2, replicas=1, dp=1, micro_batches=2,
+                                       schedule="gpipe")),
+    ("MASTER", "unet", 128, 20.0, dict(stages=2, spatial_parts=1, replicas=2, dp=1, micro_batches=4,
+                                       schedule="gpipe")),
+]
+
+
+def table1(rows: list[tuple[str, str, int, float, dict[str, Any]]], repeats: int, tmp: str,
+           mode: dict[str, str]) -> None:
+    print("### 1. Planned recompute vs the plan, per rank (2 CPU gloo ranks, one thread each; targets: peak "
+          "±10%, recompute cost ±15%)\n")
+    print("| row | model, side | cap | recompute on stages | rank | predicted peak | measured peak | ratio "
+          "| step planned | step off | measured cost | predicted cost | cost ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, kind, side, cap, pins in rows:
+        log(f"{name}: planning {kind} {side}² under {cap} MiB")
+        try:
+            plan = plan_for(kind, side, cap, "auto", pins, mode)
+        except NowdlError as e:
+            print(f"| {name} | {kind} {side}² | {cap:g} MiB | no plan: {str(e).splitlines()[0][:160]} |"
+                  + " |" * 9)
+            continue
+        chosen = [s.index for s in plan.stages if s.recompute]
+        res = run(kind, {"planned": plan, "off": without_recompute(plan)}, samples(plan), side, repeats, tmp)
+        for r, v in enumerate(res):
+            pred = plan.ranks[r].predicted_peak_bytes
+            meas = v["planned"]["peak"]
+            cost = v["planned"]["step_s"] - v["off"]["step_s"]
+            pc = predicted_cost(plan, r)
+            print(f"| {name} | {kind} {side}² | {cap:g} MiB | {chosen or 'none'} | {r} | {pred / MIB:.2f} MiB "
+                  f"| {meas / MIB:.2f} MiB | {meas / pred:.3f} | {v['planned']['step_s'] * 1e3:.0f} ms "
+                  f"| {v['off']['step_s'] * 1e3:.0f} ms | {cost * 1e3:.0f} ms | {pc * 1e3:.0f} ms "
+                  f"| {cost / pc if pc > 0 else float('nan'):.2f} |", flush=True)
+
+
+def largest(cap: float, recompute: str, pins: dict[str, Any], step: int, limit: int) -> tuple[int, Plan | None]:
+    """Largest side (multiple of ``step``) that plans under ``cap`` MiB: doubling from 64, then bisection."""
+    def fits(side: int) -> Plan | None:
+        try:
+            p = plan_for("resnet", side, cap, recompute, pins)
+        except NowdlError:
+            p = None
+        log(f"  {recompute}: {side}² {'fits' if p else 'does not fit'}")
+        return p
+
+    lo, best, hi = 0, None, 64
+    while hi <= limit:
+        p = fits(hi)
+        if p is None:
+            break
+        lo, best, hi = hi, p, hi * 2
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        p = fits(mid)
+        if p is None:
+            hi = mid
+        else:
+            lo, best = mid, p
+    return lo, best
+
+
+def table2(cap: float, step: int, repeats: int, tmp: str) -> None:
+    pins = dict(stages=2, spatial_parts=1, replicas=1, dp=1, micro_batches=4, schedule="gpipe")
+    print(f"\n### 2. Largest square side that plans under {cap:g} MiB per rank on 2 ranks (ResNet-20, 2 stages, "
+          f"GPipe, 4 micro-batches; target with / without >= 1.5)\n")
+    print("| recompute | largest side | recompute on stages | rank | predicted peak | measured peak | measured / cap "
+          "| step |")
+    print("|---|---|---|---|---|---|---|---|")
+    sides = {}
+    for rc in ("off", "auto"):
+        side, plan = largest(cap, rc, pins, step, 4096)
+        sides[rc] = side
+        if plan is None:
+            print(f"| {rc} | none | | | | | | |")
+            continue
+        res = run("resnet", {rc: plan}, samples(plan), side, repeats, tmp)
+        chosen = [s.index for s in plan.stages if s.recompute]
+        for r, v in enumerate(res):
+            pk = v[rc]["peak"]
+            print(f"| {rc} | {side} | {chosen or 'none'} | {r} | {plan.ranks[r].predicted_peak_bytes / MIB:.2f} MiB "
+                  f"| {pk / MIB:.2f} MiB | {pk / (cap * MIB):.3f} | {v[rc]['step_s'] * 1e3:.0f} ms |", flush=True)
+    print(f"\nside with / without recompute: {sides['auto'] / max(sides['off'], 1):.2f} (target >= 1.5)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 timed steps, side found to 32 pixels")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--cap-mib", type=float, default=24.0, help="per-rank cap of table 2")
+    ap.add_argument("--mode", choices=("estimate", "measure"), default="estimate",
+                    help="how table 1 plans: estimate (cpu spec roofline) or measure (ops timed on this CPU)")
+    ap.add_argument("--tables", default="12", help="which tables: 1, 2 or 12")
+    ap.add_argument("--rows", default="all", help="rows of table 1: all, or names joined by commas")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    repeats = args.repeats or (3 if args.quick else 9)
+    rows = list(ROWS) if args.rows == "all" else [r for r in ROWS if r[0] in args.rows.split(",")]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        if "1" in args.tables:
+            table1(rows, repeats, tmp, MODE if args.mode == "estimate" else {"mode": "measure", "device": "cpu"})
+        if "2" in args.tables:
+            table2(args.cap_mib, 32 if args.quick else 16, repeats, tmp)
+    print(f"\n({time.perf_counter() - t0:.0f} s wall)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
