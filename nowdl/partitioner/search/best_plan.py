@@ -152,6 +152,8 @@ def _finish(ev: _Eval, time_limit: float, cache: SolveCache, mip_gap: float = 1e
     except InfeasibleError as e:
         log.info("candidate %s does not fit: %s", ev.cand, e)
         return None
+    if not host_fits(costs, ev.cand, part.stage_of):  # offloads over the host memory: the screened split
+        return dataclasses.replace(ev, final=True)
     fits = costs.mem_cap is None or part.bottleneck_mem <= costs.mem_cap * (1 + 1e-6)
     return dataclasses.replace(ev, part=part, pred=predict_step(costs, ev.cand, part, ev.cand.micro_batch_size),
                                exact=proven(part), final=True, fits=fits,
@@ -221,6 +223,8 @@ def search(
     best = min(fitting, key=lambda e: e.key())
     if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap
         part = solve(best.problem, cache=cache, start=best.part, mip_gap=req.mip_gap)
+        if not host_fits(best.costs, best.cand, part.stage_of):  # offloads over the host memory
+            part = best.part
         best = dataclasses.replace(best, part=part, pred=predict_step(best.costs, best.cand, part,
                                                                       best.cand.micro_batch_size))
         results = [best if e.cand == best.cand else e for e in results]
