@@ -142,7 +142,8 @@ def config_text(plan: Plan) -> str:
     c = plan.config
     sp = c.get("spatial") or {}
     bits = [f"dp {c['dp']}" if c["dp"] > 1 else "", f"{c['stages']} stage{'s' if c['stages'] > 1 else ''}",
-            f"{'/'.join(map(str, sp.get('stage_parts') or []))} tiles on stages {sp.get('stages')}" if sp else "",
+            f"{'/'.join(map(str, sp.get('stage_parts') or []))} GPU(s) of tiles on stages {sp.get('stages')}" if sp else "",
+            f"{sp['tiles_per_gpu']} tiles per GPU in turn" if sp.get("tiles_per_gpu", 1) > 1 else "",
             "MASTER" if c["replicas"] == 2 else "", f"m {c['micro_batches']}"]
     return ", ".join(b for b in bits if b)
 
