@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
+from types import TracebackType
 
 import torch
 from torch import nn
@@ -113,9 +115,7 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
         >>> cm = nowdl.compile(UNet(), gpus=8, balance="memory")
         >>> print(cm.plan(torch.empty(1, 3, 2048, 2048, device="meta")))
     """
-    from nowdl.runtime.training.report_once import install
-
-    install()  # under a launcher: one paragraph per job for a NowdlError [Note: API errors under a launcher]
+    _report_errors_once()  # under a launcher: one paragraph per job for a NowdlError
     if not isinstance(model, nn.Module):
         raise NowdlError(f"nowdl.compile expects an nn.Module, got {type(model).__name__}")
     if planner is None:
@@ -161,6 +161,26 @@ def tiles_arg(v: object) -> int | None:
         raise NowdlError(f"tiles_per_gpu={v!r} is neither 'auto' nor a positive integer: pass 'auto' (the planner "
                          "chooses), 1 (no sequential tiles) or e.g. 4 (--tiles-per-gpu auto|1|4)")
     return v
+
+
+def _report_errors_once() -> None:
+    """Under a launcher (several ranks), route uncaught exceptions to the one-paragraph report of
+    runtime/training/report_once.py ([Note: API errors under a launcher]); it is imported only
+    when an exception arrives, so planning loads no runtime module."""
+    if sys.excepthook is not sys.__excepthook__:
+        return  # the user's own hook, or installed already
+    sizes = [os.environ.get(k, "") for k in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")]
+    if max((int(v) for v in sizes if v.isdigit()), default=1) <= 1:
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        from nowdl.runtime.training.report_once import install
+
+        sys.excepthook = sys.__excepthook__
+        install()
+        sys.excepthook(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def _parts_arg(v: int | Sequence[int] | None) -> int | tuple[int, ...] | None:

@@ -178,7 +178,7 @@ def test_plan_roundtrip_and_refusals(tmp_path: Path) -> None:
     d = json.loads(text)
     d["stages"][0]["bogus"] = 1
     (tmp_path / "field.json").write_text(json.dumps(d))
-    with pytest.raises(PlanError, match="malformed"):
+    with pytest.raises(PlanError, match="unknown field"):
         nowdl.Plan.load(tmp_path / "field.json")
     with pytest.raises(PlanError, match="does not exist"):
         nowdl.Plan.load(tmp_path / "nope.json")

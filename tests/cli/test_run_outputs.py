@@ -74,11 +74,11 @@ def test_label_values_of_a_dataset_are_checked(capsys: pytest.CaptureFixture[str
 
 def test_a_restart_ends_where_the_first_attempt_aimed(monkeypatch: pytest.MonkeyPatch) -> None:
     saved = {"total": 12, "step": 4}
-    assert run_end(saved, 4, 12) == 16  # a new run: --steps more
+    assert run_end(saved, 4, 12) == 12  # a new run: --steps is the run's total
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert run_end(saved, 4, 12) == 12  # torchrun restarted it: finish the run it restarts
     assert run_end(saved, 12, 12) == 12  # it had finished: nothing left
-    assert run_end(None, 0, 12) == 12 and run_end({"step": 4}, 4, 12) == 16  # no checkpoint / an older one
+    assert run_end(None, 0, 12) == 12 and run_end({"step": 4}, 4, 12) == 12  # no checkpoint / an older one
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     assert run_end(saved, 4, 100) == 12  # a Slurm requeue alike
