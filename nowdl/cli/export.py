@@ -61,20 +61,13 @@ def checkpoint_state_dict(directory: str | os.PathLike[str], model: torch.nn.Mod
         CheckpointError: no checkpoint there, or it is damaged.
         NowdlError: the checkpoint holds another model's weights (names the keys).
     """
+    from nowdl.runtime.predict.weights import load_checkpoint_weights
     from nowdl.runtime.training.checkpoint import CheckpointError, open_checkpoint
 
     ck = open_checkpoint(directory)
     if ck is None:
         raise CheckpointError(f"no checkpoint in {directory}: give a --checkpoint folder of nowdl run that holds one")
-    saved = {k[len("model/"):] for k in ck.index() if k.startswith("model/")}
-    want = model.state_dict()
-    missing, extra = sorted(set(want) - saved), sorted(saved - set(want))
-    if missing or extra:
-        raise NowdlError(f"checkpoint {ck.dir} holds the weights of another model: {len(missing)} of the model's keys "
-                         f"are missing ({', '.join(missing[:3]) or '-'}) and {len(extra)} are unknown "
-                         f"({', '.join(extra[:3]) or '-'}): give the checkpoint's model with --model/--model-args")
-    got = ck.read({f"model/{k}": tuple(v.shape) for k, v in want.items()})
-    model.load_state_dict({k: got[f"model/{k}"] for k in want}, strict=True)
+    load_checkpoint_weights(model, ck)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from torch import nn
 from nowdl.errors import NowdlError
 from nowdl.runtime.training.checkpoint import CheckpointError, open_checkpoint
 
-__all__ = ["load_weights"]
+__all__ = ["load_weights", "load_checkpoint_weights"]
 
 
 def _check_keys(model: nn.Module, keys: set[str], where: str) -> None:
@@ -23,6 +24,19 @@ def _check_keys(model: nn.Module, keys: set[str], where: str) -> None:
         raise CheckpointError(f"{where} holds the weights of another model: {shown} ({len(want)} tensors in this "
                               f"model, {len(keys)} saved): give the checkpoint of this model, or the MODEL and "
                               "--model-args it was trained with")
+
+
+def load_checkpoint_weights(model: nn.Module, ck: Any) -> None:
+    """Load the ``model/<name>`` tensors of the opened checkpoint ``ck`` (any plan) into ``model``.
+
+    Raises:
+        CheckpointError: ``ck`` holds another model's weights (names the keys).
+    """
+    saved = {k[len("model/"):] for k in ck.index() if k.startswith("model/")}
+    _check_keys(model, saved, f"checkpoint {ck.dir}")
+    sd = model.state_dict()
+    got = ck.read({f"model/{k}": tuple(v.shape) for k, v in sd.items()})
+    model.load_state_dict({k: got[f"model/{k}"] for k in sd})
 
 
 def load_weights(model: nn.Module, source: str | os.PathLike[str]) -> str:
@@ -44,11 +58,7 @@ def load_weights(model: nn.Module, source: str | os.PathLike[str]) -> str:
         if ck is None:
             raise CheckpointError(f"{path} holds no nowdl checkpoint (no 'latest'): give the folder `nowdl run "
                                   "--checkpoint` or cm.save_checkpoint wrote, or a state_dict file")
-        saved = {k[len("model/"):] for k in ck.index() if k.startswith("model/")}
-        _check_keys(model, saved, f"checkpoint {ck.dir}")
-        sd = model.state_dict()
-        got = ck.read({f"model/{k}": tuple(v.shape) for k, v in sd.items()})
-        model.load_state_dict({k: got[f"model/{k}"] for k in sd})
+        load_checkpoint_weights(model, ck)
         return f"checkpoint {ck.dir} (step {ck.step})"
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True)
