@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.predict_models import reference, seg_net, write_slide
 
 import nowdl
 from nowdl.cli.commands import main
-from tests.helpers.predict_models import reference, seg_net, write_slide
 
 zarr = pytest.importorskip("zarr")
 pytest.importorskip("openslide")
@@ -110,7 +110,7 @@ def test_predict_under_torchrun(files: dict[str, Path]) -> None:
     import subprocess
     import sys
 
-    from tests.helpers.run_cli import ROOT, free_port
+    from helpers.run_cli import ROOT, free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(NOWDL_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.predict_models import reference, seg_net
 
 import nowdl
 from nowdl.errors import PlanError
 from nowdl.plan.purpose import is_inference
 from nowdl.runtime.predict.runner import plan_for
-from tests.helpers.predict_models import reference, seg_net
 
 zarr = pytest.importorskip("zarr")
 

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from tests.helpers.distributed import run_workers
-from tests.helpers.predict_models import predict_worker, reference, seg_net
+from helpers.distributed import run_workers
+from helpers.predict_models import predict_worker, reference, seg_net
 
 zarr = pytest.importorskip("zarr")
 tifffile = pytest.importorskip("tifffile")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.predict_models import write_slide
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.data.readers import is_reader_spec, open_images
-from tests.helpers.predict_models import write_slide
 
 pytest.importorskip("openslide")
 nibabel = pytest.importorskip("nibabel")

@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.predict_models import reference, seg_net
 from torch import nn
 
 import nowdl
 from nowdl.errors import NowdlError
 from nowdl.runtime.predict.windows import Reach, layout_windows, network_reach
-from tests.helpers.predict_models import reference, seg_net
 
 zarr = pytest.importorskip("zarr")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.predict_models import reference, seg_net
 
 import nowdl
 from nowdl.errors import NowdlError
 from nowdl.runtime.predict import writers
-from tests.helpers.predict_models import reference, seg_net
 
 zarr = pytest.importorskip("zarr")
 tifffile = pytest.importorskip("tifffile")
