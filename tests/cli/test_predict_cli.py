@@ -17,7 +17,7 @@ from nowdl.cli.commands import main
 zarr = pytest.importorskip("zarr")
 pytest.importorskip("openslide")
 
-MODEL = "tests.helpers.predict_models:seg_net"
+MODEL = "helpers.predict_models:seg_net"
 ARGS = '{"in_ch": 3}'
 
 
@@ -113,7 +113,7 @@ def test_predict_under_torchrun(files: dict[str, Path]) -> None:
     from helpers.run_cli import ROOT, free_port
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(NOWDL_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(NOWDL_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     out = files["dir"] / "p.tif"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "nowdl", "predict", MODEL, "--model-args", ARGS,
