@@ -28,6 +28,31 @@ def test_openslide_reads_a_generated_pyramidal_tiff(tmp_path: Path) -> None:
         open_images(f"openslide:{tmp_path / 'slide.tif'}:level=5", 3, 2)
 
 
+def test_openslide_reads_an_aperio_svs(tmp_path: Path) -> None:
+    """An Aperio .svs (what the scanners write: tiled TIFF pages, the level sizes in the description)
+    goes through OpenSlide's Aperio driver, not the generic TIFF one."""
+    import openslide
+    import tifffile
+
+    img = np.random.default_rng(1).integers(0, 255, (320, 256, 3), dtype=np.uint8)
+    path = tmp_path / "slide.svs"
+    with tifffile.TiffWriter(path) as t:
+        for level, down in enumerate((1, 4)):
+            lvl = np.ascontiguousarray(img[::down, ::down])
+            desc = (f"Aperio Image Library v12.0.15\r\n{img.shape[1]}x{img.shape[0]} [0,0 {lvl.shape[1]}x{lvl.shape[0]}]"
+                    " (128x128) RAW|AppMag = 20|MPP = 0.5" if level == 0 else
+                    f"Aperio Image Library v12.0.15\r\n{img.shape[1]}x{img.shape[0]} -> {lvl.shape[1]}x{lvl.shape[0]}")
+            t.write(lvl, tile=(128, 128), photometric="rgb", description=desc, metadata=None)
+    with openslide.OpenSlide(str(path)) as s:
+        assert s.properties["openslide.vendor"] == "aperio"
+    [level0] = open_images(f"openslide:{path}", 3, 2)
+    assert level0.shape == (3, 320, 256)
+    np.testing.assert_array_equal(level0.read([(33, 290), (7, 250)]), img[33:290, 7:250].transpose(2, 0, 1))
+    [level1] = open_images(f"openslide:{path}:level=1", 3, 2)
+    assert level1.shape == (3, 80, 64)
+    np.testing.assert_array_equal(level1.read([(0, 80), (0, 64)]), img[::4, ::4].transpose(2, 0, 1))
+
+
 def test_openslide_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     (tmp_path / "x.svs").write_bytes(b"not a slide")
     with pytest.raises(NowdlError, match="cannot open .*x.svs with OpenSlide"):
