@@ -20,7 +20,10 @@ Sections (tables to stdout as Markdown, progress to stderr; ``--out`` saves ever
    (reset before it); on CPU, nowdl's aten allocation tracker (static bytes + the peak of live
    new storages, plus the input) as in ``nowdl run``'s metrics. Against the plan's
    ``predicted_peak_bytes``.
-3. **Two processes on the one device** (gloo; NCCL refuses two ranks on one GPU): a 2-stage
+3. **Recompute and offload:** the UNet on one device with its saved
+   activations kept, recomputed in the backward, and offloaded to pinned host memory over a
+   side copy stream; peak memory and median step time against each plan.
+4. **Two processes on the one device** (gloo; NCCL refuses two ranks on one GPU): a 2-stage
    pipeline trains two steps and evaluates a whole image; the losses are compared with one
    process running the same micro-batches, the output with the plain model. If the backend
    cannot send this device's tensors the section says so and the script goes on.
@@ -71,9 +74,9 @@ def _spec_name(device: torch.device) -> str:
 def _sizes(cpu: bool) -> dict[str, Any]:
     if cpu:
         return {"unet": {"depth": 2, "base_width": 8}, "unet_in": (1, 3, 64, 64), "unet_big": (1, 3, 128, 128),
-                "resnet_in": (1, 3, 32, 32), "top": 8, "repeats": (1, 0)}
+                "resnet_in": (1, 3, 32, 32), "top": 8, "repeats": (1, 0), "lever_in": (1, 3, 64, 64), "lever_steps": 1}
     return {"unet": {}, "unet_in": (1, 3, 1024, 1024), "unet_big": (1, 3, 2048, 2048), "resnet_in": (1, 3, 512, 512),
-            "top": 15, "repeats": (5, 2)}
+            "top": 15, "repeats": (5, 2), "lever_in": (1, 3, 2048, 2048), "lever_steps": 3}
 
 
 # ---- 1. profiler ---------------------------------------------------------------------------------
@@ -175,7 +178,66 @@ def memory_section(sizes: dict[str, Any], device: torch.device, spec: str) -> di
             "inference": {"input": list(big.shape), "measured": inf_peak, "predicted": inf_pred}}
 
 
-# ---- 3. two processes on one device --------------------------------------------------------------
+# ---- 3. recompute and offload on the device -----------------------------------------------------
+def _timed(step: Any, device: torch.device, n: int) -> float:
+    """Median wall seconds of ``n`` calls of ``step`` (synchronised on CUDA)."""
+    times = []
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def lever_section(sizes: dict[str, Any], device: torch.device, spec: str) -> dict[str, Any]:
+    """The UNet on one device with saved activations kept, recomputed, and offloaded to pinned host
+    memory (a side copy stream on CUDA): peak memory and step time against each plan."""
+    shape = sizes["lever_in"]
+    g = torch.Generator().manual_seed(SEED)
+    x, y = torch.randn(*shape, generator=g), torch.randint(0, 2, (shape[0], *shape[2:]), generator=g)
+    print(f"\n### 3. Recompute and offload, UNet {'x'.join(map(str, shape))} on one {device.type} device\n")
+    print("| saved activations | measured peak | predicted peak | ratio | step time (median) | predicted step | "
+          "ratio | loss after 2 steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for what, kw in (("kept", {"recompute": "off", "offload": "off"}), ("recomputed", {"recompute": "on", "offload": "off"}),
+                     ("offloaded", {"recompute": "off", "offload": "on"})):
+        _log(f"levers: {what}")
+        torch.manual_seed(SEED)
+        model = nowdl.models.unet(3, 2, **sizes["unet"])
+        try:
+            cm = nowdl.compile(model, gpus=1, stages=1, spatial_parts=1, mode="estimate", device_spec=spec,
+                               device=device, loss_fn=nn.CrossEntropyLoss(), cache=False, progress=False, **kw)
+            loss = [cm.train_step(x, y) for _ in range(2)][-1]
+        except Exception as e:  # a lever the spec or this build refuses: say so and go on
+            print(f"| {what} | not run: {type(e).__name__}: {str(e).splitlines()[0][:160]} |||||||")
+            rows.append({"what": what, "error": str(e).splitlines()[0]})
+            continue
+        eng = cm._train().engine
+        assert eng is not None
+        mods = [eng.stages[s].module for _, s in eng.held]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _, peak = _peak(lambda: cm.train_step(x, y), device, mods, eng.optimizer, 0)
+        step_s = _timed(lambda: cm.train_step(x, y), device, sizes["lever_steps"])
+        plan = cm._train().plan
+        assert plan is not None
+        pred, pred_s = plan.ranks[0].predicted_peak_bytes, float(plan.predicted.get("step_s", 0.0))
+        print(f"| {what} | {format_bytes(peak)} | {format_bytes(pred)} | {peak / pred:.2f} | {step_s * 1e3:.1f} ms | "
+              f"{pred_s * 1e3:.1f} ms | {_ratio(step_s, pred_s)} | {loss:.6f} |")
+        rows.append({"what": what, "measured": peak, "predicted": pred, "step_s": step_s, "predicted_step_s": pred_s,
+                     "loss": loss})
+        del cm, eng, mods
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"input": list(shape), "rows": rows}
+
+
+# ---- 4. two processes on one device --------------------------------------------------------------
 def _data(step: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(2, *shape[1:], generator=g), torch.randint(0, 2, (2, *shape[2:]), generator=g)
@@ -197,7 +259,7 @@ def _two_worker(rank: int, world: int, device: str, sizes: dict[str, Any]) -> di
 def two_process_section(sizes: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Two gloo ranks on ``device``: a 2-stage pipeline trains and evaluates, against one process."""
     _log(f"two processes on {device} (gloo)")
-    print(f"\n### 3. Two processes on one {device.type} device (gloo, 2 pipeline stages)\n")
+    print(f"\n### 4. Two processes on one {device.type} device (gloo, 2 pipeline stages)\n")
     try:
         res = run_workers(_two_worker, 2, str(device), sizes, timeout_s=300)
     except WorkerError as e:
@@ -237,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="the small CPU mode (default when CUDA is not available)")
     ap.add_argument("--out", metavar="FILE", help="save every figure as JSON")
-    ap.add_argument("--skip", action="append", default=[], choices=("profiler", "memory", "two"),
+    ap.add_argument("--skip", action="append", default=[], choices=("profiler", "memory", "two", "levers"),
                     help="leave a section out (repeatable)")
     args = ap.parse_args(argv)
     cpu = args.cpu or not torch.cuda.is_available()
@@ -258,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if "memory" not in args.skip:
         out["memory"] = memory_section(sizes, device, spec)
+    if "levers" not in args.skip:
+        out["levers"] = lever_section(sizes, device, spec)
     if "two" not in args.skip:
         out["two_processes"] = two_process_section(sizes, device)
     out["wall_s"] = time.perf_counter() - t0
