@@ -37,6 +37,8 @@ docs/benchmarks.md and for correcting the device specs.
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import math
 import sys
@@ -222,8 +224,9 @@ def lever_section(sizes: dict[str, Any], device: torch.device, spec: str) -> dic
         mods = [eng.stages[s].module for _, s in eng.held]
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        _, peak = _peak(lambda: cm.train_step(x, y), device, mods, eng.optimizer, 0)
-        step_s = _timed(lambda: cm.train_step(x, y), device, sizes["lever_steps"])
+        run = functools.partial(cm.train_step, x, y)
+        _, peak = _peak(run, device, mods, eng.optimizer, 0)
+        step_s = _timed(run, device, sizes["lever_steps"])
         plan = cm._train().plan
         assert plan is not None
         pred, pred_s = plan.ranks[0].predicted_peak_bytes, float(plan.predicted.get("step_s", 0.0))
@@ -231,7 +234,8 @@ def lever_section(sizes: dict[str, Any], device: torch.device, spec: str) -> dic
               f"{pred_s * 1e3:.1f} ms | {_ratio(step_s, pred_s)} | {loss:.6f} |")
         rows.append({"what": what, "measured": peak, "predicted": pred, "step_s": step_s, "predicted_step_s": pred_s,
                      "loss": loss})
-        del cm, eng, mods
+        del cm, eng, mods, run  # the next row's peak must not count this row's weights and Adam state
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"input": list(shape), "rows": rows}
