@@ -265,7 +265,9 @@ def two_process_section(sizes: dict[str, Any], device: torch.device) -> dict[str
     _log(f"two processes on {device} (gloo)")
     print(f"\n### 4. Two processes on one {device.type} device (gloo, 2 pipeline stages)\n")
     try:
-        res = run_workers(_two_worker, 2, str(device), sizes, timeout_s=300)
+        # spawn: this process has used CUDA and autograd, which a forked child cannot
+        res = run_workers(_two_worker, 2, str(device), sizes, timeout_s=300,
+                          start_method="spawn" if device.type == "cuda" else "forkserver")
     except WorkerError as e:
         first = next(iter(e.failures.values()), str(e)).strip().splitlines()[-1]
         print(f"not run: the backend refused ({first})")

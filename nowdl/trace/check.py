@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -197,8 +198,18 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
+def _model_device(m: nn.Module) -> torch.device | None:
+    """Where ``m``'s first parameter or buffer lives (None: it holds neither, or only meta tensors)."""
+    for t in itertools.chain(m.parameters(), m.buffers()):
+        return None if t.device.type == "meta" else t.device
+    return None
+
+
 def _run(m: nn.Module, inputs: Sequence[torch.Tensor], seed: int) -> object:
     small = all(math.prod(x.shape) <= 2 * _VALIDATE_MAX_ELEMENTS for x in inputs)
+    dev = _model_device(m)  # a model already on the GPU (after a training step) checks on the GPU
+    if dev is not None:
+        inputs = [x.to(dev) if x.device.type not in ("meta", dev.type) else x for x in inputs]
     with torch.random.fork_rng(devices=[]), torch.no_grad(), (_one_thread() if small else contextlib.nullcontext()):
         torch.manual_seed(seed)
         return m(*inputs)

@@ -10,16 +10,22 @@ the backward anyway) are not copied; a tensor saved by several ops is copied onc
 On CUDA the copy out runs on a side stream that first waits for the compute stream, into a
 pinned host buffer; an event marks its end, and the device tensor is kept alive until the event
 has passed (checked at every later pack and every action), then released to the caching
-allocator. The copy back (:meth:`Offload.prefetch`) also runs on the side stream, into memory
-allocated on the compute stream, which waits for its event before autograd reads it. The runner
-prefetches a micro-batch's tensors when the action before its ``B`` ends, so the copy overlaps
-that action; a tensor not prefetched is copied back when autograd unpacks it. At most one
-micro-batch's offloaded activations are thus back on the device ahead of their backward.
+allocator. The forward never runs more than a window ahead of its copies: when the device
+tensors still waiting for their copy out hold more than ``WINDOW`` times the largest tensor
+offloaded so far, the pack hook waits for the oldest copy to end. The copy back
+(:meth:`Offload.prefetch`) also runs on the side stream, into memory allocated on the compute
+stream, which waits for its event before autograd reads it. It brings tensors back in the
+reverse of the order they were saved (the order the backward reads them) and keeps at most a
+window of them on the device ahead of autograd: the runner prefetches the first window of a
+micro-batch when the action before its ``B`` ends, so that copy overlaps the action, and each
+unpack starts the next. This is the memory the cost model charges ([Note: host offload] in
+partitioner/costs/levers.py): a node's saved bytes and the next ones, not the stage's whole
+saved activations.
 
 On the CPU the same hooks run and every tensor makes the same round trip through a host copy (a
-clone out, a clone back), so the CPU tests exercise the path and its exactness: the values come
-back bit for bit. Only that CPU path has run in this project's tests; the CUDA stream path is
-written for CUDA but has not been measured here.
+clone out, a clone back, in the same windows), so the CPU tests exercise the path and its
+exactness: the values come back bit for bit. The CUDA path ran in ``benchmarks/gpu_check.py``
+on an H200 (docs/benchmarks.md); CI runs the CPU path only.
 
 :attr:`Offload.bytes_out` counts the bytes copied to the host since the engine started,
 :attr:`Offload.step_bytes` those of the current step and :attr:`Offload.peak_host_bytes` the most
@@ -36,15 +42,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Offload"]
+__all__ = ["Offload", "WINDOW"]
 
 _Key = tuple[int, int, int]  # replica, stage, micro-batch
+WINDOW = 2  # largest saved tensors' worth on the device ahead of the backward, or behind the forward
 
 
 class _Held:
     """One saved tensor in host memory (``host``), and its device copy once fetched back (``dev``)."""
 
-    __slots__ = ("owner", "host", "dev", "ready", "nbytes", "counted", "__weakref__")
+    __slots__ = ("owner", "host", "dev", "ready", "nbytes", "counted", "used", "key", "__weakref__")
 
     def __init__(self, owner: Offload, host: Tensor, nbytes: int) -> None:
         self.owner = owner
@@ -53,6 +60,8 @@ class _Held:
         self.ready: Any = None  # CUDA: the event the copy back records
         self.nbytes = nbytes
         self.counted = True  # in the owner's host_bytes until it is copied back
+        self.used = False  # autograd has unpacked it (its device copy no longer counts as ahead)
+        self.key: _Key | None = None  # its micro-batch
 
     def uncount(self) -> None:
         if self.counted:
@@ -82,6 +91,8 @@ class Offload:
         self.peak_host_bytes = 0
         self._held: dict[_Key, list[weakref.ref[_Held]]] = {}
         self._inflight: list[tuple[Any, Tensor]] = []  # (event, device tensor) of copies out not yet done
+        self._inflight_bytes = 0
+        self._largest = 0  # bytes of the largest tensor offloaded this step: the windows' unit
 
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
@@ -90,6 +101,7 @@ class Offload:
         """Start a step's counters (``step_bytes``, ``peak_host_bytes``)."""
         self.step_bytes = 0
         self.peak_host_bytes = self.host_bytes
+        self._largest = 0
 
     @contextmanager
     def saving(self, key: _Key, keep: Sequence[Tensor], modules: Sequence[nn.Module]) -> Iterator[None]:
@@ -111,6 +123,7 @@ class Offload:
                 return got[2]
             h = self._copy_out(t)
             seen[id(t)] = (weakref.ref(t), t._version, h)
+            h.key = key
             held.append(weakref.ref(h))
             return h
 
@@ -119,7 +132,9 @@ class Offload:
 
     def _copy_out(self, t: Tensor) -> _Held:
         nbytes = t.numel() * t.element_size()
+        self._largest = max(self._largest, nbytes)
         if self.cuda:
+            self._wait_out(WINDOW * self._largest - nbytes)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -127,6 +142,7 @@ class Offload:
                 done = torch.cuda.Event()
                 done.record(self.stream)
             self._inflight.append((done, t))  # the device tensor lives until its copy has ended
+            self._inflight_bytes += nbytes
         else:
             host = t.detach().clone()
         self.bytes_out += nbytes
@@ -135,18 +151,33 @@ class Offload:
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         return _Held(self, host, nbytes)
 
+    def _wait_out(self, budget: float) -> None:
+        """Wait for the oldest copies out until the device tensors waiting for theirs hold at most ``budget``."""
+        self.reap()
+        while self._inflight and self._inflight_bytes > budget:
+            ev, t = self._inflight.pop(0)
+            ev.synchronize()
+            self._inflight_bytes -= t.numel() * t.element_size()
+
     def reap(self) -> None:
         """Release the device tensors whose copy out has ended."""
         if self._inflight:
-            self._inflight = [(ev, t) for ev, t in self._inflight if not ev.query()]
+            left = [(ev, t) for ev, t in self._inflight if not ev.query()]
+            self._inflight_bytes = sum(t.numel() * t.element_size() for _, t in left)
+            self._inflight = left
 
     def prefetch(self, key: _Key) -> None:
-        """Start copying micro-batch ``key``'s saved tensors back to the device."""
+        """Start copying micro-batch ``key``'s saved tensors back to the device, the last saved
+        first, until a window of them is on the device ahead of autograd."""
         self.reap()
-        for ref in self._held.get(key, []):
-            h = ref()
-            if h is not None and h.dev is None:
+        held = [h for h in (ref() for ref in self._held.get(key, [])) if h is not None]
+        ahead = sum(h.nbytes for h in held if h.dev is not None and not h.used)
+        for h in reversed(held):
+            if ahead >= WINDOW * self._largest:
+                break
+            if h.dev is None and h.host is not None:
                 self._copy_back(h)
+                ahead += h.nbytes
 
     def _copy_back(self, h: _Held) -> None:
         host = h.host
@@ -173,6 +204,10 @@ class Offload:
             torch.cuda.current_stream(self.device).wait_event(h.ready)
         h.host = None  # torch's pinned-memory allocator reuses the block only after the copy's event
         dev: Tensor = h.dev
+        if not h.used:
+            h.used = True
+            if h.key is not None:
+                self.prefetch(h.key)  # the next tensors the backward reads
         return dev
 
     def drop(self, key: _Key) -> None:
