@@ -269,9 +269,9 @@ def two_process_section(sizes: dict[str, Any], device: torch.device) -> dict[str
         res = run_workers(_two_worker, 2, str(device), sizes, timeout_s=300,
                           start_method="spawn" if device.type == "cuda" else "forkserver")
     except WorkerError as e:
-        first = next(iter(e.failures.values()), str(e)).strip().splitlines()[-1]
-        print(f"not run: the backend refused ({first})")
-        return {"ok": False, "error": first}
+        lines = {r: (f.strip().splitlines() or [""])[-1] for r, f in sorted(e.failures.items())} or {-1: str(e)}
+        print("not run: " + "; ".join(f"rank {r}: {line}" for r, line in lines.items()))
+        return {"ok": False, "error": lines, "failures": {str(r): f for r, f in e.failures.items()}}
     torch.manual_seed(SEED)
     ref = nowdl.models.unet(3, 2, **sizes["unet"])
     opt = torch.optim.Adam(ref.parameters(), lr=1e-3)  # the optimizer compile() builds by default

@@ -112,17 +112,20 @@ class Offload:
             skip.update(p.data_ptr() for p in m.parameters())
             skip.update(b.data_ptr() for b in m.buffers())
         held = self._held.setdefault(key, [])
-        seen: dict[int, tuple[weakref.ref[Tensor], int, _Held]] = {}  # id(tensor) -> (tensor, version, copy)
+        # id(tensor) -> (tensor, version, copy), all weak: every saved variable of the forward holds
+        # this hook (and so ``seen``) until it is freed, and a strong copy here would keep every
+        # copy fetched back on the device until the whole backward ended
+        seen: dict[int, tuple[weakref.ref[Tensor], int, weakref.ref[_Held]]] = {}
 
         def pack(t: Tensor) -> Any:
             self.reap()
             if t.data_ptr() in skip or t.numel() == 0 or t.layout != torch.strided:
                 return t
             got = seen.get(id(t))  # the same live tensor, unchanged, saved again (not a dead one's address)
-            if got is not None and got[0]() is t and got[1] == t._version:
-                return got[2]
+            if got is not None and got[0]() is t and got[1] == t._version and (again := got[2]()) is not None:
+                return again
             h = self._copy_out(t)
-            seen[id(t)] = (weakref.ref(t), t._version, h)
+            seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(h))
             h.key = key
             held.append(weakref.ref(h))
             return h
