@@ -29,10 +29,15 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["IDLE_FRACTION", "ChainCosts", "ChainResult", "minmax_path", "lexicographic", "spread_ok"]
+__all__ = ["IDLE_FRACTION", "REL_TOL", "CAP_REL", "ChainCosts", "ChainResult", "minmax_path", "lexicographic", "spread_ok"]
 
 IDLE_FRACTION = 0.05  # a stage with less than this share of the busiest stage's work idles
 REL_TOL = 1e-9  # later levels may lose this much (relative) on the levels they hold
+# a stage's memory may exceed the cap by this much (relative) in the DPs: their stage loads are
+# differences of prefix sums, which round differently from ``evaluate``'s sums, and a split that
+# meets the cap exactly (a cap set to a known split's memory) must not be lost to one ulp;
+# ``make_partition`` then checks the split with the same tolerance
+CAP_REL = 1e-9
 
 CHUNK = 256  # rows of a DP step computed at once (each chunk only over its column window)
 
