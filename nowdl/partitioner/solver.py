@@ -328,7 +328,7 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
         lat = cache.lattice(work)
         if lat is not None:
             known = solve_ideals(work, lat, bases=cache.bases)
-            if exact and work is not problem and solve_unmerged(work, lat, known, lambda: cache.lattice(problem),
+            if exact and work.n < problem.n and solve_unmerged(work, lat, known, lambda: cache.lattice(problem),
                                                                 bases=cache.bases):
                 log.info("solve: the coarse split is not proven for the whole graph ([Note: empty stages])")
                 return _solve(problem, time_limit=time_limit, solver=solver, coarsen=False, max_nodes=max_nodes,
