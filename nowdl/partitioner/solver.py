@@ -2,7 +2,8 @@
 
 Order of attack for one problem (one candidate configuration):
 
-1. exact coarsening (``coarsen``: merges no optimum needs apart);
+1. exact coarsening (``coarsen``: merges no optimum needs apart, but for stages of zero-cost
+   nodes: [Note: empty stages], checked after the ideal DP);
 2. if the graph has few ideals, the DP over ideals ([Note: ideal DP]): the exact
    lexicographic optimum over all convex splits when every rank holds one stage; with
    MASTER pairing exact for few ideals (``master_exact.pair_dp``), else the MASTER descent with a
@@ -36,6 +37,7 @@ from nowdl.partitioner.costs.structure import (
     one_to_one,
     stage_ranges,
 )
+from nowdl.partitioner.exact.coarse_check import solve_unmerged
 from nowdl.partitioner.exact.coarse_dp import coarse_split
 from nowdl.partitioner.exact.coarsen import coarsen as coarsen_problem
 from nowdl.partitioner.exact.coarsen import compose_groups, expand
@@ -326,6 +328,11 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
         lat = cache.lattice(work)
         if lat is not None:
             known = solve_ideals(work, lat, bases=cache.bases)
+            if exact and work.n < problem.n and solve_unmerged(work, lat, known, lambda: cache.lattice(problem),
+                                                                bases=cache.bases):
+                log.info("solve: the coarse split is not proven for the whole graph ([Note: empty stages])")
+                return _solve(problem, time_limit=time_limit, solver=solver, coarsen=False, max_nodes=max_nodes,
+                              threads=threads, ilp=ilp, cache=cache, start=None, mip_gap=mip_gap)
             if known is None and one_to_one(work):
                 raise InfeasibleError(_ideal_cap_message(work, lat, cache))
         else:  # too many ideals: the best of a beam of thin cuts and one topological order

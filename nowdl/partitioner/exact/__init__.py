@@ -3,7 +3,8 @@
 ``order_dp`` splits one topological order; ``ideal_dp`` and ``downsets`` split over the DAG's
 ideals; ``wait_search`` adds long-skip gradient waits; ``chain_dp`` is the min-max DP and the
 lexicographic levels they share; ``coarsen``, ``coarse_groups`` and ``coarse_dp`` shrink wide
-graphs; ``local_search`` improves a heuristic split near its cuts.
+graphs, ``coarse_check`` proves a coarse optimum for the whole graph; ``local_search`` improves
+a heuristic split near its cuts.
 """
 
 from typing import TYPE_CHECKING

@@ -29,10 +29,15 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["IDLE_FRACTION", "ChainCosts", "ChainResult", "minmax_path", "lexicographic", "spread_ok"]
+__all__ = ["IDLE_FRACTION", "REL_TOL", "CAP_REL", "ChainCosts", "ChainResult", "minmax_path", "lexicographic", "spread_ok"]
 
 IDLE_FRACTION = 0.05  # a stage with less than this share of the busiest stage's work idles
 REL_TOL = 1e-9  # later levels may lose this much (relative) on the levels they hold
+# a stage's memory may exceed the cap by this much (relative) in the DPs: their stage loads are
+# differences of prefix sums, which round differently from ``evaluate``'s sums, and a split that
+# meets the cap exactly (a cap set to a known split's memory) must not be lost to one ulp;
+# ``make_partition`` then checks the split with the same tolerance
+CAP_REL = 1e-9
 
 CHUNK = 256  # rows of a DP step computed at once (each chunk only over its column window)
 
@@ -81,9 +86,10 @@ class ChainResult:
 
 def minmax_path(cost: Rows, k: int, allowed: Sequence[np.ndarray | None], start: int,
                 end: int | None, n: int, window: Window | None = None, *,
-                total: bool = False) -> tuple[float, list[int]]:
+                total: bool = False, empty: bool = False) -> tuple[float, list[int]]:
     """min over paths ``start = c_0 -> ... -> c_K = end`` of ``max_s cost(s)[c_s, c_{s+1}]``
-    (``total=True``: of the sum over s, a shortest path).
+    (``total=True``: of the sum over s, a shortest path; ``empty=True``: a stage may also stay
+    at its state, ``c_{s+1} = c_s``, at cost 0, a relaxation where stages may be empty).
 
     Only the rows of states reachable so far are asked for, ``CHUNK`` at a time and each
     chunk only over its ``window`` (all ``n`` states without one). Ties go to the smallest
@@ -100,6 +106,8 @@ def minmax_path(cost: Rows, k: int, allowed: Sequence[np.ndarray | None], start:
     lo, hi = span(0, np.array([start]))
     if hi > lo:
         f[lo:hi] = cost(0, np.array([start]), lo, hi)[0]
+    if empty:
+        f[start] = min(f[start], 0.0)
     mask = allowed[0] if k > 1 else None
     if mask is not None:
         f[~mask] = np.inf
@@ -123,6 +131,10 @@ def minmax_path(cost: Rows, k: int, allowed: Sequence[np.ndarray | None], start:
             better = val < seg
             seg[better] = val[better]
             arg[lo:hi][better] = ch[best[better]]
+        if empty:  # stage s stays at its state
+            stay = f < new
+            new[stay] = f[stay]
+            arg[stay] = np.flatnonzero(stay)
         f = new
         mask = allowed[s] if s < k - 1 else None
         if mask is not None:

@@ -31,7 +31,7 @@ import numpy as np
 
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import make_partition
-from nowdl.partitioner.exact.chain_dp import lexicographic
+from nowdl.partitioner.exact.chain_dp import CAP_REL, lexicographic
 from nowdl.partitioner.exact.downsets import (
     BEAM_CAP,
     IDEAL_CAP,
@@ -181,7 +181,7 @@ class IdealCosts:
             if spec.spatial:
                 ok = ok & ~self._untileable[a, cols]
             if self.cap is not None:
-                ok = ok & (m <= self.cap)
+                ok = ok & (m <= self.cap * (1 + CAP_REL))
             out = slice(first - lo, hi - lo)
             mem[:, out] = np.where(ok, m, np.inf)
             tim[:, out] = np.where(ok, t, np.inf)
@@ -221,6 +221,11 @@ class IdealCosts:
             for v in np.flatnonzero(m[cuts[s + 1]] & ~m[cuts[s]]):
                 stage_of[int(v)] = s
         return stage_of
+
+
+def _loose(cap: float | None) -> float | None:
+    """The cap the DPs compare their stage loads with (``CAP_REL`` above it)."""
+    return None if cap is None else cap * (1 + CAP_REL)
 
 
 def _with_bound(problem: Problem, part: Partition, lower: float) -> Partition:
@@ -269,16 +274,16 @@ def solve_ideals(problem: Problem, lat: Lattice, *,
             seed = make_partition(problem, costs.assignment(cuts))
             upper = seed.bottleneck_mem if problem.objective == "memory" else seed.bottleneck_time
             known: list[int] | None = list(cuts)
-            if problem.mem_cap is not None and seed.bottleneck_mem > problem.mem_cap:
+            if problem.mem_cap is not None and seed.bottleneck_mem > problem.mem_cap * (1 + CAP_REL):
                 upper, known = math.inf, None  # the per-stage split breaks the cap: no bound
             got = master_split(IdealCosts(problem, lat, bases=bases),
-                               mem_is_prim=problem.objective == "memory", cap=problem.mem_cap,
+                               mem_is_prim=problem.objective == "memory", cap=_loose(problem.mem_cap),
                                exact=lat.complete, upper=upper, seed=known)
             if got is not None:
                 cuts, lower = got[0], (got[1] if lat.complete else 0.0)
         part = make_partition(problem, costs.assignment(cuts), solver="ideals" if lat.complete else "beam")
         part = _with_bound(problem, part, lower)
-        if problem.mem_cap is not None and part.bottleneck_mem > problem.mem_cap * (1 + 1e-9):
+        if problem.mem_cap is not None and part.bottleneck_mem > problem.mem_cap * (1 + CAP_REL):
             continue
         log.debug("ideals: n=%d K=%d over %d ideals: %.6g in %.2f s", problem.n, problem.k,
                   lat.size, res.primary, time.perf_counter() - t0)

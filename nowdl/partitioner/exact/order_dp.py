@@ -35,7 +35,7 @@ from nowdl.partitioner.costs.structure import (
     one_to_one,
     tileable_mask,
 )
-from nowdl.partitioner.exact.chain_dp import lexicographic
+from nowdl.partitioner.exact.chain_dp import CAP_REL, lexicographic
 from nowdl.partitioner.master.pairing import master_split, standard_pairing
 
 __all__ = ["solve_dp", "minmax_dp"]
@@ -204,7 +204,7 @@ class _OrderCosts:
         work = tim[None, lo:hi] - tim[a][:, None]
         bad = np.arange(lo, hi)[None, :] <= a[:, None]  # every stage holds a node
         if self.cap is not None:
-            bad |= mem > self.cap
+            bad |= mem > self.cap * (1 + CAP_REL)
         mem[bad] = np.inf
         tt[bad] = np.inf
         work[bad] = np.inf
@@ -317,7 +317,8 @@ def solve_dp(problem: Problem, order: Sequence[int] | None = None, *, explain: b
         cuts = res.cuts
         if not exact and standard_pairing(problem.rank_stages(), k):
             got = master_split(_OrderCosts(problem, seg, None),
-                               mem_is_prim=problem.objective == "memory", cap=cap)
+                               mem_is_prim=problem.objective == "memory",
+                               cap=None if cap is None else cap * (1 + CAP_REL))
             cuts = got[0] if got is not None else cuts
         stage_of = [0] * n
         for s in range(k):
@@ -327,7 +328,7 @@ def solve_dp(problem: Problem, order: Sequence[int] | None = None, *, explain: b
         part = make_partition(
             problem, stage_of, solver="dp", status=status, seconds=time.perf_counter() - t0
         )
-        if cap is not None and part.bottleneck_mem > cap * (1 + 1e-9):
+        if cap is not None and part.bottleneck_mem > cap * (1 + CAP_REL):
             last_err = f"the best split found needs {part.bottleneck_mem:.6g} bytes on one rank"
             continue
         log.debug("dp: n=%d K=%d primary=%.6g (%s) in %.2f s", n, k, res.primary, status,
