@@ -190,7 +190,7 @@ def worker(rank: int, world: int, case: str, path: str, d: str, roi: int, window
             if threads is None:
                 row["run"]()
             else:  # the others sleep (a gloo barrier may spin on a core MONAI's threads need)
-                _rank0_alone(rank, Path(d) / f".done-{label}-{len(times[label])}", row["run"])
+                _rank0_alone(rank, Path(d) / f".done-{case}-{label}-{len(times[label])}", row["run"])
             torch.distributed.barrier()
             times[label].append((time.perf_counter() - t0, time.process_time() - c0))
             torch.set_num_threads(1)
