@@ -42,6 +42,7 @@ in the logits to a one-process whole-image forward.
 How to run
 ----------
     .venv/bin/python benchmarks/bench_predict.py [--size 2048] [--roi 256] [--depth 64] [--roi3d 32] [--ranks 2] [--repeats 3]
+    .venv/bin/python benchmarks/bench_predict.py --profile   # where nowdl's 2D time goes: cProfile of rank 0
 
 Tables go to stdout as Markdown, progress to stderr. Nothing is asserted.
 """
@@ -197,6 +198,39 @@ def worker(rank: int, world: int, case: str, path: str, d: str, roi: int, window
     return {"times": times, "rows": {k: {n: v for n, v in r.items() if n != "run"} for k, r in rows.items()}}
 
 
+#: (part, file, function) whose cumulative time ``--profile`` reports, per call of cm.predict on rank 0.
+PARTS = (("read the rank's tile", "tiles.py", "read"), ("network reach", "windows.py", "network_reach"),
+         ("forward (stage, halo exchange)", "runner.py", "_run_stage"),
+         ("gather the output to the writers", "runner.py", "_send_output"),
+         ("write level 0 (main thread)", "runner.py", "_write_share"),
+         ("wait for background writes", "agreement.py", "wait"), ("pyramid levels", "writers.py", "build_level"))
+
+
+def profile_worker(rank: int, world: int, path: str, d: str, repeats: int) -> list[tuple[float, float, dict[str, float]]]:
+    """cProfile of cm.predict (2D, whole image) after a warm call: wall, CPU and each part of PARTS, per repeat."""
+    import cProfile
+    import pstats
+
+    torch.set_num_threads(1)
+    cm = nowdl.compile(make_net(2, 3), gpus=world, stages=1, spatial_parts=world, micro_batches=1, dp=1, replicas=1,
+                       mode="estimate", optimizer="sgd", progress=False, cache=False, timeout_s=1800)
+    source, out = f"openslide:{path}", Path(d) / "profile.zarr"
+    cm.predict(source, out)
+    rows = []
+    for _ in range(repeats):
+        torch.distributed.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        prof = cProfile.Profile()
+        prof.enable()
+        cm.predict(source, out, overwrite=True, measure_memory=False)
+        prof.disable()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        st = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        rows.append((wall, cpu, {label: max((v[3] for (f, _, fn), v in st.items() if f.endswith(file) and fn == func),
+                                            default=0.0) for label, file, func in PARTS}))
+    return rows
+
+
 def whole(case: str, x: np.ndarray) -> np.ndarray:
     net = make_net(2 if case == "2d" else 3, x.shape[0])
     with torch.no_grad():
@@ -244,6 +278,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2, help="ranks = CPU cores used by every row (default 2)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved (default 3)")
     ap.add_argument("--cases", default="2d,3d", help="which cases (default 2d,3d)")
+    ap.add_argument("--profile", action="store_true", help="instead: where nowdl's 2D time goes (cProfile, rank 0)")
     args = ap.parse_args()
     import zarr
 
@@ -251,6 +286,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nowdl-bench-predict-") as tmp:
         d = Path(tmp)
         pixels = write_inputs(d, args.size, args.depth)
+        if args.profile:
+            prof = run_workers(profile_worker, args.ranks, str(d / "slide.tif"), str(d), args.repeats, timeout_s=3000,
+                               env={"OMP_NUM_THREADS": "1"})[0]
+            print(f"\n| part (rank 0 of {args.ranks}, {args.size}², median of {args.repeats}) | seconds |")
+            print("|---|---:|")
+            print(f"| wall (CPU) | {statistics.median(r[0] for r in prof):.2f} s "
+                  f"({statistics.median(r[1] for r in prof):.2f} s) |")
+            for label, _, _ in PARTS:
+                print(f"| {label} | {statistics.median(r[2][label] for r in prof):.2f} |")
+            return
         for case, path, size, roi in (("2d", d / "slide.tif", args.size, args.roi),
                                       ("3d", d / "vol.nii.gz", args.depth, args.roi3d)):
             if case not in args.cases.split(","):
