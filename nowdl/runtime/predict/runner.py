@@ -200,13 +200,21 @@ def _create_store(target: Target, spatial: Sequence[int], reach: Reach, output: 
     return len(levels)
 
 
-def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, out: torch.Tensor | None, w: Window,
-                 scale: Sequence[int], output: str) -> None:
-    """Write this rank's ``share`` (output pixels) of the window output ``out`` ``(1, C, *window)``."""
+def _piece(share: tuple[tuple[int, int], ...] | None, out: torch.Tensor | None, w: Window, scale: Sequence[int]
+           ) -> torch.Tensor | None:
+    """This rank's ``share`` (output pixels) of the window output ``out`` ``(1, C, *window)``, on the host
+    (copied here, on the thread that made ``out``, so a device's stream order holds)."""
     if out is None or share is None:
-        return
+        return None
     rel = tuple(slice(a - r0 // f, b - r0 // f) for (a, b), (r0, _), f in zip(share, w.read, scale, strict=True))
-    store.write(share, _finish(out[0][(slice(None), *rel)].cpu(), output))
+    return out[0][(slice(None), *rel)].cpu()
+
+
+def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, piece: torch.Tensor | None,
+                 output: str) -> None:
+    """Write ``piece`` (from :func:`_piece`) at ``share``."""
+    if piece is not None and share is not None:
+        store.write(share, _finish(piece, output))
 
 
 def _image_input(image: ImageArray, win: Window) -> TiledInput:
@@ -262,7 +270,8 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
                 part, parts = runner.writer_share()
                 core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
                 share = _share(core_out, store.chunks[1:], part, parts) if out is not None else None
-                writes.submit(functools.partial(_write_share, store, share, out, w, reach.scale, output), str(target.work))
+                piece = _piece(share, out, w, reach.scale)
+                writes.submit(functools.partial(_write_share, store, share, piece, output), str(target.work))
                 done += 1
                 if on_window is not None:
                     on_window(done, total)
