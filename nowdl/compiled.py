@@ -26,6 +26,7 @@ from nowdl.partitioner.search.best_plan import build_plan, timed_search
 from nowdl.partitioner.search.config import PlanRequest
 from nowdl.partitioner.spatial.halo_fusion import plan_fusion
 from nowdl.partitioner.spatial.tileable import spatial_rules
+from nowdl.partitioner.spatial.whole_image import whole_image_ops
 from nowdl.plan.plan import Plan
 from nowdl.plan.purpose import is_inference, require_inference, require_training
 from nowdl.profiler.cost import Profile
@@ -241,6 +242,8 @@ class CompiledModel:
         plan.config["precision"] = self.precision
         if not train:
             mark_inference(plan)
+            plan.config["whole_image_ops"] = whole_image_ops(  # [Note: whole-image ops]
+                t.gm, {n.name: n.out_shape for n in prof.nodes}, len(key[0]) - 2)
         # where plan() spent its time (trace includes the eager check; 0 when cached)
         plan.solver["timing"] = {"trace_s": round(t1 - t0, 3), "profile_s": round(t2 - t1, 3),
                                  "search_s": round(secs, 3), "total_s": round(time.perf_counter() - t0, 3)}

@@ -292,6 +292,10 @@ def _run(args: argparse.Namespace) -> int:
             check_plot(args.plot)
         print(plan)
         print(format_levers(plan) or "levers: none (no stage recomputes or offloads)")
+        from nowdl.plan.purpose import format_whole_image_ops
+
+        if whole := format_whole_image_ops(plan):
+            print(whole)
         if args.nodes:
             for s in plan.stages:
                 print(f"stage {s.index}: {' '.join(s.nodes)}")

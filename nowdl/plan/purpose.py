@@ -1,4 +1,5 @@
-"""What a plan is for: training (the default) or inference (``config["inference"]: true``).
+"""What a plan is for: training (the default) or inference (``config["inference"]: true``), and
+the ops an inference plan records as depending on the whole image (``config["whole_image_ops"]``).
 
 An inference plan counts no gradients, optimizer state or saved activations and its schedule
 has no backward ([Note: inference memory] in partitioner/costs/inference.py), so it cannot
@@ -10,7 +11,7 @@ from __future__ import annotations
 from nowdl.errors import PlanError
 from nowdl.plan.plan import Plan
 
-__all__ = ["is_inference", "require_training", "require_inference"]
+__all__ = ["is_inference", "require_training", "require_inference", "format_whole_image_ops"]
 
 
 def is_inference(plan: Plan) -> bool:
@@ -43,3 +44,22 @@ def require_inference(plan: Plan, source: str = "the plan") -> None:
             f"{source} is a training plan ({plan.config.get('gpus')} GPUs, schedule {plan.config.get('schedule')!r}): "
             "its memory figures count gradients, optimizer state and saved activations that inference does not hold. "
             "Make an inference plan (nowdl plan MODEL --inference ..., or cm.plan(x, train=False)) and pass that")
+
+
+def format_whole_image_ops(plan: Plan) -> str:
+    """The whole-image ops an inference plan records ([Note: whole-image ops] in
+    ``nowdl.partitioner.spatial.whole_image``), one line each, for ``nowdl show``; ``""`` for a
+    training plan."""
+    if not is_inference(plan):
+        return ""
+    ops = plan.config.get("whole_image_ops")
+    if ops is None:
+        return ("whole-image ops: not recorded (the plan was made before nowdl recorded them): re-plan with "
+                "--inference to list them")
+    if not ops:
+        return "whole-image ops: none (every output pixel depends on a bounded neighbourhood: windows are exact)"
+    lines = [f"whole-image ops: {len(ops)} (exact on one window that covers the image; when predict streams an "
+             "image in several windows:)"]
+    for op in ops:
+        lines.append(f"  {op.get('node')} ({op.get('op')}, {op.get('kind')}): {op.get('windowed')}")
+    return "\n".join(lines)

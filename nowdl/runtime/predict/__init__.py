@@ -2,7 +2,8 @@
 
 ``windows`` finds the network's receptive field and lays out windows whose centres are exact;
 ``runner`` runs them on the plan's ranks and writes each rank's share; ``writers`` and
-``export`` make the OME-Zarr, TIFF and NIfTI outputs; ``weights`` loads checkpoints and
+``export`` make the OME-Zarr, TIFF and NIfTI outputs; ``agreement`` keeps the ranks in step on
+writes (in the background) and errors; ``weights`` loads checkpoints and
 state_dicts; ``job`` ties them into ``predict(cm, source, out)``; ``summary`` is its report.
 """
 

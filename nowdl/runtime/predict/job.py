@@ -16,14 +16,8 @@ from typing import Any
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.data.readers import ImageArray, open_images
-from nowdl.runtime.predict.runner import (
-    Target,
-    agree,
-    discard_targets,
-    predict_images,
-    rank_world,
-    write_error,
-)
+from nowdl.runtime.predict.agreement import agree, rank_world, write_error
+from nowdl.runtime.predict.runner import Target, discard_targets, predict_images
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.writers import check_out, discard, output_kind, partial_path, publish
 

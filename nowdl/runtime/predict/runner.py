@@ -9,31 +9,33 @@ must be one), and runs each window as a batch of one through the engine built fo
 window is a :class:`~nowdl.runtime.spatial.tiles.TiledInput`, so each rank of a spatial first
 stage reads only its tile (the halo comes from its neighbours). The ranks of the last stage
 each get the window's output and write their share of its exact core, whole chunks each
-(``writers``); the ranks then agree that the window is written (an error on any rank, such as
-a full disk, stops every rank). The pyramid levels are built in parallel, rank 0 converts to
+(``writers``) on a background thread while the next window computes; before the next window's
+writes start, the ranks agree that this window's are done (an error on any rank, such as a full
+disk, stops every rank; [Note: predict writes] in ``agreement``). The network's reach is
+computed once per compiled model and window shape. The pyramid levels are built in parallel, rank 0 converts to
 TIFF or NIfTI, and the temporary output is renamed to OUT.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import math
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from nowdl.errors import NowdlError
 from nowdl.geometry import split_bounds
 from nowdl.plan.plan import Plan
 from nowdl.runtime.data.readers import ImageArray, to_tensor
 from nowdl.runtime.pipeline.engine import PipelineEngine
+from nowdl.runtime.predict.agreement import Writes, guard, rank_world
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.windows import Reach, Window, layout_windows, network_reach
 from nowdl.runtime.predict.writers import (
@@ -47,7 +49,7 @@ from nowdl.runtime.spatial.tiles import TiledInput
 from nowdl.runtime.training.plan_share import plan_on_rank0
 from nowdl.runtime.training.trainer import Trainer
 
-__all__ = ["plan_for", "predict_images", "discard_targets", "write_error", "agree", "rank_world", "OUTPUTS", "Target"]
+__all__ = ["plan_for", "predict_images", "discard_targets", "OUTPUTS", "Target"]
 
 OUTPUTS = ("logits", "probabilities", "argmax")
 
@@ -145,43 +147,6 @@ class _WindowRunner(Trainer):
         return 0, 1
 
 
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def agree(error: str | None) -> None:
-    """Raise ``error`` on every rank if any rank has one."""
-    _, world = rank_world()
-    errors: list[Any] = [error]
-    if world > 1:
-        errors = [None] * world
-        dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise NowdlError(first)
-
-
-def write_error(e: OSError, what: str) -> str:
-    """The one-paragraph message of a failed write (a full disk named as such)."""
-    why = "the disk is full" if e.errno == errno.ENOSPC else f"{e.strerror or e}"
-    return (f"writing {what} failed: {why} (errno {errno.errorcode.get(e.errno or 0, e.errno)}); nothing was "
-            "written under the output name: free space (or fix the path) and run again")
-
-
-def _guard(fn: Callable[[], Any], what: str) -> None:
-    """Run ``fn``; every rank agrees on success, or raises the first rank's error (a full disk named)."""
-    err = None
-    try:
-        fn()
-    except OSError as e:
-        err = write_error(e, what)
-    except NowdlError as e:
-        err = str(e)
-    agree(err)
-
-
 @dataclasses.dataclass
 class Target:
     """Where one image's prediction goes: the work store, and the file converted from it (or None)."""
@@ -231,17 +196,25 @@ def _create_store(target: Target, spatial: Sequence[int], reach: Reach, output: 
             for k, sp in enumerate(levels):
                 LevelStore.create(target.work, k, (channels, *sp), dtype, attrs if k == 0 else None)
 
-    _guard(create, str(target.work))
+    guard(create, str(target.work))
     return len(levels)
 
 
-def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, out: torch.Tensor | None, w: Window,
-                 scale: Sequence[int], output: str) -> None:
-    """Write this rank's ``share`` (output pixels) of the window output ``out`` ``(1, C, *window)``."""
+def _piece(share: tuple[tuple[int, int], ...] | None, out: torch.Tensor | None, w: Window, scale: Sequence[int]
+           ) -> torch.Tensor | None:
+    """This rank's ``share`` (output pixels) of the window output ``out`` ``(1, C, *window)``, on the host
+    (copied here, on the thread that made ``out``, so a device's stream order holds)."""
     if out is None or share is None:
-        return
+        return None
     rel = tuple(slice(a - r0 // f, b - r0 // f) for (a, b), (r0, _), f in zip(share, w.read, scale, strict=True))
-    store.write(share, _finish(out[0][(slice(None), *rel)].cpu(), output))
+    return out[0][(slice(None), *rel)].cpu()
+
+
+def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, piece: torch.Tensor | None,
+                 output: str) -> None:
+    """Write ``piece`` (from :func:`_piece`) at ``share``."""
+    if piece is not None and share is not None:
+        store.write(share, _finish(piece, output))
 
 
 def _image_input(image: ImageArray, win: Window) -> TiledInput:
@@ -281,31 +254,49 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
     layouts: list[tuple[list[Window], Reach, tuple[int, ...]]] = []
     for image in images:
         win = _window_shape(cm, image, window)
-        example = torch.empty((1, image.shape[0], *win), device="meta")
-        reach = network_reach(cm.trace(example).gm, example)
+        reach = _reach(cm, image.shape[0], win)
         layouts.append((layout_windows(image.spatial, win, reach), reach, win))
     total = sum(len(w) for w, _, _ in layouts)
     done, t0 = 0, time.perf_counter()
-    for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
-        levels = _create_store(target, image.spatial, reach, output, rank)
-        store = LevelStore(target.work, 0)
-        runner = runners.get(win) or runners.setdefault(win, _WindowRunner(cm, timeout_s, backend))
-        for i, w in enumerate(wins):
-            out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2)
-            summary.add_peak(peak)
-            part, parts = runner.writer_share()
-            core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
-            share = _share(core_out, store.chunks[1:], part, parts) if out is not None else None
-            _guard(functools.partial(_write_share, store, share, out, w, reach.scale, output), str(target.work))
-            done += 1
-            if on_window is not None:
-                on_window(done, total)
-        for k in range(1, levels):
-            _guard(functools.partial(build_level, target.work, k, output == "argmax", rank, world), str(target.work))
-        summary.add_image(image.spatial, len(wins), reach, runner.plan, rank)
+    writes = Writes()
+    try:
+        for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
+            levels = _create_store(target, image.spatial, reach, output, rank)
+            store = LevelStore(target.work, 0)
+            runner = runners.get(win) or runners.setdefault(win, _WindowRunner(cm, timeout_s, backend))
+            for i, w in enumerate(wins):
+                out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2)
+                summary.add_peak(peak)
+                part, parts = runner.writer_share()
+                core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
+                share = _share(core_out, store.chunks[1:], part, parts) if out is not None else None
+                piece = _piece(share, out, w, reach.scale)
+                writes.submit(functools.partial(_write_share, store, share, piece, output), str(target.work))
+                done += 1
+                if on_window is not None:
+                    on_window(done, total)
+            writes.wait()
+            for k in range(1, levels):
+                guard(functools.partial(build_level, target.work, k, output == "argmax", rank, world), str(target.work))
+            summary.add_image(image.spatial, len(wins), reach, runner.plan, rank)
+    finally:
+        writes.close()
     summary.seconds = time.perf_counter() - t0
     summary.gather()
     return summary
+
+
+_REACH: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Reach]] = weakref.WeakKeyDictionary()
+
+
+def _reach(cm: Any, channels: int, win: tuple[int, ...]) -> Reach:
+    """The network's reach for windows of ``win`` pixels, computed once per compiled model and shape."""
+    cache = _REACH.setdefault(cm, {})
+    key = (channels, *win)
+    if key not in cache:
+        example = torch.empty((1, channels, *win), device="meta")
+        cache[key] = network_reach(cm.trace(example).gm, example)
+    return cache[key]
 
 
 def _window_shape(cm: Any, image: ImageArray, window: Sequence[int] | None) -> tuple[int, ...]:

@@ -10,9 +10,10 @@ stride (``align``), so its pooling grid lines up with the whole image's.
 
 Ops whose result depends on the whole image cannot be made exact by a margin: InstanceNorm and
 GroupNorm (and BatchNorm in training mode) use statistics over the image, global pooling and
-attention read every pixel. :func:`network_reach` names them (``whole``); predict then computes
-their statistics over the window, and says so in its summary line. With one window covering the
-whole image nothing changes.
+attention read every pixel. :func:`network_reach` names them (``whole``; the same list an
+inference plan records, [Note: whole-image ops]); predict then computes their statistics over
+the window, and says so in its summary line. With one window covering the whole image nothing
+changes.
 """
 
 from __future__ import annotations
@@ -23,16 +24,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch import nn
 
 from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial.tileable import spatial_rules
+from nowdl.partitioner.spatial.whole_image import why_whole
 
 __all__ = ["Reach", "Window", "network_reach", "layout_windows"]
-
-_STAT_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm)
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
 
 @dataclass(frozen=True)
 class Reach:
@@ -79,28 +76,6 @@ def _spatial(node: object, nd: int) -> tuple[int, ...] | None:
     return tuple(int(s) for s in shape[2:])
 
 
-def _why_whole(gm: fx.GraphModule, node: fx.Node, tileable: bool, reason: str) -> str | None:
-    if node.op == "call_module":
-        m = gm.get_submodule(str(node.target))
-        if isinstance(m, _STAT_NORMS) and not getattr(m, "track_running_stats", False):
-            return "instance/group norm statistics"
-        if isinstance(m, _BATCH_NORMS) and not m.track_running_stats:
-            return "batch norm statistics"
-        if isinstance(m, nn.MultiheadAttention):
-            return "attention"
-        if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d,
-                          nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)):
-            return "global pooling"
-    if not tileable:
-        low = reason.lower()
-        if "attention" in low or "softmax" in low or "matmul" in low or "bmm" in low:
-            return "attention"
-        if "pool" in low or "mean" in low or "sum" in low:
-            return "global pooling"
-        return "whole-image op"
-    return None
-
-
 def network_reach(gm: fx.GraphModule, example: torch.Tensor) -> Reach:
     """The margin, alignment and output scale of ``gm`` for inputs shaped like ``example``
     ``(N, C, *spatial)``, and the ops that depend on the whole image.
@@ -128,7 +103,7 @@ def network_reach(gm: fx.GraphModule, example: torch.Tensor) -> Reach:
             continue
         ins = [a for a in node.all_input_nodes if a.name in margin]
         rule = rules[node.name]
-        why = _why_whole(gm, node, rule.tileable, rule.reason)
+        why = why_whole(gm, node, rule)
         if why is not None and ins:
             whole.append((node.name, why))
         if sp is None or not ins:
