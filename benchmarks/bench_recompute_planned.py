@@ -1,32 +1,36 @@
-"""Recompute chosen by the planner under a cap, measured on CPU gloo ranks: peak per rank and step time.
+"""Recompute chosen by the planner under a cap, measured on CPU gloo ranks: peak per rank and its cost.
 
 What is measured
 ----------------
-Each row is planned as a user would: ``nowdl.compile(model, gpus=2, mode="estimate",
-device_spec="cpu", gpu_memory=CAP, recompute="auto", offload="off", <pins>).plan(x)``, with a
-cap just under what the plan needs without recomputation, so that the planner chooses to
-recompute some stage (the stages it chose are printed). The same plan with every stage's
-``recompute`` set to False is the "off" variant. Two gloo processes (one thread each,
-``tests/helpers/distributed.py``'s ``run_workers``) train both variants from the same weights
-and batches: a warm-up step, the peak of one step under nowdl's aten allocation tracker
-(``nowdl.runtime.training.metrics.peak_of``: parameters, buffers and Adam state before the step
-plus the peak of the storages the step allocates), then the median of ``--repeats`` timed steps
-(between barriers), the two variants alternating step by step.
+Each row is planned as a user would: ``nowdl.compile(model, gpus=2, mode="measure", device="cpu",
+gpu_memory=CAP, recompute="auto", offload="off", <pins>).plan(x)`` (``--mode estimate``: the
+``cpu`` spec's roofline instead of ops timed on this CPU), with a cap just under what the plan
+needs without recomputation, so that the planner chooses to recompute some stage (the stages it
+chose are printed). The same plan with every stage's ``recompute`` set to False is the "off"
+variant. Two gloo processes (one thread each, ``tests/helpers/distributed.py``'s
+``run_workers``) train both variants from the same weights and batches: a warm-up step, the
+peak of one step under nowdl's aten allocation tracker (``nowdl.runtime.training.metrics.peak_of``:
+parameters, buffers and Adam state before the step plus the peak of the storages the step
+allocates; the batch is made before the step, as ``nowdl run``'s meter and bench_runtime do: the
+caller's global batch, which every rank is handed whole, is shown apart), then ``--repeats``
+timed steps per variant, the variants alternating (ABBA), each between barriers.
 
-* measured / predicted peak: against ``plan.ranks[r].predicted_peak_bytes`` (target ±10%);
-* step-time cost of recomputation: measured (planned - off) against the predicted
-  ``sum over the rank's stages of micro-batches x stages[s].predicted["recompute_s"]``
-  (the forward run again, per rank; the max over ranks is printed; target ±15%).
+* Table 1, peak: measured / ``plan.ranks[r].predicted_peak_bytes`` (target ±10%);
+* Table 2, recomputation's cost per rank: the rank's CPU time of a step (``time.process_time``:
+  this process's threads, so time waiting for the other rank or for a core the machine's other
+  jobs hold is not counted), min over the repeats, planned minus off, against the predicted
+  ``sum over the rank's stages of micro-batches x stages[s].predicted["recompute_s"]`` (target
+  ±15%). The wall-clock difference (min over the repeats) is printed beside it.
 
 Rows: pipeline (ResNet-20 v1, 2 stages, 1F1B, 4 micro-batches), spatial (nowdl UNet depth 3
 width 8, one stage on 2 tiles, GPipe, 2 micro-batches: one spatial stage holds one micro-batch
 under 1F1B, where recomputing saves nothing, [Note: recompute cost]), MASTER (replicas=2,
 2 stages, GPipe, 4 micro-batches per replica, nowdl UNet).
 
-Table 2: the largest square side (multiple of 16) that plans under a fixed per-rank cap on
+Table 3: the largest square side (multiple of 16) that plans under a fixed per-rank cap on
 2 ranks (ResNet-20, 2 stages, GPipe, 4 micro-batches), recompute "auto" vs "off", found by
 doubling then bisection in estimate mode; then one real training step at each found side, its
-measured peak per rank against the cap. Target: side with / without >= 1.5.
+measured peak per rank against the plan and the cap. Target: side with / without >= 1.5.
 
 How to run
 ----------
@@ -38,7 +42,6 @@ Tables go to stdout as Markdown, progress to stderr. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -122,21 +125,27 @@ def worker(rank: int, world: int, kind: str, plans: dict[str, str], n: int, side
         cm.train_step(*batch(kind, 0, n, side))  # builds the stages; warm-up
         eng = cm._trainer.engine
         held = [eng.stages[s].module for _, s in eng.held]
-        _, peak = peak_of(lambda cm=cm: cm.train_step(*batch(kind, 1, n, side)), held, eng.optimizer)
+        x, y = batch(kind, 1, n, side)  # the caller's batch: made before the step, as a data loader would
+        _, peak = peak_of(lambda cm=cm, x=x, y=y: cm.train_step(x, y), held, eng.optimizer)
         models[name] = cm
-        out[name] = {"peak": peak, "times": []}
-    for step in range(repeats):  # the variants alternate, so that the shared machine's load hits both alike
+        out[name] = {"peak": peak, "cpu": [], "wall": [], "batch": x.nbytes + y.nbytes}
+    names = list(models)
+    for step in range(repeats):  # ABBA: the shared machine's load hits every variant alike
         x, y = batch(kind, 2 + step, n, side)
-        for name, cm in models.items():
+        for name in (names if step % 2 == 0 else names[::-1]):
             dist.barrier()
-            t0 = time.perf_counter()
-            cm.train_step(x, y)
+            c0, t0 = time.process_time(), time.perf_counter()
+            models[name].train_step(x, y)
+            c1 = time.process_time()
             dist.barrier()
-            out[name]["times"].append(time.perf_counter() - t0)
+            out[name]["wall"].append(time.perf_counter() - t0)
+            out[name]["cpu"].append(c1 - c0)
     for name, v in out.items():
-        v["step_s"] = statistics.median(v.pop("times")) if repeats else float("nan")
+        v["cpu_s"] = min(v.pop("cpu")) if repeats else float("nan")
+        v["step_s"] = min(v.pop("wall")) if repeats else float("nan")
         if rank == 0:
-            log(f"  {name}: rank 0 peak {v['peak'] / MIB:.2f} MiB, step {v['step_s'] * 1e3:.0f} ms")
+            log(f"  {name}: rank 0 peak {v['peak'] / MIB:.2f} MiB, step {v['step_s'] * 1e3:.0f} ms, "
+                f"CPU {v['cpu_s'] * 1e3:.0f} ms")
     return out
 
 
@@ -168,32 +177,54 @@ ROWS = [  # name, model, side, cap MiB, pins
 ]
 
 
+def verdict(ratios: list[float], tol: float) -> str:
+    ok = [abs(r - 1.0) <= tol for r in ratios]
+    return f"{sum(ok)} of {len(ok)} rows within ±{tol:.0%}" + (": met" if all(ok) and ok else ": NOT met")
+
+
 def table1(rows: list[tuple[str, str, int, float, dict[str, Any]]], repeats: int, tmp: str,
            mode: dict[str, str]) -> None:
-    print("### 1. Planned recompute vs the plan, per rank (2 CPU gloo ranks, one thread each; targets: peak "
-          "±10%, recompute cost ±15%)\n")
-    print("| row | model, side | cap | recompute on stages | rank | predicted peak | measured peak | ratio "
-          "| step planned | step off | measured cost | predicted cost | cost ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    results = []
     for name, kind, side, cap, pins in rows:
         log(f"{name}: planning {kind} {side}² under {cap} MiB")
         try:
             plan = plan_for(kind, side, cap, "auto", pins, mode)
         except NowdlError as e:
-            print(f"| {name} | {kind} {side}² | {cap:g} MiB | no plan: {str(e).splitlines()[0][:160]} |"
-                  + " |" * 9)
+            log(f"  no plan: {str(e).splitlines()[0][:160]}")
             continue
-        chosen = [s.index for s in plan.stages if s.recompute]
         res = run(kind, {"planned": plan, "off": without_recompute(plan)}, samples(plan), side, repeats, tmp)
+        results.append((name, kind, side, cap, plan, res))
+    print("### 1. Peak memory per rank vs the plan (planner's recompute choice; target ±10%)\n")
+    print("| row | model, side | cap | recompute on stages | rank | predicted peak | measured peak | measured / plan "
+          "| caller's batch (in neither) | off variant: measured peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ratios: list[float] = []
+    for name, kind, side, cap, plan, res in results:
+        chosen = [s.index for s in plan.stages if s.recompute]
         for r, v in enumerate(res):
-            pred = plan.ranks[r].predicted_peak_bytes
-            meas = v["planned"]["peak"]
-            cost = v["planned"]["step_s"] - v["off"]["step_s"]
-            pc = predicted_cost(plan, r)
+            pred, meas = plan.ranks[r].predicted_peak_bytes, v["planned"]["peak"]
+            ratios.append(meas / pred)
             print(f"| {name} | {kind} {side}² | {cap:g} MiB | {chosen or 'none'} | {r} | {pred / MIB:.2f} MiB "
-                  f"| {meas / MIB:.2f} MiB | {meas / pred:.3f} | {v['planned']['step_s'] * 1e3:.0f} ms "
-                  f"| {v['off']['step_s'] * 1e3:.0f} ms | {cost * 1e3:.0f} ms | {pc * 1e3:.0f} ms "
-                  f"| {cost / pc if pc > 0 else float('nan'):.2f} |", flush=True)
+                  f"| {meas / MIB:.2f} MiB | {meas / pred:.3f} | {v['planned']['batch'] / MIB:.2f} MiB "
+                  f"| {v['off']['peak'] / MIB:.2f} MiB |", flush=True)
+    print(f"\nPeak, planned rows: {verdict(ratios, 0.10)}\n")
+    print("### 2. Step-time cost of recomputation per rank vs the plan (target ±15%)\n")
+    print("| row | rank | micro-batches x recompute_s (predicted) | CPU time, planned - off (min of "
+          f"{repeats} each) | measured / predicted | wall, planned - off (min of {repeats} each) | CPU planned "
+          "| CPU off |")
+    print("|---|---|---|---|---|---|---|---|")
+    cost_ratios: list[float] = []
+    for name, _kind, _side, _cap, plan, res in results:
+        for r, v in enumerate(res):
+            pc = predicted_cost(plan, r)
+            cpu = v["planned"]["cpu_s"] - v["off"]["cpu_s"]
+            wall = v["planned"]["step_s"] - v["off"]["step_s"]
+            ratio = cpu / pc if pc > 0 else float("nan")
+            if pc > 0:
+                cost_ratios.append(ratio)
+            print(f"| {name} | {r} | {pc * 1e3:.1f} ms | {cpu * 1e3:.1f} ms | {ratio:.2f} | {wall * 1e3:.1f} ms "
+                  f"| {v['planned']['cpu_s'] * 1e3:.0f} ms | {v['off']['cpu_s'] * 1e3:.0f} ms |", flush=True)
+    print(f"\nRecompute cost, rows with a prediction: {verdict(cost_ratios, 0.15)}")
 
 
 def largest(cap: float, recompute: str, pins: dict[str, Any], step: int, limit: int) -> tuple[int, Plan | None]:
@@ -224,39 +255,44 @@ def largest(cap: float, recompute: str, pins: dict[str, Any], step: int, limit: 
 
 def table2(cap: float, step: int, repeats: int, tmp: str) -> None:
     pins = dict(stages=2, spatial_parts=1, replicas=1, dp=1, micro_batches=4, schedule="gpipe")
-    print(f"\n### 2. Largest square side that plans under {cap:g} MiB per rank on 2 ranks (ResNet-20, 2 stages, "
-          f"GPipe, 4 micro-batches; target with / without >= 1.5)\n")
-    print("| recompute | largest side | recompute on stages | rank | predicted peak | measured peak | measured / cap "
-          "| step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n### 3. Largest square side that plans under {cap:g} MiB per rank on 2 ranks (ResNet-20, 2 stages, "
+          f"GPipe, 4 micro-batches; targets: with / without >= 1.5, peak ±10% of the plan)\n")
+    print("| recompute | largest side | recompute on stages | rank | predicted peak | measured peak | measured / plan "
+          "| measured / cap | step (wall, min) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     sides = {}
+    ratios: list[float] = []
     for rc in ("off", "auto"):
         side, plan = largest(cap, rc, pins, step, 4096)
         sides[rc] = side
         if plan is None:
-            print(f"| {rc} | none | | | | | | |")
+            print(f"| {rc} | none | | | | | | | |")
             continue
         res = run("resnet", {rc: plan}, samples(plan), side, repeats, tmp)
         chosen = [s.index for s in plan.stages if s.recompute]
         for r, v in enumerate(res):
-            pk = v[rc]["peak"]
-            print(f"| {rc} | {side} | {chosen or 'none'} | {r} | {plan.ranks[r].predicted_peak_bytes / MIB:.2f} MiB "
-                  f"| {pk / MIB:.2f} MiB | {pk / (cap * MIB):.3f} | {v[rc]['step_s'] * 1e3:.0f} ms |", flush=True)
-    print(f"\nside with / without recompute: {sides['auto'] / max(sides['off'], 1):.2f} (target >= 1.5)")
+            pk, pred = v[rc]["peak"], plan.ranks[r].predicted_peak_bytes
+            ratios.append(pk / pred)
+            print(f"| {rc} | {side} | {chosen or 'none'} | {r} | {pred / MIB:.2f} MiB | {pk / MIB:.2f} MiB "
+                  f"| {pk / pred:.3f} | {pk / (cap * MIB):.3f} | {v[rc]['step_s'] * 1e3:.0f} ms |", flush=True)
+    ratio = sides["auto"] / max(sides["off"], 1)
+    print(f"\nside with / without recompute: {ratio:.2f} (target >= 1.5: {'met' if ratio >= 1.5 else 'NOT met'}); "
+          f"peak: {verdict(ratios, 0.10)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 timed steps, side found to 32 pixels")
     ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--cap-mib", type=float, default=24.0, help="per-rank cap of table 2")
-    ap.add_argument("--mode", choices=("estimate", "measure"), default="estimate",
-                    help="how table 1 plans: estimate (cpu spec roofline) or measure (ops timed on this CPU)")
-    ap.add_argument("--tables", default="12", help="which tables: 1, 2 or 12")
-    ap.add_argument("--rows", default="all", help="rows of table 1: all, or names joined by commas")
+    ap.add_argument("--cap-mib", type=float, default=24.0, help="per-rank cap of table 3")
+    ap.add_argument("--mode", choices=("estimate", "measure"), default="measure",
+                    help="how tables 1-2 plan: measure (ops timed on this CPU, the default: the cost's prediction "
+                         "and its measurement on the same clock) or estimate (cpu spec roofline)")
+    ap.add_argument("--tables", default="12", help="which parts: 1 (tables 1 and 2), 2 (table 3) or 12")
+    ap.add_argument("--rows", default="all", help="rows of tables 1-2: all, or names joined by commas")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    repeats = args.repeats or (3 if args.quick else 9)
+    repeats = args.repeats or (4 if args.quick else 10)
     rows = list(ROWS) if args.rows == "all" else [r for r in ROWS if r[0] in args.rows.split(",")]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

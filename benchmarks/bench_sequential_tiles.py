@@ -4,15 +4,16 @@ What is measured
 ----------------
 The model is nowdl's UNet (``nowdl.models.unet(1, 2, depth=3, base_width=8)``, no norms,
 float32, batch 1, MSE loss, Adam), planned for one GPU by ``nowdl.compile(...).plan``
-(``mode="estimate"``, ``stages=1, spatial_parts=1``), with ``tiles_per_gpu`` set to T in the plan
-JSON by hand (the planner's own choice of T comes with the planner side of issue 29), and
-trained by ``nowdl.compile(model, plan=...)`` in this process (one rank, one thread). T = 1 is
-the plan as the planner made it (the whole stage, activations saved).
+(``mode="estimate", device_spec="cpu"``, ``stages=1, spatial_parts=1, tiles_per_gpu=T``: the planner's cost model
+for T sequential tiles, [Note: sequential tiles cost]) and trained by
+``nowdl.compile(model, plan=...)`` in this process (one rank, one thread). T = 1 is the stage
+without sequential tiles (activations saved).
 
 * peak MiB: one more ``train_step`` after a warm-up step under nowdl's aten-level allocation
   tracker (``nowdl.runtime.training.metrics.peak_of``: parameters, gradients and Adam state
   held before the step, plus the peak of the storages the step allocates: activations,
-  windows, gradients);
+  windows, gradients; the batch is made before the step), against the plan's
+  ``predicted_peak_bytes`` (target ±10%);
 * step s: the median wall time of 3 ``train_step`` calls without the tracker.
 
 Table 1: T = 1, 2, 4, 8 at a fixed side (512, ``--quick``: 256). Table 2: the largest square
@@ -25,7 +26,6 @@ twice that side. The step time at each found side is shown. Target: side with / 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -54,24 +54,24 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
-def _compiled(side: int, tiles: int, tmp: str) -> tuple[Any, torch.Tensor, torch.Tensor]:
+def _compiled(side: int, tiles: int, tmp: str) -> tuple[Any, torch.Tensor, torch.Tensor, float]:
     x = torch.randn(1, 1, side, side)
     y = torch.randn(1, 2, side, side)
-    cm = nowdl.compile(_model(), gpus=1, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
-                       progress=False, stages=1, spatial_parts=1, micro_batches=1, dp=1, replicas=1)
-    d = json.loads(cm.plan(x, target=y).to_json())
-    d["stages"][0]["tiles_per_gpu"] = tiles
+    cm = nowdl.compile(_model(), gpus=1, mode="estimate", device_spec="cpu", optimizer=_adam, loss_fn=nn.MSELoss(),
+                       cache=False, progress=False, stages=1, spatial_parts=1, micro_batches=1, dp=1, replicas=1,
+                       tiles_per_gpu=tiles)  # the cpu spec: labels are not copied to a device
+    plan = cm.plan(x, target=y)
     path = os.path.join(tmp, f"plan_{side}_{tiles}.json")
-    with open(path, "w") as f:
-        f.write(json.dumps(d))
+    plan.save(path)
     run = nowdl.compile(_model(), plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
                         progress=False)
-    return run, x, y
+    return run, x, y, float(plan.ranks[0].predicted_peak_bytes)
 
 
 def measure(side: int, tiles: int, tmp: str, *, timed: bool = True) -> dict[str, float]:
-    """Peak bytes of a training step and its median time at ``side`` with ``tiles`` per GPU."""
-    cm, x, y = _compiled(side, tiles, tmp)
+    """Peak bytes of a training step, the plan's prediction and the median step time at ``side``
+    with ``tiles`` per GPU."""
+    cm, x, y, pred = _compiled(side, tiles, tmp)
     loss = cm.train_step(x, y)  # builds the engine
     eng = cm._trainer.engine
     _, peak = peak_of(lambda: cm.train_step(x, y), [eng.stages[s].module for _, s in eng.held], eng.optimizer)
@@ -80,14 +80,15 @@ def measure(side: int, tiles: int, tmp: str, *, timed: bool = True) -> dict[str,
         t0 = time.perf_counter()
         cm.train_step(x, y)
         times.append(time.perf_counter() - t0)
-    return {"peak": peak / MIB, "time": statistics.median(times) if times else float("nan"), "loss": loss}
+    return {"peak": peak / MIB, "pred": pred / MIB, "time": statistics.median(times) if times else float("nan"),
+            "loss": loss}
 
 
 def largest(cap: float, tiles_choices: list[int], tmp: str, start: int, step: int, limit: int
             ) -> tuple[int, int, dict[str, float]]:
     """Largest side from ``start`` by ``step`` (until the first that does not fit) whose peak fits
     ``cap`` MiB with the smallest fitting T of ``tiles_choices``; then its step time."""
-    best: tuple[int, int, dict[str, float]] = (0, 0, {"peak": float("nan"), "time": float("nan")})
+    best: tuple[int, int, dict[str, float]] = (0, 0, {"peak": float("nan"), "pred": float("nan"), "time": float("nan")})
     side = start
     while side <= limit:
         fit = None
@@ -117,25 +118,33 @@ def main() -> None:
     cap = args.cap_mib or (40.0 if args.quick else 64.0)
     with tempfile.TemporaryDirectory() as tmp:
         print(f"### 1. Peak memory and step time vs tiles per GPU (UNet depth 3 width 8, {side}x{side}, batch 1, "
-              "1 CPU rank, 1 thread)\n")
-        print("| T | sub-tiles | peak MiB | peak / T=1 | step s | step / T=1 |")
-        print("|---|---|---|---|---|---|")
+              "1 CPU rank, 1 thread; target: peak ±10% of the plan)\n")
+        print("| T | sub-tiles | predicted peak MiB | measured peak MiB | measured / plan | peak / T=1 | step s "
+              "| step / T=1 |")
+        print("|---|---|---|---|---|---|---|---|")
         base: dict[str, float] = {}
+        ratios = []
         for t in (1, 2, 4, 8):
             r = measure(side, t, tmp)
             base = base or r
+            ratios.append(r["peak"] / r["pred"])
             sub = "x".join(map(str, sub_grid((1, 1), (side, side), t)))
-            print(f"| {t} | {sub} | {r['peak']:.1f} | {r['peak'] / base['peak']:.2f} | {r['time']:.2f} | "
-                  f"{r['time'] / base['time']:.2f} |", flush=True)
+            print(f"| {t} | {sub} | {r['pred']:.1f} | {r['peak']:.1f} | {r['peak'] / r['pred']:.3f} "
+                  f"| {r['peak'] / base['peak']:.2f} | {r['time']:.2f} | {r['time'] / base['time']:.2f} |", flush=True)
+        ok = sum(abs(q - 1) <= 0.10 for q in ratios)
+        print(f"\nPeak: {ok} of {len(ratios)} rows within ±10%: {'met' if ok == len(ratios) else 'NOT met'}")
         print(f"\n### 2. Largest square side that trains under {cap:g} MiB on 1 rank (target: with / without >= 2)\n")
-        print("| tiles per GPU | largest side | T used | peak MiB | step s |")
-        print("|---|---|---|---|---|")
+        print("| tiles per GPU | largest side | T used | predicted peak MiB | measured peak MiB | measured / plan "
+              "| step s |")
+        print("|---|---|---|---|---|---|---|")
         limit = 4096
         s1, t1, r1 = largest(cap, [1], tmp, 128, 64, limit)
-        print(f"| 1 (without) | {s1} | {t1} | {r1['peak']:.1f} | {r1['time']:.2f} |", flush=True)
+        print(f"| 1 (without) | {s1} | {t1} | {r1['pred']:.1f} | {r1['peak']:.1f} | {r1['peak'] / r1['pred']:.3f} "
+              f"| {r1['time']:.2f} |", flush=True)
         s2, t2, r2 = largest(cap, [16, 64], tmp, 2 * s1, 128 if args.quick else 256, limit)
-        print(f"| sequential | {s2} | {t2} | {r2['peak']:.1f} | {r2['time']:.2f} |")
-        print(f"\nside with / without: {s2 / max(s1, 1):.2f} (target >= 2)")
+        print(f"| sequential | {s2} | {t2} | {r2['pred']:.1f} | {r2['peak']:.1f} | {r2['peak'] / r2['pred']:.3f} "
+              f"| {r2['time']:.2f} |")
+        print(f"\nside with / without: {s2 / max(s1, 1):.2f} (target >= 2: {'met' if s2 >= 2 * s1 else 'NOT met'})")
 
 
 if __name__ == "__main__":

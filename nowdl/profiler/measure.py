@@ -44,10 +44,14 @@ class MeasureBackend(Backend):
     """Real tensors on ``device``: one accounting run (FLOPs, saved tensors, workspace),
     ``warmup - 1`` more untimed runs, then ``repeats`` timed runs (median reported).
 
-    CPU times come from ``time.perf_counter``, CUDA times from CUDA events after a
-    synchronize. Workspace is the ``max_memory_allocated`` peak above the memory live after
-    the phase on CUDA, and on CPU the aten-level allocation tracker of
-    :class:`~nowdl.profiler.memory.AllocTracker` (blind to oneDNN's internal scratch).
+    CPU times come from ``time.thread_time`` when torch runs one intra-op thread (the op runs on
+    this thread: its CPU time is its compute, not the time other jobs held the core, so a profile
+    taken on a loaded machine predicts the CPU time of the same ops, which
+    benchmarks/bench_recompute_planned.py compares with the ranks'), else from
+    ``time.perf_counter``; CUDA times from CUDA events after a synchronize. Workspace is the
+    ``max_memory_allocated`` peak above the memory live after the phase on CUDA, and on CPU the
+    aten-level allocation tracker of :class:`~nowdl.profiler.memory.AllocTracker` (blind to
+    oneDNN's internal scratch).
     The model must already be on ``device``.
     """
 
@@ -123,8 +127,9 @@ class MeasureBackend(Backend):
             torch.cuda.synchronize(self.device)
             t = start.elapsed_time(stop) / 1e3
         else:
-            t0 = time.perf_counter()
+            clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+            t0 = clock()
             yield res
-            t = time.perf_counter() - t0
+            t = clock() - t0
         if timed:
             res.seconds = t

@@ -18,7 +18,7 @@ from nowdl.partitioner.costs.costmodel import (
 )
 from nowdl.partitioner.costs.levers import HOST_USABLE, host_share, offload_time_s
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
-from nowdl.partitioner.costs.problem import Partition, evaluate
+from nowdl.partitioner.costs.problem import Partition, boundary_bytes, evaluate
 from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.spatial.tileable import spatial_rules
@@ -51,7 +51,8 @@ def _half(costs: Costs) -> list[int]:
 
 def test_recompute_keeps_one_micro_batch_and_adds_its_forward() -> None:
     """[Note: recompute cost]: stage 0 of 1F1B (2 in flight) drops one micro-batch's saved
-    activations and gains its forward time; stage 1 (1 in flight) is untouched."""
+    activations, holds its 2 in-flight outputs in their sends ([Note: recompute pending sends])
+    and gains its forward time; stage 1 (1 in flight) is untouched."""
     costs = _costs()
     plain = Candidate(2, 4, "1f1b", 1, 1, 1, 0, 0, "square")
     rc = dataclasses.replace(plain, recompute=(0,))
@@ -61,10 +62,28 @@ def test_recompute_keeps_one_micro_batch_and_adds_its_forward() -> None:
     nodes = costs.profile.nodes
     stage0 = [n for n, s in zip(nodes, split, strict=True) if s == 0]
     saved = sum(n.act_bytes for n in stage0 if n.op != "placeholder")
-    assert saved > 0 and plain.inflight() == [2, 1]
-    assert mem0[0] - mem1[0] == pytest.approx((2 - 1) * saved, rel=1e-9)
+    sent = boundary_bytes(build_problem(costs, rc, "memory"), split)[1][0]
+    assert saved > 0 and sent > 0 and plain.inflight() == [2, 1]
+    assert mem0[0] - mem1[0] == pytest.approx((2 - 1) * saved - 2 * sent, rel=1e-9)
     assert time1[0] - time0[0] == pytest.approx(sum(n.fwd_s for n in stage0), rel=1e-9)
     assert (mem1[1], time1[1]) == (mem0[1], time0[1])
+
+
+def test_recomputed_stage_peak_holds_its_pending_sends() -> None:
+    """[Note: recompute pending sends]: the solvers charge a recomputed stage ``inflight`` more sent
+    tensors; the plan's peak keeps at least its recompute forward's (the bound less the workspace
+    and less at most one micro-batch's outputs, already in its saved bytes) and at most the bound."""
+    costs = _costs()
+    split = _half(costs)
+    for sched, m in (("1f1b", 4), ("gpipe", 4), ("gpipe", 2)):
+        rc = Candidate(2, m, sched, 1, 1, 1, 0, 0, "square", recompute=(0,))
+        plain = dataclasses.replace(rc, recompute=())
+        bound = evaluate(build_problem(costs, rc, "memory"), split)[0][0]
+        mem, mem_plain = stage_memory(costs, rc, split)[0], stage_memory(costs, plain, split)[0]
+        inflight = plain.inflight()[0]
+        assert mem["send_bytes"] > 0 and mem["send_held"] == mem_plain["send_held"] + inflight
+        peak = bound - mem["freed_bytes"]
+        assert bound - mem["workspace_bytes"] - mem["send_bytes"] - 1e-6 <= peak <= bound
 
 
 def test_offload_moves_saved_bytes_to_host_and_charges_the_link() -> None:
@@ -112,28 +131,30 @@ def _bound(plan: nowdl.Plan) -> float:
 
 def test_unet_refused_without_recompute_plans_with_auto() -> None:
     """A cap between the leanest plain split and the leanest recomputed one: refused with
-    recompute="off", planned with "auto", which recomputes only stage 0 (stage 1 holds one
-    micro-batch, where recomputing saves nothing)."""
-    plain = _plan(recompute="off", offload="off", **PIPE)
-    forced = _plan(recompute="on", offload="off", **PIPE)
+    recompute="off", planned with "auto", which recomputes where that saves (GPipe: every stage
+    holds 4 micro-batches; under 1F1B the last holds one, where recomputing saves nothing, and
+    the first's saving is what its in-flight outputs, pending in their sends, leave of it)."""
+    pins = {**PIPE, "schedule": "gpipe"}
+    plain = _plan(recompute="off", offload="off", **pins)
+    forced = _plan(recompute="on", offload="off", **pins)
     assert all(s.recompute for s in forced.stages)
     p0, p1 = _bound(plain), _bound(forced)
     assert p1 < p0
     cap = (p0 + p1) / 2
     with pytest.raises(InfeasibleError):
-        _plan(recompute="off", offload="off", gpu_memory=cap, **PIPE)
-    plan = _plan(recompute="auto", offload="off", gpu_memory=cap, **PIPE)
-    assert [s.recompute for s in plan.stages] == [True, False]
-    assert not any(s.offload for s in plan.stages)
+        _plan(recompute="off", offload="off", gpu_memory=cap, **pins)
+    plan = _plan(recompute="auto", offload="off", gpu_memory=cap, **pins)
+    chosen = [s.index for s in plan.stages if s.recompute]
+    assert chosen and not any(s.offload for s in plan.stages)
     assert _bound(plan) <= cap * (1 + 1e-9)
-    q = plan.stages[0].predicted
+    q = plan.stages[chosen[-1]].predicted
     assert q["recompute_s"] == pytest.approx(q["fwd_s"])  # its forward again, in its stage time
     assert q["time_s"] >= q["fwd_s"] + q["bwd_s"] + q["recompute_s"]
     assert q["recomputed_bytes"] == pytest.approx((q["inflight"] - 1) * q["act_bytes"]) and q["saved_held"] == 1.0
     assert plan.config["recompute"] == "auto" and plan.config["offload"] == "off"
     again = nowdl.Plan.from_json(plan.to_json())
-    assert [s.recompute for s in again.stages] == [True, False]
-    assert again.stages[0].predicted["recompute_s"] == q["recompute_s"]
+    assert [s.index for s in again.stages if s.recompute] == chosen
+    assert again.stages[chosen[-1]].predicted["recompute_s"] == q["recompute_s"]
 
 
 def test_offload_respects_host_memory() -> None:

@@ -12,6 +12,18 @@ proportion. The choice is per stage, the whole stage as one segment (the runtime
 the stage's forward): where a stage holds one micro-batch (one stage, the last stage of 1F1B,
 one micro-batch) it saves nothing and only costs time, so the planner never chooses it there.
 
+[Note: recompute pending sends] The runner recomputes at the start of a ``B`` action, before it
+takes the output gradients that tell it the next stage has posted its receives
+(``Transfers.release_done``), and a recomputed stage keeps none of its outputs itself (their
+saved copies are slots). So at its first backward the outputs of the ``inflight - 1`` older
+micro-batches still wait in their sends, and the recomputed micro-batch's output is alive too:
+the recompute's forward peaks at ``saved + inflight x sent`` (plus what the stage holds anyway)
+where the plain stage had released them (bench_recompute_planned Table 2, ResNet-20 GPipe m = 4,
+stage 0: 3 MiB of pending outputs, 1.06x the plan without this term). The solvers charge it by
+raising the stage's ``send_held`` by ``inflight`` (:func:`recompute_send_held`, an upper bound:
+added to the backward's workspace); the plan's figure takes the larger of the two peaks
+(``memory_breakdown.stage_memory``).
+
 [Note: host offload] An offloaded stage (``Candidate.offload``) copies each saved activation to
 host memory on a side stream as the forward makes it and brings it back ahead of the backward
 that needs it. On the GPU it holds, during node v's backward, v's saved bytes and those of the
@@ -41,6 +53,7 @@ from nowdl.plan.topology import node_spec_for
 from nowdl.profiler.cost import Profile
 
 __all__ = ["HOST_USABLE", "RECOMPUTE_TAG", "OFFLOAD_TAG", "host_share", "apply_levers", "recompute_vectors",
+           "recompute_send_held",
            "offload_vectors", "offload_time_s", "host_bytes", "lever_figures", "LEVER_KEYS"]
 
 HOST_USABLE = 0.8  # of a GPU's share of host memory, what offloaded activations may take (the rest: OS, data)
@@ -73,6 +86,12 @@ def recompute_vectors(prof: Profile, base: NodeVectors, inflight: int) -> NodeVe
     return NodeVectors(act=act, time=time, workspace=base.workspace, out=base.out)
 
 
+def recompute_send_held(spec: StageSpec) -> float:
+    """``send_held`` of a stage once recomputed: its gradient buffers plus the ``inflight``
+    outputs alive at its recompute's forward ([Note: recompute pending sends])."""
+    return spec.send_factor + spec.inflight
+
+
 def offload_vectors(prof: Profile, base: NodeVectors) -> NodeVectors:
     """``base`` for an offloaded stage ([Note: host offload])."""
     keep = [n.op == "placeholder" for n in prof.nodes]
@@ -92,7 +111,7 @@ def apply_levers(prof: Profile, cand: Candidate, stages: list[StageSpec],
         key = f"{spec.variant}{RECOMPUTE_TAG}{spec.inflight}"
         if key not in variants:
             variants[key] = recompute_vectors(prof, variants[spec.variant], spec.inflight)
-        out[s] = dataclasses.replace(spec, variant=key, inflight=1)
+        out[s] = dataclasses.replace(spec, variant=key, inflight=1, send_held=recompute_send_held(spec))
     for s in cand.offload:
         spec = out[s]
         key = f"{spec.variant}{OFFLOAD_TAG}"

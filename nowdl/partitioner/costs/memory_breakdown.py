@@ -96,4 +96,24 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
         top[s] = max(top[s], cum[s] + ws[v])
     for s, spec in enumerate(problem.stages):
         out[s]["freed_bytes"] = spec.inflight * sent[s] + max(0.0, cum[s] + out[s]["workspace_bytes"] - top[s])
+    if not costs.inference:
+        _recompute_peaks(out, cand, sent)
     return out
+
+
+def _recompute_peaks(out: list[dict[str, float]], cand: Candidate, gone: Sequence[float]) -> None:
+    """A recomputed stage's ``freed_bytes`` so that its peak is the larger of its backward's and its
+    recompute forward's ([Note: recompute pending sends] in levers.py): the solvers' bound charges
+    ``inflight`` more sends on top of the workspace; the backward peak has them released, the
+    forward peak holds them (``gone``: the part of one micro-batch's outputs already in its saved
+    bytes) but no backward workspace."""
+    inflight = cand.inflight()
+    for s in cand.recompute:
+        m = out[s]
+        extra = inflight[s] * m["send_bytes"]
+        bound = (m["weight_bytes"] + m["grad_bytes"] + m["optim_bytes"] + m["saved_bytes"]
+                 + m["recv_held"] * m["recv_bytes"] + m["send_held"] * m["send_bytes"] + m["workspace_bytes"]
+                 + m["wait_bytes"])
+        backward = bound - extra - m["freed_bytes"]
+        forward = bound - m["workspace_bytes"] - gone[s]
+        m["freed_bytes"] = max(0.0, bound - max(backward, forward))

@@ -15,6 +15,7 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -22,9 +23,23 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SpatialRule", "spatial_rules", "slice_grid", "SLICE_METHODS", "tile_shape", "halo_elements"]
+__all__ = ["SpatialRule", "spatial_rules", "slice_grid", "SLICE_METHODS", "tile_shape", "halo_elements", "convt_reach",
+           "UPSAMPLE_REACH"]
 
 SLICE_METHODS = ("vertical", "horizontal", "square", "depth", "cube")
+
+
+UPSAMPLE_REACH = (2.0,)
+"""Input pixels an upsample's output pixel may read beyond its footprint, as sequential tiles count them."""
+
+
+def convt_reach(k: int, s: int, d: int, p: int) -> Fraction:
+    """Input pixels a transposed conv's output pixel reads beyond its own footprint (``[o/s, (o+1)/s)``
+    in input pixels), on the farther side: exact, often a fraction (kernel = stride = s, no
+    padding: (s - 1) / s), which sequential tiles' window alignment rounds once per stage."""
+    before = max(Fraction(o, s) - -(-(o + p - d * (k - 1)) // s) for o in range(s))
+    after = max((o + p) // s + 1 - Fraction(o + 1, s) for o in range(s))
+    return max(before, after, Fraction(0))
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,9 @@ class SpatialRule:
     reason: str = ""
     halo: tuple[int, ...] = ()  # extra input pixels needed on each side, per spatial dim
     kind: str = ""  # conv, pool, upsample, norm, elementwise, concat, io
+    # input pixels an output pixel reads beyond its own footprint, per dim, as sequential tiles'
+    # windows count them ([Note: stage reach] in runtime/spatial/reach.py); () where it is the halo
+    reach: tuple[float, ...] = ()
 
 
 _ELEMENTWISE_MODULES: tuple[type, ...] = (
@@ -92,7 +110,9 @@ def _module_rule(m: nn.Module) -> SpatialRule:
     if isinstance(m, _CONVT_MODULES):
         n = len(m.kernel_size)  # type: ignore[arg-type]
         k, s = _tuple(m.kernel_size, n), _tuple(m.stride, n)  # type: ignore[arg-type]
-        return SpatialRule(True, "", tuple(max(0, math.ceil((k[i] - s[i]) / max(s[i], 1))) for i in range(n)), "upsample")
+        d, p = _tuple(m.dilation, n), _tuple(m.padding, n)  # type: ignore[arg-type]
+        return SpatialRule(True, "", tuple(max(0, math.ceil((k[i] - s[i]) / max(s[i], 1))) for i in range(n)), "upsample",
+                           tuple(float(convt_reach(k[i], s[i], d[i], p[i])) for i in range(n)))
     if isinstance(m, _POOL_MODULES) and getattr(m, "return_indices", False):
         return SpatialRule(False, f"{name}(return_indices=True) is not tiled (the indices would be tile-local)")
     if isinstance(m, _POOL_MODULES):
@@ -104,9 +124,9 @@ def _module_rule(m: nn.Module) -> SpatialRule:
     if isinstance(m, nn.Upsample):
         mode = m.mode
         if mode in ("nearest", "nearest-exact"):
-            return SpatialRule(True, "", (), "upsample")
+            return SpatialRule(True, "", (), "upsample", UPSAMPLE_REACH)
         if mode in ("bilinear", "linear", "trilinear"):
-            return SpatialRule(True, "", (1,), "upsample")
+            return SpatialRule(True, "", (1,), "upsample", UPSAMPLE_REACH)
         return SpatialRule(False, f"Upsample(mode={mode!r}) is not tiled (nearest, nearest-exact, linear, bilinear and "
                                   "trilinear are)")
     if isinstance(m, _NORM_MODULES):
@@ -142,7 +162,7 @@ def _aten_rule(node: fx.Node, op: torch._ops.OpOverload) -> SpatialRule:
         return _repeat_rule(node, name)
     if op in _ATEN_UPSAMPLE:
         if aten_upsample_scales(node) is not None:
-            return SpatialRule(True, "", () if "nearest" in name else (1,), "upsample")
+            return SpatialRule(True, "", () if "nearest" in name else (1,), "upsample", UPSAMPLE_REACH)
         return SpatialRule(False, f"{name} to a fixed output size is not tiled (a scale factor is)")
     if op is torch.ops.aten._to_copy.default and node.kwargs.get("device") is not None:
         return SpatialRule(False, f"{name} to another device is not tiled")
@@ -225,9 +245,9 @@ def _function_rule(node: fx.Node) -> SpatialRule:
         if node.kwargs.get("antialias"):
             return SpatialRule(False, "F.interpolate(antialias=True) is not tiled")
         if mode in ("nearest", "nearest-exact"):
-            return SpatialRule(True, "", (), "upsample")
+            return SpatialRule(True, "", (), "upsample", UPSAMPLE_REACH)
         if mode in ("bilinear", "linear", "trilinear"):
-            return SpatialRule(True, "", (1,), "upsample")
+            return SpatialRule(True, "", (1,), "upsample", UPSAMPLE_REACH)
         return SpatialRule(False, f"F.interpolate(mode={mode!r}) is not tiled")
     if t in (F.max_pool1d, F.max_pool2d, F.max_pool3d) and (node.kwargs.get("return_indices") or len(node.args) > 6):
         return SpatialRule(False, f"{tname}(return_indices=True) is not tiled (the indices would be tile-local)")

@@ -12,7 +12,8 @@ finest stage input):
   on, on either side: summed along the worst path, each windowed op adds, in its input's scale,
   the larger of the inputs it reads before and after its footprint (a conv or pool with extent
   ``e = d * (k - 1) + 1``, stride ``s`` and padding ``lo`` before: ``max(lo, e - lo - s)``; a
-  transposed conv ``ceil(max(d * (k - 1) - p, p + s - 1) / s)``; an upsample 2);
+  transposed conv the exact fraction of an input pixel its outputs read beyond their own
+  footprint (``partitioner.spatial.tileable.convt_reach``; 1/2 for kernel = stride = 2); an upsample 2);
 * ``align``: the least common multiple of every node's scale numerator: a window starting at a
   multiple of it starts on a whole pixel of every node, so strided ops see the same phase as
   on the whole image.
@@ -40,7 +41,7 @@ from torch import nn
 
 from nowdl.errors import NowdlError
 from nowdl.geometry import conv_pads, ntuple
-from nowdl.partitioner.spatial.tileable import aten_upsample_scales
+from nowdl.partitioner.spatial.tileable import UPSAMPLE_REACH, aten_upsample_scales, convt_reach
 from nowdl.runtime.spatial.graph_ops import ATEN_UP, INTERP_ARGS, POOL_ARGS, POOL_FN, bind
 
 __all__ = ["Reach", "stage_reach", "refuse_sequential"]
@@ -121,7 +122,7 @@ def _node_step(gm: fx.GraphModule, node: fx.Node, n: int) -> tuple[list[Fraction
     elif node.op == "call_function" and node.target in ATEN_UP:
         sc = aten_upsample_scales(node) or (1.0,)
         sc = tuple(sc) * n if len(sc) == 1 else tuple(sc)
-        return [Fraction(1) / Fraction(int(f)) for f in sc], [Fraction(2)] * n
+        return [Fraction(1) / Fraction(int(f)) for f in sc], [Fraction(UPSAMPLE_REACH[0])] * n
     if isinstance(m, (*_CONVS, *_POOLS)):
         k = ntuple(m.kernel_size, n)
         s = ntuple(m.stride if m.stride not in (None, (), []) else m.kernel_size, n)
@@ -134,11 +135,10 @@ def _node_step(gm: fx.GraphModule, node: fx.Node, n: int) -> tuple[list[Fraction
     if isinstance(m, _CONVTS):
         # output o reads inputs ceil((o + p - d(k-1)) / s) .. floor((o + p) / s)
         k, s, d, p = (ntuple(v, n) for v in (m.kernel_size, m.stride, m.dilation, m.padding))
-        return ([Fraction(1, v) for v in s],
-                [Fraction(math.ceil(max(d[i] * (k[i] - 1) - p[i], p[i] + s[i] - 1) / s[i])) for i in range(n)])
+        return [Fraction(1, v) for v in s], [convt_reach(k[i], s[i], d[i], p[i]) for i in range(n)]
     if isinstance(m, nn.Upsample):
         sf = m.scale_factor if isinstance(m.scale_factor, (tuple, list)) else [m.scale_factor] * n
-        return [Fraction(1) / Fraction(int(float(f or 1))) for f in sf], [Fraction(2)] * n
+        return [Fraction(1) / Fraction(int(float(f or 1))) for f in sf], [Fraction(UPSAMPLE_REACH[0])] * n
     return one, none
 
 
