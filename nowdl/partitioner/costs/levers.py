@@ -26,9 +26,11 @@ added to the backward's workspace); the plan's figure takes the larger of the tw
 
 [Note: host offload] An offloaded stage (``Candidate.offload``) copies each saved activation to
 host memory on a side stream as the forward makes it and brings it back ahead of the backward
-that needs it. On the GPU it holds, during node v's backward, v's saved bytes and those of the
-node before it in graph order (the next backward's, coming back) on top of v's workspace: the
-Problem's workspace of v grows by both, and its saved bytes (placeholders excepted) leave it. Per micro-batch the stage moves its saved bytes ``A`` out and back
+that needs it. On the GPU it holds, during node v's forward, the values live there (every output
+made whose last reader has not run: a UNet's skips, ``live_bytes`` of costs/inference.py), and
+during v's backward v's saved bytes and those of the node before it in graph order (the next
+backward's, coming back), each on top of v's workspace: the Problem's workspace of v grows by the
+larger of the two, and its saved bytes (placeholders excepted) leave it. Per micro-batch the stage moves its saved bytes ``A`` out and back
 at ``host_link_bw`` (DeviceSpec, one direction per GPU). The copy out overlaps with the
 forward and the copy back with the backward; with several micro-batches in flight the link is
 full duplex and each direction overlaps with a whole forward + backward slot. So the exposed
@@ -47,6 +49,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from nowdl.partitioner.costs.inference import live_bytes
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
 from nowdl.partitioner.search.config import Candidate
 from nowdl.plan.topology import node_spec_for
@@ -97,7 +100,12 @@ def offload_vectors(prof: Profile, base: NodeVectors) -> NodeVectors:
     keep = [n.op == "placeholder" for n in prof.nodes]
     act = [a if k else 0.0 for a, k in zip(base.act, keep, strict=True)]
     off = [0.0 if k else a for a, k in zip(base.act, keep, strict=True)]
-    ws = [w + a + (off[v - 1] if v else 0.0) for v, (w, a) in enumerate(zip(base.workspace, off, strict=True))]
+    # the forward's live set at each node, at this variant's sizes (the inputs are in ``act``)
+    sized = [dataclasses.replace(n, out_bytes=0 if k else int(o))
+             for n, k, o in zip(prof.nodes, keep, base.out, strict=True)]
+    live = live_bytes(sized, prof.edges)
+    ws = [w + max(live[v], a + (off[v - 1] if v else 0.0))
+          for v, (w, a) in enumerate(zip(base.workspace, off, strict=True))]
     return NodeVectors(act=act, time=base.time, workspace=ws, out=base.out)
 
 
