@@ -76,5 +76,7 @@ def test_folding_improves_some_seed() -> None:
             continue
         first = expand(part, groups, problem, exact=False).stage_of
         got = with_waits_folded(problem, small, groups, lat, part)  # type: ignore[arg-type]
-        better += got != first
+        if got != first:
+            better += 1
+            break
     assert better > 0
