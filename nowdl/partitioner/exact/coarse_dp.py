@@ -20,9 +20,10 @@ import time
 
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import make_partition, one_to_one
-from nowdl.partitioner.exact.coarsen import coarsen, expand
+from nowdl.partitioner.exact.coarsen import coarsen
 from nowdl.partitioner.exact.downsets import Lattice, enumerate_ideals
 from nowdl.partitioner.exact.ideal_dp import solve_ideals
+from nowdl.partitioner.exact.wait_weights import with_waits_folded
 
 __all__ = ["coarse_split", "COARSE_CAP"]
 
@@ -67,7 +68,7 @@ def coarse_split(problem: Problem, cap: int = COARSE_CAP) -> Partition | None:
     part = solve_ideals(small, lat)
     if part is None:
         return None
-    stage_of = expand(part, groups, problem, exact=False).stage_of
+    stage_of = with_waits_folded(problem, small, groups, lat, part)  # [Note: wait reweighting]
     out = make_partition(problem, stage_of, solver="coarse", status="heuristic", gap=float("nan"))
     log.info("coarse ideal DP: %d nodes -> %d groups, %d ideals: %.6g / %.6g in %.2f s",
              problem.n, small.n, lat.size, out.bottleneck_mem, out.bottleneck_time,
