@@ -1,8 +1,8 @@
 """Measured compute: achieved FLOP/s or bytes/s per op class, forward and backward together.
 
 Each class runs one representative op on real tensors of ``device``: conv2d (3x3, 32 -> 32
-channels), conv3d (3x3x3, 16 -> 16), matmul (square ``mm``), elementwise (ReLU) and norm
-(training batch norm), forward and backward through autograd with a given output gradient.
+channels; 64 -> 64 at 512² on CUDA), conv3d (3x3x3, 16 -> 16; 32 -> 32 at 64³ on CUDA), matmul
+(square ``mm``), elementwise (ReLU) and norm (training batch norm), forward and backward through autograd with a given output gradient.
 The FLOPs and bytes are counted by :class:`~nowdl.profiler.flops.OpCostMode` on the very same
 call (so a calibrated rate means exactly what the estimate-mode roofline divides by), and the
 time is the median over repeats after warm-up. Rate = FLOPs / time for conv2d, conv3d and
@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: N812
 from nowdl.profiler.devices import OP_CLASSES
 from nowdl.profiler.flops import OpCostMode
 
-__all__ = ["measure_ops", "median_times", "OP_SHAPES"]
+__all__ = ["measure_ops", "median_times", "OP_SHAPES", "CUDA_SHAPES"]
 
 #: class -> (quick shapes, full shapes): the input's shape (matmul: n of an n x n product)
 OP_SHAPES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
@@ -30,6 +30,17 @@ OP_SHAPES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "matmul": ((384,), (1024,)),
     "elementwise": ((1, 32, 128, 128), (8, 32, 128, 128)),
     "norm": ((1, 32, 64, 64), (4, 32, 128, 128)),
+}
+
+#: class -> full shapes on CUDA. A GPU runs OP_SHAPES' ops in microseconds, where launch overhead
+#: and idle units dominate: on an H200 those rates made the UNet's estimate 14x slower than its
+#: measured time. These are the sizes the networks nowdl plans run at (64 channels at 512²).
+CUDA_SHAPES: dict[str, tuple[int, ...]] = {
+    "conv2d": (1, 64, 512, 512),
+    "conv3d": (1, 32, 64, 64, 64),
+    "matmul": (8192,),
+    "elementwise": (4, 64, 512, 512),
+    "norm": (4, 64, 512, 512),
 }
 
 
@@ -113,7 +124,7 @@ def measure_ops(device: torch.device, dtypes: Sequence[torch.dtype] = (torch.flo
         name = str(dt).removeprefix("torch.")
         rates: dict[str, float] = {}
         for cls_, (small, big) in OP_SHAPES.items():
-            shape = small if quick else big
+            shape = small if quick else CUDA_SHAPES[cls_] if device.type == "cuda" else big
             if say:
                 say(f"{cls_} {name} {'x'.join(map(str, shape))}")
             rates[cls_] = _rate(cls_, shape, device, dt, reps, 1 if quick else 2)
