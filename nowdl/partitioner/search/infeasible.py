@@ -134,14 +134,17 @@ def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float, c
     return None, lean, (MAX_GPUS if g > MAX_GPUS else tried)
 
 
-def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, str], cache: SolveCache) -> str:
+def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, str], cache: SolveCache,
+                       budget_s: float = BUDGET_S) -> str:
     """The error for a search that fitted nothing: ``searched`` is the leanest split it made
-    (peak bytes and the candidate in words). See [Note: infeasible figures]."""
+    (peak bytes and the candidate in words); its figures take ``budget_s`` seconds at most. See
+    [Note: infeasible figures]."""
     cap = costs.mem_cap or 0.0
-    deadline = time.perf_counter() + BUDGET_S
+    budget = budget_s
+    deadline = time.perf_counter() + budget
     found = min(searched, leanest(costs, req, deadline, cache))
     need = (f"the leanest split found needs {cap_text(found[0])} on its fullest GPU ({found[1]})"
-            if math.isfinite(found[0]) else f"no split of it was made within the {BUDGET_S:.0f} s for this search")
+            if math.isfinite(found[0]) else f"no split of it was made within the {budget:.0f} s for this search")
     heaviest = max(costs.profile.nodes, key=lambda n: n.static_bytes)
     if heaviest.static_bytes > cap:
         return (
@@ -156,7 +159,7 @@ def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, st
     if gpus is not None:
         more = f"{gpus} GPUs would fit it ({lean[1]}, {format_bytes(lean[0])})"
     elif tried < MAX_GPUS and time.perf_counter() >= deadline:
-        more = (f"no GPU count up to {tried} fits it, and the {BUDGET_S:.0f} s for this search ran out at "
+        more = (f"no GPU count up to {tried} fits it, and the {budget:.0f} s for this search ran out at "
                 f"{2 * tried} GPUs{' (' + leanest_txt + ')' if leanest_txt else ''}: try a larger --gpus")
     else:
         more = f"no GPU count up to {tried} was found to fit it" + (f" ({leanest_txt})" if leanest_txt else "")
