@@ -45,6 +45,7 @@ from nowdl.partitioner.search.candidate_problem import candidate_problem
 from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.search.deadline import (
     TileGroups,
+    heuristic_over,
     least_memory,
     out_of_time_message,
     out_of_time_warning,
@@ -131,12 +132,13 @@ def _as_memory(p: Problem) -> Problem:
 
 
 def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, cache: SolveCache,
-              time_limit: float = 30.0, mip_gap: float = 1e-6) -> _Eval | None:
-    """Solve a candidate without the MILP; None when pins/tileability allow no split.
-
-    ``time_limit`` bounds the MILP that screening falls back to when no heuristic split fits the
-    cap (MASTER): one that cannot find a split in time counts as not fitting."""
+              time_limit: float = 30.0, mip_gap: float = 1e-6, milp: bool = True) -> _Eval | None:
+    """Solve a candidate without the MILP; None when pins/tileability allow no split. ``time_limit``
+    bounds the MILP that screening falls back to when no heuristic split fits the cap (MASTER): one
+    that cannot find a split in time counts as not fitting; ``milp=False``: no such MILP where the
+    heuristic least-memory split is over the cap ([Note: search deadline])."""
     part = least_memory(problem, cache, time_limit, mip_gap) if problem.objective == "memory" else None
+    part = part or (None if milp else heuristic_over(problem, cache, time_limit, mip_gap))
     fits = part is not None and part.bottleneck_mem <= (costs.mem_cap or math.inf)
     if part is None or (fits and part.bottleneck_mem * (1 + 1e-8) > (costs.mem_cap or math.inf)):
         try:
@@ -257,15 +259,12 @@ def search(
         choice = f"{len(doubt)} candidate(s) not proven could be up to {edge:.1%} faster by their bounds"
     stats: dict[str, object] = {
         "enumerated": len(cands), "evaluated": len(evals), "pruned_by_bound": pruned, "over_cap_by_bound": over,
-        "proven": sum(1 for e in results if e.exact),
-        "milp": sum(1 for e in results if e.part.solver in ("highs", "cbc")),
-        "choice": choice, "screen_s": round(screen_s, 3),
-        "total_s": round(time.perf_counter() - t0, 3),
+        "proven": sum(1 for e in results if e.exact), "milp": sum(1 for e in results if e.part.solver in ("highs", "cbc")),
+        "choice": choice, "screen_s": round(screen_s, 3), "total_s": round(time.perf_counter() - t0, 3),
     }
     warnings: list[str] = []
-    if untried:
-        stats["untried"] = untried
-        warnings.append(out_of_time_warning(req, len(cands) - untried, len(cands)))
+    if untried:  # [Note: search deadline]
+        stats["untried"], warnings = untried, [out_of_time_warning(req, len(cands) - untried, len(cands))]
         log.warning("%s", warnings[-1])
     if best.idle:
         msg = idle_warning(best.problem, best.part.stage_of, costs.names, balance=req.balance,
@@ -283,9 +282,9 @@ def search(
 def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cache: SolveCache, t0: float,
             progress: Callable[[int, int], None] | None,
             host_refused: dict[Candidate, str]) -> tuple[list[_Eval], int, int, int]:
-    """Bound every candidate of ``pool`` and solve, best bound first, those that can still win
-    ([Note: configuration search]) until the deadline ([Note: search deadline]); the solved ones,
-    and how many the bounds pruned or proved over the cap, and how many the deadline left untried."""
+    """Bound every candidate of ``pool`` and solve, best bound first, those that can still win ([Note:
+    configuration search]) until the deadline; the solved ones, and how many the bounds pruned or
+    proved over the cap, and how many the deadline left untried ([Note: search deadline])."""
     deadline = t0 + req.time_limit
     entries: list[tuple[Candidate, Costs, Problem, Bounds]] = []
     for cand in pool:
@@ -329,16 +328,16 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
             continue  # only levers could fit it, and their time is spent
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
 
-        def solve_levers(c: Candidate, screen: float = screen) -> _Eval | None:
+        def solve_levers(c: Candidate, screen: float = screen, milp: bool = False) -> _Eval | None:
             c_costs, p = candidate_problem(by_batch, c, req.balance)
             e = _evaluate(c_costs, c, p, candidate_bounds(c_costs, c, p, c.micro_batch_size), cache, screen,
-                          req.mip_gap)
+                          req.mip_gap, milp)
             if e is None or host_fits(c_costs, c, e.part.stage_of):
                 return e
             host_refused[c] = host_message(c_costs, req, c, e.part.stage_of)
             return dataclasses.replace(e, fits=False)
 
-        ev = solve_levers(cand) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
+        ev = solve_levers(cand, milp=True) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
             cc, cand, _uncapped(problem) if base_over else problem, b, cache, screen, req.mip_gap)
         if ev is not None and not ev.fits and cand.tiles_per_gpu == 1:  # levers while LEVER_SHARE is left
             ev = fit_with_levers(cc, req, ev, solve_levers, deadline=lever_deadline)

@@ -12,6 +12,13 @@ can end late by (the documented slack):
 - a refusal's figures (the leanest split, the GPU count that fits: [Note: infeasible figures]),
   which get what is left of the limit but at least ``REFUSAL_S`` seconds.
 
+A recompute/offload round ([Note: choosing levers]) takes a candidate whose heuristic
+least-memory split (without the cap) is over the cap as not fitting, without the screening
+MILP that looks for a capped split the heuristics missed (MASTER): on ResNet-110-v2 at 8192² on
+16 GPUs with a free batch, four such MILPs took 26 s of a 52 s search (their model building
+is not under HiGHS's time limit). Such a candidate can still get the MILP as a finalist when
+nothing fits by the heuristics.
+
 A search cut short returns the best plan it found, with a warning saying how many candidates it
 solved; one that found none that fits is refused, saying the limit ran out and what to try
 (:func:`out_of_time_message`), not that nothing fits.
@@ -43,7 +50,7 @@ from nowdl.partitioner.solver import SolveCache, proven, solve
 from nowdl.plan.plan import format_bytes
 
 __all__ = ["REFUSAL_S", "refusal_budget", "out_of_time_message", "out_of_time_warning", "TileGroups", "least_memory",
-           "over_cap_proven"]
+           "over_cap_proven", "heuristic_over"]
 
 REFUSAL_S = 2.0  # seconds a refusal's figures get at least, past the deadline if need be
 
@@ -127,6 +134,20 @@ def least_memory(problem: Problem, cache: SolveCache, time_limit: float, mip_gap
     except InfeasibleError:
         return None
     return part if proven(part) and part.solver == "ideals" else None
+
+
+def heuristic_over(problem: Problem, cache: SolveCache, time_limit: float, mip_gap: float) -> Partition | None:
+    """The heuristic least-memory split of ``problem`` without its cap where it is over the cap,
+    else None: a lever round takes such a candidate as not fitting without the screening MILP
+    ([Note: search deadline])."""
+    if problem.mem_cap is None:
+        return None
+    memory = problem if problem.objective == "memory" else dataclasses.replace(problem, objective="memory")
+    try:
+        part = solve(uncapped(memory), ilp=False, cache=cache, time_limit=time_limit, mip_gap=mip_gap)
+    except InfeasibleError:
+        return None
+    return part if part.bottleneck_mem > problem.mem_cap * (1 + 1e-6) else None
 
 
 def over_cap_proven(problem: Problem, cache: SolveCache, deadline: float, mip_gap: float) -> bool:
