@@ -20,7 +20,7 @@ is not under HiGHS's time limit). Such a candidate can still get the MILP as a f
 nothing fits by the heuristics.
 
 A search cut short returns the best plan it found, with a warning saying how many candidates it
-solved; one that found none that fits is refused, saying the limit ran out and what to try
+tried; one that found none that fits is refused, saying the limit ran out and what to try
 (:func:`out_of_time_message`), not that nothing fits.
 
 [Note: leanest tiles first] A sequential-tile candidate with T tiles per GPU holds at most what
@@ -29,7 +29,7 @@ the same configuration holds with fewer tiles: each node of a stage in turn keep
 sequential tiles cost]), and nothing else changes, provided the larger T keeps every node
 tileable that the smaller one does (smaller tiles can exclude ops too small for them,
 ``candidate_problem.too_small``). So where the proven least memory of a configuration at its
-largest T exceeds the cap, every T it dominates is over the cap as well and is not solved
+largest T exceeds the cap, every T it dominates is over the cap as well and is not tried
 (:class:`TileGroups`). On ResNet-110-v2 at 8192² on 16 GPUs (BatchNorm ends every sequential
 stage after the stem) this skips 45 of 54 sequential-tile solves.
 """
@@ -62,26 +62,27 @@ def refusal_budget(deadline: float, most: float) -> float:
 
 
 def _limit_text(req: PlanRequest) -> str:
-    return f"{req.time_limit:.1f} s"
+    x = req.time_limit
+    return f"{x:.1f} s" if x >= 1 else f"{x:.2g} s"
 
 
-def out_of_time_message(req: PlanRequest, solved: int, total: int, leanest: tuple[float, str],
+def out_of_time_message(req: PlanRequest, tried: int, total: int, leanest: tuple[float, str],
                         cap: float | None) -> str:
     """The refusal of a search whose time limit ran out before any candidate fitted: the limit,
     how far it got, the leanest split it made, and what to try."""
     lean = (f"; the leanest split it made needs {format_bytes(leanest[0])} on its fullest GPU ({leanest[1]})"
             if math.isfinite(leanest[0]) and leanest[1] else "")
     cap_txt = f"{format_bytes(cap)} per GPU" if cap is not None else "the memory cap"
-    return (f"time limit: the search ran out of its {_limit_text(req)} after solving {solved} of {total} candidate "
-            f"configurations of {req.gpus} GPUs, none of which fits {cap_txt}{lean}; the other {total - solved} "
+    return (f"time limit: the search ran out of its {_limit_text(req)} after trying {tried} of {total} candidate "
+            f"configurations of {req.gpus} GPUs, none of which fits {cap_txt}{lean}; the other {total - tried} "
             "were not tried, so a plan may still exist: raise the time limit (--time-limit 120, "
             "PlannerOptions(time_limit=120)), or pin part of the configuration (--stages, --spatial-parts, "
             "--tiles-per-gpu, --recompute/--offload) so that fewer candidates are searched, or use more GPUs")
 
 
-def out_of_time_warning(req: PlanRequest, solved: int, total: int) -> str:
+def out_of_time_warning(req: PlanRequest, tried: int, total: int) -> str:
     """The plan's warning when the time limit cut the search short."""
-    return (f"the search ran out of its {_limit_text(req)} time limit after solving {solved} of {total} candidate "
+    return (f"the search ran out of its {_limit_text(req)} time limit after trying {tried} of {total} candidate "
             "configurations: this plan is the best of those; a larger time limit (--time-limit, "
             "PlannerOptions(time_limit=...)) may find a faster one")
 
