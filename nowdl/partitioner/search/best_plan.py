@@ -50,10 +50,8 @@ from nowdl.partitioner.search.deadline import (
     out_of_time_message,
     out_of_time_warning,
     over_cap_proven,
-    refusal_budget,
 )
 from nowdl.partitioner.search.infeasible import (
-    BUDGET_S,
     check_tiles_per_gpu,
     describe,
     first_untileable,
@@ -238,8 +236,7 @@ def search(
             raise InfeasibleError(next(iter(host_refused.values())))
         if untried:
             raise InfeasibleError(out_of_time_message(req, len(cands) - untried, len(cands), searched, costs.mem_cap))
-        raise InfeasibleError(infeasible_message(costs, req, searched, cache,  # the graph's lattices, solved splits
-                                                 budget_s=refusal_budget(deadline, BUDGET_S)))
+        raise InfeasibleError(infeasible_message(costs, req, searched, cache, deadline))  # the lattices, splits
     best = min(fitting, key=lambda e: e.key())
     left = deadline - time.perf_counter()
     if best.part.status == "heuristic" and best.part.solver == "ideals" and left > 0:  # MASTER: its gap

@@ -24,6 +24,7 @@ from nowdl.partitioner.search.batch_split import CostsByBatch
 from nowdl.partitioner.search.bounds import candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
 from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
+from nowdl.partitioner.search.deadline import refusal_budget
 from nowdl.partitioner.search.grids import part_counts, tile_counts
 from nowdl.partitioner.search.model_space import (
     batch_of,
@@ -135,12 +136,13 @@ def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float, c
 
 
 def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, str], cache: SolveCache,
-                       budget_s: float = BUDGET_S) -> str:
+                       deadline: float | None = None) -> str:
     """The error for a search that fitted nothing: ``searched`` is the leanest split it made
-    (peak bytes and the candidate in words); its figures take ``budget_s`` seconds at most. See
+    (peak bytes and the candidate in words); its figures take ``BUDGET_S`` seconds at most, and
+    what is left before the search's ``deadline`` when given (``deadline.refusal_budget``). See
     [Note: infeasible figures]."""
     cap = costs.mem_cap or 0.0
-    budget = budget_s
+    budget = BUDGET_S if deadline is None else refusal_budget(deadline, BUDGET_S)
     deadline = time.perf_counter() + budget
     found = min(searched, leanest(costs, req, deadline, cache))
     need = (f"the leanest split found needs {cap_text(found[0])} on its fullest GPU ({found[1]})"
