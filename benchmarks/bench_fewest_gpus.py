@@ -1,76 +1,141 @@
-"""The fewest GPUs that train the built-in UNet on one large image, in estimate mode.
+"""The fewest GPUs that train each out-of-core job, in estimate mode, with the planner choosing
+recompute, host offload and sequential tiles, against the plan without them.
 
-For each image side the planner is asked for 1, 2, 4, ... GPUs until a plan fits, then for every
-count between the last power of two that failed and the first that fitted; once with sequential
-tiles forbidden (``tiles_per_gpu=1``: spatial tiles up to the GPU count only) and once with
-``tiles_per_gpu="auto"``. H100 80 GiB spec, fp32, Adam, one sample per step (``global_batch=1``).
+For each job (bench_out_of_core.MODELS: the built-in UNet at 8192², 16384² and 32768²,
+ResNet-110-v2 at 8192², nnU-Net's residual-encoder UNet "M" at 512³) the planner is asked, with
+``recompute="auto", offload="auto", tiles_per_gpu="auto"``, for 1, 2, 4, ... GPUs until a plan
+fits, then for every count between the last power of two that failed and the first that fitted.
+On the fewest count found it is asked again without the levers (``recompute="off",
+offload="off", tiles_per_gpu=1``), and the fewest powers of two that fit without them are
+looked for too (``--no-baseline`` skips that scan). H100 80 GiB spec (``h100``: 2 TiB of host
+memory per 8 GPUs, 55 GB/s each to the host), fp32, Adam, one sample per step
+(``global_batch=1``), a profile cache shared by the GPU counts of a job. A count refused
+because the search ran out of its time limit ([Note: search deadline]) is marked, since a plan
+might exist there.
 
-    PYTHONPATH=. python benchmarks/bench_fewest_gpus.py [--sides 8192 16384 32768] [--time-limit 60]
+    PYTHONPATH=. python benchmarks/bench_fewest_gpus.py [--only unet8k,resnet] [--time-limit 60]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from bench_out_of_core import MODELS, config_text, levers_text
+from torch import nn
 
 import nowdl
-from nowdl.errors import InfeasibleError, NowdlError
+from nowdl.errors import NowdlError
 
 __all__ = ["fewest", "main"]
 
+AUTO: dict[str, Any] = dict(recompute="auto", offload="auto", tiles_per_gpu="auto")
+OFF: dict[str, Any] = dict(recompute="off", offload="off", tiles_per_gpu=1)
+MAX_GPUS = 64
+_T0 = time.perf_counter()
 
-def _plan(side: int, gpus: int, tiles: str | int, time_limit: float) -> Any:
-    cm = nowdl.compile(nowdl.models.unet(), gpus=gpus, mode="estimate", device_spec="h100", progress=False,
-                       cache=False, global_batch=1, tiles_per_gpu=tiles,
-                       planner=nowdl.PlannerOptions(time_limit=time_limit))
+
+def _say(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Found:
+    gpus: int | None = None
+    plan: Any = None
+    secs: float = 0.0
+    timed_out: list[int] = field(default_factory=list)  # counts refused because the time limit ran out
+
+
+def _plan(build: Callable[[], nn.Module], shape: tuple[int, ...], gpus: int, levers: dict[str, Any],
+          time_limit: float, cache: str, found: Found) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    cm = nowdl.compile(build(), gpus=gpus, mode="estimate", device_spec="h100", progress=False, cache=cache,
+                       global_batch=1, planner=nowdl.PlannerOptions(time_limit=time_limit), **levers)
     try:
-        return cm.plan(torch.empty(1, 3, side, side, device="meta"))
-    except (InfeasibleError, NowdlError):
-        return None
+        plan = cm.plan(torch.empty(shape, device="meta"))
+    except NowdlError as e:
+        secs = time.perf_counter() - t0
+        if str(e).startswith("time limit:"):
+            found.timed_out.append(gpus)
+        _say(f"  {gpus} GPUs refused in {secs:.1f} s: {str(e)[:150]}")
+        return None, secs
+    secs = time.perf_counter() - t0
+    _say(f"  {gpus} GPUs: step {plan.predicted['step_s']:.3g} s, planned in {secs:.1f} s")
+    return plan, secs
 
 
-def fewest(side: int, tiles: str | int, time_limit: float, max_gpus: int = 128) -> tuple[int | None, Any, float]:
-    """(fewest GPUs, its plan, planning seconds of that plan); (None, None, 0) up to ``max_gpus``."""
+def fewest(build: Callable[[], nn.Module], shape: tuple[int, ...], levers: dict[str, Any], time_limit: float,
+           cache: str, *, between: bool = True) -> Found:
+    """The fewest GPUs (powers of two, then the counts between) whose plan fits."""
+    found = Found()
     last_fail, g = 0, 1
-    while g <= max_gpus:
-        t0 = time.perf_counter()
-        plan = _plan(side, g, tiles, time_limit)
+    while g <= MAX_GPUS:
+        plan, secs = _plan(build, shape, g, levers, time_limit, cache, found)
         if plan is not None:
-            secs = time.perf_counter() - t0
-            for h in range(last_fail + 1, g):  # the counts between
-                t1 = time.perf_counter()
-                p = _plan(side, h, tiles, time_limit)
+            found.gpus, found.plan, found.secs = g, plan, secs
+            for h in range(last_fail + 1, g) if between else ():
+                p, s = _plan(build, shape, h, levers, time_limit, cache, found)
                 if p is not None:
-                    return h, p, time.perf_counter() - t1
-            return g, plan, secs
+                    found.gpus, found.plan, found.secs = h, p, s
+                    break
+            return found
         last_fail, g = g, g * 2
-    return None, None, 0.0
+    return found
 
 
-def _row(side: int, tiles: str | int, found: tuple[int | None, Any, float]) -> str:
-    g, plan, secs = found
-    if plan is None:
-        return f"| {side}² | {tiles} | none up to 128 | | | | |"
-    sp = plan.config.get("spatial") or {}
-    layout = (f"{plan.config['stages']} stage(s), parts {sp.get('stage_parts', [1])}, "
-              f"{max(s.tiles_per_gpu for s in plan.stages)} tile(s)/GPU")
-    return (f"| {side}² | {tiles} | {g} | {layout} | {plan.predicted['peak_bytes'] / 2**30:.1f} GiB | "
-            f"{plan.predicted['step_s']:.2f} s | {secs:.1f} s |")
+def _step(plan: Any) -> str:
+    return f"{plan.predicted['step_s']:.3g} s"
+
+
+def row(label: str, auto: Found, same: Any, base: Found | None) -> str:
+    if auto.plan is None:
+        return f"| {label} | none up to {MAX_GPUS} | | | | | | | |"
+    p = auto.plan
+    timed = f" (time limit ran out on {auto.timed_out})" if auto.timed_out else ""
+    without = _step(same) if same is not None else "does not fit"
+    if base is None:
+        base_txt = "not run"
+    elif base.plan is None:
+        base_txt = f"none up to {MAX_GPUS}"
+    else:
+        base_txt = f"{base.gpus} ({_step(base.plan)})" + (f", time limit ran out on {base.timed_out}" if base.timed_out else "")
+    return (f"| {label} | {auto.gpus}{timed} | {config_text(p)} | {levers_text(p)} | "
+            f"{p.predicted['peak_bytes'] / 2**30:.1f} GiB | {_step(p)} | {auto.secs:.1f} s | {without} | {base_txt} |")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sides", type=int, nargs="+", default=[8192, 16384, 32768])
-    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--only", help="comma-separated keys of bench_out_of_core.MODELS: " + ",".join(MODELS))
+    ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per plan() (default 60)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the fewest GPUs without the levers")
     args = ap.parse_args()
-    print("| image | tiles_per_gpu | fewest GPUs | plan | peak/GPU | step | plan time |")
-    print("|---|---|---|---|---|---|---|")
-    for side in args.sides:
-        for tiles in (1, "auto"):
-            print(_row(side, tiles, fewest(side, tiles, args.time_limit)), flush=True)
+    keys = args.only.split(",") if args.only else list(MODELS)
+    lines = ["| job | fewest GPUs (levers auto) | plan | recompute / offload | peak/GPU | step | plan() time | "
+             "step without levers, same GPUs | fewest GPUs without levers (powers of two; step) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key in keys:
+        label, build, shape = MODELS[key]
+        with tempfile.TemporaryDirectory(prefix="nowdl-fewest-") as cache:
+            _say(f"{label}: levers auto")
+            auto = fewest(build, shape, AUTO, args.time_limit, cache)
+            same = None
+            if auto.gpus is not None:
+                _say(f"{label}: without levers on {auto.gpus} GPUs")
+                same, _ = _plan(build, shape, auto.gpus, OFF, args.time_limit, cache, Found())
+            base = None
+            if not args.no_baseline:
+                _say(f"{label}: fewest without levers")
+                base = fewest(build, shape, OFF, args.time_limit, cache, between=False)
+        lines.append(row(label, auto, same, base))
+        print(lines[-1], file=sys.stderr, flush=True)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ class DeviceSpec:
     FLOP/s or bytes/s per class of :data:`OP_CLASSES`, which the estimate-mode roofline uses
     in place of the peaks) and ``calibration`` (where and how it was measured).
 
-    Optional, for host offload (None: no host memory to offload to): ``host_memory`` (bytes of
+    Optional, for host offload (None or 0: no host memory to offload to): ``host_memory`` (bytes of
     host RAM of one node, shared by the node's GPUs: the spec's ``"node"`` or the built-in DGX
     node, [Note: host offload] in partitioner/costs/levers.py) and ``host_link_bw`` (bytes/s one
     GPU copies to or from host memory, one direction, as achieved rather than the PCIe peak).
@@ -130,11 +130,12 @@ class DeviceSpec:
                                   or v < 0 or (k == "allreduce_bw" and v == 0)):
                 raise NowdlError(f"device spec field {k!r} must be a {'positive' if k == 'allreduce_bw' else 'non-negative'} "
                                  f"number (or absent), got {v!r}")
-        for k in ("host_memory", "host_link_bw"):
+        for k in ("host_memory", "host_link_bw"):  # host_memory 0: none to offload to, as absent
             v = d.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                                  or v <= 0):
-                raise NowdlError(f"device spec field {k!r} must be a positive number (or absent), got {v!r}")
+                                  or v < 0 or (v == 0 and k == "host_link_bw")):
+                raise NowdlError(f"device spec field {k!r} must be a positive number{' or 0' if k == 'host_memory' else ''} "
+                                 f"(or absent), got {v!r}")
         calib = d.get("calibration")
         if calib is not None and not isinstance(calib, dict):
             raise NowdlError(f"device spec field 'calibration' must be a JSON object (or absent), got {calib!r}")

@@ -62,11 +62,23 @@ def test_offload_without_host_memory(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main([*BASE, *PIPE, "--offload", "on", "--device-spec", str(spec), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "offload='on' needs host memory, but the device spec has none" in err
-    assert not out.exists()
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    zero = tmp_path / "zerohost.json"  # host_memory 0: no host memory, as absent
+    zero.write_text(json.dumps({**d, "name": "zerohost", "host_memory": 0, "host_link_bw": 1e9}))
+    assert main([*BASE, *PIPE, "--offload", "on", "--device-spec", str(zero), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "offload='on' needs host memory, but the device spec has none (host_memory 0 or absent" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    assert main([*BASE, *PIPE, "--offload", "off", "--device-spec", str(zero), "--out", str(out)]) == 0
+    capsys.readouterr()
+    out.unlink()
     small = tmp_path / "small.json"
     small.write_text(json.dumps({**d, "name": "smallhost", "host_memory": 4096, "host_link_bw": 1e9}))
     assert main([*BASE, *PIPE, "--offload", "on", "--device-spec", str(small), "--out", str(out)]) == 2
-    assert "leaves no host memory" in capsys.readouterr().err and not out.exists()
+    err = capsys.readouterr().err
+    assert "error: host memory: offloading the saved activations of stage(s) [0, 1] needs " in err, err
+    assert "per GPU the device spec leaves for offload" in err and "host_memory at least " in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_run_flags_against_a_saved_plan() -> None:

@@ -11,11 +11,10 @@ bound can beat the best proven-achievable throughput of a candidate that leaves 
 (with balance "compute" a heuristic's time is achievable, so it prunes too). Only
 candidates whose value is not proven and that may beat the best proven one go to the MILP
 (at most ``FINALISTS``), each started from its heuristic split, best first: each may use what
-is left of ``time_limit`` (which bounds the whole search) but ``FINALIST_RESERVE_S`` for each
-one after it, and its MILP stops once within ``mip_gap``.
-The best candidate is the one with no idle GPU and the highest predicted throughput (then
-the least memory); one that idles a GPU is chosen only when every candidate does, and the
-plan then says so.
+is left of ``time_limit`` (which bounds the whole search: [Note: search deadline] in deadline.py)
+but ``FINALIST_RESERVE_S`` for each one after it, and its MILP stops once within ``mip_gap``.
+The best candidate is the one with no idle GPU and the highest predicted throughput (then the
+least memory); one that idles a GPU is chosen only when every candidate does, and the plan says so.
 """
 
 from __future__ import annotations
@@ -44,6 +43,14 @@ from nowdl.partitioner.search.batch_split import CostsByBatch, batch_choice
 from nowdl.partitioner.search.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
 from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
+from nowdl.partitioner.search.deadline import (
+    TileGroups,
+    heuristic_over,
+    least_memory,
+    out_of_time_message,
+    out_of_time_warning,
+    over_cap_proven,
+)
 from nowdl.partitioner.search.infeasible import (
     check_tiles_per_gpu,
     describe,
@@ -123,20 +130,24 @@ def _as_memory(p: Problem) -> Problem:
 
 
 def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, cache: SolveCache,
-              time_limit: float = 30.0, mip_gap: float = 1e-6) -> _Eval | None:
-    """Solve a candidate without the MILP; None when pins/tileability allow no split.
-
-    ``time_limit`` bounds the MILP that screening falls back to when no heuristic split fits the
-    cap (MASTER): one that cannot find a split in time counts as not fitting."""
-    try:
-        part = solve(problem, ilp=False, cache=cache, time_limit=time_limit, mip_gap=mip_gap)
-        fits = True
-    except InfeasibleError:
+              time_limit: float = 30.0, mip_gap: float = 1e-6, milp: bool = True) -> _Eval | None:
+    """Solve a candidate without the MILP; None when pins/tileability allow no split. ``time_limit``
+    bounds the MILP that screening falls back to when no heuristic split fits the cap (MASTER): one
+    that cannot find a split in time counts as not fitting; ``milp=False``: no such MILP where the
+    heuristic least-memory split is over the cap ([Note: search deadline])."""
+    part = least_memory(problem, cache, time_limit, mip_gap) if problem.objective == "memory" else None
+    part = part or (None if milp else heuristic_over(problem, cache, time_limit, mip_gap))
+    fits = part is not None and part.bottleneck_mem <= (costs.mem_cap or math.inf)
+    if part is None or (fits and part.bottleneck_mem * (1 + 1e-8) > (costs.mem_cap or math.inf)):
         try:
-            part = solve(_uncapped(problem), ilp=False, cache=cache, time_limit=time_limit, mip_gap=mip_gap)
+            part = solve(problem, ilp=False, cache=cache, time_limit=time_limit, mip_gap=mip_gap)
+            fits = True
         except InfeasibleError:
-            return None
-        fits = False
+            try:
+                part = solve(_uncapped(problem), ilp=False, cache=cache, time_limit=time_limit, mip_gap=mip_gap)
+            except InfeasibleError:
+                return None
+            fits = False
     if costs.mem_cap is not None and part.bottleneck_mem > costs.mem_cap * (1 + 1e-6):
         fits = False
     idle = bool(idle_stages(problem, part.stage_of))
@@ -200,13 +211,17 @@ def search(
     pools = [first, later] if first and later else [cands]
     evals: list[_Eval] = []
     results: list[_Eval] = []
-    pruned = over = 0
+    pruned = over = untried = 0
     host_refused: dict[Candidate, str] = {}  # offloads over the host memory ([Note: host offload])
-    for pool in pools:
-        pool_evals, p, o = _screen(req, pool, by_batch, cache, t0, progress, host_refused)
+    deadline = t0 + req.time_limit  # [Note: search deadline]
+    for i, pool in enumerate(pools):
+        if time.perf_counter() > deadline:
+            untried += sum(len(q) for q in pools[i:])
+            break
+        pool_evals, p, o, u = _screen(req, pool, by_batch, cache, t0, progress, host_refused)
         evals += pool_evals
-        pruned, over = pruned + p, over + o
-        results += _finalists(req, pool_evals, cache, deadline=t0 + req.time_limit)
+        pruned, over, untried = pruned + p, over + o, untried + u
+        results += _finalists(req, pool_evals, cache, deadline=deadline)
         if any(e.fits and not (e.cand.recompute or e.cand.offload) for e in results):
             break  # else sequential tiles compete with recompute/offload on predicted throughput
     screen_s = time.perf_counter() - t0
@@ -215,14 +230,17 @@ def search(
         lean = min(results, key=lambda e: e.part.bottleneck_mem, default=None)
         searched = (lean.part.bottleneck_mem, describe(lean.cand, req.gpus)) if lean is not None else (math.inf, "")
         why_host = host_refused.get(lean.cand) if lean is not None else None  # it fits the GPU, not the host
-        if why_host and searched[0] <= (costs.mem_cap or 0.0) * (1 + _REL):
+        if why_host and searched[0] <= (costs.mem_cap or 0.0) * (1 + _REL) and not untried:
             raise InfeasibleError(why_host)
         if host_refused and req.offload not in ("auto", "off"):
             raise InfeasibleError(next(iter(host_refused.values())))
-        raise InfeasibleError(infeasible_message(costs, req, searched, cache))  # the graph's lattices, solved splits
+        if untried:
+            raise InfeasibleError(out_of_time_message(req, len(cands) - untried, len(cands), searched, costs.mem_cap))
+        raise InfeasibleError(infeasible_message(costs, req, searched, cache, deadline))  # the lattices, splits
     best = min(fitting, key=lambda e: e.key())
-    if best.part.status == "heuristic" and best.part.solver == "ideals":  # MASTER: its gap
-        part = solve(best.problem, cache=cache, start=best.part, mip_gap=req.mip_gap)
+    left = deadline - time.perf_counter()
+    if best.part.status == "heuristic" and best.part.solver == "ideals" and left > 0:  # MASTER: its gap
+        part = solve(best.problem, cache=cache, start=best.part, mip_gap=req.mip_gap, time_limit=left)
         if not host_fits(best.costs, best.cand, part.stage_of):  # offloads over the host memory
             part = best.part
         best = dataclasses.replace(best, part=part, pred=predict_step(best.costs, best.cand, part,
@@ -237,13 +255,14 @@ def search(
         edge = max(e.bounds.throughput_ub for e in doubt) / best.pred["throughput"] - 1
         choice = f"{len(doubt)} candidate(s) not proven could be up to {edge:.1%} faster by their bounds"
     stats: dict[str, object] = {
-        "enumerated": len(cands), "evaluated": len(evals), "pruned_by_bound": pruned,
-        "over_cap_by_bound": over, "proven": sum(1 for e in results if e.exact),
-        "milp": sum(1 for e in results if e.part.solver in ("highs", "cbc")),
-        "choice": choice, "screen_s": round(screen_s, 3),
-        "total_s": round(time.perf_counter() - t0, 3),
+        "enumerated": len(cands), "evaluated": len(evals), "pruned_by_bound": pruned, "over_cap_by_bound": over,
+        "proven": sum(1 for e in results if e.exact), "milp": sum(1 for e in results if e.part.solver in ("highs", "cbc")),
+        "choice": choice, "screen_s": round(screen_s, 3), "total_s": round(time.perf_counter() - t0, 3),
     }
     warnings: list[str] = []
+    if untried:  # [Note: search deadline]
+        stats["untried"], warnings = untried, [out_of_time_warning(req, len(cands) - untried, len(cands))]
+        log.warning("%s", warnings[-1])
     if best.idle:
         msg = idle_warning(best.problem, best.part.stage_of, costs.names, balance=req.balance,
                            pinned=req.stages is not None)
@@ -259,12 +278,15 @@ def search(
 
 def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cache: SolveCache, t0: float,
             progress: Callable[[int, int], None] | None,
-            host_refused: dict[Candidate, str]) -> tuple[list[_Eval], int, int]:
-    """Bound every candidate of ``pool`` and solve, best bound first, those that can still win
-    ([Note: configuration search]); the solved ones, and how many the bounds pruned or proved
-    over the cap."""
+            host_refused: dict[Candidate, str]) -> tuple[list[_Eval], int, int, int]:
+    """Bound every candidate of ``pool`` and solve, best bound first, those that can still win ([Note:
+    configuration search]) until the deadline; the solved ones, and how many the bounds pruned or
+    proved over the cap, and how many the deadline left untried ([Note: search deadline])."""
+    deadline = t0 + req.time_limit
     entries: list[tuple[Candidate, Costs, Problem, Bounds]] = []
     for cand in pool:
+        if time.perf_counter() > deadline:
+            return [], 0, 0, len(pool)
         cc, problem = candidate_problem(by_batch, cand, req.balance)
         try:
             entries.append((cand, cc, problem, candidate_bounds(cc, cand, problem, cand.micro_batch_size)))
@@ -273,7 +295,8 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
     order = sorted(range(len(entries)), key=lambda i: (-entries[i][3].throughput_ub, i))
     evals: list[_Eval] = []
     best_lb = 0.0
-    pruned = over = 0
+    pruned = over = untried = 0
+    tiles = TileGroups({e[0]: e[2] for e in entries}, lambda p: over_cap_proven(p, cache, deadline, req.mip_gap))
     for done, i in enumerate(order):
         cand, cc, problem, b = entries[i]
         if progress is not None:
@@ -281,6 +304,12 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
         if b.throughput_ub < best_lb * (1 - _REL):
             pruned = len(order) - done
             break
+        if time.perf_counter() > deadline:
+            untried = len(order) - done
+            break
+        if tiles.dominated_over(cand):  # [Note: leanest tiles first]
+            over += 1
+            continue
         base_over = False  # no split fits without the levers "auto" may add
         if cc.mem_cap is not None:  # no split fits: the nodes' own costs, or the assignment LP, say so
             if cand.tiles_per_gpu > 1:  # sequential tiles keep no activations: no lever applies
@@ -296,16 +325,16 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
             continue  # only levers could fit it, and their time is spent
         screen = min(SCREEN_MILP_S, max(0.5, t0 + req.time_limit - time.perf_counter()))
 
-        def solve_levers(c: Candidate, screen: float = screen) -> _Eval | None:
+        def solve_levers(c: Candidate, screen: float = screen, milp: bool = False) -> _Eval | None:
             c_costs, p = candidate_problem(by_batch, c, req.balance)
             e = _evaluate(c_costs, c, p, candidate_bounds(c_costs, c, p, c.micro_batch_size), cache, screen,
-                          req.mip_gap)
+                          req.mip_gap, milp)
             if e is None or host_fits(c_costs, c, e.part.stage_of):
                 return e
             host_refused[c] = host_message(c_costs, req, c, e.part.stage_of)
             return dataclasses.replace(e, fits=False)
 
-        ev = solve_levers(cand) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
+        ev = solve_levers(cand, milp=True) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
             cc, cand, _uncapped(problem) if base_over else problem, b, cache, screen, req.mip_gap)
         if ev is not None and not ev.fits and cand.tiles_per_gpu == 1:  # levers while LEVER_SHARE is left
             ev = fit_with_levers(cc, req, ev, solve_levers, deadline=lever_deadline)
@@ -314,9 +343,10 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
         evals.append(ev)
         if ev.fits and not ev.idle:
             best_lb = max(best_lb, ev.achievable(req.balance))
-    if progress is not None and pruned:
+    if progress is not None and (pruned or untried):
         progress(len(order), len(order))
-    return evals, pruned, over
+    return evals, pruned, over, untried
+
 
 
 def _finalists(req: PlanRequest, evals: list[_Eval], cache: SolveCache, *, deadline: float) -> list[_Eval]:
@@ -352,8 +382,8 @@ def _finalists(req: PlanRequest, evals: list[_Eval], cache: SolveCache, *, deadl
         # needed 20 s of HiGHS for 1 %, where two thirds of the budget gave it 15 s and 1.3 %)
         later = len(todo) - 1 - i
         share = deadline - time.perf_counter() - later * FINALIST_RESERVE_S
-        if share < FINALIST_RESERVE_S and ev.fits:  # [Note: HiGHS overrun]: keep the screened split
-            out.append(ev)
+        if (share < FINALIST_RESERVE_S and ev.fits) or time.perf_counter() > deadline:
+            out.append(ev)  # [Note: HiGHS overrun]: keep the screened split ([Note: search deadline])
             continue
         done = _finish(ev, max(0.5, share), cache, req.mip_gap)
         out.append(done if done is not None else dataclasses.replace(ev, fits=False))

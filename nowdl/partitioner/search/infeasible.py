@@ -24,6 +24,7 @@ from nowdl.partitioner.search.batch_split import CostsByBatch
 from nowdl.partitioner.search.bounds import candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
 from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
+from nowdl.partitioner.search.deadline import refusal_budget
 from nowdl.partitioner.search.grids import part_counts, tile_counts
 from nowdl.partitioner.search.model_space import (
     batch_of,
@@ -134,14 +135,18 @@ def _fitting_gpus(costs: Costs, req: PlanRequest, cap: float, deadline: float, c
     return None, lean, (MAX_GPUS if g > MAX_GPUS else tried)
 
 
-def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, str], cache: SolveCache) -> str:
+def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, str], cache: SolveCache,
+                       deadline: float | None = None) -> str:
     """The error for a search that fitted nothing: ``searched`` is the leanest split it made
-    (peak bytes and the candidate in words). See [Note: infeasible figures]."""
+    (peak bytes and the candidate in words); its figures take ``BUDGET_S`` seconds at most, and
+    what is left before the search's ``deadline`` when given (``deadline.refusal_budget``). See
+    [Note: infeasible figures]."""
     cap = costs.mem_cap or 0.0
-    deadline = time.perf_counter() + BUDGET_S
+    budget = BUDGET_S if deadline is None else refusal_budget(deadline, BUDGET_S)
+    deadline = time.perf_counter() + budget
     found = min(searched, leanest(costs, req, deadline, cache))
     need = (f"the leanest split found needs {cap_text(found[0])} on its fullest GPU ({found[1]})"
-            if math.isfinite(found[0]) else f"no split of it was made within the {BUDGET_S:.0f} s for this search")
+            if math.isfinite(found[0]) else f"no split of it was made within the {budget:.0f} s for this search")
     heaviest = max(costs.profile.nodes, key=lambda n: n.static_bytes)
     if heaviest.static_bytes > cap:
         return (
@@ -156,7 +161,7 @@ def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, st
     if gpus is not None:
         more = f"{gpus} GPUs would fit it ({lean[1]}, {format_bytes(lean[0])})"
     elif tried < MAX_GPUS and time.perf_counter() >= deadline:
-        more = (f"no GPU count up to {tried} fits it, and the {BUDGET_S:.0f} s for this search ran out at "
+        more = (f"no GPU count up to {tried} fits it, and the {budget:.0f} s for this search ran out at "
                 f"{2 * tried} GPUs{' (' + leanest_txt + ')' if leanest_txt else ''}: try a larger --gpus")
     else:
         more = f"no GPU count up to {tried} was found to fit it" + (f" ({leanest_txt})" if leanest_txt else "")

@@ -33,7 +33,8 @@ from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.milp.lp_bound import memory_floor
 from nowdl.partitioner.search.bounds import candidate_bounds
 from nowdl.partitioner.search.config import Candidate, PlanRequest
-from nowdl.partitioner.search.lever_options import forced_stages
+from nowdl.partitioner.search.lever_options import LeverSetting, forced_stages
+from nowdl.plan.plan import format_bytes
 
 __all__ = ["LEVER_SHARE", "with_forced", "floor_candidate", "floors_over", "fit_with_levers", "host_fits", "host_message", "check_offload_possible"]
 
@@ -58,10 +59,10 @@ def check_offload_possible(costs: Costs, req: PlanRequest) -> None:
             ``costs.host_link_bw`` is None.
     """
     if req.offload not in ("auto", "off") and not (costs.host_memory and costs.host_link_bw):
-        raise NowdlError(f"offload={req.offload!r} needs host memory, but the device spec has none (no host_memory "
-                         "and host_link_bw fields, or a CPU spec): add \"host_memory\" (bytes per node) and \"host_link_bw\" (bytes/s) "
-                         "to the spec JSON, use a built-in GPU spec (h100: 2 TiB per 8 GPUs), or pass "
-                         "offload='off' (--offload off) and recompute='auto'")
+        raise NowdlError(f"offload={_show(req.offload)} needs host memory, but the device spec has none (host_memory "
+                         "0 or absent, no host_link_bw, or a CPU spec): pass offload='off' (--offload off) and "
+                         "recompute='auto', or add \"host_memory\" (bytes per node) and \"host_link_bw\" (bytes/s) to "
+                         "the spec JSON, or use a built-in GPU spec (h100: 2 TiB per 8 GPUs)")
 
 
 def with_forced(req: PlanRequest, cand: Candidate) -> Candidate | None:
@@ -123,14 +124,20 @@ def host_fits(costs: Costs, cand: Candidate, stage_of: list[int]) -> bool:
 
 
 def host_message(costs: Costs, req: PlanRequest, cand: Candidate, stage_of: list[int]) -> str:
-    """Why ``cand``'s offloaded activations do not fit host memory, with the fix."""
+    """Why ``cand``'s offloaded activations do not fit host memory: the constraint, the figures and
+    the smallest fixes first."""
     need = max(host_bytes(cand, stage_sums(costs, cand, stage_of)))
-    gib = 2.0**30
-    return (f"offload={req.offload!r} leaves no host memory: the offloaded stages {list(cand.offload)} need "
-            f"{need / gib:.1f} GiB of host memory per GPU, but the device spec leaves {(costs.host_memory or 0) / gib:.1f} "
-            "GiB per GPU for offload (80% of its host_memory over the node's GPUs): offload fewer stages "
-            "(offload='auto' or a shorter list), recompute them instead (recompute='auto'), use more GPUs, or give "
-            "the spec a larger host_memory")
+    share = costs.host_memory or 0.0
+    fixes = [f"give the spec a host_memory at least {need / share:.2f}x its present one" if share > 0
+             else "give the spec a host_memory", "use more GPUs (each then holds fewer activations)"]
+    if req.recompute != "off" and any(cand.inflight()[s] > 1 for s in cand.offload):
+        fixes.append("recompute the stages that hold several micro-batches instead (recompute='auto')")
+    if req.offload not in ("auto", "off"):
+        fixes.append("offload fewer stages (a shorter offload list)")
+    return (f"host memory: offloading the saved activations of stage(s) {list(cand.offload)} needs "
+            f"{format_bytes(need)} of host memory per GPU, more than the {format_bytes(share)} per GPU the device "
+            f"spec leaves for offload (80% of its host_memory shared by the node's GPUs; offload={_show(req.offload)}): "
+            + ", or ".join(fixes))
 
 
 def _over_stages(problem: Problem, part: Partition, cap: float) -> list[int]:
@@ -181,6 +188,10 @@ def _next_levers(costs: Costs, req: PlanRequest, ev: Solved) -> Candidate | None
     if not changed:
         return None
     return dataclasses.replace(cand, recompute=tuple(sorted(rc)), offload=tuple(sorted(off)))
+
+
+def _show(setting: LeverSetting) -> str:
+    return repr(setting) if isinstance(setting, str) else repr(list(setting))
 
 
 S = TypeVar("S", bound=Solved)
