@@ -220,7 +220,8 @@ def _memory_table(ranks: list[dict[str, Any]], steps: int) -> None:
             ys = [r[key] / scale for r in rows]
             sl, end = _slope(xs, ys) * 1000, ys[-1]
             fmt = ",.0f" if unit == "" else ".2f"
-            print(f"| {rank} | {name} | {end:{fmt}} {unit} | {sl:+.3f} {unit} | {sl / end if end else 0:+.3%} |")
+            u = f" {unit}" if unit else ""
+            print(f"| {rank} | {name} | {end:{fmt}}{u} | {sl:+.3f}{u} | {sl / end if end else 0:+.3%} |")
 
 
 def _series(res: dict[str, Any], window: int) -> dict[str, tuple[list[float], float]]:
