@@ -1,5 +1,6 @@
 """docs/multinode.md's Slurm batch script, read from the page: its srun line runs under srun's
-variables, SIGTERM (``--signal=TERM@...``) saves a checkpoint, and a requeue finishes the run."""
+variables, SIGTERM (``--signal=TERM@...``) saves a checkpoint, and a requeue finishes the run;
+the SIGTERM Slurm sends to every process of the step leaves the data loader's workers running."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from helpers.run_cli import ROOT, step_losses
 
 from nowdl.cli.commands import main
+from nowdl.runtime.data.loader import loader
 
 DOC = ROOT / "docs" / "multinode.md"
 TINY = '{"depth": 8, "version": 1, "width": 4, "num_classes": 3}'
@@ -122,3 +126,40 @@ def test_script_launch_line_saves_on_sigterm_and_finishes_when_requeued(tmp_path
     assert [p.returncode for p in second] == [0, 0], [o[1][-2000:] for o in outs]
     assert f"resumed from {ckpt.relative_to(tmp_path)} at step {stop}" in outs[0][0], outs[0][0]
     assert min(step_losses(outs[0][0])) == stop + 1 and max(step_losses(outs[0][0])) == STEPS, outs[0][0]
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_of_a_task_saves_with_loader_workers(tmp_path: Path) -> None:
+    """Slurm signals every process of the step, the loader workers too: a worker that died of it
+    made the rank fail ("DataLoader worker ... is killed by signal: Terminated") without saving."""
+    rng = np.random.default_rng(0)
+    for cls in ("a", "b"):
+        (tmp_path / "data" / cls).mkdir(parents=True)
+        for i in range(8):
+            np.save(tmp_path / "data" / cls / f"{i}.npy", rng.integers(0, 255, (3, 16, 16), dtype=np.uint8))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.Popen([sys.executable, "-m", "nowdl", "run", "resnet", "--model-args", TINY, "--num-classes", "2",
+                          "--input", "1x3x16x16", "--steps", str(STEPS), "--batch-size", "4", "--data",
+                          "imagefolder:data", "--workers", "1", "--checkpoint", "ck"], cwd=tmp_path, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0)
+    assert p.stdout is not None
+    seen, deadline = "", time.monotonic() + 240
+    while f"step 2/{STEPS}" not in seen and time.monotonic() < deadline and p.poll() is None:
+        seen += p.stdout.readline()
+    os.killpg(p.pid, signal.SIGTERM)  # the task and its loader worker
+    out, err = p.communicate(timeout=240)
+    assert p.returncode == 143 and "error" not in err, err
+    m = re.search(rf"stopped by SIGTERM after step (\d+) of {STEPS}", seen + out)
+    assert m is not None and (tmp_path / "ck" / "latest").read_text() == f"step-{int(m.group(1)):08d}", seen + out
+
+
+def test_loader_workers_outlive_sigterm() -> None:
+    ds = torch.utils.data.TensorDataset(torch.arange(64.0).view(16, 4), torch.zeros(16, dtype=torch.long))
+    it = iter(loader(ds, 4, workers=1, steps=4))
+    next(it)
+    worker = it._workers[0]  # type: ignore[attr-defined]
+    os.kill(worker.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert worker.is_alive() and len(list(it)) == 3
