@@ -38,8 +38,10 @@ def _freeze_rank2(rank: int, world: int) -> None:
 
 @pytest.mark.slow
 def test_a_silent_rank_is_named_within_the_timeout(capfd: pytest.CaptureFixture[str]) -> None:
+    # timeout_s bounds the whole run, the start of 3 fresh interpreters included: 25-80 s on the
+    # loaded 2-core machine, so 60 s once ended the run before rank 0 could name rank 2 (5 s)
     with pytest.raises(WorkerError) as e:
-        run_workers(_freeze_rank2, 3, timeout_s=60, grace_s=2, start_method="spawn")
+        run_workers(_freeze_rank2, 3, timeout_s=300, grace_s=2, start_method="spawn")
     err = capfd.readouterr().err
     line = f"nowdl run: error: rank 2 (host {HOST}) stopped answering: no sign of life for 5 s (the --timeout) " \
            "while rank 0 was at step 7"
@@ -54,8 +56,10 @@ def _kill_rank0(rank: int, world: int) -> None:
     if rank == 0:
         dist.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
-    dist.barrier()
     try:
+        # a barrier returns on each rank when that rank has its last message, so rank 0 can be
+        # gone before a peer's barrier has returned: that peer sees the loss here
+        dist.barrier()
         t = torch.zeros(1)
         dist.recv(t, src=0)  # never sent: rank 0 is gone
     except Exception as exc:  # what run_main does with it
@@ -67,13 +71,16 @@ def _kill_rank0(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_rank0_lost_is_named_by_one_survivor(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(WorkerError) as e:
-        run_workers(_kill_rank0, 3, timeout_s=90, grace_s=15, start_method="spawn")
+        run_workers(_kill_rank0, 3, timeout_s=300, grace_s=15, start_method="spawn")
     err = capfd.readouterr().err
     assert err.count("nowdl run: error:") == 1, err  # rank 0, the usual reporter, is gone: one survivor prints
     assert re.search(rf"nowdl run: error: rank ([12]): rank 0 \(host {HOST}\) stopped answering while rank \1 \(host "
                      rf"{HOST}\) was at step 3, action 1F0 \(forward of stage 1, micro-batch 0\): its process died", err), err
-    # gloo words the loss several ways ("Connection closed by peer", "Read error [...]: Connection reset by peer")
-    assert re.search(r"\[RuntimeError: .*Connection (closed|reset) by peer\]", err), err
+    # the backend's words close the paragraph; gloo words the loss as the timing falls ("Connection closed by
+    # peer" after a clean close, "Read error [...]: Connection reset by peer" when rank 0 died with unread
+    # bytes, a broken pipe on a write): any of them, as long as they are a peer's loss
+    cause = re.search(r"\[(RuntimeError|DistBackendError|DistNetworkError): (.*)\]$", err, re.M)
+    assert cause is not None and peer_loss(RuntimeError(cause.group(2))), err
     assert "unexpected" not in err
     assert all("exited with code 2" in e.value.failures[r] for r in (1, 2)), e.value.failures
 
