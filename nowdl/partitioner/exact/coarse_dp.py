@@ -25,7 +25,7 @@ from nowdl.partitioner.exact.downsets import Lattice, enumerate_ideals
 from nowdl.partitioner.exact.ideal_dp import solve_ideals
 from nowdl.partitioner.exact.wait_weights import with_waits_folded
 
-__all__ = ["coarse_split", "COARSE_CAP"]
+__all__ = ["coarse_split", "split_contracted", "COARSE_CAP"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,24 @@ def _coarse_lattice(problem: Problem, cap: int) -> tuple[Problem, list[list[int]
     return best
 
 
+def split_contracted(problem: Problem, found: tuple[Problem, list[list[int]], Lattice] | None, solver: str,
+                     t0: float) -> Partition | None:
+    """The DP over the ideals of a contracted ``problem`` (``found``: the small problem, its
+    groups and its lattice), mapped back with its waits folded ([Note: wait reweighting]):
+    solver ``solver``, status "heuristic". None when ``found`` is, or nothing fits the cap."""
+    if found is None:
+        return None
+    small, groups, lat = found
+    part = solve_ideals(small, lat)
+    if part is None:
+        return None
+    stage_of = with_waits_folded(problem, small, groups, lat, part)
+    out = make_partition(problem, stage_of, solver=solver, status="heuristic", gap=float("nan"))
+    log.info("%s split: %d nodes -> %d groups, %d ideals: %.6g / %.6g in %.2f s", solver, problem.n, small.n,
+             lat.size, out.bottleneck_mem, out.bottleneck_time, time.perf_counter() - t0)
+    return out
+
+
 def coarse_split(problem: Problem, cap: int = COARSE_CAP) -> Partition | None:
     """The DP over the ideals of a greedily coarsened ``problem`` (see [Note: coarse ideal
     DP]), mapped back: solver "coarse", status "heuristic". None when the ranks hold two
@@ -61,16 +79,4 @@ def coarse_split(problem: Problem, cap: int = COARSE_CAP) -> Partition | None:
     if not one_to_one(problem) or problem.k < 2:
         return None
     t0 = time.perf_counter()
-    found = _coarse_lattice(problem, cap)
-    if found is None:
-        return None
-    small, groups, lat = found
-    part = solve_ideals(small, lat)
-    if part is None:
-        return None
-    stage_of = with_waits_folded(problem, small, groups, lat, part)  # [Note: wait reweighting]
-    out = make_partition(problem, stage_of, solver="coarse", status="heuristic", gap=float("nan"))
-    log.info("coarse ideal DP: %d nodes -> %d groups, %d ideals: %.6g / %.6g in %.2f s",
-             problem.n, small.n, lat.size, out.bottleneck_mem, out.bottleneck_time,
-             time.perf_counter() - t0)
-    return out
+    return split_contracted(problem, _coarse_lattice(problem, cap), "coarse", t0)

@@ -23,11 +23,10 @@ import logging
 import time
 
 from nowdl.partitioner.costs.problem import Partition, Problem
-from nowdl.partitioner.costs.structure import make_partition, one_to_one, topological_order
+from nowdl.partitioner.costs.structure import one_to_one, topological_order
+from nowdl.partitioner.exact.coarse_dp import split_contracted
 from nowdl.partitioner.exact.coarsen import _Groups
 from nowdl.partitioner.exact.downsets import Lattice, enumerate_ideals
-from nowdl.partitioner.exact.ideal_dp import solve_ideals
-from nowdl.partitioner.exact.wait_weights import with_waits_folded
 
 __all__ = ["sese_regions", "contract_regions", "sese_split", "SESE_CAP"]
 
@@ -154,15 +153,4 @@ def sese_split(problem: Problem, cap: int = SESE_CAP) -> Partition | None:
     if not one_to_one(problem) or problem.k < 2:
         return None
     t0 = time.perf_counter()
-    found = _lattice(problem, cap)
-    if found is None:
-        return None
-    small, groups, lat = found
-    part = solve_ideals(small, lat)
-    if part is None:
-        return None
-    stage_of = with_waits_folded(problem, small, groups, lat, part)  # [Note: wait reweighting]
-    out = make_partition(problem, stage_of, solver="sese", status="heuristic", gap=float("nan"))
-    log.info("SESE contraction: %d nodes -> %d, %d ideals: %.6g / %.6g in %.2f s", problem.n, small.n,
-             lat.size, out.bottleneck_mem, out.bottleneck_time, time.perf_counter() - t0)
-    return out
+    return split_contracted(problem, _lattice(problem, cap), "sese", t0)
