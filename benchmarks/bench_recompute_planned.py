@@ -16,11 +16,20 @@ caller's global batch, which every rank is handed whole, is shown apart), then `
 timed steps per variant, the variants alternating (ABBA), each between barriers.
 
 * Table 1, peak: measured / ``plan.ranks[r].predicted_peak_bytes`` (target ±10%);
-* Table 2, recomputation's cost per rank: the rank's CPU time of a step (``time.process_time``:
-  this process's threads, so time waiting for the other rank or for a core the machine's other
-  jobs hold is not counted), min over the repeats, planned minus off, against the predicted
-  ``sum over the rank's stages of micro-batches x stages[s].predicted["recompute_s"]`` (target
-  ±15%). The wall-clock difference (min over the repeats) is printed beside it.
+* Table 2, recomputation's cost per rank: the CPU time of a step on the rank's main thread
+  (``time.thread_time``, the clock measure mode profiles the ops on with one thread; time waiting
+  for the other rank or for a core the machine's other jobs hold is not counted), min over the
+  repeats, planned minus off, against the predicted ``sum over the rank's stages of
+  micro-batches x stages[s].predicted["recompute_s"]`` (target ±15%). The process's CPU time
+  (``time.process_time``: it adds gloo's own threads, which burn CPU while a message waits for
+  its receive to be posted, about as long as it waits) and the wall-clock difference (min over
+  the repeats) are printed beside it.
+
+Before planning, the links are measured on the same 2 gloo ranks (``calibrated_spec``: nowdl
+calibrate's ping-pong fit for ``link_bw``; ``link_latency_s`` = the main thread's CPU time of one
+halo exchange round, ``isend`` + ``irecv`` + wait, as runtime/spatial/exchange.py makes it, so
+the plan's halo and norm waits are on table 2's clock). ``--no-calibrate`` plans on the built-in
+``cpu`` spec's links.
 
 Rows: pipeline (ResNet-20 v1, 2 stages, 1F1B, 4 micro-batches), spatial (nowdl UNet depth 3
 width 8, one stage on 2 tiles, GPipe, 2 micro-batches: one spatial stage holds one micro-batch
