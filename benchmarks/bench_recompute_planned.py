@@ -16,11 +16,20 @@ caller's global batch, which every rank is handed whole, is shown apart), then `
 timed steps per variant, the variants alternating (ABBA), each between barriers.
 
 * Table 1, peak: measured / ``plan.ranks[r].predicted_peak_bytes`` (target ±10%);
-* Table 2, recomputation's cost per rank: the rank's CPU time of a step (``time.process_time``:
-  this process's threads, so time waiting for the other rank or for a core the machine's other
-  jobs hold is not counted), min over the repeats, planned minus off, against the predicted
-  ``sum over the rank's stages of micro-batches x stages[s].predicted["recompute_s"]`` (target
-  ±15%). The wall-clock difference (min over the repeats) is printed beside it.
+* Table 2, recomputation's cost per rank: the CPU time of a step on the rank's main thread
+  (``time.thread_time``, the clock measure mode profiles the ops on with one thread; time waiting
+  for the other rank or for a core the machine's other jobs hold is not counted), min over the
+  repeats, planned minus off, against the predicted ``sum over the rank's stages of
+  micro-batches x stages[s].predicted["recompute_s"]`` (target ±15%). The process's CPU time
+  (``time.process_time``: it adds gloo's own threads, which burn CPU while a message waits for
+  its receive to be posted, about as long as it waits) and the wall-clock difference (min over
+  the repeats) are printed beside it.
+
+Before planning, the links are measured on the same 2 gloo ranks (``calibrated_spec``: nowdl
+calibrate's ping-pong fit for ``link_bw``; ``link_latency_s`` = the main thread's CPU time of one
+halo exchange round, ``isend`` + ``irecv`` + wait, as runtime/spatial/exchange.py makes it, so
+the plan's halo and norm waits are on table 2's clock). ``--no-calibrate`` plans on the built-in
+``cpu`` spec's links.
 
 Rows: pipeline (ResNet-20 v1, 2 stages, 1F1B, 4 micro-batches), spatial (nowdl UNet depth 3
 width 8, one stage on 2 tiles, GPipe, 2 micro-batches: one spatial stage holds one micro-batch
@@ -42,6 +51,8 @@ Tables go to stdout as Markdown, progress to stderr. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import sys
 import tempfile
 import time
@@ -60,6 +71,8 @@ from helpers.distributed import run_workers  # noqa: E402
 import nowdl  # noqa: E402
 from nowdl.errors import NowdlError  # noqa: E402
 from nowdl.plan.plan import Plan  # noqa: E402
+from nowdl.profiler import DeviceSpec, get_device_spec  # noqa: E402
+from nowdl.profiler.calibrate.links import QUICK_SIZES, links_to_spec, measure_p2p  # noqa: E402
 from nowdl.runtime.training.metrics import peak_of  # noqa: E402
 
 __all__ = ["main"]
@@ -97,8 +110,65 @@ MODE = {"mode": "estimate", "device_spec": "cpu"}
 """How table 1 profiles: ``--mode measure`` times the ops on this CPU (``mode="measure", device="cpu"``)."""
 
 
+HALO_PROBE_BYTES = (1024, 4096, 16384)  # the UNet rows' halo slabs: a few KiB each
+
+
+def calibrate_worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
+    """On the bench's 2 gloo ranks: nowdl calibrate's ping-pong fit (wall clock), and the halo
+    exchange's own pattern (``isend`` + ``irecv`` to the neighbour, then wait: one round per
+    exchange, as ``runtime/spatial/exchange.py`` does) timed in this process's CPU time and in wall time."""
+    torch.set_num_threads(1)
+    fit = measure_p2p(QUICK_SIZES, repeats=5)
+    cpu, wall = [], []
+    for n in HALO_PROBE_BYTES:
+        out, inp = torch.zeros(n // 4), torch.zeros(n // 4)
+        for i in range(rounds + 10):
+            dist.barrier()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            for w in (dist.isend(out, 1 - rank), dist.irecv(inp, 1 - rank)):
+                w.wait()
+            if i >= 10:
+                cpu.append(time.thread_time() - c0)
+                wall.append(time.perf_counter() - t0)
+    ar_cpu, ar_wall = [], []
+    stats = torch.zeros(2, 33, dtype=torch.float64)  # a tile norm's statistics ([Note: tile norm latency])
+    for i in range(rounds + 10):
+        dist.barrier()
+        c0, t0 = time.thread_time(), time.perf_counter()
+        dist.all_reduce(stats)
+        if i >= 10:
+            ar_cpu.append(time.thread_time() - c0)
+            ar_wall.append(time.perf_counter() - t0)
+    return {"p2p": fit, "cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
+            "ar_cpu_s": statistics.median(ar_cpu), "ar_wall_s": statistics.median(ar_wall)}
+
+
+def calibrated_spec(rounds: int = 100) -> DeviceSpec:
+    """The ``cpu`` spec with this machine's links measured on 2 gloo ranks now: ``link_bw`` from
+    nowdl calibrate's ping-pong, ``link_latency_s`` the CPU time of one halo exchange round (the
+    mean of the ranks' medians), so the plan's halo waits are on table 2's clock (CPU time)."""
+    res = run_workers(calibrate_worker, 2, rounds, timeout_s=600)
+    fit = res[0]["p2p"]
+    cpu = sum(r["cpu_s"] for r in res) / len(res)
+    wall = sum(r["wall_s"] for r in res) / len(res)
+    per_rank = ", ".join(f"{r['cpu_s'] * 1e6:.0f}" for r in res)
+    ar_cpu = sum(r["ar_cpu_s"] for r in res) / len(res)
+    ar_wall = sum(r["ar_wall_s"] for r in res) / len(res)
+    spec = links_to_spec(get_device_spec("cpu"), {"p2p": fit}, allreduce=False)
+    log(f"calibrated on 2 gloo ranks: ping-pong (wall) {fit.latency_s * 1e6:.0f} us + bytes at "
+        f"{fit.bw / 1e9:.2f} GB/s; halo exchange round {cpu * 1e6:.0f} us CPU, {wall * 1e6:.0f} us wall "
+        f"(ranks: {per_rank} us CPU); norm all-reduce {ar_cpu * 1e6:.0f} us CPU, {ar_wall * 1e6:.0f} us wall")
+    print(f"Links calibrated on the same 2 gloo ranks before planning: ping-pong (wall, nowdl calibrate's fit) "
+          f"{fit.latency_s * 1e6:.0f} us + bytes at {fit.bw / 1e9:.2f} GB/s; one halo exchange round "
+          f"(isend + irecv + wait, median of {rounds} x {len(HALO_PROBE_BYTES)} sizes) {cpu * 1e6:.0f} us CPU, "
+          f"{wall * 1e6:.0f} us wall; a tile norm's statistics all-reduce {ar_cpu * 1e6:.0f} us CPU, "
+          f"{ar_wall * 1e6:.0f} us wall. The plans use link_latency_s = {cpu * 1e6:.0f} us (CPU, table 2's clock) "
+          f"and link_bw = {fit.bw / 1e9:.2f} GB/s.\n")
+    return dataclasses.replace(spec, link_latency_s=cpu)
+
+
 def plan_for(kind: str, side: int, cap_mib: float, recompute: str, pins: dict[str, Any],
-             mode: dict[str, str] | None = None) -> Plan:
+             mode: dict[str, Any] | None = None) -> Plan:
     """The planner's plan (estimate mode, ``cpu`` spec, unless ``mode``) for one sample at ``side``;
     raises NowdlError if none fits."""
     x, y = batch(kind, 0, 1, side)
@@ -128,21 +198,23 @@ def worker(rank: int, world: int, kind: str, plans: dict[str, str], n: int, side
         x, y = batch(kind, 1, n, side)  # the caller's batch: made before the step, as a data loader would
         _, peak = peak_of(lambda cm=cm, x=x, y=y: cm.train_step(x, y), held, eng.optimizer)
         models[name] = cm
-        out[name] = {"peak": peak, "cpu": [], "wall": [], "batch": x.nbytes + y.nbytes}
+        out[name] = {"peak": peak, "cpu": [], "proc": [], "wall": [], "batch": x.nbytes + y.nbytes}
     names = list(models)
     for step in range(repeats):  # ABBA: the shared machine's load hits every variant alike
         x, y = batch(kind, 2 + step, n, side)
         for name in (names if step % 2 == 0 else names[::-1]):
             dist.barrier()
-            c0, t0 = time.process_time(), time.perf_counter()
+            c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
             models[name].train_step(x, y)
-            c1 = time.process_time()
+            c1, p1 = time.thread_time(), time.process_time()
             dist.barrier()
             out[name]["wall"].append(time.perf_counter() - t0)
             out[name]["cpu"].append(c1 - c0)
+            out[name]["proc"].append(p1 - p0)
     for name, v in out.items():
         v["cpu_s"] = min(v.pop("cpu")) if repeats else float("nan")
         v["step_s"] = min(v.pop("wall")) if repeats else float("nan")
+        v["proc_s"] = min(v.pop("proc")) if repeats else float("nan")
         if rank == 0:
             log(f"  {name}: rank 0 peak {v['peak'] / MIB:.2f} MiB, step {v['step_s'] * 1e3:.0f} ms, "
                 f"CPU {v['cpu_s'] * 1e3:.0f} ms")
@@ -183,7 +255,7 @@ def verdict(ratios: list[float], tol: float) -> str:
 
 
 def table1(rows: list[tuple[str, str, int, float, dict[str, Any]]], repeats: int, tmp: str,
-           mode: dict[str, str]) -> None:
+           mode: dict[str, Any]) -> None:
     results = []
     for name, kind, side, cap, pins in rows:
         log(f"{name}: planning {kind} {side}² under {cap} MiB")
@@ -209,10 +281,10 @@ def table1(rows: list[tuple[str, str, int, float, dict[str, Any]]], repeats: int
                   f"| {v['off']['peak'] / MIB:.2f} MiB |", flush=True)
     print(f"\nPeak, planned rows: {verdict(ratios, 0.10)}\n")
     print("### 2. Step-time cost of recomputation per rank vs the plan (target ±15%)\n")
-    print("| row | rank | micro-batches x recompute_s (predicted) | CPU time, planned - off (min of "
-          f"{repeats} each) | measured / predicted | wall, planned - off (min of {repeats} each) | CPU planned "
-          "| CPU off |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| row | rank | micro-batches x recompute_s (predicted) | thread CPU time, planned - off (min of "
+          f"{repeats} each) | measured / predicted | process CPU, planned - off | wall, planned - off (min of "
+          f"{repeats} each) | thread CPU planned | thread CPU off |")
+    print("|---|---|---|---|---|---|---|---|---|")
     cost_ratios: list[float] = []
     for name, _kind, _side, _cap, plan, res in results:
         for r, v in enumerate(res):
@@ -222,7 +294,9 @@ def table1(rows: list[tuple[str, str, int, float, dict[str, Any]]], repeats: int
             ratio = cpu / pc if pc > 0 else float("nan")
             if pc > 0:
                 cost_ratios.append(ratio)
-            print(f"| {name} | {r} | {pc * 1e3:.1f} ms | {cpu * 1e3:.1f} ms | {ratio:.2f} | {wall * 1e3:.1f} ms "
+            proc = v["planned"]["proc_s"] - v["off"]["proc_s"]
+            print(f"| {name} | {r} | {pc * 1e3:.1f} ms | {cpu * 1e3:.1f} ms | {ratio:.2f} | {proc * 1e3:.1f} ms "
+                  f"| {wall * 1e3:.1f} ms "
                   f"| {v['planned']['cpu_s'] * 1e3:.0f} ms | {v['off']['cpu_s'] * 1e3:.0f} ms |", flush=True)
     print(f"\nRecompute cost, rows with a prediction: {verdict(cost_ratios, 0.15)}")
 
@@ -288,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mode", choices=("estimate", "measure"), default="measure",
                     help="how tables 1-2 plan: measure (ops timed on this CPU, the default: the cost's prediction "
                          "and its measurement on the same clock) or estimate (cpu spec roofline)")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="tables 1-2: plan on the built-in cpu spec's links instead of links measured first")
     ap.add_argument("--tables", default="12", help="which parts: 1 (tables 1 and 2), 2 (table 3) or 12")
     ap.add_argument("--rows", default="all", help="rows of tables 1-2: all, or names joined by commas")
     args = ap.parse_args(argv)
@@ -297,7 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         if "1" in args.tables:
-            table1(rows, repeats, tmp, MODE if args.mode == "estimate" else {"mode": "measure", "device": "cpu"})
+            mode: dict[str, Any] = dict(MODE) if args.mode == "estimate" else {"mode": "measure", "device": "cpu"}
+            if not args.no_calibrate:
+                mode["device_spec"] = calibrated_spec()
+            table1(rows, repeats, tmp, mode)
         if "2" in args.tables:
             table2(args.cap_mib, 32 if args.quick else 16, repeats, tmp)
     print(f"\n({time.perf_counter() - t0:.0f} s wall)")

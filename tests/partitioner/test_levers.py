@@ -231,3 +231,36 @@ def test_no_plan_offloads_more_than_the_host_holds() -> None:
         return
     share = plan.config["host_memory"]
     assert all(s.predicted.get("offloaded_bytes", 0.0) <= share * (1 + 1e-6) for s in plan.stages)
+
+
+def _norm_unet_costs(latency_s: float) -> Costs:
+    from nowdl.plan.topology import make_topology
+
+    cm = nowdl.compile(nowdl.models.unet(depth=2, base_width=8, norm=True), gpus=2, mode="estimate",
+                       progress=False, cache=False)
+    t = cm.trace(_x())
+    prof = cm.profile(_x())
+    return Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=450e9, mem_cap=None,
+                 tied=tied_nodes(t.gm), topology=make_topology(2, link_bw=450e9, link_latency_s=latency_s))
+
+
+def test_recomputed_tiles_wait_for_their_forward_halos_and_norm_reduces_again() -> None:
+    """[Note: recompute cost], [Note: tile norm latency]: a recomputed spatial stage pays each
+    forward halo exchange's latency and each norm's statistics all-reduce again: raising the link
+    latency by d adds at least d per halo conv and per norm to the recompute's time (the compute
+    hides none of a 10 ms wait), and twice d per norm to the plain tiled stage (forward and backward)."""
+    cand = dataclasses.replace(Candidate(1, 2, "gpipe", 1, 1, 2, 1, 0, "square"), recompute=(0,))
+    figures = {}
+    for lat in (1e-5, 1e-2):
+        p = build_problem(_norm_unet_costs(lat), cand, "throughput")
+        key = p.stages[0].variant
+        base = p.variants[key.split("+rc")[0]]
+        figures[lat] = (sum(base.time), sum(p.variants[key].time) - sum(base.time))
+    costs = _norm_unet_costs(1e-5)
+    rules = [costs.rules.get(n.name) for n in costs.profile.nodes]
+    halos = sum(1 for r in rules if r is not None and r.tileable and r.kind in ("conv", "pool") and any(r.halo))
+    norms = sum(1 for r in rules if r is not None and r.kind == "norm")
+    assert halos > 0 and norms > 0
+    d = 1e-2 - 1e-5
+    assert figures[1e-2][1] - figures[1e-5][1] >= (halos + norms) * d * 0.99
+    assert figures[1e-2][0] - figures[1e-5][0] >= 2 * norms * d * 0.99

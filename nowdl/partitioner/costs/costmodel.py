@@ -36,7 +36,7 @@ from nowdl.schedule.zero_bubble_order import zb_slots
 
 __all__ = ["Costs", "edge_indices", "build_problem", "predict_step", "message_latency_s", "HALO_LATENCY_S",
            "spatial_dims_of", "dtype_bytes", "layout_of", "grad_sync_s", "pipeline_slots",
-           "exposed_halo_s", "border_fraction", "grad_workspace"]
+           "exposed_halo_s", "exposed_halo_fwd_s", "norm_reduces", "border_fraction", "grad_workspace"]
 
 HALO_LATENCY_S = 10e-6  # per halo exchange (one message round to the neighbours)
 
@@ -98,12 +98,12 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
     producers: dict[str, str] = {}
     for u, v in prof.edges:
         producers.setdefault(v, u)
-    act, time, ws, out = [], [], [], []
+    act, time, ws, out, fwd = [], [], [], [], []
     grads = grad_workspace(prof, costs.inference)
     for n, g in zip(prof.nodes, grads, strict=True):
         rule = costs.rules.get(n.name)
         a = _tile_act(costs, n, parts)
-        t = n.time_s / parts
+        t, f = n.time_s / parts, n.fwd_s / parts
         if rule is not None and rule.tileable and rule.halo and any(rule.halo):
             src = producers.get(n.name)
             shape = prof[src].out_shape if src is not None and src in prof else None
@@ -112,13 +112,19 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
                 if n.saved_bytes:
                     a += hb  # the padded input tile is what the op saves
                 one_way = hb / (link_bw or costs.link_bw) + latency_s
-                t += exposed_halo_s(rule, one_way, n.fwd_s / parts, n.bwd_s / parts, n.param_bytes > 0,
-                                     border_fraction(shape, grid, rule.halo))
+                border = border_fraction(shape, grid, rule.halo)
+                t += exposed_halo_s(rule, one_way, n.fwd_s / parts, n.bwd_s / parts, n.param_bytes > 0, border)
+                f += exposed_halo_fwd_s(rule, one_way, n.fwd_s / parts, border)
+        elif rule is not None and rule.kind == "norm" and parts > 1:
+            reduces = norm_reduces(n.target, costs.inference)  # [Note: tile norm latency]
+            t += reduces * latency_s
+            f += min(reduces, 1) * latency_s
         act.append(a)
         time.append(t)
+        fwd.append(f)
         ws.append(max(n.workspace_bytes, g) / parts)
         out.append(n.out_bytes / parts)
-    return NodeVectors(act=act, time=time, workspace=ws, out=out)
+    return NodeVectors(act=act, time=time, workspace=ws, out=out, fwd=fwd)
 
 
 def _tile_act(costs: Costs, n: NodeCost, parts: int) -> float:
@@ -150,6 +156,23 @@ def exposed_halo_s(rule: SpatialRule, one_way_s: float, fwd_s: float, bwd_s: flo
         return 2 * one_way_s
     hidden_bwd = (1.0 - border) * bwd_s if has_weight else 0.0
     return max(0.0, one_way_s - fwd_s) + border * fwd_s + max(0.0, one_way_s - hidden_bwd)
+
+
+def norm_reduces(target: str, inference: bool) -> int:
+    """[Note: tile norm latency] All-reduces a tiled norm makes per micro-batch over its tile
+    group (``runtime/spatial/norms.py``): its statistics in the forward and two per-channel sums
+    in the backward, each one blocking round of messages charged the link's latency (their
+    bytes are a few per channel); an inference BatchNorm reads its running statistics (none)."""
+    if inference:
+        return 0 if "batch" in target.lower() else 1
+    return 2
+
+
+def exposed_halo_fwd_s(rule: SpatialRule, one_way_s: float, fwd_s: float, border: float) -> float:
+    """The forward's share of :func:`exposed_halo_s`: what a recompute of the op waits for again."""
+    if rule.kind not in ("conv", "pool"):
+        return one_way_s
+    return max(0.0, one_way_s - fwd_s) + border * fwd_s
 
 
 def border_fraction(shape: Sequence[int], grid: Sequence[int], halo: Sequence[int]) -> float:

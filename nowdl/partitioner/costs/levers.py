@@ -6,9 +6,11 @@ on stage 0); in its backward it runs its forward again, saving that one micro-ba
 activations, then runs the backward. Its peak is the plain one with one micro-batch's saved
 activations instead of ``inflight``: in the Problem, the stage's ``inflight`` becomes 1 and
 each placeholder's bytes are multiplied by the old ``inflight`` (they stay per micro-batch).
-Its time per micro-batch gains the forward again: each node's time grows by its forward share
-``fwd_s / (fwd_s + bwd_s)``, so a spatial stage's halo exchange is charged again in the same
-proportion. The choice is per stage, the whole stage as one segment (the runtime checkpoints
+Its time per micro-batch gains the forward again: each node's time grows by its forward time
+(``NodeVectors.fwd``), which on a spatial stage holds the forward halo wait (message latency plus
+bytes over the link, less what the op's compute hides: ``exposed_halo_fwd_s``), since the
+recompute exchanges every forward halo again; where a variant has no ``fwd`` (plain stages), by
+its forward share ``fwd_s / (fwd_s + bwd_s)``. The choice is per stage, the whole stage as one segment (the runtime checkpoints
 the stage's forward): where a stage holds one micro-batch (one stage, the last stage of 1F1B,
 one micro-batch) it saves nothing and only costs time, so the planner never chooses it there.
 
@@ -85,7 +87,10 @@ def _fwd_share(fwd: float, bwd: float) -> float:
 def recompute_vectors(prof: Profile, base: NodeVectors, inflight: int) -> NodeVectors:
     """``base`` for a recomputed stage that held ``inflight`` micro-batches ([Note: recompute cost])."""
     act = [a * inflight if n.op == "placeholder" else a for n, a in zip(prof.nodes, base.act, strict=True)]
-    time = [t * (1.0 + _fwd_share(n.fwd_s, n.bwd_s)) for n, t in zip(prof.nodes, base.time, strict=True)]
+    if base.fwd is not None:
+        time = [t + f for t, f in zip(base.time, base.fwd, strict=True)]
+    else:
+        time = [t * (1.0 + _fwd_share(n.fwd_s, n.bwd_s)) for n, t in zip(prof.nodes, base.time, strict=True)]
     return NodeVectors(act=act, time=time, workspace=base.workspace, out=base.out)
 
 

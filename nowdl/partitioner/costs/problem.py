@@ -29,6 +29,7 @@ class NodeVectors:
     time: Sequence[float]  # fwd + bwd seconds per micro-batch
     workspace: Sequence[float]  # transient bytes (a stage pays its largest)
     out: Sequence[float]  # bytes of the node's output when it crosses a stage boundary
+    fwd: Sequence[float] | None = None  # forward seconds (halo wait included); None: time x fwd_s share
 
 
 @dataclass(frozen=True)
