@@ -19,7 +19,8 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
-    for head in ("### 1. Profiler, UNet", "### 1. Profiler, ResNet-110-v2", "### 2. Peak memory", "### 3. Two processes"):
+    for head in ("### 1. Profiler, UNet", "### 1. Profiler, ResNet-110-v2", "### 2. Peak memory", "### 3. Recompute and offload",
+                 "### 4. Two processes"):
         assert head in text
     d = json.loads(out.read_text())
     assert d["device"] == "cpu" and d["spec"] == "cpu"
@@ -33,3 +34,9 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         assert 0.7 < m["measured"] / m["predicted"] < 1.4, (step, m)
     two = d["two_processes"]
     assert two["ok"] and two["loss_diff"] < 1e-6 and two["out_diff"] < 1e-5
+    levers = {r["what"]: r for r in d["levers"]["rows"]}
+    assert set(levers) == {"kept", "recomputed", "offloaded"}
+    assert "host memory" in levers["offloaded"]["error"]  # the cpu spec has none: the row says so
+    for what in ("kept", "recomputed"):  # the same weights, the same losses
+        r = levers[what]
+        assert r["loss"] == levers["kept"]["loss"] and 0.7 < r["measured"] / r["predicted"] < 1.4, r

@@ -17,7 +17,7 @@ from nowdl.runtime.pipeline.offload import WINDOW, Offload, _Held
 
 
 def _alive_fetched() -> int:
-    return sum(1 for o in gc.get_objects() if isinstance(o, _Held) and o.dev is not None)
+    return sum(1 for o in gc.get_objects() if type(o) is _Held and o.dev is not None)
 
 
 def test_copies_fetched_back_die_with_their_node() -> None:
