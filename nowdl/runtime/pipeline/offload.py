@@ -90,6 +90,10 @@ class Offload:
         self.host_bytes = 0
         self.peak_host_bytes = 0
         self._held: dict[_Key, list[weakref.ref[_Held]]] = {}
+        # per micro-batch, as its backward goes: how many of its saved tensors, from the last
+        # saved, prefetch has passed, and the bytes fetched back that autograd has not read yet
+        self._passed: dict[_Key, int] = {}
+        self._ahead: dict[_Key, int] = {}
         self._inflight: list[tuple[Any, Tensor]] = []  # (event, device tensor) of copies out not yet done
         self._inflight_bytes = 0
         self._largest = 0  # bytes of the largest tensor offloaded this step: the windows' unit
@@ -173,14 +177,14 @@ class Offload:
         """Start copying micro-batch ``key``'s saved tensors back to the device, the last saved
         first, until a window of them is on the device ahead of autograd."""
         self.reap()
-        held = [h for h in (ref() for ref in self._held.get(key, [])) if h is not None]
-        ahead = sum(h.nbytes for h in held if h.dev is not None and not h.used)
-        for h in reversed(held):
-            if ahead >= WINDOW * self._largest:
-                break
-            if h.dev is None and h.host is not None:
+        refs = self._held.get(key, [])
+        passed = self._passed.get(key, 0)
+        while passed < len(refs) and self._ahead.get(key, 0) < WINDOW * self._largest:
+            passed += 1
+            h = refs[-passed]()
+            if h is not None and h.dev is None and h.host is not None:
                 self._copy_back(h)
-                ahead += h.nbytes
+        self._passed[key] = passed
 
     def _copy_back(self, h: _Held) -> None:
         host = h.host
@@ -197,6 +201,8 @@ class Offload:
             h.host = None
         h.dev = dev
         h.uncount()
+        if h.key is not None:
+            self._ahead[h.key] = self._ahead.get(h.key, 0) + h.nbytes
 
     def _unpack(self, h: Any) -> Tensor:
         if isinstance(h, Tensor):  # kept on the device
@@ -210,9 +216,12 @@ class Offload:
         if not h.used:
             h.used = True
             if h.key is not None:
+                self._ahead[h.key] -= h.nbytes
                 self.prefetch(h.key)  # the next tensors the backward reads
         return dev
 
     def drop(self, key: _Key) -> None:
         """Forget micro-batch ``key`` (after its backward; its tensors die with the graph)."""
         self._held.pop(key, None)
+        self._passed.pop(key, None)
+        self._ahead.pop(key, None)
