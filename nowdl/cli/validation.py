@@ -81,6 +81,7 @@ class ValidationSet:
         self.masks: list[Any] | None = None
         self.dataset: Any = None
         if kind in READERS:
+            from nowdl.runtime.data.datasets import check_masks
             from nowdl.runtime.data.readers import open_images
 
             if args.val_labels is None:
@@ -89,13 +90,7 @@ class ValidationSet:
             self.images = open_images(spec, sample_shape[0], ndim)
             self.masks = open_images(args.val_labels, 1, ndim, label=True,
                                      stacked=any(im.index is not None for im in self.images))
-            if len(self.masks) != len(self.images):
-                raise NowdlError(f"--val-labels gives {len(self.masks)} mask(s) for {len(self.images)} image(s): give "
-                                 "one mask per image, in the same order")
-            for im, mk in zip(self.images, self.masks, strict=True):
-                if mk.spatial != im.spatial:
-                    raise NowdlError(f"the mask {mk.path} is {'x'.join(map(str, mk.spatial))} but its image {im.path} "
-                                     f"is {'x'.join(map(str, im.spatial))}: a mask must have its image's shape")
+            check_masks(self.images, self.masks, "--val-labels")
         elif kind == "dataset":
             from nowdl.runtime.data.datasets import dataset_from_callable
 

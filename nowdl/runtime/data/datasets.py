@@ -23,7 +23,7 @@ from nowdl.models.resolve import import_callable
 from nowdl.runtime.data.readers import ImageArray, ReadCounter, to_tensor
 from nowdl.runtime.spatial.tiles import TiledInput
 
-__all__ = ["CropDataset", "check_sample", "dataset_from_callable", "label_loss"]
+__all__ = ["CropDataset", "check_masks", "check_sample", "dataset_from_callable", "label_loss"]
 
 
 class CropDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -57,13 +57,7 @@ class CropDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
                                  "without its batch): "
                                  "use a smaller --input or a larger image (or a lower pyramid level)")
         if self.masks is not None:
-            if len(self.masks) != len(self.images):
-                raise NowdlError(f"--labels gives {len(self.masks)} mask(s) for {len(self.images)} image(s): give one "
-                                 "mask per image, in the same order (same file names in a folder)")
-            for im, mk in zip(self.images, self.masks, strict=True):
-                if mk.spatial != im.spatial:
-                    raise NowdlError(f"the mask {mk.path} is {'x'.join(map(str, mk.spatial))} but its image {im.path} "
-                                     f"is {'x'.join(map(str, im.spatial))}: a mask must have its image's shape")
+            check_masks(self.images, self.masks, "--labels")
         if crops is None:
             big = max(math.prod(im.spatial) for im in self.images)
             crops = max(1, big // math.prod(self.sample_shape[1:]))
@@ -141,6 +135,17 @@ class _Labels(TiledInput):
     def read(self, bounds: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
         sp = [(0, s) for s in self.shape[1:]] if bounds is None else list(bounds)
         return self._read((slice(*self._rows), *(slice(a, b) for a, b in sp)))
+
+
+def check_masks(images: Sequence[Any], masks: Sequence[Any], flag: str) -> None:
+    """Raise NowdlError unless ``masks`` (given by ``flag``) has one mask of its image's shape per image."""
+    if len(masks) != len(images):
+        raise NowdlError(f"{flag} gives {len(masks)} mask(s) for {len(images)} image(s): give one mask per image, "
+                         "in the same order (same file names in a folder)")
+    for im, mk in zip(images, masks, strict=True):
+        if mk.spatial != im.spatial:
+            raise NowdlError(f"the mask {mk.path} is {'x'.join(map(str, mk.spatial))} but its image {im.path} "
+                             f"is {'x'.join(map(str, im.spatial))}: a mask must have its image's shape")
 
 
 def label_loss(loss: nn.Module) -> Callable[[torch.Tensor, Any], torch.Tensor]:
