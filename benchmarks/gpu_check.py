@@ -56,6 +56,7 @@ from helpers.distributed import WorkerError, run_workers  # noqa: E402
 import nowdl  # noqa: E402
 from nowdl.plan.plan import format_bytes  # noqa: E402
 from nowdl.profiler import profile  # noqa: E402
+from nowdl.profiler.calibrate.ops import median_times  # noqa: E402
 from nowdl.runtime.training.metrics import peak_of, static_bytes  # noqa: E402
 from nowdl.trace.tracer import trace  # noqa: E402
 
@@ -181,20 +182,6 @@ def memory_section(sizes: dict[str, Any], device: torch.device, spec: str) -> di
 
 
 # ---- 3. recompute and offload on the device -----------------------------------------------------
-def _timed(step: Any, device: torch.device, n: int) -> float:
-    """Median wall seconds of ``n`` calls of ``step`` (synchronised on CUDA)."""
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def lever_section(sizes: dict[str, Any], device: torch.device, spec: str) -> dict[str, Any]:
     """The UNet on one device with saved activations kept, recomputed, and offloaded to pinned host
     memory (a side copy stream on CUDA): peak memory and step time against each plan."""
@@ -226,7 +213,7 @@ def lever_section(sizes: dict[str, Any], device: torch.device, spec: str) -> dic
             torch.cuda.empty_cache()
         run = functools.partial(cm.train_step, x, y)
         _, peak = _peak(run, device, mods, eng.optimizer, 0)
-        step_s = _timed(run, device, sizes["lever_steps"])
+        (step_s,) = median_times([run], device, sizes["lever_steps"], 0)
         plan = cm._train().plan
         assert plan is not None
         pred, pred_s = plan.ranks[0].predicted_peak_bytes, float(plan.predicted.get("step_s", 0.0))
