@@ -50,9 +50,18 @@ def reference(net: nn.Module, image: np.ndarray) -> np.ndarray:
 
 
 def predict_worker(rank: int, world: int, source: str, out: str, compile_kwargs: dict[str, Any],
-                   predict_kwargs: dict[str, Any], weights: str | None = None) -> str:
-    """Compile the seeded SegNet on ``world`` ranks, predict ``source`` into ``out``; rank 0's summary line."""
+                   predict_kwargs: dict[str, Any], weights: str | None = None, forbid_gather: bool = False) -> str:
+    """Compile the seeded SegNet on ``world`` ranks, predict ``source`` into ``out``; rank 0's summary line.
+    ``forbid_gather``: gathering a tiled tensor whole raises (each rank must write its own tile)."""
     import nowdl
+
+    if forbid_gather:
+        from nowdl.runtime.spatial.tiles import TileGrid
+
+        def no_gather(*_: Any) -> None:
+            raise AssertionError("a tiled output was gathered whole")
+
+        TileGrid.gather = no_gather  # type: ignore[method-assign]
 
     net = seg_net()
     if weights is not None:

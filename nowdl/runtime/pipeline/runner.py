@@ -96,6 +96,9 @@ class ScheduleRunner:
         # zero bubble: B computes input gradients, W the deferred weight gradients
         self.final_kind = "W" if any(a.kind == "W" for a in view.actions) else "B"  # gradients are final after it
         self.final_left = Counter(a.stage for a in view.actions if a.kind == self.final_kind)
+        # None: the model's output is gathered whole; a dict: an inference step keeps a spatial
+        # stage's model output as this rank's tile and records id(tile) -> (grid, group) here
+        self.kept_tiles: dict[int, tuple[TileGrid, Any]] | None = None
 
     def begin(self, x: Any, y: Any, train: bool) -> Step:
         """Cut the batch, reset the gradients and the modules' mode, and plan the step's receives."""
@@ -183,8 +186,12 @@ class ScheduleRunner:
             if c != self.view.k:
                 step.sends += self.transfers.send_forward(name, t, act, c)
                 continue
-            whole = t if tiled is None or g_out is None else g_out.gather(t, tiled.group)
-            model_out[name] = whole.float() if self.view.comm_dtype and whole.is_floating_point() else whole
+            keep = self.kept_tiles is not None and not step.train and tiled is not None and g_out is not None
+            whole = t if keep or tiled is None or g_out is None else g_out.gather(t, tiled.group)
+            out = whole.float() if self.view.comm_dtype and whole.is_floating_point() else whole
+            if keep and self.kept_tiles is not None and tiled is not None and g_out is not None:
+                self.kept_tiles[id(out)] = (g_out, tiled.group)
+            model_out[name] = out
 
     def _loss(self, step: Step, act: Action, st: StageModule, model_out: dict[str, torch.Tensor]) -> None:
         part = self.view.part[(act.replica, act.stage)]

@@ -45,7 +45,7 @@ from nowdl.runtime.predict.writers import (
     ngff_attributes,
     pyramid_shapes,
 )
-from nowdl.runtime.spatial.tiles import TiledInput
+from nowdl.runtime.spatial.tiles import TiledInput, TileGrid
 from nowdl.runtime.training.plan_share import plan_on_rank0
 from nowdl.runtime.training.trainer import Trainer
 
@@ -94,19 +94,23 @@ class _WindowRunner(Trainer):
 
     def __init__(self, cm: Any, timeout_s: float, backend: str | None) -> None:
         self.outputs: list[torch.Tensor] = []
+        self.grid: tuple[TileGrid, Any] | None = None  # the output's tile grid and group, when kept as a tile
         super().__init__(_Planner(cm), optimizer=None, loss_fn=self._keep, timeout_s=timeout_s, backend=backend)
 
     def _keep(self, out: Any, _y: Any) -> torch.Tensor:
         from torch.utils._pytree import tree_leaves
 
         t = next(v for v in tree_leaves(out) if isinstance(v, torch.Tensor))
+        self.grid = (self.engine.runner.kept_tiles or {}).get(id(t)) if self.engine is not None else None
         self.outputs.append(t.detach())
         return t.new_zeros(()).float()
 
     def run_window(self, x: TiledInput, measure: bool) -> tuple[torch.Tensor | None, int | None]:
-        """The window's output on the ranks of the last stage (None elsewhere), and this rank's peak bytes."""
+        """The window's output on the ranks of the last stage (None elsewhere; this rank's tile of it when
+        ``self.grid`` is set), and this rank's peak bytes."""
         eng = self._window_engine(x)
-        self.outputs = []
+        eng.runner.kept_tiles = {}
+        self.outputs, self.grid = [], None
         y = torch.zeros(1)
         peak = None
         if eng.device.type == "cuda":
@@ -210,6 +214,35 @@ def _piece(share: tuple[tuple[int, int], ...] | None, out: torch.Tensor | None, 
     return out[0][(slice(None), *rel)].cpu()
 
 
+def _tile_piece(grid: tuple[TileGrid, Any] | None, out: torch.Tensor | None, core: Sequence[tuple[int, int]],
+                chunks: Sequence[int], w: Window, scale: Sequence[int]
+                ) -> tuple[tuple[tuple[int, int], ...] | None, torch.Tensor | None]:
+    """This rank's part of ``core`` (output pixels) cut from its own output tile, with no gather, when every
+    rank's tile meets ``core`` in a box whose edges are ``core``'s or whole chunks (so no two ranks write one
+    chunk); ``(None, None)`` otherwise, or when the output is not tiled. Every rank of the grid decides alike.
+    A rank whose tile misses ``core`` gets ``((), None)``."""
+    if grid is None or out is None:
+        return None, None
+    g = grid[0]
+    origin = tuple(r0 // f for (r0, _), f in zip(w.read, scale, strict=True))
+    mine: tuple[tuple[int, int], ...] | None = None
+    for i in range(len(g.ranks)):
+        tb = g.tile_bounds(g.coords_of(i))
+        box = tuple((max(lo + o, a), min(hi + o, b)) for (lo, hi), o, (a, b) in zip(tb, origin, core, strict=True))
+        if any(lo >= hi for lo, hi in box):
+            continue
+        for (lo, hi), (a, b), ch in zip(box, core, chunks, strict=True):
+            if any(e not in (a, b) and e % ch for e in (lo, hi)):
+                return None, None
+        if i == g.index:
+            mine = box
+    if mine is None:
+        return (), None
+    lo_t = tuple(lo + o for (lo, _), o in zip(g.tile_bounds(), origin, strict=True))
+    rel = tuple(slice(a - t, b - t) for (a, b), t in zip(mine, lo_t, strict=True))
+    return mine, out[0][(slice(None), *rel)].cpu()
+
+
 def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, piece: torch.Tensor | None,
                  output: str) -> None:
     """Write ``piece`` (from :func:`_piece`) at ``share``."""
@@ -267,10 +300,14 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
             for i, w in enumerate(wins):
                 out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2)
                 summary.add_peak(peak)
-                part, parts = runner.writer_share()
                 core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
-                share = _share(core_out, store.chunks[1:], part, parts) if out is not None else None
-                piece = _piece(share, out, w, reach.scale)
+                share, piece = _tile_piece(runner.grid, out, core_out, store.chunks[1:], w, reach.scale)
+                if share is None and piece is None:  # the tiles do not end on whole chunks: gather them
+                    if out is not None and runner.grid is not None:
+                        out = runner.grid[0].gather(out, runner.grid[1])
+                    part, parts = runner.writer_share()
+                    share = _share(core_out, store.chunks[1:], part, parts) if out is not None else None
+                    piece = _piece(share, out, w, reach.scale)
                 writes.submit(functools.partial(_write_share, store, share, piece, output), str(target.work))
                 done += 1
                 if on_window is not None:

@@ -39,3 +39,12 @@ def test_two_ranks_write_a_tiff_equal_to_the_whole_image_forward(tmp_path: Path)
     run_workers(predict_worker, 2, src, str(tmp_path / "p.tif"), pins, {"window": (64, 96)}, timeout_s=600)
     got = tifffile.imread(tmp_path / "p.tif")
     np.testing.assert_allclose(got, reference(seg_net(), img), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_ranks_write_their_own_tiles_when_they_end_on_whole_chunks(tmp_path: Path) -> None:
+    src, img = _source(tmp_path, (1, 512, 256))  # 256² chunks: the two row tiles meet on a chunk edge
+    pins = {"stages": 1, "spatial_parts": 2, "slice": "horizontal", "micro_batches": 1, "replicas": 1, "dp": 1}
+    run_workers(predict_worker, 2, src, str(tmp_path / "t.zarr"), pins, {}, None, True, timeout_s=600)
+    np.testing.assert_allclose(np.asarray(zarr.open_array(str(tmp_path / "t.zarr" / "0"))[:]),
+                               reference(seg_net(), img), atol=1e-4, rtol=0)
