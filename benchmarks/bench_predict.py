@@ -41,7 +41,7 @@ in the logits to a one-process whole-image forward.
 
 How to run
 ----------
-    .venv/bin/python benchmarks/bench_predict.py [--size 2048] [--roi 256] [--depth 64] [--roi3d 32] [--ranks 2] [--repeats 3]
+    .venv/bin/python benchmarks/bench_predict.py [--size 2048] [--roi 256] [--depth 128] [--roi3d 64] [--ranks 2] [--repeats 3]
     .venv/bin/python benchmarks/bench_predict.py --profile   # where nowdl's 2D time goes: cProfile of rank 0
 
 Tables go to stdout as Markdown, progress to stderr. Nothing is asserted.
@@ -273,8 +273,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", type=int, default=2048, help="2D slide side (default 2048)")
     ap.add_argument("--roi", type=int, default=256, help="2D sliding window side (default 256)")
-    ap.add_argument("--depth", type=int, default=64, help="3D volume side (default 64)")
-    ap.add_argument("--roi3d", type=int, default=32, help="3D sliding window side (default 32)")
+    ap.add_argument("--depth", type=int, default=128, help="3D volume side (default 128)")
+    ap.add_argument("--roi3d", type=int, default=64, help="3D sliding window side (default 64)")
     ap.add_argument("--ranks", type=int, default=2, help="ranks = CPU cores used by every row (default 2)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved (default 3)")
     ap.add_argument("--cases", default="2d,3d", help="which cases (default 2d,3d)")
