@@ -25,6 +25,15 @@ PLAN_FORMAT = "nowdl.plan"
 PLAN_VERSION = 3  # 3: stage recompute/offload/tiles_per_gpu, config.inference; 2: topology
 
 
+def _stage_dict(s: StagePlan) -> dict[str, Any]:
+    """A stage as JSON; ``recompute_segment`` only where it is set (plans of a whole stage or none
+    read as before)."""
+    d = asdict(s)
+    if not d["recompute_segment"]:
+        del d["recompute_segment"]
+    return d
+
+
 def _format_time(s: float) -> str:
     if s >= 1:
         return f"{s:.2f} s"
@@ -49,6 +58,9 @@ class StagePlan:
     recompute: bool = False  # saved activations dropped in the forward, recomputed in the backward
     offload: bool = False  # saved activations kept in host memory between forward and backward
     tiles_per_gpu: int = 1  # a spatial stage's tiles run one after another on each of its GPUs
+    # [start, stop) into ``nodes``: with recompute, only those nodes' saved activations are
+    # recomputed; [] (absent from the JSON): the whole stage
+    recompute_segment: list[int] = field(default_factory=list)
     predicted: dict[str, float] = field(default_factory=dict)
     # predicted keys: peak_bytes, static_bytes, act_bytes, recv_bytes, workspace_bytes,
     # fwd_s, bwd_s, comm_s, time_s (per micro-batch, per rank of this stage)
@@ -121,7 +133,7 @@ class Plan:
             "model": self.model,
             "profile": self.profile,
             "config": self.config,
-            "stages": [asdict(s) for s in self.stages],
+            "stages": [_stage_dict(s) for s in self.stages],
             "ranks": [asdict(r) for r in self.ranks],
             "tensors": [asdict(t) for t in self.tensors],
             "schedule": self.schedule,
