@@ -53,6 +53,7 @@ from typing import Any
 
 from nowdl.partitioner.costs.inference import live_bytes
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
+from nowdl.partitioner.costs.segments import segment_variant
 from nowdl.partitioner.search.config import Candidate
 from nowdl.plan.topology import node_spec_for
 from nowdl.profiler.cost import Profile
@@ -119,11 +120,14 @@ def apply_levers(prof: Profile, cand: Candidate, stages: list[StageSpec],
     """``stages`` with ``cand``'s recomputed and offloaded stages on their lever variants (added
     to ``variants``); unchanged for a candidate without levers."""
     out = list(stages)
+    cuts = dict(cand.segments)  # [Note: recompute segments] in costs/segments.py
     for s in cand.recompute:
         spec = out[s]
         key = f"{spec.variant}{RECOMPUTE_TAG}{spec.inflight}"
         if key not in variants:
             variants[key] = recompute_vectors(prof, variants[spec.variant], spec.inflight)
+        if s in cuts:
+            key = segment_variant(prof, variants, spec.variant, key, spec.inflight, cuts[s])
         out[s] = dataclasses.replace(spec, variant=key, inflight=1, send_held=recompute_send_held(spec))
     for s in cand.offload:
         spec = out[s]
