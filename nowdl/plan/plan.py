@@ -25,15 +25,6 @@ PLAN_FORMAT = "nowdl.plan"
 PLAN_VERSION = 3  # 3: stage recompute/offload/tiles_per_gpu, config.inference; 2: topology
 
 
-def _stage_dict(s: StagePlan) -> dict[str, Any]:
-    """A stage as JSON; ``recompute_segment`` only where it is set (plans of a whole stage or none
-    read as before)."""
-    d = asdict(s)
-    if not d["recompute_segment"]:
-        del d["recompute_segment"]
-    return d
-
-
 def _format_time(s: float) -> str:
     if s >= 1:
         return f"{s:.2f} s"
@@ -133,7 +124,8 @@ class Plan:
             "model": self.model,
             "profile": self.profile,
             "config": self.config,
-            "stages": [_stage_dict(s) for s in self.stages],
+            # recompute_segment only where set: a plan without one reads as before
+            "stages": [{k: v for k, v in asdict(s).items() if k != "recompute_segment" or v} for s in self.stages],
             "ranks": [asdict(r) for r in self.ranks],
             "tensors": [asdict(t) for t in self.tensors],
             "schedule": self.schedule,
