@@ -66,18 +66,20 @@ def _segment(nodes: list[str], upto: str) -> list[int]:
 _Run = tuple[list[float], dict[str, torch.Tensor], list[int]]
 
 
-def _worker(rank: int, world: int, p: float, stage: int, upto: str) -> tuple[_Run, _Run]:
+def _worker(rank: int, world: int, p: float, stage: int, upto: str | float) -> tuple[_Run, _Run]:
     """The run with the segment, and its twin: the same plan without recompute, in the same processes."""
     return _train(rank, world, p, stage, upto), _train(rank, world, p, stage, None)
 
 
-def _train(rank: int, world: int, p: float, stage: int, upto: str | None) -> _Run:
+def _train(rank: int, world: int, p: float, stage: int, upto: str | float | None) -> _Run:
+    """``upto``: the node name the segment ends at, or the cap under which the planner chooses it."""
+    cap = {"recompute": "auto", "gpu_memory": upto} if isinstance(upto, float) else {"recompute": "off"}
     cm = nowdl.compile(_make(p), gpus=world, mode="estimate", optimizer=_adam, loss_fn=nn.CrossEntropyLoss(),
-                       cache=False, progress=False, timeout_s=90, recompute="off", offload="off", **CFG)
+                       cache=False, progress=False, timeout_s=90, offload="off", **cap, **CFG)
     x0, y0 = _data(0)
     plan = cm.plan(x0[:1], target=y0[:1])
     st = plan.stages[stage]
-    if upto is not None:
+    if isinstance(upto, str):
         st.recompute, st.recompute_segment = True, _segment(st.nodes, upto)
     plan.validate()
     torch.manual_seed(SEED)
@@ -86,16 +88,29 @@ def _train(rank: int, world: int, p: float, stage: int, upto: str | None) -> _Ru
     return losses, cm.state_dict(), st.recompute_segment
 
 
-@pytest.mark.parametrize(("p", "stage", "upto"), [(0.0, 0, "body_1_1"), (0.3, 1, "head_4")],
-                         ids=["batchnorm-stage0", "dropout-stage1"])
-def test_segment_trains_exactly_as_one_process(p: float, stage: int, upto: str) -> None:
-    """Stage 0's first BatchNorm blocks (their running statistics update once), or stage 1's head
-    up to its second dropout (the recompute draws the forward's masks). Each rank draws its own
-    random numbers, so the dropout run equals its twin without recompute (as in
-    test_recompute_exact.py), not one process; the BatchNorm run equals both."""
-    results = run_workers(_worker, 2, p, stage, upto, timeout_s=400)
+def _planned_cap() -> float:
+    """A cap between the solvers' peak without recompute and with every stage recomputed whole."""
+    def bound(**kw: Any) -> float:
+        cm = nowdl.compile(_make(0.0), gpus=2, mode="estimate", cache=False, progress=False, offload="off", **kw, **CFG)
+        plan = cm.plan(_data(0)[0][:1])
+        return max(s.predicted["peak_bytes"] + s.predicted["freed_bytes"] for s in plan.stages)
+
+    p0, p1 = bound(recompute="off"), bound(recompute="on")
+    assert p1 < p0
+    return (p0 + p1) / 2
+
+
+@pytest.mark.parametrize(("p", "stage", "upto"), [(0.0, 0, "body_1_1"), (0.3, 1, "head_4"), (0.0, 1, None)],
+                         ids=["batchnorm-stage0", "dropout-stage1", "planner-chosen"])
+def test_segment_trains_exactly_as_one_process(p: float, stage: int, upto: str | None) -> None:
+    """Stage 0's first BatchNorm blocks (their running statistics update once), stage 1's head up
+    to its second dropout (the recompute draws the forward's masks), or the prefix of stage 1 the
+    planner chooses under a cap ("auto"). Each rank draws its own random numbers, so the dropout
+    run equals its twin without recompute (as in test_recompute_exact.py), not one process; the
+    others equal both."""
+    results = run_workers(_worker, 2, p, stage, upto if upto is not None else _planned_cap(), timeout_s=400)
     (losses, sd, seg), (twin_losses, twin_sd, _) = results[0]
-    assert results[1][0][0] == losses and seg[1] > 1
+    assert results[1][0][0] == losses and len(seg) == 2 and seg[1] > 1, seg
     assert twin_losses == losses
     for k, want in twin_sd.items():
         torch.testing.assert_close(sd[k], want, rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")

@@ -10,8 +10,8 @@ Its time per micro-batch gains the forward again: each node's time grows by its 
 (``NodeVectors.fwd``), which on a spatial stage holds the forward halo wait (message latency plus
 bytes over the link, less what the op's compute hides: ``exposed_halo_fwd_s``), since the
 recompute exchanges every forward halo again; where a variant has no ``fwd`` (plain stages), by
-its forward share ``fwd_s / (fwd_s + bwd_s)``. The choice is per stage, the whole stage as one segment (the runtime checkpoints
-the stage's forward): where a stage holds one micro-batch (one stage, the last stage of 1F1B,
+its forward share ``fwd_s / (fwd_s + bwd_s)``. The choice is per stage, the whole stage, or a
+prefix of it ([Note: recompute segments] in costs/segments.py): where a stage holds one micro-batch (one stage, the last stage of 1F1B,
 one micro-batch) it saves nothing and only costs time, so the planner never chooses it there.
 
 [Note: recompute pending sends] The runner recomputes at the start of a ``B`` action, before it

@@ -10,7 +10,8 @@ added time. A prefix's added time is its nodes' forward time (``recompute_vector
 grows with n, and its peak ``inflight x kept + prefix`` shrinks with n, so the shortest prefix
 that fits is the one to take: it is found by bisection, among the prefixes that add less time
 than the stage's present lever (the whole stage's forward, or the offload's exposed copies), on
-the whole candidate's rank peaks (MASTER: a rank holds two stages). A stage where no such prefix
+the whole candidate's rank peaks (MASTER: a rank holds two stages), and the split is then kept
+(no MILP moves it). A stage where no such prefix
 fits keeps its lever, so a plan where the whole stage or no lever was the best choice does not
 change. The stages are taken in order, each on the candidate the one before left. Candidates
 with ``recompute`` other than "auto" are left as they are ("on" and a list recompute whole
@@ -71,7 +72,9 @@ def _at_split(by_batch: CostsByBatch, req: PlanRequest, ev: E, cand: Candidate) 
                           seconds=old.seconds)
     fits = (costs.mem_cap is None or part.bottleneck_mem <= costs.mem_cap * (1 + _REL)) and host_fits(
         costs, cand, part.stage_of)
-    return dataclasses.replace(ev, cand=cand, costs=costs, problem=problem, part=part, fits=fits, exact=False,
+    # final: the MILP does not move this split (a prefix is cut at a node index, which a moved
+    # boundary could leave empty)
+    return dataclasses.replace(ev, cand=cand, costs=costs, problem=problem, part=part, fits=fits, exact=False, final=True,
                                bounds=candidate_bounds(costs, cand, problem, cand.micro_batch_size),
                                pred=predict_step(costs, cand, part, cand.micro_batch_size),
                                idle=bool(idle_stages(problem, part.stage_of)))
