@@ -17,6 +17,7 @@ from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.search.config import Candidate
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.plot.memory import memory_bars
+from nowdl.profiler.devices import BUILTIN_SPECS
 
 PINS = dict(gpus=2, stages=2, micro_batches=4, spatial_parts=1, replicas=1, dp=1, schedule="gpipe")
 
@@ -106,3 +107,25 @@ def test_the_whole_stage_stays_where_no_prefix_fits() -> None:
     assert all("recompute_segment" not in s for s in plan.to_dict()["stages"])
     q = max((s for s in plan.stages if s.recompute), key=lambda s: s.predicted["fwd_s"]).predicted
     assert q["recompute_s"] == pytest.approx(q["fwd_s"])
+
+
+def test_a_prefix_replaces_offload_where_it_adds_less_time() -> None:
+    """The host link set so that offloading the stage adds less time than recomputing it whole
+    (so the lever rounds offload it) but more than the prefix: the prefix wins. With the offload
+    cheaper than the prefix, the offload stays."""
+    p0, p1 = _bounds()
+    cap = p1 + 0.9 * (p0 - p1)
+    seg = next(s for s in _plan(recompute="auto", offload="off", gpu_memory=cap).stages if s.recompute_segment)
+    q = seg.predicted
+    a, busy, prefix, whole = q["act_bytes"], q["fwd_s"] + q["bwd_s"], q["recompute_s"], q["fwd_s"]
+    assert q["inflight"] > 1 and 0 < prefix < whole
+
+    def plan_at(offload_s: float) -> nowdl.Plan:
+        bw = a / (offload_s + busy)  # [Note: host offload]: several in flight, A / bw - (fwd + bwd) exposed
+        spec = dataclasses.replace(BUILTIN_SPECS["h100"], name=f"h100-link{bw:.6g}", host_link_bw=bw)
+        return _plan(recompute="auto", offload="auto", gpu_memory=cap, device_spec=spec)
+
+    won = plan_at((prefix + whole) / 2).stages[seg.index]
+    assert won.recompute_segment == seg.recompute_segment and not won.offload
+    kept = plan_at(prefix / 2).stages[seg.index]
+    assert kept.offload and not kept.recompute
