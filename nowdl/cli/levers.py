@@ -13,9 +13,9 @@ from typing import Any
 
 from nowdl.errors import NowdlError
 from nowdl.partitioner.search.lever_options import LeverSetting, check_lever
-from nowdl.plan.plan import Plan, format_bytes
+from nowdl.plan.plan import Plan, StagePlan, format_bytes
 
-__all__ = ["add_lever_arguments", "lever_arg", "lever_kwargs", "format_levers"]
+__all__ = ["add_lever_arguments", "lever_arg", "lever_kwargs", "format_levers", "segment_text"]
 
 
 def lever_arg(text: str) -> LeverSetting:
@@ -51,6 +51,18 @@ def _time(s: float) -> str:
     return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def segment_text(s: StagePlan) -> str:
+    """' nodes a..b (x of y saved per micro-batch, n of N nodes)' for a stage that recomputes a
+    segment ([Note: recompute segments]); "" for a whole stage."""
+    if not s.recompute_segment:
+        return ""
+    a, b = s.recompute_segment
+    seg = float(s.predicted.get("segment_bytes", 0.0))
+    return (f" nodes {s.nodes[a]}..{s.nodes[b - 1]} ({format_bytes(seg)} of "
+            f"{format_bytes(float(s.predicted.get('act_bytes', 0.0)))} saved per micro-batch, {b - a} of "
+            f"{len(s.nodes)} nodes)")
+
+
 def format_levers(plan: Plan) -> str:
     """One line per stage that recomputes or offloads: the seconds it adds per step (its
     per-micro-batch figure x micro-batches) and the bytes per GPU it keeps off the device; ""
@@ -60,8 +72,9 @@ def format_levers(plan: Plan) -> str:
     for s in plan.stages:
         q = s.predicted
         if s.recompute:
-            lines.append(f"stage {s.index}: recompute (+{_time(m * float(q.get('recompute_s', 0.0)))}/step of its "
-                         f"work, saves {format_bytes(float(q.get('recomputed_bytes', 0.0)))} per GPU at the peak)")
+            lines.append(f"stage {s.index}: recompute{segment_text(s)} (+{_time(m * float(q.get('recompute_s', 0.0)))}"
+                         f"/step of its work, saves {format_bytes(float(q.get('recomputed_bytes', 0.0)))} per GPU at "
+                         "the peak)")
         if s.offload:
             lines.append(f"stage {s.index}: offload (+{_time(m * float(q.get('offload_s', 0.0)))}/step of host "
                          f"copies not hidden by compute, {format_bytes(float(q.get('offloaded_bytes', 0.0)))} per GPU "

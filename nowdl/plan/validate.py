@@ -72,7 +72,7 @@ SHAPES = _named(_list(_list(_nat)), "a list of shapes (lists of non-negative int
 
 _STAGE = {"index": INT, "nodes": STRS, "ranks": INTS, "parts": INT, "slice": OPT_STR, "grid": INTS,
           "fused": CHAINS, "params": INT, "param_bytes": INT, "recompute": BOOL, "offload": BOOL,
-          "tiles_per_gpu": INT, "predicted": NUMS}
+          "tiles_per_gpu": INT, "recompute_segment": INTS, "predicted": NUMS}
 _RANK = {"rank": INT, "dp": INT, "stages": HOLDS, "predicted_peak_bytes": NUM, "predicted_time_s": NUM}
 _TENSOR = {"producer": STR, "from_stage": INT, "to_stages": INTS, "shape": INTS, "dtype": STR, "bytes": INT}
 _TOP = {
@@ -158,6 +158,12 @@ def check_counts(plan: Any, source: str) -> None:
         if s.parts > 1 and math.prod(s.grid) != s.parts:
             raise PlanError(f"{source}: stage {s.index} has {s.parts} parts but its grid {s.grid} makes "
                             f"{math.prod(s.grid)} tiles")
+        seg = s.recompute_segment
+        if seg and (len(seg) != 2 or not 0 <= seg[0] < seg[1] <= len(s.nodes) or not s.recompute
+                    or s.parts > 1 or s.tiles_per_gpu > 1):
+            raise PlanError(f"{source}: stage {s.index} has recompute_segment {seg}: it must be [start, stop) with "
+                            f"0 <= start < stop <= {len(s.nodes)} (the stage's nodes), on a stage with recompute true "
+                            "that is not tiled; drop the field to recompute the whole stage")
         bad = [r for r in s.ranks if r >= world]
         if bad:
             raise PlanError(f"{source}: stage {s.index} lists rank(s) {bad} but the plan has {world} ranks")

@@ -80,6 +80,8 @@ def _rank_label(plan: Plan, held: list[dict[str, int]]) -> str:
         tag = f"s{s.index}" + ("'" if int(e.get("replica", 0)) == 1 else "")
         if s.parts > 1:
             tag += f".{int(e.get('part', 0))}"
+        if s.recompute_segment:  # recomputes nodes a..b-1 only: [Note: recompute segments]
+            tag += f" (recompute: nodes {s.recompute_segment[0]}..{s.recompute_segment[1] - 1} of {len(s.nodes)})"
         tags.append(tag)
     return "+".join(tags) if tags else "idle"
 

@@ -10,8 +10,8 @@ Its time per micro-batch gains the forward again: each node's time grows by its 
 (``NodeVectors.fwd``), which on a spatial stage holds the forward halo wait (message latency plus
 bytes over the link, less what the op's compute hides: ``exposed_halo_fwd_s``), since the
 recompute exchanges every forward halo again; where a variant has no ``fwd`` (plain stages), by
-its forward share ``fwd_s / (fwd_s + bwd_s)``. The choice is per stage, the whole stage as one segment (the runtime checkpoints
-the stage's forward): where a stage holds one micro-batch (one stage, the last stage of 1F1B,
+its forward share ``fwd_s / (fwd_s + bwd_s)``. The choice is per stage, the whole stage, or a
+prefix of it ([Note: recompute segments] in costs/segments.py): where a stage holds one micro-batch (one stage, the last stage of 1F1B,
 one micro-batch) it saves nothing and only costs time, so the planner never chooses it there.
 
 [Note: recompute pending sends] The runner recomputes at the start of a ``B`` action, before it
@@ -53,6 +53,7 @@ from typing import Any
 
 from nowdl.partitioner.costs.inference import live_bytes
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
+from nowdl.partitioner.costs.segments import segment_variant
 from nowdl.partitioner.search.config import Candidate
 from nowdl.plan.topology import node_spec_for
 from nowdl.profiler.cost import Profile
@@ -119,11 +120,14 @@ def apply_levers(prof: Profile, cand: Candidate, stages: list[StageSpec],
     """``stages`` with ``cand``'s recomputed and offloaded stages on their lever variants (added
     to ``variants``); unchanged for a candidate without levers."""
     out = list(stages)
+    cuts = dict(cand.segments)  # [Note: recompute segments] in costs/segments.py
     for s in cand.recompute:
         spec = out[s]
         key = f"{spec.variant}{RECOMPUTE_TAG}{spec.inflight}"
         if key not in variants:
             variants[key] = recompute_vectors(prof, variants[spec.variant], spec.inflight)
+        if s in cuts:
+            key = segment_variant(prof, variants, spec.variant, key, spec.inflight, cuts[s])
         out[s] = dataclasses.replace(spec, variant=key, inflight=1, send_held=recompute_send_held(spec))
     for s in cand.offload:
         spec = out[s]

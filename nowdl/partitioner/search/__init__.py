@@ -4,7 +4,8 @@
 ``bounds`` bounds each candidate so only those that can win are solved; ``search`` runs it;
 ``assemble`` builds the Plan; ``infeasible`` says, with figures, why nothing fits;
 ``lever_options`` checks the recompute/offload settings and ``levers`` chooses the stages that
-recompute or offload.
+recompute or offload; ``segments`` shortens a lever to a recomputed prefix of the stage where
+that fits with less added time.
 """
 
 from typing import TYPE_CHECKING

@@ -15,6 +15,7 @@ from nowdl.partitioner.costs.costmodel import (
 from nowdl.partitioner.costs.levers import lever_figures
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, Problem
+from nowdl.partitioner.costs.segments import segment_figures
 from nowdl.partitioner.placement.traffic import cross_node_bytes, halo_bytes, together_groups
 from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.spatial.tileable import slice_grid
@@ -76,6 +77,7 @@ def build_plan(
     stages = []
     lat = message_latency_s(costs, cand, part.stage_of)  # [Note: message latency]
     lever = lever_figures(build_problem(costs, cand, "memory"), cand, part.stage_of, sums, costs.host_link_bw)
+    segs = segment_figures(prof, cand.segments, part.stage_of, cand.inflight(), lever)  # [Note: recompute segments]
     time_s = [part.stage_time[s] + lat[s] + lever[s]["offload_s"] for s in range(k)]
     peak = [part.stage_mem[s] - mem[s]["freed_bytes"] for s in range(k)]  # [Note: freed by the peak]
     for s in range(k):
@@ -87,7 +89,7 @@ def build_plan(
             tiles_per_gpu=cand.tiles_per_gpu if s in seq else 1,
             params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
             param_bytes=int(sums[s]["param_bytes"]),
-            recompute=s in cand.recompute, offload=s in cand.offload,
+            recompute=s in cand.recompute, offload=s in cand.offload, recompute_segment=segs[s],
             predicted={
                 "peak_bytes": peak[s], "static_bytes": sums[s]["static_bytes"],
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],

@@ -72,6 +72,7 @@ from nowdl.partitioner.search.model_space import image_of as _image
 from nowdl.partitioner.search.model_space import max_stages as _max_stages
 from nowdl.partitioner.search.model_space import tileable_ends as _tileable_ends
 from nowdl.partitioner.search.model_space import uncapped as _uncapped
+from nowdl.partitioner.search.segments import shorten_recompute
 from nowdl.partitioner.solver import SolveCache, final_split, proven, solve
 
 __all__ = ["search", "SearchResult", "FINALISTS", "FINALIST_RESERVE_S", "SCREEN_MILP_S", "build_plan", "timed_search"]
@@ -337,7 +338,7 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
         ev = solve_levers(cand, milp=True) if cand.offload else _evaluate(  # known over: its leanest split, no MILP
             cc, cand, _uncapped(problem) if base_over else problem, b, cache, screen, req.mip_gap)
         if ev is not None and not ev.fits and cand.tiles_per_gpu == 1:  # levers while LEVER_SHARE is left
-            ev = fit_with_levers(cc, req, ev, solve_levers, deadline=lever_deadline)
+            ev = shorten_recompute(by_batch, req, fit_with_levers(cc, req, ev, solve_levers, deadline=lever_deadline))
         if ev is None:
             continue
         evals.append(ev)

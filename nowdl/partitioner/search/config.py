@@ -125,6 +125,9 @@ class Candidate:
     tiles_per_gpu: int = 1  # tiles each GPU of a spatial stage runs one after another
     recompute: tuple[int, ...] = ()  # stages that recompute their forward in the backward (costs/levers.py)
     offload: tuple[int, ...] = ()  # stages whose saved activations wait in host memory
+    # (stage, cut): a recomputed stage that recomputes only its nodes before node index ``cut``
+    # (a prefix of the stage: [Note: recompute segments] in costs/segments.py)
+    segments: tuple[tuple[int, int], ...] = ()
 
     def global_batch(self) -> int:
         """Samples per optimizer step: micro-batch size x micro-batches x replicas x dp."""

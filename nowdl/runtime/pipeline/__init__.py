@@ -6,8 +6,8 @@ cross stages; ``grad_sync`` all-reduces gradients and steps the optimizer; ``ran
 what one rank runs of the plan; ``micro_batches`` cuts a global batch; ``output_roots`` keeps
 the autograd edge of a stage's outputs until their backward; ``deferred_wgrad`` splits a
 backward for zero bubble; ``recompute`` reruns a stage's forward in its backward instead of
-keeping its activations, ``offload`` keeps them in host memory; ``ranks`` maps plan parts to
-global ranks.
+keeping its activations (``segment``: only some of its nodes'), ``offload`` keeps them in host
+memory; ``ranks`` maps plan parts to global ranks.
 """
 
 from typing import TYPE_CHECKING

@@ -37,6 +37,7 @@ from nowdl.runtime.pipeline.grad_sync import GradSync
 from nowdl.runtime.pipeline.rank_view import RankView
 from nowdl.runtime.pipeline.ranks import Placement
 from nowdl.runtime.pipeline.runner import ScheduleRunner, Step
+from nowdl.runtime.pipeline.segment import SegmentRun, segment_names
 from nowdl.runtime.pipeline.transfers import Transfers
 from nowdl.runtime.spatial.stage import TiledStage
 from nowdl.schedule import Action
@@ -109,7 +110,8 @@ class PipelineEngine:
         self.loss_fn = loss_fn
         self.precision = check_precision(precision)
         self.comm_dtype: torch.dtype | None = AUTOCAST_DTYPES[precision]
-        self.checkpointed = _checkpointed(checkpointing, len(plan.stages)) | {s.index for s in plan.stages if s.recompute}
+        forced = _checkpointed(checkpointing, len(plan.stages))
+        self.checkpointed = forced | {s.index for s in plan.stages if s.recompute}
         view = self.view = RankView.build(plan, stages, rank, device, self.comm_dtype)
         self.place, self.m, self.k, self.dp_index = view.place, view.m, view.k, view.dp_index
         self.held, self.part, self.parts, self.stages = view.held, view.part, view.parts, view.stages
@@ -147,11 +149,26 @@ class PipelineEngine:
         self.runner = ScheduleRunner(view, self.transfers, self.sync, tiled=self.tiled, loss_fn=loss_fn,
                                      checkpointed=self.checkpointed, deferred=self.deferred,
                                      data_names=[n for n in plan.stages[0].nodes if n in data],
-                                     offloaded=frozenset(s.index for s in plan.stages if s.offload))
+                                     offloaded=frozenset(s.index for s in plan.stages if s.offload),
+                                     segments=self._segments(forced))
         self.offload = self.runner.offload  # its byte counters: [Note: offload]
         self._kinds: dict[str, Callable[[Step, Action], None]] = {
             "F": self.runner.forward, "B": self.runner.backward, "W": self.runner.weight_grads,
         }
+
+    def _segments(self, forced: set[int]) -> dict[int, SegmentRun]:
+        """The held plan stages that recompute a segment only ([Note: recompute segment]); a stage
+        ``checkpointing`` forces recomputes whole."""
+        out: dict[int, SegmentRun] = {}
+        for rep, s in self.held:
+            st = self.plan.stages[s]
+            if st.recompute and st.recompute_segment and s not in forced:
+                if (rep, s) in self.tiled:
+                    raise NowdlError(f"stage {s} runs on tiles and has recompute_segment {st.recompute_segment}: a tiled "
+                                     "stage recomputes whole; drop the stage's recompute_segment (or re-plan)")
+                mod = self.stages[s].module
+                out[s] = SegmentRun(mod, segment_names(st.nodes, st.recompute_segment, mod, f"stage {s}"))
+        return out
 
     @property
     def loss_scale(self) -> float:

@@ -47,9 +47,10 @@ avoid collectives in the recompute but keep every exchanged window (most of the 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,7 @@ from nowdl.errors import NowdlError
 __all__ = ["Recompute", "RngState"]
 
 _Key = tuple[int, int, int]  # replica, stage, micro-batch
+Hooks = Callable[[], AbstractContextManager[Any]]
 
 
 class _Slot:
@@ -142,9 +144,13 @@ class Recompute:
     def __contains__(self, stage: int) -> bool:
         return stage in self.stages
 
-    def forward(self, key: _Key, module: nn.Module, run: Callable[[], Any]) -> Any:
+    def forward(self, key: _Key, module: nn.Module, run: Callable[[], Any],
+                segment: Callable[[Hooks, bool], Any] | None = None) -> Any:
         """Run ``run()`` (the stage's forward, grad enabled) keeping no saved tensor; remember how
-        to recompute them for micro-batch ``key``. Returns what ``run()`` returns."""
+        to recompute them for micro-batch ``key``. Returns what ``run()`` returns. With
+        ``segment`` (``segment(hooks, replay)``: the forward with ``hooks()`` around the
+        segment's nodes; ``replay``: only up to the segment's end, [Note: recompute segment] in
+        segment.py) only the segment's saved tensors are dropped."""
         buffers = _buffers(module)
         known = self._mutated.get(id(module))
         if known is None:  # first forward: watch every buffer
@@ -155,7 +161,8 @@ class Recompute:
         before = {id(b): b.detach().clone() for b in watch}
         versions = {id(b): b._version for b in buffers}
         rep, s, mb = key
-        frame = _Frame(f"stage {s}, micro-batch {mb} (replica {rep})", run, RngState.now(self.device), [])
+        rerun = run if segment is None else lambda: segment(contextlib.nullcontext, True)
+        frame = _Frame(f"stage {s}, micro-batch {mb} (replica {rep})", rerun, RngState.now(self.device), [])
 
         def pack(t: Tensor) -> _Slot:
             slot = _Slot(frame, len(frame.metas))
@@ -163,8 +170,11 @@ class Recompute:
             frame.slots.append(weakref.ref(slot))
             return slot
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            out = run()
+        if segment is None:
+            with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                out = run()
+        else:
+            out = segment(lambda: torch.autograd.graph.saved_tensors_hooks(pack, _unpack), False)
         # the version counter, the values, and the norms' running statistics (their kernels update
         # them in place without moving the counter)
         changed = [b for b in buffers if b._version != versions[id(b)] or id(b) in known

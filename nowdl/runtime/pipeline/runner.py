@@ -26,6 +26,7 @@ from nowdl.runtime.pipeline.offload import Offload
 from nowdl.runtime.pipeline.output_roots import Root
 from nowdl.runtime.pipeline.rank_view import RankView
 from nowdl.runtime.pipeline.recompute import Recompute
+from nowdl.runtime.pipeline.segment import SegmentRun
 from nowdl.runtime.pipeline.transfers import Send, StepReceives, Transfers
 from nowdl.runtime.spatial.exchange import Window
 from nowdl.runtime.spatial.stage import TiledStage
@@ -73,6 +74,7 @@ class ScheduleRunner:
         loss_fn: ``loss_fn(output, target) -> scalar``, or None.
         checkpointed: stages whose forward is recomputed in their backward ([Note: recompute exactness]).
         offloaded: stages whose saved activations wait in host memory ([Note: offload]).
+        segments: checkpointed stages that recompute only a segment ([Note: recompute segment]).
         deferred: stages whose weight gradients wait for their ``W`` action (zero bubble).
         data_names: the model inputs in the order a tuple batch gives them.
     """
@@ -80,8 +82,9 @@ class ScheduleRunner:
     def __init__(self, view: RankView, transfers: Transfers, sync: GradSync, *,
                  tiled: dict[tuple[int, int], TiledStage], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  checkpointed: set[int], deferred: set[int], data_names: list[str],
-                 offloaded: frozenset[int] = frozenset()) -> None:
+                 offloaded: frozenset[int] = frozenset(), segments: dict[int, SegmentRun] | None = None) -> None:
         self.view, self.transfers, self.sync = view, transfers, sync
+        self.segments = segments or {}  # recomputed stages that recompute a segment only
         self.tiled, self.loss_fn = tiled, loss_fn
         self.checkpointed, self.deferred, self.data_names = checkpointed, deferred, data_names
         self.recompute = Recompute(checkpointed, view.device)
@@ -299,6 +302,13 @@ class ScheduleRunner:
             with torch.set_grad_enabled(train), self._autocast():
                 return run(*ins)
 
+        seg = self.segments.get(st.index) if tiled is None else None
+        if train and st.index in self.recompute and seg is not None:
+            def segment(hooks: Any, replay: bool, seg: SegmentRun = seg) -> Any:
+                with torch.set_grad_enabled(train), self._autocast():
+                    return seg(ins, hooks, replay)
+
+            return list(self.recompute.forward(key, seg.owner, call, segment)), grids
         if train and st.index in self.recompute:
             return list(self.recompute.forward(key, st.module, call)), grids
         if train and st.index in self.offload:
