@@ -139,8 +139,57 @@ def calibrate_worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
         if i >= 10:
             ar_cpu.append(time.thread_time() - c0)
             ar_wall.append(time.perf_counter() - t0)
+    fwd, bwd = tile_op_probe(rank, rounds)
     return {"p2p": fit, "cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
-            "ar_cpu_s": statistics.median(ar_cpu), "ar_wall_s": statistics.median(ar_wall)}
+            "ar_cpu_s": statistics.median(ar_cpu), "ar_wall_s": statistics.median(ar_wall),
+            "tile_fwd": fwd, "tile_bwd": bwd}
+
+
+TILE_PROBES = {  # kind: (module, input channels and side of the full image): the UNet rows' first level
+    "conv": (lambda: nn.Conv2d(8, 8, 3, padding=1), (8, 128)),
+    "pool": (lambda: nn.MaxPool2d(2), (8, 128)),
+    "upsample": (lambda: nn.ConvTranspose2d(16, 8, 2, stride=2), (16, 64)),
+    "norm": (lambda: nn.BatchNorm2d(8), (8, 128)),
+}
+
+
+def tile_op_probe(rank: int, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Per op kind, the thread CPU time the spatial runtime adds to a tiled op beyond the op:
+    ``runtime.spatial.dispatch.tile_forward`` on this rank's half (2 x 1 grid) against the plain
+    module on the whole image over 2, forward and backward, the least of ``rounds`` each
+    ([Note: tiled runtime overhead] in partitioner/costs/tile_overhead.py), never below 0."""
+    from nowdl.runtime.spatial.dispatch import tile_forward
+    from nowdl.runtime.spatial.tiles import TileGrid
+
+    fwd, bwd = {}, {}
+    for kind, (make, (ch, side)) in TILE_PROBES.items():
+        torch.manual_seed(0)
+        mod = make()
+        full = torch.randn(1, ch, side, side)
+        grid = TileGrid.for_rank((side, side), (2, 1), rank)
+        tile = grid.split(full)
+
+        def tiled(x: torch.Tensor = tile, g: TileGrid = grid, m: nn.Module = mod) -> torch.Tensor:
+            return tile_forward(m, x, g)[0]
+
+        times = {}
+        for name, fn, x in (("tiled", tiled, tile), ("plain", mod, full)):
+            f_s, b_s = [], []
+            for i in range(rounds + 5):
+                xi = x.detach().requires_grad_(True)
+                dist.barrier()
+                c0 = time.thread_time()
+                y = fn(xi)
+                c1 = time.thread_time()
+                y.backward(torch.ones_like(y))
+                c2 = time.thread_time()
+                if i >= 5:
+                    f_s.append(c1 - c0)
+                    b_s.append(c2 - c1)
+            times[name] = (min(f_s), min(b_s))
+        fwd[kind] = max(0.0, times["tiled"][0] - times["plain"][0] / 2)
+        bwd[kind] = max(0.0, times["tiled"][1] - times["plain"][1] / 2)
+    return fwd, bwd
 
 
 def calibrated_spec(rounds: int = 100) -> DeviceSpec:
@@ -155,6 +204,9 @@ def calibrated_spec(rounds: int = 100) -> DeviceSpec:
     ar_cpu = sum(r["ar_cpu_s"] for r in res) / len(res)
     ar_wall = sum(r["ar_wall_s"] for r in res) / len(res)
     spec = links_to_spec(get_device_spec("cpu"), {"p2p": fit}, allreduce=False)
+    tile_fwd = {k: sum(r["tile_fwd"][k] for r in res) / len(res) for k in TILE_PROBES}
+    tile_bwd = {k: sum(r["tile_bwd"][k] for r in res) / len(res) for k in TILE_PROBES}
+    tiles = ", ".join(f"{k} {tile_fwd[k] * 1e6:.0f} + {tile_bwd[k] * 1e6:.0f}" for k in TILE_PROBES)
     log(f"calibrated on 2 gloo ranks: ping-pong (wall) {fit.latency_s * 1e6:.0f} us + bytes at "
         f"{fit.bw / 1e9:.2f} GB/s; halo exchange round {cpu * 1e6:.0f} us CPU, {wall * 1e6:.0f} us wall "
         f"(ranks: {per_rank} us CPU); norm all-reduce {ar_cpu * 1e6:.0f} us CPU, {ar_wall * 1e6:.0f} us wall")
@@ -163,8 +215,10 @@ def calibrated_spec(rounds: int = 100) -> DeviceSpec:
           f"(isend + irecv + wait, median of {rounds} x {len(HALO_PROBE_BYTES)} sizes) {cpu * 1e6:.0f} us CPU, "
           f"{wall * 1e6:.0f} us wall; a tile norm's statistics all-reduce {ar_cpu * 1e6:.0f} us CPU, "
           f"{ar_wall * 1e6:.0f} us wall. The plans use link_latency_s = {cpu * 1e6:.0f} us (CPU, table 2's clock) "
-          f"and link_bw = {fit.bw / 1e9:.2f} GB/s.\n")
-    return dataclasses.replace(spec, link_latency_s=cpu)
+          f"and link_bw = {fit.bw / 1e9:.2f} GB/s. The tiled runtime's work per op beyond the op "
+          f"(tile_op_s + tile_op_bwd_s, thread CPU, least of {rounds}): {tiles} us.\n")
+    log(f"tiled runtime per op (fwd + bwd): {tiles} us")
+    return dataclasses.replace(spec, link_latency_s=cpu, tile_op_s=tile_fwd, tile_op_bwd_s=tile_bwd)
 
 
 def plan_for(kind: str, side: int, cap_mib: float, recompute: str, pins: dict[str, Any],

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import statistics
 import sys
 from collections.abc import Callable, Hashable
 from contextlib import nullcontext
@@ -266,9 +265,9 @@ class _Walker:
             for p in params:
                 p.grad = None
         if fwd_times:
-            rec.fwd_s = statistics.median(fwd_times)
+            rec.fwd_s = backend.summarise(fwd_times)
         if bwd_times:
-            rec.bwd_s = statistics.median(bwd_times)
+            rec.bwd_s = backend.summarise(bwd_times)
         if key is not None and entry is not None:
             self.memo[key] = dataclasses.replace(entry, fwd_s=rec.fwd_s, bwd_s=rec.bwd_s,
                                                  workspace=rec.workspace_bytes)

@@ -1,0 +1,54 @@
+"""How measure mode turns a node's timed runs into one figure (profiler/measure.py, [Note: thread clock minimum])."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from nowdl.profiler.measure import MeasureBackend
+from nowdl.trace import trace
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_one_thread_cpu_takes_the_least_run_else_the_median(threads: None) -> None:
+    """On the thread CPU clock load only adds time: the least run is the op's own cost; on the
+    wall clock (several intra-op threads) the median."""
+    backend = MeasureBackend(nn.Linear(2, 2), torch.device("cpu"), repeats=5, warmup=2)
+    runs = [3e-3, 1e-3, 9e-3, 2e-3, 4e-3]
+    torch.set_num_threads(1)
+    assert backend.summarise(runs) == 1e-3
+    torch.set_num_threads(2)
+    assert backend.summarise(runs) == 3e-3
+
+
+def test_profile_node_time_is_the_least_timed_run(threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walker reports the backend's figure: with one thread, a node's fwd_s is the least of
+    its timed runs. The thread clock is replaced by one whose successive timings cycle through
+    5, 1, 7, 3, 9 us (any 5 timed runs of a phase see each once): the least is 1 us, the median 5."""
+    from nowdl.profiler import profile
+    from nowdl.profiler import measure as measure_mod
+
+    torch.set_num_threads(1)
+    ticks = iter(range(10**6))
+    slow = [5, 1, 7, 3, 9]
+
+    def clock() -> float:
+        i = next(ticks)
+        return (i // 2) * 1.0 + (slow[(i // 2) % len(slow)] * 1e-6 if i % 2 else 0.0)
+
+    monkeypatch.setattr(measure_mod.time, "thread_time", clock)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU())
+    t = trace(model, (torch.randn(1, 1, 8, 8),))
+    prof = profile(t.gm, (torch.randn(1, 1, 8, 8),), mode="measure", device="cpu", cache=False, progress=False,
+                   repeats=5, warmup=2)
+    timed = [n for n in prof.nodes if n.fwd_s > 0]
+    assert timed and all(n.fwd_s == pytest.approx(1e-6) for n in timed)
