@@ -140,7 +140,8 @@ def calibrate_worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
             ar_cpu.append(time.thread_time() - c0)
             ar_wall.append(time.perf_counter() - t0)
     fwd, bwd = tile_op_probe(rank, rounds)
-    return {"p2p": fit, "cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
+    per_tensor = recompute_probe(rounds)
+    return {"recompute_tensor_s": per_tensor, "p2p": fit, "cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
             "ar_cpu_s": statistics.median(ar_cpu), "ar_wall_s": statistics.median(ar_wall),
             "tile_fwd": fwd, "tile_bwd": bwd}
 
@@ -151,6 +152,43 @@ TILE_PROBES = {  # kind: (module, input channels and side of the full image): th
     "upsample": (lambda: nn.ConvTranspose2d(16, 8, 2, stride=2), (16, 64)),
     "norm": (lambda: nn.BatchNorm2d(8), (8, 128)),
 }
+
+
+def recompute_probe(rounds: int) -> float:
+    """Thread CPU seconds the runtime's recompute (``runtime.pipeline.recompute.Recompute``) adds
+    per saved tensor beyond the forward it runs again: a probe stage (conv, BatchNorm, ReLU, x4,
+    8 channels, 64²) trained one micro-batch plain and under ``Recompute`` (forward, recompute,
+    backward), the least of ``rounds`` each; (recomputed - plain - plain forward) / tensors saved
+    ([Note: recompute hooks] in partitioner/costs/levers.py)."""
+    from nowdl.profiler.memory import capture_saved
+    from nowdl.runtime.pipeline.recompute import Recompute
+
+    torch.manual_seed(0)
+    mod = nn.Sequential(*[m for _ in range(4) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())])
+    x = torch.randn(1, 8, 64, 64)
+    saved: list[torch.Tensor] = []
+    with capture_saved(saved):
+        mod(x.requires_grad_(True))
+    n = len(saved)
+    del saved
+    rc = Recompute({0}, torch.device("cpu"))
+    fwd, plain, again = [], [], []
+    for i in range(rounds + 5):
+        c0 = time.thread_time()
+        y = mod(x)
+        c1 = time.thread_time()
+        y.sum().backward()
+        c2 = time.thread_time()
+        y = rc.forward((0, 0, i), mod, lambda: mod(x))
+        rc.recompute((0, 0, i))
+        y.sum().backward()
+        c3 = time.thread_time()
+        rc.drop((0, 0, i))
+        if i >= 5:
+            fwd.append(c1 - c0)
+            plain.append(c2 - c0)
+            again.append(c3 - c2)
+    return max(0.0, (min(again) - min(plain) - min(fwd)) / n)
 
 
 def tile_op_probe(rank: int, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -207,6 +245,7 @@ def calibrated_spec(rounds: int = 100) -> DeviceSpec:
     tile_fwd = {k: sum(r["tile_fwd"][k] for r in res) / len(res) for k in TILE_PROBES}
     tile_bwd = {k: sum(r["tile_bwd"][k] for r in res) / len(res) for k in TILE_PROBES}
     tiles = ", ".join(f"{k} {tile_fwd[k] * 1e6:.0f} + {tile_bwd[k] * 1e6:.0f}" for k in TILE_PROBES)
+    per_tensor = sum(r["recompute_tensor_s"] for r in res) / len(res)
     log(f"calibrated on 2 gloo ranks: ping-pong (wall) {fit.latency_s * 1e6:.0f} us + bytes at "
         f"{fit.bw / 1e9:.2f} GB/s; halo exchange round {cpu * 1e6:.0f} us CPU, {wall * 1e6:.0f} us wall "
         f"(ranks: {per_rank} us CPU); norm all-reduce {ar_cpu * 1e6:.0f} us CPU, {ar_wall * 1e6:.0f} us wall")
@@ -216,9 +255,11 @@ def calibrated_spec(rounds: int = 100) -> DeviceSpec:
           f"{wall * 1e6:.0f} us wall; a tile norm's statistics all-reduce {ar_cpu * 1e6:.0f} us CPU, "
           f"{ar_wall * 1e6:.0f} us wall. The plans use link_latency_s = {cpu * 1e6:.0f} us (CPU, table 2's clock) "
           f"and link_bw = {fit.bw / 1e9:.2f} GB/s. The tiled runtime's work per op beyond the op "
-          f"(tile_op_s + tile_op_bwd_s, thread CPU, least of {rounds}): {tiles} us.\n")
-    log(f"tiled runtime per op (fwd + bwd): {tiles} us")
-    return dataclasses.replace(spec, link_latency_s=cpu, tile_op_s=tile_fwd, tile_op_bwd_s=tile_bwd)
+          f"(tile_op_s + tile_op_bwd_s, thread CPU, least of {rounds}): {tiles} us; the recompute's hooks per saved "
+          f"tensor (recompute_tensor_s): {per_tensor * 1e6:.1f} us.\n")
+    log(f"tiled runtime per op (fwd + bwd): {tiles} us; recompute hooks {per_tensor * 1e6:.1f} us per saved tensor")
+    return dataclasses.replace(spec, link_latency_s=cpu, tile_op_s=tile_fwd, tile_op_bwd_s=tile_bwd,
+                               recompute_tensor_s=per_tensor)
 
 
 def plan_for(kind: str, side: int, cap_mib: float, recompute: str, pins: dict[str, Any],

@@ -27,7 +27,7 @@ _MIB = 2**20
 OP_CLASSES = {"conv2d": "flops", "conv3d": "flops", "matmul": "flops", "elementwise": "bytes", "norm": "bytes"}
 HOST_FIELDS = ("host_memory", "host_link_bw")  # host offload: not part of a profile's cache key
 _OPTIONAL = ("link_latency_s", "allreduce_bw", "allreduce_latency_s", "op_throughput", "calibration",
-             "host_memory", "host_link_bw", "tile_op_s", "tile_op_bwd_s")
+             "host_memory", "host_link_bw", "tile_op_s", "tile_op_bwd_s", "recompute_tensor_s")
 _DTYPES = ("float32", "bfloat16", "float16")
 TILE_OP_KINDS = ("conv", "pool", "upsample", "norm")
 """Op kinds the spatial runtime runs through its own tiled implementation (``runtime/spatial/dispatch.py``)."""
@@ -52,6 +52,8 @@ class DeviceSpec:
     ``tile_op_s``/``tile_op_bwd_s`` (``{kind: seconds}``, kinds of :data:`TILE_OP_KINDS`): what
     the spatial runtime adds per tiled op forward/backward beyond the op itself ([Note: tiled
     runtime overhead] in partitioner/costs/tile_overhead.py); None or a kind left out: not charged.
+    ``recompute_tensor_s``: seconds a recomputed stage's hooks spend per tensor autograd saves
+    ([Note: recompute hooks] in partitioner/costs/levers.py); None: not charged.
 
     Optional, for host offload (None or 0: no host memory to offload to): ``host_memory`` (bytes of
     host RAM of one node, shared by the node's GPUs: the spec's ``"node"`` or the built-in DGX
@@ -76,6 +78,7 @@ class DeviceSpec:
     host_link_bw: float | None = None
     tile_op_s: dict[str, float] | None = field(default=None, hash=False)
     tile_op_bwd_s: dict[str, float] | None = field(default=None, hash=False)
+    recompute_tensor_s: float | None = None
 
     def achieved(self, op_class: str, dtype: torch.dtype | str) -> float | None:
         """The calibrated rate of ``op_class`` in ``dtype`` (FLOP/s or bytes/s), None if not measured."""
@@ -132,7 +135,7 @@ class DeviceSpec:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise NowdlError(f"device spec field {k!r} must be a positive number, got {v!r}")
-        for k in ("link_latency_s", "allreduce_bw", "allreduce_latency_s"):
+        for k in ("link_latency_s", "allreduce_bw", "allreduce_latency_s", "recompute_tensor_s"):
             v = d.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                   or v < 0 or (k == "allreduce_bw" and v == 0)):
@@ -165,6 +168,7 @@ class DeviceSpec:
             host_link_bw=_opt_float(d.get("host_link_bw")),
             tile_op_s=_tile_op(d.get("tile_op_s"), "tile_op_s"),
             tile_op_bwd_s=_tile_op(d.get("tile_op_bwd_s"), "tile_op_bwd_s"),
+            recompute_tensor_s=_opt_float(d.get("recompute_tensor_s")),
         )
 
     @classmethod

@@ -57,6 +57,7 @@ class Costs:
     host_link_bw: float | None = None  # bytes/s GPU <-> host, one direction ([Note: host offload] in levers.py)
     tile_op_s: dict[str, float] | None = None  # per tiled op forward, by kind ([Note: tiled runtime overhead])
     tile_op_bwd_s: dict[str, float] | None = None  # and backward
+    recompute_tensor_s: float = 0.0  # per saved tensor of a recomputed stage ([Note: recompute hooks] in levers.py)
 
     def topo(self, gpus: int) -> Topology:
         """The cluster, or one flat node of ``gpus`` ranks at ``link_bw`` when none was given."""
@@ -236,7 +237,8 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
                   recv_held=held[s][0], send_held=held[s][1], skip_wait=waits[s])
         for s in range(cand.stages)
     ]
-    stages = inference_stages(stages) if costs.inference else apply_levers(prof, cand, stages, variants)
+    stages = inference_stages(stages) if costs.inference else apply_levers(prof, cand, stages, variants,
+                                                                                     costs.recompute_tensor_s)
     k = cand.stages
     ranks: list[list[int]] = []
     if cand.replicas == 2:
