@@ -28,8 +28,13 @@ timed steps per variant, the variants alternating (ABBA), each between barriers.
 Before planning, the links are measured on the same 2 gloo ranks (``calibrated_spec``: nowdl
 calibrate's ping-pong fit for ``link_bw``; ``link_latency_s`` = the main thread's CPU time of one
 halo exchange round, ``isend`` + ``irecv`` + wait, as runtime/spatial/exchange.py makes it, so
-the plan's halo and norm waits are on table 2's clock). ``--no-calibrate`` plans on the built-in
-``cpu`` spec's links.
+the plan's halo and norm waits are on table 2's clock), and the host work of the runtime that
+the profile does not see, on the same clock: ``tile_op_s``/``tile_op_bwd_s`` per op kind (the
+runtime's tiled conv, pool, transposed conv and BatchNorm on one half of the image against the
+plain op on the whole over 2: [Note: tiled runtime overhead] in partitioner/costs/tile_overhead.py)
+and ``recompute_tensor_s`` (the runtime's ``Recompute`` on a probe stage against its plain
+forward, per saved tensor: [Note: recompute hooks] in partitioner/costs/levers.py).
+``--no-calibrate`` plans on the built-in ``cpu`` spec, which has none of these.
 
 Rows: pipeline (ResNet-20 v1, 2 stages, 1F1B, 4 micro-batches), spatial (nowdl UNet depth 3
 width 8, one stage on 2 tiles, GPipe, 2 micro-batches: one spatial stage holds one micro-batch
