@@ -7,7 +7,7 @@ this project's 2-core CPU a whole forward took 1.14-1.28x (ResNet-20 at 128², 7
 1.27-1.43x (MONAI UNet at 128², width 8, 56 nodes) the sum of its nodes' forwards (six profiles
 each).
 After the per-node pass, :func:`whole_pass` runs the whole graph forward and backward
-(median of a few runs) and :func:`scale_times` multiplies every node's ``fwd_s`` by whole
+(a few runs, on the nodes' clock and summarised as they are: [Note: thread clock minimum]) and :func:`scale_times` multiplies every node's ``fwd_s`` by whole
 forward / sum of node forwards, so a stage's predicted forward is the nodes' share of a real
 pass. The backward is left as timed node by node: a stage's backward, one autograd call, measured
 at or above its nodes' sum (UNet K = 4 stages 1.5-1.6 ms against 1.6-1.7), while the whole
