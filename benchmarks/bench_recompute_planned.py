@@ -6,7 +6,7 @@ Each row is planned as a user would: ``nowdl.compile(model, gpus=2, mode="measur
 gpu_memory=CAP, recompute="auto", offload="off", <pins>).plan(x)`` (``--mode estimate``: the
 ``cpu`` spec's roofline instead of ops timed on this CPU), with a cap just under what the plan
 needs without recomputation, so that the planner chooses to recompute some stage (the stages it
-chose are printed). The same plan with every stage's ``recompute`` set to False is the "off"
+chose are printed). The same plan with every stage's ``recompute`` set to False (and no ``recompute_segment``) is the "off"
 variant. Two gloo processes (one thread each, ``tests/helpers/distributed.py``'s
 ``run_workers``) train both variants from the same weights and batches: a warm-up step, the
 peak of one step under nowdl's aten allocation tracker (``nowdl.runtime.training.metrics.peak_of``:
@@ -28,8 +28,13 @@ timed steps per variant, the variants alternating (ABBA), each between barriers.
 Before planning, the links are measured on the same 2 gloo ranks (``calibrated_spec``: nowdl
 calibrate's ping-pong fit for ``link_bw``; ``link_latency_s`` = the main thread's CPU time of one
 halo exchange round, ``isend`` + ``irecv`` + wait, as runtime/spatial/exchange.py makes it, so
-the plan's halo and norm waits are on table 2's clock). ``--no-calibrate`` plans on the built-in
-``cpu`` spec's links.
+the plan's halo and norm waits are on table 2's clock), and the host work of the runtime that
+the profile does not see, on the same clock: ``tile_op_s``/``tile_op_bwd_s`` per op kind (the
+runtime's tiled conv, pool, transposed conv and BatchNorm on one half of the image against the
+plain op on the whole over 2: [Note: tiled runtime overhead] in partitioner/costs/tile_overhead.py)
+and ``recompute_tensor_s`` (the runtime's ``Recompute`` on a probe stage against its plain
+forward, per saved tensor: [Note: recompute hooks] in partitioner/costs/levers.py).
+``--no-calibrate`` plans on the built-in ``cpu`` spec, which has none of these.
 
 Rows: pipeline (ResNet-20 v1, 2 stages, 1F1B, 4 micro-batches), spatial (nowdl UNet depth 3
 width 8, one stage on 2 tiles, GPipe, 2 micro-batches: one spatial stage holds one micro-batch
@@ -139,8 +144,95 @@ def calibrate_worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
         if i >= 10:
             ar_cpu.append(time.thread_time() - c0)
             ar_wall.append(time.perf_counter() - t0)
-    return {"p2p": fit, "cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
-            "ar_cpu_s": statistics.median(ar_cpu), "ar_wall_s": statistics.median(ar_wall)}
+    fwd, bwd = tile_op_probe(rank, rounds)
+    per_tensor = recompute_probe(rounds)
+    return {"recompute_tensor_s": per_tensor, "p2p": fit, "cpu_s": statistics.median(cpu), "wall_s": statistics.median(wall),
+            "ar_cpu_s": statistics.median(ar_cpu), "ar_wall_s": statistics.median(ar_wall),
+            "tile_fwd": fwd, "tile_bwd": bwd}
+
+
+TILE_PROBES = {  # kind: (module, input channels and side of the full image): the UNet rows' first level
+    "conv": (lambda: nn.Conv2d(8, 8, 3, padding=1), (8, 128)),
+    "pool": (lambda: nn.MaxPool2d(2), (8, 128)),
+    "upsample": (lambda: nn.ConvTranspose2d(16, 8, 2, stride=2), (16, 64)),
+    "norm": (lambda: nn.BatchNorm2d(8), (8, 128)),
+}
+
+
+def recompute_probe(rounds: int) -> float:
+    """Thread CPU seconds the runtime's recompute (``runtime.pipeline.recompute.Recompute``) adds
+    per saved tensor beyond the forward it runs again: a probe stage (conv, BatchNorm, ReLU, x4,
+    8 channels, 64²) trained one micro-batch plain and under ``Recompute`` (forward, recompute,
+    backward), the least of ``rounds`` each; (recomputed - plain - plain forward) / tensors saved
+    ([Note: recompute hooks] in partitioner/costs/levers.py)."""
+    from nowdl.profiler.memory import capture_saved
+    from nowdl.runtime.pipeline.recompute import Recompute
+
+    torch.manual_seed(0)
+    mod = nn.Sequential(*[m for _ in range(4) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())])
+    x = torch.randn(1, 8, 64, 64)
+    saved: list[torch.Tensor] = []
+    with capture_saved(saved):
+        mod(x.requires_grad_(True))
+    n = len(saved)
+    del saved
+    rc = Recompute({0}, torch.device("cpu"))
+    fwd, plain, again = [], [], []
+    for i in range(rounds + 5):
+        c0 = time.thread_time()
+        y = mod(x)
+        c1 = time.thread_time()
+        y.sum().backward()
+        c2 = time.thread_time()
+        y = rc.forward((0, 0, i), mod, lambda: mod(x))
+        rc.recompute((0, 0, i))
+        y.sum().backward()
+        c3 = time.thread_time()
+        rc.drop((0, 0, i))
+        if i >= 5:
+            fwd.append(c1 - c0)
+            plain.append(c2 - c0)
+            again.append(c3 - c2)
+    return max(0.0, (min(again) - min(plain) - min(fwd)) / n)
+
+
+def tile_op_probe(rank: int, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Per op kind, the thread CPU time the spatial runtime adds to a tiled op beyond the op:
+    ``runtime.spatial.dispatch.tile_forward`` on this rank's half (2 x 1 grid) against the plain
+    module on the whole image over 2, forward and backward, the least of ``rounds`` each
+    ([Note: tiled runtime overhead] in partitioner/costs/tile_overhead.py), never below 0."""
+    from nowdl.runtime.spatial.dispatch import tile_forward
+    from nowdl.runtime.spatial.tiles import TileGrid
+
+    fwd, bwd = {}, {}
+    for kind, (make, (ch, side)) in TILE_PROBES.items():
+        torch.manual_seed(0)
+        mod = make()
+        full = torch.randn(1, ch, side, side)
+        grid = TileGrid.for_rank((side, side), (2, 1), rank)
+        tile = grid.split(full)
+
+        def tiled(x: torch.Tensor = tile, g: TileGrid = grid, m: nn.Module = mod) -> torch.Tensor:
+            return tile_forward(m, x, g)[0]
+
+        times = {}
+        for name, fn, x in (("tiled", tiled, tile), ("plain", mod, full)):
+            f_s, b_s = [], []
+            for i in range(rounds + 5):
+                xi = x.detach().requires_grad_(True)
+                dist.barrier()
+                c0 = time.thread_time()
+                y = fn(xi)
+                c1 = time.thread_time()
+                y.backward(torch.ones_like(y))
+                c2 = time.thread_time()
+                if i >= 5:
+                    f_s.append(c1 - c0)
+                    b_s.append(c2 - c1)
+            times[name] = (min(f_s), min(b_s))
+        fwd[kind] = max(0.0, times["tiled"][0] - times["plain"][0] / 2)
+        bwd[kind] = max(0.0, times["tiled"][1] - times["plain"][1] / 2)
+    return fwd, bwd
 
 
 def calibrated_spec(rounds: int = 100) -> DeviceSpec:
@@ -155,6 +247,10 @@ def calibrated_spec(rounds: int = 100) -> DeviceSpec:
     ar_cpu = sum(r["ar_cpu_s"] for r in res) / len(res)
     ar_wall = sum(r["ar_wall_s"] for r in res) / len(res)
     spec = links_to_spec(get_device_spec("cpu"), {"p2p": fit}, allreduce=False)
+    tile_fwd = {k: sum(r["tile_fwd"][k] for r in res) / len(res) for k in TILE_PROBES}
+    tile_bwd = {k: sum(r["tile_bwd"][k] for r in res) / len(res) for k in TILE_PROBES}
+    tiles = ", ".join(f"{k} {tile_fwd[k] * 1e6:.0f} + {tile_bwd[k] * 1e6:.0f}" for k in TILE_PROBES)
+    per_tensor = sum(r["recompute_tensor_s"] for r in res) / len(res)
     log(f"calibrated on 2 gloo ranks: ping-pong (wall) {fit.latency_s * 1e6:.0f} us + bytes at "
         f"{fit.bw / 1e9:.2f} GB/s; halo exchange round {cpu * 1e6:.0f} us CPU, {wall * 1e6:.0f} us wall "
         f"(ranks: {per_rank} us CPU); norm all-reduce {ar_cpu * 1e6:.0f} us CPU, {ar_wall * 1e6:.0f} us wall")
@@ -163,8 +259,12 @@ def calibrated_spec(rounds: int = 100) -> DeviceSpec:
           f"(isend + irecv + wait, median of {rounds} x {len(HALO_PROBE_BYTES)} sizes) {cpu * 1e6:.0f} us CPU, "
           f"{wall * 1e6:.0f} us wall; a tile norm's statistics all-reduce {ar_cpu * 1e6:.0f} us CPU, "
           f"{ar_wall * 1e6:.0f} us wall. The plans use link_latency_s = {cpu * 1e6:.0f} us (CPU, table 2's clock) "
-          f"and link_bw = {fit.bw / 1e9:.2f} GB/s.\n")
-    return dataclasses.replace(spec, link_latency_s=cpu)
+          f"and link_bw = {fit.bw / 1e9:.2f} GB/s. The tiled runtime's work per op beyond the op "
+          f"(tile_op_s + tile_op_bwd_s, thread CPU, least of {rounds}): {tiles} us; the recompute's hooks per saved "
+          f"tensor (recompute_tensor_s): {per_tensor * 1e6:.1f} us.\n")
+    log(f"tiled runtime per op (fwd + bwd): {tiles} us; recompute hooks {per_tensor * 1e6:.1f} us per saved tensor")
+    return dataclasses.replace(spec, link_latency_s=cpu, tile_op_s=tile_fwd, tile_op_bwd_s=tile_bwd,
+                               recompute_tensor_s=per_tensor)
 
 
 def plan_for(kind: str, side: int, cap_mib: float, recompute: str, pins: dict[str, Any],
@@ -181,7 +281,7 @@ def plan_for(kind: str, side: int, cap_mib: float, recompute: str, pins: dict[st
 def without_recompute(plan: Plan) -> Plan:
     off = Plan.from_dict(plan.to_dict())
     for s in off.stages:
-        s.recompute = False
+        s.recompute, s.recompute_segment = False, []
     return off
 
 

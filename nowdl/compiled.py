@@ -209,7 +209,9 @@ class CompiledModel:
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=cap,
                       tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
-                      host_memory=host_share(spec, self._spec_arg()), host_link_bw=getattr(spec, "host_link_bw", None))
+                      host_memory=host_share(spec, self._spec_arg()), host_link_bw=getattr(spec, "host_link_bw", None),
+                      tile_op_s=getattr(spec, "tile_op_s", None), tile_op_bwd_s=getattr(spec, "tile_op_bwd_s", None),
+                      recompute_tensor_s=getattr(spec, "recompute_tensor_s", None) or 0.0)
         # time_limit bounds the whole plan() call: the search gets what tracing and profiling
         # left of it (less a second for the MILP's read-back and tie-breaks)
         left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)

@@ -8,8 +8,9 @@ as a :class:`PhaseResult`.
 
 from __future__ import annotations
 
+import statistics
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,10 @@ class Backend(ABC):
     @abstractmethod
     def params_of(self, mod: torch.nn.Module) -> list[torch.Tensor]:
         """The backend's parameter tensors of ``mod`` (their grads are cleared after runs)."""
+
+    def summarise(self, seconds: Sequence[float]) -> float:
+        """One figure for a phase's timed runs: their median."""
+        return statistics.median(seconds)
 
     @abstractmethod
     def phase(self, name: str, accounting: bool) -> AbstractContextManager[PhaseResult]:

@@ -7,7 +7,7 @@ this project's 2-core CPU a whole forward took 1.14-1.28x (ResNet-20 at 128², 7
 1.27-1.43x (MONAI UNet at 128², width 8, 56 nodes) the sum of its nodes' forwards (six profiles
 each).
 After the per-node pass, :func:`whole_pass` runs the whole graph forward and backward
-(median of a few runs) and :func:`scale_times` multiplies every node's ``fwd_s`` by whole
+(a few runs, on the nodes' clock and summarised as they are: [Note: thread clock minimum]) and :func:`scale_times` multiplies every node's ``fwd_s`` by whole
 forward / sum of node forwards, so a stage's predicted forward is the nodes' share of a real
 pass. The backward is left as timed node by node: a stage's backward, one autograd call, measured
 at or above its nodes' sum (UNet K = 4 stages 1.5-1.6 ms against 1.6-1.7), while the whole
@@ -57,8 +57,13 @@ def free_bytes(device: torch.device) -> int:
 
 def whole_pass(model: torch.nn.Module, inputs: tuple[Any, ...], device: torch.device, costs: Sequence[NodeCost],
                autocast: torch.dtype | None = None) -> tuple[float, float] | None:
-    """Median seconds of one whole forward and one whole backward of ``model`` on ``inputs``
-    (:data:`WHOLE_RUNS` timed runs after one warm-up).
+    """Seconds of one whole forward and one whole backward of ``model`` on ``inputs``
+    (:data:`WHOLE_RUNS` timed runs after one warm-up), on the clock the nodes were timed on and
+    summarised as they were: on CPU with one intra-op thread the thread CPU time, least of the
+    runs ([Note: thread clock minimum] in measure.py: timed by the wall clock, median, the forward
+    scale of the UNet of bench_recompute_planned at 128² came out 2.3-2.8x in five profiles on this
+    loaded machine, the whole forward charged the time other jobs held the core; on the thread
+    clock 1.2-1.4x, as the Note above), else the wall clock (CUDA: after a synchronize), median.
 
     None when the pass would hold more than half of :func:`free_bytes` (activations, outputs and
     the largest workspace of ``costs``) or when the model's outputs need no gradient.
@@ -69,34 +74,38 @@ def whole_pass(model: torch.nn.Module, inputs: tuple[Any, ...], device: torch.de
         return None
     xs = tuple(t.detach().to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
     cuda = device.type == "cuda"
+    thread = not cuda and torch.get_num_threads() == 1  # the nodes' clock ([Note: thread clock minimum])
+    clock = time.thread_time if thread else time.perf_counter
     fwd: list[float] = []
     bwd: list[float] = []
     for i in range(1 + WHOLE_RUNS):  # one warm-up
         if cuda:
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.autocast(device_type=device.type, dtype=autocast, enabled=autocast is not None):
             out = model(*xs)
         if cuda:
             torch.cuda.synchronize(device)
-        t1 = time.perf_counter()
+        t1 = clock()
         roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not roots:
             return None
         grads = [torch.ones_like(t) for t in roots]
         if cuda:
             torch.cuda.synchronize(device)
-        t2 = time.perf_counter()
+        t2 = clock()
         torch.autograd.backward(roots, grads)
         if cuda:
             torch.cuda.synchronize(device)
-        t3 = time.perf_counter()
+        t3 = clock()
         del out, roots, grads
         for p in model.parameters():
             p.grad = None
         if i >= 1:
             fwd.append(t1 - t0)
             bwd.append(t3 - t2)
+    if thread:
+        return min(fwd), min(bwd)
     return statistics.median(fwd), statistics.median(bwd)
 
 

@@ -35,6 +35,7 @@ class NodeCost:
     out_shape: tuple[int, ...] | None = None  # shape of the (first) output tensor
     out_dtype: str = "float32"
     saved_bytes: int = 0
+    saved_tensors: int = 0  # tensors autograd saves for the backward (a recomputed stage's hook calls)
     act_bytes: int = 0
     self_saved: bool = False
     param_bytes: int = 0  # parameters owned by this node (each parameter charged once)

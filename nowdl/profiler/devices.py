@@ -15,7 +15,8 @@ import torch
 
 from nowdl.errors import NowdlError
 
-__all__ = ["DeviceSpec", "BUILTIN_SPECS", "HOST_FIELDS", "get_device_spec", "measure_cpu_spec", "OP_CLASSES"]
+__all__ = ["DeviceSpec", "BUILTIN_SPECS", "HOST_FIELDS", "get_device_spec", "measure_cpu_spec", "OP_CLASSES",
+           "TILE_OP_KINDS"]
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,10 @@ _MIB = 2**20
 OP_CLASSES = {"conv2d": "flops", "conv3d": "flops", "matmul": "flops", "elementwise": "bytes", "norm": "bytes"}
 HOST_FIELDS = ("host_memory", "host_link_bw")  # host offload: not part of a profile's cache key
 _OPTIONAL = ("link_latency_s", "allreduce_bw", "allreduce_latency_s", "op_throughput", "calibration",
-             "host_memory", "host_link_bw")
+             "host_memory", "host_link_bw", "tile_op_s", "tile_op_bwd_s", "recompute_tensor_s")
 _DTYPES = ("float32", "bfloat16", "float16")
+TILE_OP_KINDS = ("conv", "pool", "upsample", "norm")
+"""Op kinds the spatial runtime runs through its own tiled implementation (``runtime/spatial/dispatch.py``)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,11 @@ class DeviceSpec:
     all-reduce inside a node), ``op_throughput`` (``{dtype: {op class: rate}}``, the achieved
     FLOP/s or bytes/s per class of :data:`OP_CLASSES`, which the estimate-mode roofline uses
     in place of the peaks) and ``calibration`` (where and how it was measured).
+    ``tile_op_s``/``tile_op_bwd_s`` (``{kind: seconds}``, kinds of :data:`TILE_OP_KINDS`): what
+    the spatial runtime adds per tiled op forward/backward beyond the op itself ([Note: tiled
+    runtime overhead] in partitioner/costs/tile_overhead.py); None or a kind left out: not charged.
+    ``recompute_tensor_s``: seconds a recomputed stage's hooks spend per tensor autograd saves
+    ([Note: recompute hooks] in partitioner/costs/levers.py); None: not charged.
 
     Optional, for host offload (None or 0: no host memory to offload to): ``host_memory`` (bytes of
     host RAM of one node, shared by the node's GPUs: the spec's ``"node"`` or the built-in DGX
@@ -68,6 +76,9 @@ class DeviceSpec:
     calibration: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     host_memory: int | None = None
     host_link_bw: float | None = None
+    tile_op_s: dict[str, float] | None = field(default=None, hash=False)
+    tile_op_bwd_s: dict[str, float] | None = field(default=None, hash=False)
+    recompute_tensor_s: float | None = None
 
     def achieved(self, op_class: str, dtype: torch.dtype | str) -> float | None:
         """The calibrated rate of ``op_class`` in ``dtype`` (FLOP/s or bytes/s), None if not measured."""
@@ -124,7 +135,7 @@ class DeviceSpec:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise NowdlError(f"device spec field {k!r} must be a positive number, got {v!r}")
-        for k in ("link_latency_s", "allreduce_bw", "allreduce_latency_s"):
+        for k in ("link_latency_s", "allreduce_bw", "allreduce_latency_s", "recompute_tensor_s"):
             v = d.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                   or v < 0 or (k == "allreduce_bw" and v == 0)):
@@ -155,6 +166,9 @@ class DeviceSpec:
             calibration=calib,
             host_memory=None if d.get("host_memory") is None else int(d["host_memory"]),
             host_link_bw=_opt_float(d.get("host_link_bw")),
+            tile_op_s=_tile_op(d.get("tile_op_s"), "tile_op_s"),
+            tile_op_bwd_s=_tile_op(d.get("tile_op_bwd_s"), "tile_op_bwd_s"),
+            recompute_tensor_s=_opt_float(d.get("recompute_tensor_s")),
         )
 
     @classmethod
@@ -186,6 +200,21 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 
 def _opt_float(v: Any) -> float | None:
     return None if v is None else float(v)
+
+
+def _tile_op(v: Any, key: str) -> dict[str, float] | None:
+    """Validate ``tile_op_s``/``tile_op_bwd_s``: ``{kind: non-negative seconds}`` (errors name the entry)."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise NowdlError(f"device spec field {key!r} must be an object {{kind: seconds}} with kinds "
+                         f"{list(TILE_OP_KINDS)}, got {v!r}")
+    for kind, sec in v.items():
+        if kind not in TILE_OP_KINDS or isinstance(sec, bool) or not isinstance(sec, (int, float)) \
+                or not math.isfinite(sec) or sec < 0:
+            raise NowdlError(f"device spec field {key!r} has entry {kind!r}: {sec!r}; kinds are {list(TILE_OP_KINDS)} "
+                             f"and seconds a non-negative number")
+    return {str(k): float(x) for k, x in v.items()}
 
 
 def _op_throughput(v: Any) -> dict[str, dict[str, float]] | None:

@@ -120,7 +120,7 @@ def profile(
         key_parts["threads"] = torch.get_num_threads() if dev.type == "cpu" else None
         # time nodes under the allocator settings the runtime uses ([Note: CPU freed memory])
         key_parts["keep_freed"] = keep_freed_memory() if dev.type == "cpu" else None
-        key_parts["whole_pass"] = 1  # [Note: whole-pass scale]
+        key_parts["whole_pass"] = 2  # [Note: whole-pass scale], [Note: thread clock minimum]
     else:
         spec = get_device_spec(device_spec, cache_dir=cache_dir)
         key_parts["spec"] = {k: v for k, v in spec.to_dict().items() if k not in HOST_FIELDS}  # no bearing on a profile

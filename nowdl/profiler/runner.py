@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import statistics
 import sys
 from collections.abc import Callable, Hashable
 from contextlib import nullcontext
@@ -96,6 +95,7 @@ class _Rec:
     out_shape: tuple[int, ...] | None = None
     out_dtype: str = "float32"
     saved_bytes: int = 0
+    saved_tensors: int = 0
     self_saved: bool = False
     workspace_bytes: int = 0
 
@@ -248,6 +248,7 @@ class _Walker:
                 self.env_rg[node] = any(t.requires_grad for t in _tensors(out))
                 self._describe(rec, value)
                 rec.saved_bytes, rec.self_saved = self.ledger.account(node.name, saved, out_keys)
+                rec.saved_tensors = len(saved)
                 if key is not None:
                     entry = make_entry(rec.flops, rec.workspace_bytes, out,
                                        input_tensors(node, self.env.__getitem__), saved, self.ledger.static_keys)
@@ -266,9 +267,9 @@ class _Walker:
             for p in params:
                 p.grad = None
         if fwd_times:
-            rec.fwd_s = statistics.median(fwd_times)
+            rec.fwd_s = backend.summarise(fwd_times)
         if bwd_times:
-            rec.bwd_s = statistics.median(bwd_times)
+            rec.bwd_s = backend.summarise(bwd_times)
         if key is not None and entry is not None:
             self.memo[key] = dataclasses.replace(entry, fwd_s=rec.fwd_s, bwd_s=rec.bwd_s,
                                                  workspace=rec.workspace_bytes)
@@ -282,6 +283,7 @@ class _Walker:
         self.env_rg[node] = e.requires_grad
         self._describe(rec, value)
         rec.saved_bytes, rec.self_saved = self.ledger.account(node.name, saved, out_keys)
+        rec.saved_tensors = len(saved)
         rec.fwd_s, rec.bwd_s, rec.flops, rec.workspace_bytes = e.fwd_s, e.bwd_s, e.flops, e.workspace
         return rec
 
@@ -348,6 +350,7 @@ def walk(
             out_shape=rec.out_shape,
             out_dtype=rec.out_dtype,
             saved_bytes=rec.saved_bytes,
+            saved_tensors=rec.saved_tensors,
             act_bytes=walker.ledger.act.get(node.name, 0),
             self_saved=rec.self_saved,
             param_bytes=st.param_bytes,

@@ -4,7 +4,8 @@
 ``structure`` is what every solver needs (order, stage ranges, loads); ``held_tensors`` and
 ``skip_waits`` are the boundary tensors a stage holds at its peak; ``memory_breakdown`` splits a
 stage's peak by term; ``no_idle`` is the rule that every stage gets work; ``levers`` is what
-recomputing a stage or offloading its activations to host memory costs and saves.
+recomputing a stage or offloading its activations to host memory costs and saves;
+``tile_overhead`` is the spatial runtime's own work per tiled op.
 """
 
 from typing import TYPE_CHECKING

@@ -26,6 +26,7 @@ from nowdl.partitioner.costs.held_tensors import backward_grad_bytes, deferred_b
 from nowdl.partitioner.costs.inference import inference_stages
 from nowdl.partitioner.costs.levers import apply_levers, offload_time_s
 from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec
+from nowdl.partitioner.costs.tile_overhead import tile_op_seconds
 from nowdl.partitioner.placement.layout import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.search.config import Candidate
 from nowdl.partitioner.spatial.tileable import SpatialRule, halo_elements, slice_grid, tile_shape
@@ -54,6 +55,9 @@ class Costs:
     inference: bool = False  # a forward-only plan ([Note: inference memory] in costs/inference.py)
     host_memory: float | None = None  # bytes of host memory one GPU may offload to (levers.host_share); None: none
     host_link_bw: float | None = None  # bytes/s GPU <-> host, one direction ([Note: host offload] in levers.py)
+    tile_op_s: dict[str, float] | None = None  # per tiled op forward, by kind ([Note: tiled runtime overhead])
+    tile_op_bwd_s: dict[str, float] | None = None  # and backward
+    recompute_tensor_s: float = 0.0  # per saved tensor of a recomputed stage ([Note: recompute hooks] in levers.py)
 
     def topo(self, gpus: int) -> Topology:
         """The cluster, or one flat node of ``gpus`` ranks at ``link_bw`` when none was given."""
@@ -103,7 +107,8 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
     for n, g in zip(prof.nodes, grads, strict=True):
         rule = costs.rules.get(n.name)
         a = _tile_act(costs, n, parts)
-        t, f = n.time_s / parts, n.fwd_s / parts
+        over_t, over_f = tile_op_seconds(rule, parts, costs.tile_op_s, costs.tile_op_bwd_s, costs.inference)
+        t, f = n.time_s / parts + over_t, n.fwd_s / parts + over_f  # [Note: tiled runtime overhead]
         if rule is not None and rule.tileable and rule.halo and any(rule.halo):
             src = producers.get(n.name)
             shape = prof[src].out_shape if src is not None and src in prof else None
@@ -232,7 +237,8 @@ def build_problem(costs: Costs, cand: Candidate, objective: str) -> Problem:
                   recv_held=held[s][0], send_held=held[s][1], skip_wait=waits[s])
         for s in range(cand.stages)
     ]
-    stages = inference_stages(stages) if costs.inference else apply_levers(prof, cand, stages, variants)
+    stages = inference_stages(stages) if costs.inference else apply_levers(prof, cand, stages, variants,
+                                                                                     costs.recompute_tensor_s)
     k = cand.stages
     ranks: list[list[int]] = []
     if cand.replicas == 2:
@@ -335,15 +341,18 @@ def grad_sync_s(costs: Costs, cand: Candidate, stage_param: Sequence[float],
 
 
 def stage_sums(costs: Costs, cand: Candidate, stage_of: Sequence[int]) -> list[dict[str, float]]:
-    """Per-stage breakdown (per rank of the stage): fwd/bwd time, static and activation bytes."""
+    """Per-stage breakdown (per rank of the stage): fwd/bwd time (the tiled runtime's work
+    included), static and activation bytes."""
     k = cand.stages
     parts = cand.stage_parts()
     out = [dict(fwd_s=0.0, bwd_s=0.0, static_bytes=0.0, act_bytes=0.0, params=0.0, param_bytes=0.0) for _ in range(k)]
     for i, n in enumerate(costs.profile.nodes):
         s = stage_of[i]
         p = parts[s]
-        out[s]["fwd_s"] += n.fwd_s / p
-        out[s]["bwd_s"] += n.bwd_s / p
+        over_t, over_f = tile_op_seconds(costs.rules.get(n.name), p, costs.tile_op_s, costs.tile_op_bwd_s,
+                                         costs.inference)  # [Note: tiled runtime overhead]
+        out[s]["fwd_s"] += n.fwd_s / p + over_f
+        out[s]["bwd_s"] += n.bwd_s / p + over_t - over_f
         out[s]["static_bytes"] += n.static_bytes
         out[s]["act_bytes"] += _tile_act(costs, n, p)
         out[s]["param_bytes"] += n.param_bytes

@@ -14,6 +14,16 @@ its forward share ``fwd_s / (fwd_s + bwd_s)``. The choice is per stage, the whol
 prefix of it ([Note: recompute segments] in costs/segments.py): where a stage holds one micro-batch (one stage, the last stage of 1F1B,
 one micro-batch) it saves nothing and only costs time, so the planner never chooses it there.
 
+[Note: recompute hooks] The runtime's recompute (``runtime/pipeline/recompute.py``) runs the
+stage's forward under saved-tensor hooks: each tensor autograd saves costs a Python pack call in
+the forward (a numbered slot, not the tensor), another in the recompute (filling the slot) and an
+unpack in the backward. On a CPU that host work adds to the step: ResNet-20's first stage
+(bench_recompute_planned Table 2) measured about 1.2x its forward per recompute. It is charged
+per micro-batch as ``NodeCost.saved_tensors`` (counted by the profile's accounting run) x the
+DeviceSpec's ``recompute_tensor_s``, measured on the machine by running the runtime's
+``Recompute`` on a probe stage against the plain forward (``bench_recompute_planned.py``'s
+calibration); unset (every built-in spec, nothing measured on a GPU), nothing is charged.
+
 [Note: recompute pending sends] The runner recomputes at the start of a ``B`` action, before it
 takes the output gradients that tell it the next stage has posted its receives
 (``Transfers.release_done``), and a recomputed stage keeps none of its outputs itself (their
@@ -85,13 +95,15 @@ def _fwd_share(fwd: float, bwd: float) -> float:
     return fwd / (fwd + bwd) if fwd + bwd > 0 else 0.0
 
 
-def recompute_vectors(prof: Profile, base: NodeVectors, inflight: int) -> NodeVectors:
-    """``base`` for a recomputed stage that held ``inflight`` micro-batches ([Note: recompute cost])."""
+def recompute_vectors(prof: Profile, base: NodeVectors, inflight: int, tensor_s: float = 0.0) -> NodeVectors:
+    """``base`` for a recomputed stage that held ``inflight`` micro-batches ([Note: recompute
+    cost]); ``tensor_s``: seconds per saved tensor ([Note: recompute hooks])."""
     act = [a * inflight if n.op == "placeholder" else a for n, a in zip(prof.nodes, base.act, strict=True)]
     if base.fwd is not None:
         time = [t + f for t, f in zip(base.time, base.fwd, strict=True)]
     else:
         time = [t * (1.0 + _fwd_share(n.fwd_s, n.bwd_s)) for n, t in zip(prof.nodes, base.time, strict=True)]
+    time = [t + n.saved_tensors * tensor_s for n, t in zip(prof.nodes, time, strict=True)]
     return NodeVectors(act=act, time=time, workspace=base.workspace, out=base.out)
 
 
@@ -116,16 +128,17 @@ def offload_vectors(prof: Profile, base: NodeVectors) -> NodeVectors:
 
 
 def apply_levers(prof: Profile, cand: Candidate, stages: list[StageSpec],
-                 variants: dict[str, NodeVectors]) -> list[StageSpec]:
+                 variants: dict[str, NodeVectors], tensor_s: float = 0.0) -> list[StageSpec]:
     """``stages`` with ``cand``'s recomputed and offloaded stages on their lever variants (added
-    to ``variants``); unchanged for a candidate without levers."""
+    to ``variants``); unchanged for a candidate without levers. ``tensor_s``: the recompute's
+    seconds per saved tensor ([Note: recompute hooks])."""
     out = list(stages)
     cuts = dict(cand.segments)  # [Note: recompute segments] in costs/segments.py
     for s in cand.recompute:
         spec = out[s]
         key = f"{spec.variant}{RECOMPUTE_TAG}{spec.inflight}"
         if key not in variants:
-            variants[key] = recompute_vectors(prof, variants[spec.variant], spec.inflight)
+            variants[key] = recompute_vectors(prof, variants[spec.variant], spec.inflight, tensor_s)
         if s in cuts:
             key = segment_variant(prof, variants, spec.variant, key, spec.inflight, cuts[s])
         out[s] = dataclasses.replace(spec, variant=key, inflight=1, send_held=recompute_send_held(spec))
