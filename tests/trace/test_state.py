@@ -9,7 +9,8 @@ from nowdl.trace.state import kept_state
 
 
 class Swaps(nn.Module):
-    """A BatchNorm whose running statistics move in training, and a buffer replaced by a new tensor."""
+    """A BatchNorm whose running statistics move in training and whose weight the forward writes,
+    and a buffer replaced by a new tensor."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -18,6 +19,7 @@ class Swaps(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.count = self.count + 1  # a new tensor under the same name
+        self.bn.weight.mul_(2.0)  # a parameter written in place (the runs are under no_grad)
         return self.bn(x)
 
 
@@ -30,9 +32,11 @@ def test_restore_puts_tensors_and_flags_back() -> None:
         with torch.no_grad():
             m(torch.randn(4, 2, 3, 3) + 5)
         assert not torch.equal(m.bn.running_mean, before["bn.running_mean"]), "training moved the statistics"
+        assert not torch.equal(m.bn.weight, before["bn.weight"])
         assert m.count is not count
         restore()
         assert torch.equal(m.bn.running_mean, before["bn.running_mean"])
+        assert torch.equal(m.bn.weight, before["bn.weight"])
         assert m.count is count and m.training is False
         m.train()
         with torch.no_grad():
