@@ -9,8 +9,8 @@ result the later users read instead: in-place modules (``nn.ReLU(inplace=True)``
 ``torch.relu_``-style functions, ``x += y`` (``operator.iadd``), ``x[i] = v``, ``x.add_(y)``
 methods, and ATen ops whose schema writes an argument (``aten.relu_``, ``aten.add.out``).
 Writes to parameters and buffers (BatchNorm's ``num_batches_tracked += 1``) are state, not
-data flow, and stay. Which values share memory is read off a run on fake tensors (storage
-identity): a write through a view whose base or sibling views are read later becomes one
+data flow, and stay. Which values share memory is read off storage identity: of the fake values
+an exported graph recorded ([Note: recorded aliasing]), else of a run on fake tensors: a write through a view whose base or sibling views are read later becomes one
 node that writes a copy of the base through the same views, and those readers read the copy.
 """
 
