@@ -92,7 +92,10 @@ class EstimateBackend(Backend):
 
     def call_module(self, mod: torch.nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-        return functional_call(mod, self._state(mod), args, kwargs, strict=False)
+        state = self._state(mod)
+        if not state:  # nothing to swap in (an activation, a pool, a dropout): a plain call
+            return mod(*args, **kwargs)
+        return functional_call(mod, state, args, kwargs, strict=False)
 
     def params_of(self, mod: torch.nn.Module) -> list[torch.Tensor]:
         return [self._to_fake(p) for p in mod.parameters()]

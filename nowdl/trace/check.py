@@ -5,13 +5,12 @@ what the model computes?
 guesses at a wrong rank or channel count from the first convolution.
 ``_validate`` runs the model and the graph under the same RNG state and compares their outputs
 (fx graphs in eval mode on a shrunk input, exported graphs at their own shape in train and
-eval mode on copies); ``_Mismatch`` says the graph computes something else.
+eval mode, the model's state put back after each run); ``_Mismatch`` says the graph computes something else.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import itertools
 import logging
@@ -20,8 +19,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from nowdl.errors import TraceError
+from nowdl.trace.state import kept_state
 from nowdl.trace.where import _first_line, _user_frame
 
 log = logging.getLogger(__name__)
@@ -245,8 +246,9 @@ def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Te
     fx graphs share the model's submodules and are compared in eval mode (dropout off,
     BatchNorm on running statistics, nothing mutated), on a shrunk input when the example is
     large (an fx graph does not depend on the input size). Exported graphs specialise on the
-    input shape, so they are compared at the example's own shape, in train mode on copies (so
-    no buffer of the model moves); ``train=True`` callers check eval mode separately.
+    input shape, so they are compared at the example's own shape (``train=True``), in train and
+    then eval mode, each run from the model's state, which is put back after it (no buffer of
+    the model moves).
     Any exception the graph raises where the model runs is a mismatch: the trace is wrong.
     """
     was_training = model.training
@@ -256,7 +258,7 @@ def _validate(model: nn.Module, gm: nn.Module, example_inputs: Sequence[torch.Te
         inputs = _full_inputs(example_inputs)
         for mode in (True, False):  # train mode (batch statistics, dropout), then eval mode
             try:
-                _compare_copies(model, gm, inputs, mode)
+                _compare_kept(model, gm, inputs, mode)
             except _Mismatch as m:
                 if not mode:  # training matched just before: the forward branches on self.training
                     raise _TrainModeOnly(tuple(tuple(x.shape) for x in inputs), str(m)) from m
@@ -349,17 +351,27 @@ class _TrainModeOnly(Exception):
         self.why = why
 
 
-def _compare_copies(model: nn.Module, gm: nn.Module, inputs: Sequence[torch.Tensor], train: bool) -> None:
-    """``_compare`` on copies in train or eval mode (the running statistics of the model's norms
-    do not move); the model's own failure propagates as it is."""
-    m, g = copy.deepcopy(model).train(train), copy.deepcopy(gm).train(train)
-    _compare(_run(m, inputs, seed=1234), g, inputs, "train" if train else "eval")
+def _compare_kept(model: nn.Module, gm: nn.Module, inputs: Sequence[torch.Tensor], train: bool) -> None:
+    """``_compare`` in train or eval mode, each run from the model's state on entry, which is
+    kept (the running statistics of its norms do not move; see :mod:`nowdl.trace.state`); the
+    model's own failure propagates as it is."""
+    with kept_state(model, gm) as restore:
+        model.train(train)
+        ref = _clone(_run(model, inputs, seed=1234))  # its tensors may be buffers that restore() writes
+        restore()
+        gm.train(train)
+        _compare(ref, gm, inputs, "train" if train else "eval")
+
+
+def _clone(out: object) -> object:
+    """``out`` with every tensor in it cloned."""
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out)
 
 
 def _train_mode_matches(model: nn.Module, gm: nn.Module, inputs: Sequence[torch.Tensor]) -> bool:
     """Whether the graph returns what the model returns in training mode."""
     try:
-        _compare_copies(model, gm, inputs, True)
+        _compare_kept(model, gm, inputs, True)
     except Exception:  # noqa: BLE001 (any failure: not a training-mode graph either)
         return False
     return True

@@ -9,8 +9,8 @@ result the later users read instead: in-place modules (``nn.ReLU(inplace=True)``
 ``torch.relu_``-style functions, ``x += y`` (``operator.iadd``), ``x[i] = v``, ``x.add_(y)``
 methods, and ATen ops whose schema writes an argument (``aten.relu_``, ``aten.add.out``).
 Writes to parameters and buffers (BatchNorm's ``num_batches_tracked += 1``) are state, not
-data flow, and stay. Which values share memory is read off a run on fake tensors (storage
-identity): a write through a view whose base or sibling views are read later becomes one
+data flow, and stay. Which values share memory is read off storage identity: of the fake values
+an exported graph recorded ([Note: recorded aliasing]), else of a run on fake tensors: a write through a view whose base or sibling views are read later becomes one
 node that writes a copy of the base through the same views, and those readers read the copy.
 """
 
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
+
+from nowdl.trace.aliasing import parents_from, recorded_view_parents, storage_keys
 
 __all__ = ["functionalize", "inplace_write"]
 
@@ -222,14 +223,7 @@ def _view_parents(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> dict[fx
     class _Probe(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
-            ks = set()
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    try:
-                        ks.add(int(t.untyped_storage()._cdata))
-                    except (RuntimeError, NotImplementedError):
-                        pass
-            keys[n] = ks
+            keys[n] = storage_keys(out)
             return out
 
     # the probe runs the model's own modules in train mode: BatchNorm would count a batch
@@ -243,11 +237,7 @@ def _view_parents(gm: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> dict[fx
         with torch.no_grad():
             for b, old in saved:
                 b.copy_(old)
-    parent: dict[fx.Node, fx.Node | None] = {}
-    for n in gm.graph.nodes:
-        mine = keys.get(n, set())
-        parent[n] = next((a for a in n.all_input_nodes if mine and keys.get(a, set()) & mine), None)
-    return parent
+    return parents_from(gm, keys)
 
 
 def _root(n: fx.Node, parent: dict[fx.Node, fx.Node | None]) -> fx.Node:
@@ -288,7 +278,9 @@ def functionalize(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) ->
     writers = [n for n in nodes if (w := inplace_write(gm, n)) is not None and w.written.op != "get_attr"]
     if not writers:
         return []
-    parent = _view_parents(gm, example_inputs)
+    parent = recorded_view_parents(gm)  # [Note: recorded aliasing]
+    if parent is None:
+        parent = _view_parents(gm, example_inputs)
     order = {n: i for i, n in enumerate(nodes)}
     done: list[str] = []
     for node in writers:
