@@ -25,7 +25,7 @@ from nowdl.partitioner.exact.downsets import Lattice, enumerate_ideals
 from nowdl.partitioner.exact.ideal_dp import solve_ideals
 from nowdl.partitioner.exact.wait_weights import with_waits_folded
 
-__all__ = ["coarse_split", "split_contracted", "coarse_lattice", "COARSE_CAP"]
+__all__ = ["coarse_split", "split_contracted", "COARSE_CAP"]
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ COARSE_CAP = 1500  # ideals of the coarse graph at most (its DP: about 1 s on Am
 _MIN_GROUPS = 8  # fewer groups than this (or than 2 K) cannot give a useful split
 
 
-def coarse_lattice(problem: Problem, cap: int) -> tuple[Problem, list[list[int]], Lattice] | None:
+def _coarse_lattice(problem: Problem, cap: int) -> tuple[Problem, list[list[int]], Lattice] | None:
     """The greedy coarsening of ``problem`` with the most groups and at most ``cap`` ideals
     (binary search between the coarsest one the greedy merges reach and ``problem.n - 1``)."""
     small, groups = coarsen(problem, max_nodes=max(_MIN_GROUPS, 2 * problem.k), warn=False)
@@ -79,4 +79,4 @@ def coarse_split(problem: Problem, cap: int = COARSE_CAP) -> Partition | None:
     if not one_to_one(problem) or problem.k < 2:
         return None
     t0 = time.perf_counter()
-    return split_contracted(problem, coarse_lattice(problem, cap), "coarse", t0)
+    return split_contracted(problem, _coarse_lattice(problem, cap), "coarse", t0)
