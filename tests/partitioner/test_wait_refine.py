@@ -15,7 +15,7 @@ from nowdl.partitioner.costs.problem import Problem, evaluate
 from nowdl.partitioner.costs.structure import make_partition, objective_values, topological_order
 from nowdl.partitioner.exact.order_dp import solve_dp
 from nowdl.partitioner.exact.wait_refine import refine_waits, waits_matter
-from nowdl.partitioner.exact.window_dp import evaluate_many, refine_cuts
+from nowdl.partitioner.exact.window_dp import evaluate_many, refine_cuts, window_loads
 from nowdl.schedule.orders import skip_waits
 
 
@@ -52,6 +52,29 @@ def test_evaluate_many_equals_evaluate(seed: int) -> None:
     first = problem.k - 2
     mem2, _ = evaluate_many(problem, np.asarray(rows), first=first)
     assert mem2[:, first:] == pytest.approx(mem[:, first:])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_window_loads_equal_evaluate(seed: int) -> None:
+    """One cut moved: stages s - 1 and s evaluated, the later ones' waits updated, = evaluate."""
+    problem = _problem(seed)
+    rng = random.Random(seed)
+    stage_of = _random_split(problem, rng)
+    best = make_partition(problem, stage_of)
+    s = rng.randint(1, problem.k - 1)
+    window = [v for v in topological_order(problem) if stage_of[v] in (s - 1, s)]
+    rows = []
+    for _ in range(6):  # the window's topological prefixes go to stage s - 1
+        cut = rng.randint(0, len(window))
+        row = list(stage_of)
+        for i, v in enumerate(window):
+            row[v] = s - 1 if i < cut else s
+        rows.append(row)
+    mem, tim = window_loads(problem, best, np.asarray(rows), np.asarray(window), s)
+    for i, row in enumerate(rows):
+        m, t = evaluate(problem, row)
+        assert mem[i] == pytest.approx(m)
+        assert tim[i] == pytest.approx(t)
 
 
 @pytest.mark.parametrize("seed", range(8))

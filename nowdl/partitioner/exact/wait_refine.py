@@ -4,7 +4,7 @@
 coarse ideal DPs, the local walks) price a stage by its two cuts, so they optimise the problem
 without its long-skip gradient waits ([Note: long-skip gradient waits]) and are judged with
 them. Where the waits raise the best split's primary value (by more than ``WAIT_MATTERS``),
-rounds of two searches that charge them follow, within ``budget_s``:
+two searches that charge them follow, as search 1, 2, 1 again, within ``budget_s``:
 
 1. the search over chains of ideals with the waits ([Note: wait search]) on the graph
    coarsened *around the split*: a group is only merged into its single consumer group of the
@@ -15,10 +15,12 @@ rounds of two searches that charge them follow, within ``budget_s``:
 2. the window refinement of its split ([Note: window refinement]): each cut moved anywhere
    between its neighbours, every candidate scored with the waits by a batched ``evaluate()``.
 
-A round that improves nothing ends them. Each split is judged on the whole problem and kept
-only when better, so the result is never worse than the split it started from. On AmoebaNet-D
-(1024², K = 8, memory) the rounds take the anytime split from 1.031x to 1.010x of the proven
-optimum in about 8 s of CPU (docs/benchmarks.md, Table 3). A heuristic: the caller reports its
+Each search starts where the previous ended (the window finds cuts the coarse graph hides, and
+the second coarse search moves several cuts at once where the window moves one). Each split is
+judged on the whole problem and kept only when better, so the result is never worse than the
+split it started from. On AmoebaNet-D (1024², K = 8, memory) the three take the anytime split
+from 1.031x to 1.010x of the proven optimum (1.025x, 1.018x, 1.010x) for 4-8 s more CPU
+(docs/benchmarks.md, Table 3). A heuristic: the caller reports its
 gap against the assignment LP's bound.
 """
 
@@ -134,27 +136,27 @@ def _focus(problem: Problem, part: Partition, time_limit: float) -> Partition | 
 
 
 def refine_waits(problem: Problem, part: Partition, *, budget_s: float) -> Partition:
-    """``part`` improved by the rounds of [Note: wait refinement] that charge the long-skip
+    """``part`` improved by the searches of [Note: wait refinement] that charge the long-skip
     waits, for about ``budget_s`` seconds; ``part`` itself when the waits do not raise its
     primary value, nothing improves, or the ranks hold two stages each (MASTER)."""
     if not one_to_one(problem) or problem.k < 3 or budget_s <= 0 or not waits_matter(problem, part):
         return part
     t0 = time.perf_counter()
-    best, rounds = part, 0
+    best, steps = part, 0
 
     def left() -> float:
         return budget_s - (time.perf_counter() - t0)
 
-    while left() > 0:
-        rounds += 1
-        start = best
+    for step in ("focus", "window", "focus"):
+        if left() <= 0:
+            break
+        steps += 1
+        if step == "window":
+            best = refine_cuts(problem, best, budget_s=left())
+            continue
         got = _focus(problem, best, left())
         if got is not None and _key(problem, got) < _key(problem, best):
             best = got
-        if left() > 0:
-            best = refine_cuts(problem, best, budget_s=left())
-        if not _key(problem, best) < _key(problem, start):
-            break
-    log.info("wait refinement: %.6g -> %.6g in %d round(s), %.2f s", objective_values(problem, part)[0],
-             objective_values(problem, best)[0], rounds, time.perf_counter() - t0)
+    log.info("wait refinement: %.6g -> %.6g in %d step(s), %.2f s", objective_values(problem, part)[0],
+             objective_values(problem, best)[0], steps, time.perf_counter() - t0)
     return best if _key(problem, best) < _key(problem, part) else part

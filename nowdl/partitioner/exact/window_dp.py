@@ -47,7 +47,7 @@ from nowdl.partitioner.exact.coarsen import coarsen
 from nowdl.partitioner.exact.downsets import _expansions, _graph, _Info
 from nowdl.partitioner.exact.local_search import _Graph, _masks, _members
 
-__all__ = ["refine_cuts", "evaluate_many", "WINDOW_CAP", "SPAN"]
+__all__ = ["refine_cuts", "evaluate_many", "window_loads", "WINDOW_CAP", "SPAN"]
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,11 @@ WINDOW_CAP = 400  # ideals of one window's sub-DAG (or its greedy coarsening) at
 SPAN = 20  # nodes on each side of a cut in its narrow window
 
 
-def evaluate_many(problem: Problem, stage_of: np.ndarray, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Memory and time of every stage from ``first`` on for each row of ``stage_of`` (an (I, n)
-    integer array of convex assignments): two (I, K) arrays equal to ``evaluate``'s, to float
-    rounding (zero before ``first``)."""
+def evaluate_many(problem: Problem, stage_of: np.ndarray, first: int = 0,
+                  last: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Memory and time of stages ``first`` to ``last`` (default: every stage) for each row of
+    ``stage_of`` (an (I, n) integer array of convex assignments): two (I, K) arrays equal to
+    ``evaluate``'s, to float rounding (zero outside those stages)."""
     k = problem.k
     s = np.asarray(stage_of, dtype=np.int64)
     rows = s.shape[0]
@@ -73,7 +74,7 @@ def evaluate_many(problem: Problem, stage_of: np.ndarray, first: int = 0) -> tup
         src = s[:, prod]  # (I, U): the producer's stage
         later = np.logical_or.reduceat(s[:, ev] > s[:, eu], starts, axis=1)  # sent at all
     for t, spec in enumerate(problem.stages):
-        if t < first:
+        if t < first or (last is not None and t > last):
             continue
         vec = problem.variants[spec.variant]
         here = s == t
@@ -172,6 +173,35 @@ def _narrow(cuts: list[int], s: int, span: int, pos: list[int]) -> tuple[int, in
     return lo, hi
 
 
+def window_loads(problem: Problem, best: Partition, rows: np.ndarray, window: np.ndarray, s: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Every stage's memory and time for each row (``best`` with the ``window`` nodes moved
+    between stages s - 1 and s): stages s - 1 and s evaluated, the earlier ones as in ``best``,
+    the later ones as in ``best`` but for the waits of the tensors the window sends them (their
+    producer's stage is all that changes for them)."""
+    mem, tim = evaluate_many(problem, rows, first=s - 1, last=s)
+    mem[:, :s - 1] = np.asarray(best.stage_mem[:s - 1])[None, :]
+    tim[:, :s - 1] = np.asarray(best.stage_time[:s - 1])[None, :]
+    mem[:, s + 1:] = np.asarray(best.stage_mem[s + 1:])[None, :]
+    tim[:, s + 1:] = np.asarray(best.stage_time[s + 1:])[None, :]
+    base = np.asarray(best.stage_of, dtype=np.int64)
+    inside = np.zeros(problem.n, dtype=bool)
+    inside[window] = True
+    users: dict[int, set[int]] = {}  # window producer -> later stages that consume it
+    for u, v in problem.edges:
+        if inside[u] and base[v] > s:
+            users.setdefault(int(u), set()).add(int(base[v]))
+    for t in range(s + 1, problem.k):
+        us = np.array(sorted(u for u, ts in users.items() if t in ts), dtype=np.int64)
+        if not us.size:
+            continue
+        spec = problem.stages[t]
+        waits = np.array([spec.wait_from(i) for i in range(problem.k)], dtype=np.float64)
+        out = np.asarray(problem.variants[spec.variant].out, dtype=np.float64)[us]
+        mem[:, t] += (waits[rows[:, us]] - waits[base[us]][None, :]) @ out
+    return mem, tim
+
+
 def _move(problem: Problem, g: _Graph, best: Partition, s: int, cap: int, span: int, pos: list[int],
           idle_ok: bool) -> Partition | None:
     """The best split with cut D_s moved within its window (``None``: no better one)."""
@@ -190,9 +220,7 @@ def _move(problem: Problem, g: _Graph, best: Partition, s: int, cap: int, span: 
     window = np.flatnonzero(_members([cuts[s + 1] & ~cuts[s - 1]], problem.n)[0])
     rows = np.tile(np.asarray(best.stage_of, dtype=np.int64), (members.shape[0], 1))
     rows[:, window] = np.where(members[:, window], s - 1, s)
-    mem, tim = evaluate_many(problem, rows, first=s - 1)  # the stages before s - 1 do not change
-    mem[:, :s - 1] = np.asarray(best.stage_mem[:s - 1])[None, :]
-    tim[:, :s - 1] = np.asarray(best.stage_time[:s - 1])[None, :]
+    mem, tim = window_loads(problem, best, rows, window, s)
     if problem.mem_cap is not None:
         over = mem.max(axis=1) > problem.mem_cap * (1 + 1e-9)
         mem[over], tim[over] = np.inf, np.inf
