@@ -53,6 +53,7 @@ from nowdl.partitioner.exact.ideal_dp import (
 from nowdl.partitioner.exact.local_search import improve_split
 from nowdl.partitioner.exact.order_dp import solve_dp
 from nowdl.partitioner.exact.sese import sese_split
+from nowdl.partitioner.exact.wait_refine import refine_waits
 from nowdl.partitioner.exact.wait_search import solve_waits
 from nowdl.partitioner.milp.lp_bound import assignment_lower_bound
 from nowdl.partitioner.milp.solve import solve_ilp
@@ -66,6 +67,8 @@ LOCAL_SHARE = 0.25  # of a MILP-bound solve's time limit, at most, for the local
 LOCAL_MIN_S = 8.0  # below this time limit the MILP gets it all (a round takes 1-2 s on 1,000 nodes)
 ANYTIME_LOCAL_S = 1.0  # the anytime split's local search, at most, per start walked downhill
 ANYTIME_PER_SIDE = 300  # ideals on each side of a cut for the winner's last walk
+WAIT_SHARE = 0.5  # of the time limit, at most, for the anytime split's wait refinement
+WAIT_MIN_S = 5.0  # below this time limit (plan()'s screening solves: 3 s) no wait refinement
 
 # [Note: anytime split] Where the graph has too many ideals, screening (``ilp=False``) returns
 # the best of four splits, each exact over a family the others miss: the beam of thin cuts, the
@@ -73,12 +76,13 @@ ANYTIME_PER_SIDE = 300  # ideals on each side of a cut for the winner's last wal
 # ([Note: SESE contraction]) and the DP over a greedily coarsened graph ([Note: coarse ideal DP]);
 # the best two are walked downhill by the DP over the ideals near their cuts ([Note: local
 # ideals]) for ANYTIME_LOCAL_S / 2 to ANYTIME_LOCAL_S each (by what the time limit leaves), then
-# the better end point once more with ANYTIME_PER_SIDE ideals a side. The
-# split returned without the MILP carries the assignment LP's bound ([Note: assignment LP
-# bound]): status "feasible" and its gap, never "optimal" unless that bound proves it. On the
-# MONAI nets of docs/models.md (SwinUNETR, UNETR at K = 4, 8; UNet++ at K = 4) this split was
-# within 0.7% of HiGHS's split proven within 1%, UNet++ at K = 8 9% above it; the configuration
-# search runs the MILP only when asked
+# the better end point once more with ANYTIME_PER_SIDE ideals a side; where the long-skip waits
+# raise it and the time limit is at least WAIT_MIN_S, the searches that charge them for up to
+# WAIT_SHARE of it ([Note: wait refinement]). The split returned without the MILP carries the
+# assignment LP's bound ([Note: assignment LP bound]): status "feasible" and its gap, never
+# "optimal" unless that bound proves it. On the MONAI nets of docs/models.md (SwinUNETR, UNETR
+# at K = 4, 8; UNet++ at K = 4) this split was within 0.7% of HiGHS's split proven within 1%,
+# UNet++ at K = 8 9% above it; the configuration search runs the MILP only when asked
 # (``PlanRequest.milp``: an explicit time limit, or ``exact``).
 
 
@@ -291,7 +295,9 @@ def _anytime(work: Problem, known: Partition | None, time_limit: float) -> Parti
     best = _best(work, walked + list(found))
     # then the winner in a wider neighbourhood (UNETR K = 4: 150 ideals a side stop 1.8% above
     # HiGHS's split proven within 1%, 300 reach it in 0.9 s of CPU)
-    return best if best is None else improve_split(work, best, budget_s=share, per_side=ANYTIME_PER_SIDE)
+    best = best if best is None else improve_split(work, best, budget_s=share, per_side=ANYTIME_PER_SIDE)
+    # then, where the long-skip waits raise it, the searches that charge them ([Note: wait refinement])
+    return best if best is None or time_limit < WAIT_MIN_S else refine_waits(work, best, budget_s=WAIT_SHARE * time_limit)
 
 
 def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, max_nodes: int | None,
