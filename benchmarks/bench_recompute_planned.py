@@ -278,6 +278,13 @@ def plan_for(kind: str, side: int, cap_mib: float, recompute: str, pins: dict[st
     return cm.plan(x, target=y)
 
 
+def chosen_stages(plan: Plan) -> str:
+    """The recomputed stages, each with its segment's nodes where only a prefix is recomputed."""
+    return ", ".join(f"{s.index}" + (f" (nodes {s.recompute_segment[0]}..{s.recompute_segment[1] - 1} of "
+                                     f"{len(s.nodes)})" if s.recompute_segment else "")
+                     for s in plan.stages if s.recompute) or "none"
+
+
 def without_recompute(plan: Plan) -> Plan:
     off = Plan.from_dict(plan.to_dict())
     for s in off.stages:
@@ -372,11 +379,11 @@ def table1(rows: list[tuple[str, str, int, float, dict[str, Any]]], repeats: int
     print("|---|---|---|---|---|---|---|---|---|---|")
     ratios: list[float] = []
     for name, kind, side, cap, plan, res in results:
-        chosen = [s.index for s in plan.stages if s.recompute]
+        chosen = chosen_stages(plan)
         for r, v in enumerate(res):
             pred, meas = plan.ranks[r].predicted_peak_bytes, v["planned"]["peak"]
             ratios.append(meas / pred)
-            print(f"| {name} | {kind} {side}² | {cap:g} MiB | {chosen or 'none'} | {r} | {pred / MIB:.2f} MiB "
+            print(f"| {name} | {kind} {side}² | {cap:g} MiB | {chosen} | {r} | {pred / MIB:.2f} MiB "
                   f"| {meas / MIB:.2f} MiB | {meas / pred:.3f} | {v['planned']['batch'] / MIB:.2f} MiB "
                   f"| {v['off']['peak'] / MIB:.2f} MiB |", flush=True)
     print(f"\nPeak, planned rows: {verdict(ratios, 0.10)}\n")
@@ -443,11 +450,11 @@ def table2(cap: float, step: int, repeats: int, tmp: str) -> None:
             print(f"| {rc} | none | | | | | | | |")
             continue
         res = run("resnet", {rc: plan}, samples(plan), side, repeats, tmp)
-        chosen = [s.index for s in plan.stages if s.recompute]
+        chosen = chosen_stages(plan)
         for r, v in enumerate(res):
             pk, pred = v[rc]["peak"], plan.ranks[r].predicted_peak_bytes
             ratios.append(pk / pred)
-            print(f"| {rc} | {side} | {chosen or 'none'} | {r} | {pred / MIB:.2f} MiB | {pk / MIB:.2f} MiB "
+            print(f"| {rc} | {side} | {chosen} | {r} | {pred / MIB:.2f} MiB | {pk / MIB:.2f} MiB "
                   f"| {pk / pred:.3f} | {pk / (cap * MIB):.3f} | {v[rc]['step_s'] * 1e3:.0f} ms |", flush=True)
     ratio = sides["auto"] / max(sides["off"], 1)
     print(f"\nside with / without recompute: {ratio:.2f} (target >= 1.5: {'met' if ratio >= 1.5 else 'NOT met'}); "
