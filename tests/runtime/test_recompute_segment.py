@@ -57,10 +57,13 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 
 
 def _segment(nodes: list[str], upto: str) -> list[int]:
-    """[0, stop): the stage's nodes up to and including the first whose name contains ``upto``."""
-    stop = next(i for i, n in enumerate(nodes) if upto in n) + 1
-    assert stop < len(nodes), (upto, nodes)  # a segment, not the whole stage
-    return [0, stop]
+    """[0, stop): the stage's nodes up to and including the first whose name contains ``upto``;
+    [2, stop) for ``"+" + upto`` (a segment after the stage's first nodes: the runtime's
+    node-by-node path)."""
+    start = 2 if upto.startswith("+") else 0
+    stop = next(i for i, n in enumerate(nodes) if upto.lstrip("+") in n) + 1
+    assert start < stop < len(nodes), (upto, nodes)  # a segment, not the whole stage
+    return [start, stop]
 
 
 _Run = tuple[list[float], dict[str, torch.Tensor], list[int]]
@@ -84,7 +87,10 @@ def _train(rank: int, world: int, p: float, stage: int, upto: str | float | None
     plan.validate()
     torch.manual_seed(SEED)
     losses = [cm.train_step(*_data(step)) for step in range(STEPS)]
-    assert cm._trainer.engine.runner.segments.keys() == ({stage} if rank in st.ranks and upto else set())
+    segments = cm._trainer.engine.runner.segments
+    assert segments.keys() == ({stage} if rank in st.ranks and upto else set())
+    if stage in segments:  # a prefix runs as two generated modules, another segment node by node
+        assert (segments[stage].split is None) == (isinstance(upto, str) and upto.startswith("+"))
     return losses, cm.state_dict(), st.recompute_segment
 
 
@@ -100,8 +106,9 @@ def _planned_cap() -> float:
     return (p0 + p1) / 2
 
 
-@pytest.mark.parametrize(("p", "stage", "upto"), [(0.0, 0, "body_1_1"), (0.3, 1, "head_4"), (0.0, 1, None)],
-                         ids=["batchnorm-stage0", "dropout-stage1", "planner-chosen"])
+@pytest.mark.parametrize(("p", "stage", "upto"), [(0.0, 0, "body_1_1"), (0.3, 1, "head_4"), (0.0, 1, None),
+                                                 (0.0, 0, "+body_1_1")],
+                         ids=["batchnorm-stage0", "dropout-stage1", "planner-chosen", "batchnorm-middle"])
 def test_segment_trains_exactly_as_one_process(p: float, stage: int, upto: str | None) -> None:
     """Stage 0's first BatchNorm blocks (their running statistics update once), stage 1's head up
     to its second dropout (the recompute draws the forward's masks), or the prefix of stage 1 the

@@ -136,7 +136,7 @@ def _evaluate(costs: Costs, cand: Candidate, problem: Problem, bounds: Bounds, c
     bounds the MILP that screening falls back to when no heuristic split fits the cap (MASTER): one
     that cannot find a split in time counts as not fitting; ``milp=False``: no such MILP where the
     heuristic least-memory split is over the cap ([Note: search deadline])."""
-    part = least_memory(problem, cache, time_limit, mip_gap) if problem.objective == "memory" else None
+    part = least_memory(problem, cache, time_limit, mip_gap, heuristic_fit=True) if problem.objective == "memory" else None
     part = part or (None if milp else heuristic_over(problem, cache, time_limit, mip_gap))
     fits = part is not None and part.bottleneck_mem <= (costs.mem_cap or math.inf)
     if part is None or (fits and part.bottleneck_mem * (1 + 1e-8) > (costs.mem_cap or math.inf)):

@@ -5,7 +5,8 @@ recomputes the saved tensors of ``nodes[start:stop]`` (the plan's node list of t
 graph order) and keeps those of its other nodes. Its forward runs the stage's GraphModule node
 by node (:class:`torch.fx.Interpreter`, the same ops in the same order as the module's
 generated code) with the slot hooks of [Note: recompute exactness] in recompute.py around the
-segment's nodes only; the other nodes save their tensors as usual. The recompute at the start of
+segment's nodes only (a prefix, the planner's choice, runs as two generated modules instead, the
+hooks around the first); the other nodes save their tensors as usual. The recompute at the start of
 the ``B`` action is the same machinery as a whole stage's (random state replayed, changed buffers
 set to their values from before the forward and put back, saved tensors checked against the
 forward's): it runs the stage's nodes from the first up to the segment's last, the nodes before
@@ -77,6 +78,39 @@ class _Interpreter(fx.Interpreter):
         return out
 
 
+def _split_prefix(module: fx.GraphModule, names: frozenset[str]) -> tuple[fx.GraphModule, fx.GraphModule] | None:
+    """``(head, tail)``: ``head(*args)`` computes the segment, a prefix of ``module``'s computing
+    nodes, and returns the tuple of its values that later nodes read; ``tail(*args, *those)``
+    computes the rest and returns what ``module`` returns. None when the segment is not a prefix.
+    Both are generated code over ``module``'s own submodules and attributes, so a prefix runs at
+    the module's speed rather than node by node through an interpreter."""
+    nodes = list(module.graph.nodes)
+    places = [n for n in nodes if n.op == "placeholder"]
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    k = sum(1 for n in body if n.name in names)
+    if k == 0 or k == len(body) or any(n.name not in names for n in body[:k]):
+        return None
+    head_nodes, tail_nodes = body[:k], body[k:]
+    out_node = next(n for n in nodes if n.op == "output")
+    inside = set(head_nodes)
+    crossing = [n for n in head_nodes if any(u not in inside for u in n.users)]
+    head, env_h = fx.Graph(), {}
+    for p in places:
+        env_h[p] = head.node_copy(p)
+    for n in head_nodes:
+        env_h[n] = head.node_copy(n, lambda a: env_h[a])
+    head.output(tuple(env_h[n] for n in crossing))
+    tail, env_t = fx.Graph(), {}
+    for p in places:
+        env_t[p] = tail.node_copy(p)
+    for n in crossing:
+        env_t[n] = tail.placeholder(f"{n.name}_from_head")
+    for n in tail_nodes:
+        env_t[n] = tail.node_copy(n, lambda a: env_t[a])
+    tail.output(fx.map_arg(out_node.args[0], lambda a: env_t[a]))
+    return fx.GraphModule(module, head), fx.GraphModule(module, tail)
+
+
 class SegmentRun:
     """Runs a stage's module with hooks around the segment's nodes ([Note: recompute segment]).
 
@@ -93,10 +127,16 @@ class SegmentRun:
         # (a buffer a kept node saved must keep its version, so the others are left alone)
         self.owner = nn.ModuleList([module.get_submodule(str(n.target)) for n in module.graph.nodes
                                     if n.name in names and n.op == "call_module"])
+        self.split = _split_prefix(module, names)  # the planner's segments are prefixes: no interpreter
 
     def __call__(self, args: Sequence[torch.Tensor], hooks: Hooks, replay: bool) -> Any:
         """The module's outputs on ``args`` with ``hooks()`` around each segment node; ``replay``:
         stop after the segment's last node (returns None), the nodes before it without grad."""
+        if self.split is not None:
+            head, tail = self.split
+            with hooks() if not replay else contextlib.nullcontext():
+                mids = head(*args)
+            return None if replay else tail(*args, *mids)
         interp = _Interpreter(self.module, self.names, hooks if not replay else contextlib.nullcontext, replay,
                               self.last)
         try:
