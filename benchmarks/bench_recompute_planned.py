@@ -464,7 +464,7 @@ def table2(cap: float, step: int, repeats: int, tmp: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 timed steps, side found to 32 pixels")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=None, help="timed steps per variant (default 30; --quick 4)")
     ap.add_argument("--cap-mib", type=float, default=24.0, help="per-rank cap of table 3")
     ap.add_argument("--mode", choices=("estimate", "measure"), default="measure",
                     help="how tables 1-2 plan: measure (ops timed on this CPU, the default: the cost's prediction "
@@ -475,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows", default="all", help="rows of tables 1-2: all, or names joined by commas")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    repeats = args.repeats or (4 if args.quick else 10)
+    repeats = args.repeats or (4 if args.quick else 30)  # the least of 30: steadier than of 10 on a shared machine
     rows = list(ROWS) if args.rows == "all" else [r for r in ROWS if r[0] in args.rows.split(",")]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
