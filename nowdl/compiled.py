@@ -68,7 +68,7 @@ class CompiledModel:
         self.planner = planner
         self.optimizer_kind = optimizer_kind(options.optimizer)  # the state family the profile counts
         self._traced: dict[tuple[tuple[int, ...], ...], Traced] = {}
-        self._plans: dict[tuple[tuple[tuple[int, ...], ...], bool], Plan] = {}  # per input shapes, train
+        self._plans: dict[tuple[Any, ...], Plan] = {}  # per input shapes, train (and one sample per step)
         self._chains: dict[tuple[tuple[int, ...], ...], StageChain] = {}  # what cm(x) runs, per input shapes
         self._trainer: Trainer | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # built by compile() over model.parameters()
@@ -148,11 +148,14 @@ class CompiledModel:
             spec = _spec_for_local_gpu()
         return spec if not isinstance(spec, (str, os.PathLike)) else get_device_spec(spec)
 
-    def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None, train: bool = True) -> Plan:
+    def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None, train: bool = True,
+             single: bool = False) -> Plan:
         """Plan for one micro-batch shaped like ``example_inputs`` (no process group needed);
         ``target``, one micro-batch's target, lets the plan measure the loss's memory.
         ``train=False`` makes an inference plan: forward only, no gradients, optimizer state or
-        saved activations (docs/evaluation.md).
+        saved activations (docs/evaluation.md). ``single``: one sample per step, as ``predict``
+        runs its windows: one micro-batch, one replica and no dp copies, whatever ``compile``
+        pinned (cached apart from the plan of ``compile``'s pins).
 
         Raises:
             InfeasibleError: nothing fits the memory cap (says what would).
@@ -160,8 +163,12 @@ class CompiledModel:
             TraceError: the model cannot be traced faithfully.
         """
         key = tuple(tuple(x.shape) for x in example_inputs)
-        if (key, train) in self._plans:
-            return self._plans[(key, train)]
+        req = self.request
+        own = single and self.plan_path is None and req is not None and (req.micro_batches, req.replicas, req.dp) != (
+            1, 1, 1)
+        cached = (key, train, "single") if own else (key, train)
+        if cached in self._plans:
+            return self._plans[cached]
         t0 = time.perf_counter()
         t = self.trace(*example_inputs)
         t1 = time.perf_counter()
@@ -175,8 +182,17 @@ class CompiledModel:
                             "do not hold; re-plan with precision=%r", self.plan_path, made, self.precision, self.precision)
             self._plans[(key, train)] = plan
             return plan
-        assert self.request is not None  # compile() guarantees a request or a plan path
-        return self._search(example_inputs, self.request, train=train, target=target, t0=t0, t1=t1)
+        assert req is not None  # compile() guarantees a request or a plan path
+        if not own:
+            return self._search(example_inputs, req, train=train, target=target, t0=t0, t1=t1)
+        free = dataclasses.replace(req, global_batch=None, micro_batches=1, replicas=1, dp=1)
+        kept = self._plans.get((key, train))
+        plan = self._search(example_inputs, free, train=train, target=target, t0=t0, t1=t1)
+        self._plans.pop((key, train), None)  # _search cached it there: keep it apart from compile's pins
+        if kept is not None:
+            self._plans[(key, train)] = kept
+        self._plans[cached] = plan
+        return plan
 
     def inference_plan(self, *example_inputs: torch.Tensor) -> Plan:
         """The plan ``eval_step`` runs for one sample shaped like ``example_inputs``: ``plan(x,
@@ -335,9 +351,10 @@ class CompiledModel:
         ``measure_memory=False`` skips the peak-memory meter (slow on CPU). See docs/predict.md."""
         from nowdl.runtime.predict.job import predict
 
+        weights = self._train().full_state() if self._ready else None  # trained here: the stages hold them
         return predict(self, source, out, output=output, window=window, overwrite=overwrite, fmt=format,
                        on_window=on_window, timeout_s=self.options.timeout_s, backend=self.options.backend,
-                       measure_memory=measure_memory)
+                       measure_memory=measure_memory, weights=weights)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         """Run the plan's stages, the modules training runs (``build_stages``), one after another

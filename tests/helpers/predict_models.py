@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["SegNet", "seg_net", "reference", "predict_worker", "write_slide"]
+__all__ = ["SegNet", "seg_net", "reference", "predict_worker", "train_then_predict_worker", "write_slide"]
 
 
 class SegNet(nn.Module):
@@ -69,6 +69,23 @@ def predict_worker(rank: int, world: int, source: str, out: str, compile_kwargs:
     cm = nowdl.compile(net, gpus=world, progress=False, **compile_kwargs)
     summary = cm.predict(source, out, **predict_kwargs)
     return summary.line()
+
+
+def train_then_predict_worker(rank: int, world: int, source: str, out: str, steps: int) -> dict[str, torch.Tensor]:
+    """``compile(seg_net(), gpus=world, stages=2)``: each rank trains its own stage, ``steps`` SGD
+    steps on batches of 2, then ``cm.predict(source, out)`` in the same process; the trained state
+    dict (rank 0's)."""
+    import nowdl
+
+    cm = nowdl.compile(seg_net(), gpus=world, stages=2, progress=False, mode="estimate", optimizer="sgd",
+                       loss_fn=nn.CrossEntropyLoss())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(2, 1, 64, 64, generator=g), torch.randint(0, 3, (2, 64, 64), generator=g)
+    for _ in range(steps):
+        cm.train_step(x, y)
+    sd = cm.state_dict()
+    cm.predict(source, out)
+    return sd
 
 
 def write_slide(path: Path, img: np.ndarray, tile: int = 64) -> None:

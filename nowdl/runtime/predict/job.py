@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nowdl.errors import NowdlError
 from nowdl.runtime.data.readers import ImageArray, open_images
 from nowdl.runtime.predict.agreement import agree, rank_world, write_error
@@ -114,8 +116,10 @@ def _convert(targets: Sequence[Target]) -> None:
 def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[str], *, output: str = "logits",
             window: Sequence[int] | None = None, overwrite: bool = False, fmt: str | None = None,
             on_window: Callable[[int, int], None] | None = None, timeout_s: float = 300.0,
-            backend: str | None = None, measure_memory: bool = True) -> PredictSummary:
-    """Predict ``source`` (a ``--data`` reader spec, or opened images) into ``out`` (collective).
+            backend: str | None = None, measure_memory: bool = True,
+            weights: dict[str, torch.Tensor] | None = None) -> PredictSummary:
+    """Predict ``source`` (a ``--data`` reader spec, or opened images) into ``out`` (collective);
+    ``weights``: the whole model's state to run (default: the model's own).
 
     Raises:
         PlanError: ``cm`` was compiled from a plan file that is a training plan (predict runs inference plans).
@@ -147,7 +151,8 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
     agree(err)
     try:
         summary = predict_images(cm, images, targets, output=output, window=window, on_window=on_window,
-                                 timeout_s=timeout_s, backend=backend, measure_memory=measure_memory)
+                                 timeout_s=timeout_s, backend=backend, measure_memory=measure_memory,
+                                 weights=weights)
         err = None
         if rank == 0:
             try:

@@ -46,6 +46,7 @@ from nowdl.runtime.predict.writers import (
     pyramid_shapes,
 )
 from nowdl.runtime.spatial.tiles import TiledInput, TileGrid
+from nowdl.runtime.training.evaluate import copy_state
 from nowdl.runtime.training.plan_share import plan_on_rank0
 from nowdl.runtime.training.trainer import Trainer
 
@@ -66,7 +67,7 @@ def plan_for(cm: Any, example: torch.Tensor) -> Plan:
     req = getattr(cm, "request", None)
     if req is not None and req.global_batch is None:
         cm.request = dataclasses.replace(req, global_batch=int(example.shape[0]))
-    return cm.plan(example, train=False)
+    return cm.plan(example, train=False, single=True)  # one window per step, whatever compile() pinned
 
 
 class _Planner:
@@ -92,7 +93,9 @@ class _WindowRunner(Trainer):
     """A trainer without optimizer that runs windows on an inference plan's engine; its loss
     function hands each window's output (whole, on every rank of the last stage) to predict."""
 
-    def __init__(self, cm: Any, timeout_s: float, backend: str | None) -> None:
+    def __init__(self, cm: Any, timeout_s: float, backend: str | None,
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        self.weights = weights
         self.outputs: list[torch.Tensor] = []
         self.grid: tuple[TileGrid, Any] | None = None  # the output's tile grid and group, when kept as a tile
         super().__init__(_Planner(cm), optimizer=None, loss_fn=self._keep, timeout_s=timeout_s, backend=backend)
@@ -139,6 +142,7 @@ class _WindowRunner(Trainer):
                              f"--nproc-per-node {plan.config['gpus']} (or compile with gpus={self.world})")
         self.plan = plan
         self.engine = self._eval_engine(plan, (example,))
+        copy_state(self.engine, self.weights)  # weights trained or loaded in this process since compile()
         return self.engine
 
     def writer_share(self) -> tuple[int, int]:
@@ -260,8 +264,8 @@ def _image_input(image: ImageArray, win: Window) -> TiledInput:
 
 def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Target], *, output: str = "logits",
                    window: Sequence[int] | None = None, on_window: Callable[[int, int], None] | None = None,
-                   timeout_s: float = 300.0, backend: str | None = None, measure_memory: bool = True
-                   ) -> PredictSummary:
+                   timeout_s: float = 300.0, backend: str | None = None, measure_memory: bool = True,
+                   weights: dict[str, torch.Tensor] | None = None) -> PredictSummary:
     """Predict every image into its target work store (collective: every rank calls it alike).
 
     Args:
@@ -274,6 +278,8 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
         on_window: called with (windows done, windows in all) after each window.
         measure_memory: measure the peak memory (on CPU by tracking allocations, which slows the
             first two windows of each image several times over; CUDA's counter costs nothing).
+        weights: the whole model's state (original names) to run instead of the model's own, as
+            ``Trainer.full_state`` gives it after training in this process.
 
     Raises:
         NowdlError: a window too small for the receptive field, an image the network's stride
@@ -296,7 +302,7 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
         for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
             levels = _create_store(target, image.spatial, reach, output, rank)
             store = LevelStore(target.work, 0)
-            runner = runners.get(win) or runners.setdefault(win, _WindowRunner(cm, timeout_s, backend))
+            runner = runners.get(win) or runners.setdefault(win, _WindowRunner(cm, timeout_s, backend, weights))
             for i, w in enumerate(wins):
                 out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2)
                 summary.add_peak(peak)

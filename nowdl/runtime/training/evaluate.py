@@ -53,7 +53,7 @@ class _Trainer(Protocol):
 
     def device(self) -> torch.device: ...
 
-__all__ = ["Evaluator", "GATHER", "concat_outputs"]
+__all__ = ["copy_state", "Evaluator", "GATHER", "concat_outputs"]
 
 GATHER = ("rank0", "all")
 
@@ -112,6 +112,18 @@ def _to(out: Any, device: torch.device) -> Any:
     return tree_unflatten([v.to(device) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
 
+def copy_state(engine: PipelineEngine, state: dict[str, torch.Tensor] | None) -> None:
+    """Copy the whole model's ``state`` (original names, ``Trainer.full_state``) into ``engine``'s
+    stages; None: nothing newer than the model's own weights (nothing trained or loaded)."""
+    if state is None:
+        return
+    for _, s in engine.held:
+        for orig, t, _ in stage_tensors(engine.stages[s]):
+            if orig in state:
+                with torch.no_grad():
+                    t.copy_(state[orig])
+
+
 class Evaluator:
     """The trainer's inference engines, one per input shape ([Note: eval plans])."""
 
@@ -149,13 +161,7 @@ class Evaluator:
         tr = self.trainer
         if runner.version == tr.weights_version:
             return
-        state = tr.full_state()
-        if state is not None:  # None: no newer weights than the model's own (nothing trained or loaded)
-            for _, s in runner.engine.held:
-                for orig, t, _ in stage_tensors(runner.engine.stages[s]):
-                    if orig in state:
-                        with torch.no_grad():
-                            t.copy_(state[orig])
+        copy_state(runner.engine, tr.full_state())
         runner.version = tr.weights_version
 
     def run(self, x: Any, y: Any = None, *, gather: str = "rank0") -> tuple[Any, float]:

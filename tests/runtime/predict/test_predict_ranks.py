@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.distributed import run_workers
-from helpers.predict_models import predict_worker, reference, seg_net
+from helpers.predict_models import predict_worker, reference, seg_net, train_then_predict_worker
 
 zarr = pytest.importorskip("zarr")
 tifffile = pytest.importorskip("tifffile")
@@ -48,3 +48,18 @@ def test_ranks_write_their_own_tiles_when_they_end_on_whole_chunks(tmp_path: Pat
     run_workers(predict_worker, 2, src, str(tmp_path / "t.zarr"), pins, {}, None, True, timeout_s=600)
     np.testing.assert_allclose(np.asarray(zarr.open_array(str(tmp_path / "t.zarr" / "0"))[:]),
                                reference(seg_net(), img), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps", [0, 3])
+def test_predict_after_training_in_the_same_job_runs_the_trained_weights(tmp_path: Path, steps: int) -> None:
+    """Only the stages pinned at compile (predict's plan must still take one window per step), trained
+    on batches of 2 with each rank holding its own stage, then predicted in the same processes."""
+    src, img = _source(tmp_path, (1, 64, 64))
+    sd = run_workers(train_then_predict_worker, 2, src, str(tmp_path / "p.zarr"), steps, timeout_s=600)[0]
+    net = seg_net()
+    net.load_state_dict(sd)
+    got = np.asarray(zarr.open_array(str(tmp_path / "p.zarr" / "0"))[:])
+    np.testing.assert_allclose(got, reference(net, img), atol=1e-4, rtol=0)
+    if steps:
+        assert np.abs(got - reference(seg_net(), img)).max() > 1e-3  # the weights did move
