@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["SegNet", "seg_net", "reference", "predict_worker", "train_then_predict_worker", "write_slide"]
+__all__ = ["SegNet", "seg_net", "reference", "predict_worker", "train_then_predict_worker", "predict_twice_worker", "write_slide"]
 
 
 class SegNet(nn.Module):
@@ -86,6 +86,21 @@ def train_then_predict_worker(rank: int, world: int, source: str, out: str, step
     sd = cm.state_dict()
     cm.predict(source, out)
     return sd
+
+
+def predict_twice_worker(rank: int, world: int, source: str, out: str, pins: dict[str, Any]) -> bool:
+    """Predict ``source`` into ``out/1.zarr``, load other weights into the model in place, predict
+    into ``out/2.zarr`` with the same compiled model; whether the second call reused the engine."""
+    import nowdl
+    from nowdl.runtime.predict import runner
+
+    net = seg_net()
+    cm = nowdl.compile(net, gpus=world, progress=False, **pins)
+    cm.predict(source, f"{out}/1.zarr")
+    engines = [r.engine for r in runner._RUNNERS[cm].values()]
+    net.load_state_dict(seg_net(seed=1).state_dict())
+    cm.predict(source, f"{out}/2.zarr")
+    return [r.engine for r in runner._RUNNERS[cm].values()] == engines
 
 
 def write_slide(path: Path, img: np.ndarray, tile: int = 64) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -31,11 +30,11 @@ import numpy as np
 import torch
 
 from nowdl.errors import NowdlError
-from nowdl.geometry import split_bounds
 from nowdl.plan.plan import Plan
 from nowdl.runtime.data.readers import ImageArray, to_tensor
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.predict.agreement import Writes, guard, rank_world
+from nowdl.runtime.predict.shares import chunk_share, tile_piece, window_piece
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.windows import Reach, Window, layout_windows, network_reach
 from nowdl.runtime.predict.writers import (
@@ -96,6 +95,7 @@ class _WindowRunner(Trainer):
     def __init__(self, cm: Any, timeout_s: float, backend: str | None,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
         self.weights = weights
+        self.group: Any = None  # the process group it was built in
         self.outputs: list[torch.Tensor] = []
         self.grid: tuple[TileGrid, Any] | None = None  # the output's tile grid and group, when kept as a tile
         super().__init__(_Planner(cm), optimizer=None, loss_fn=self._keep, timeout_s=timeout_s, backend=backend)
@@ -167,20 +167,6 @@ class Target:
     spacing: tuple[float, ...] | None = None
 
 
-def _share(core: Sequence[tuple[int, int]], chunks: Sequence[int], part: int, parts: int
-           ) -> tuple[tuple[int, int], ...] | None:
-    """This writer's whole-chunk share of ``core`` (split along the dim with the most chunks)."""
-    counts = [(math.ceil(b / c) - a // c) for (a, b), c in zip(core, chunks, strict=True)]
-    d = max(range(len(core)), key=lambda i: counts[i])
-    lo_c, hi_c = split_bounds(counts[d], parts, part)
-    if lo_c >= hi_c:
-        return None
-    a, b = core[d]
-    first = a // chunks[d]
-    lo, hi = max(a, (first + lo_c) * chunks[d]), min(b, (first + hi_c) * chunks[d])
-    return tuple((lo, hi) if i == d else core[i] for i in range(len(core)))
-
-
 def _finish(out: torch.Tensor, output: str) -> np.ndarray:
     out = out.float()
     if output == "argmax":
@@ -208,48 +194,9 @@ def _create_store(target: Target, spatial: Sequence[int], reach: Reach, output: 
     return len(levels)
 
 
-def _piece(share: tuple[tuple[int, int], ...] | None, out: torch.Tensor | None, w: Window, scale: Sequence[int]
-           ) -> torch.Tensor | None:
-    """This rank's ``share`` (output pixels) of the window output ``out`` ``(1, C, *window)``, on the host
-    (copied here, on the thread that made ``out``, so a device's stream order holds)."""
-    if out is None or share is None:
-        return None
-    rel = tuple(slice(a - r0 // f, b - r0 // f) for (a, b), (r0, _), f in zip(share, w.read, scale, strict=True))
-    return out[0][(slice(None), *rel)].cpu()
-
-
-def _tile_piece(grid: tuple[TileGrid, Any] | None, out: torch.Tensor | None, core: Sequence[tuple[int, int]],
-                chunks: Sequence[int], w: Window, scale: Sequence[int]
-                ) -> tuple[tuple[tuple[int, int], ...] | None, torch.Tensor | None]:
-    """This rank's part of ``core`` (output pixels) cut from its own output tile, with no gather, when every
-    rank's tile meets ``core`` in a box whose edges are ``core``'s or whole chunks (so no two ranks write one
-    chunk); ``(None, None)`` otherwise, or when the output is not tiled. Every rank of the grid decides alike.
-    A rank whose tile misses ``core`` gets ``((), None)``."""
-    if grid is None or out is None:
-        return None, None
-    g = grid[0]
-    origin = tuple(r0 // f for (r0, _), f in zip(w.read, scale, strict=True))
-    mine: tuple[tuple[int, int], ...] | None = None
-    for i in range(len(g.ranks)):
-        tb = g.tile_bounds(g.coords_of(i))
-        box = tuple((max(lo + o, a), min(hi + o, b)) for (lo, hi), o, (a, b) in zip(tb, origin, core, strict=True))
-        if any(lo >= hi for lo, hi in box):
-            continue
-        for (lo, hi), (a, b), ch in zip(box, core, chunks, strict=True):
-            if any(e not in (a, b) and e % ch for e in (lo, hi)):
-                return None, None
-        if i == g.index:
-            mine = box
-    if mine is None:
-        return (), None
-    lo_t = tuple(lo + o for (lo, _), o in zip(g.tile_bounds(), origin, strict=True))
-    rel = tuple(slice(a - t, b - t) for (a, b), t in zip(mine, lo_t, strict=True))
-    return mine, out[0][(slice(None), *rel)].cpu()
-
-
 def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, piece: torch.Tensor | None,
                  output: str) -> None:
-    """Write ``piece`` (from :func:`_piece`) at ``share``."""
+    """Write ``piece`` (from :func:`window_piece`) at ``share``."""
     if piece is not None and share is not None:
         store.write(share, _finish(piece, output))
 
@@ -288,7 +235,6 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
     if output not in OUTPUTS:
         raise NowdlError(f"--output {output!r}: use one of {', '.join(OUTPUTS)}")
     rank, world = rank_world()
-    runners: dict[tuple[int, ...], _WindowRunner] = {}
     summary = PredictSummary(world=world)
     layouts: list[tuple[list[Window], Reach, tuple[int, ...]]] = []
     for image in images:
@@ -302,18 +248,18 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
         for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
             levels = _create_store(target, image.spatial, reach, output, rank)
             store = LevelStore(target.work, 0)
-            runner = runners.get(win) or runners.setdefault(win, _WindowRunner(cm, timeout_s, backend, weights))
+            runner = _runner_for(cm, win, timeout_s, backend, weights)
             for i, w in enumerate(wins):
                 out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2)
                 summary.add_peak(peak)
                 core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
-                share, piece = _tile_piece(runner.grid, out, core_out, store.chunks[1:], w, reach.scale)
+                share, piece = tile_piece(runner.grid, out, core_out, store.chunks[1:], w, reach.scale)
                 if share is None and piece is None:  # the tiles do not end on whole chunks: gather them
                     if out is not None and runner.grid is not None:
                         out = runner.grid[0].gather(out, runner.grid[1])
                     part, parts = runner.writer_share()
-                    share = _share(core_out, store.chunks[1:], part, parts) if out is not None else None
-                    piece = _piece(share, out, w, reach.scale)
+                    share = chunk_share(core_out, store.chunks[1:], part, parts) if out is not None else None
+                    piece = window_piece(share, out, w, reach.scale)
                 writes.submit(functools.partial(_write_share, store, share, piece, output), str(target.work))
                 done += 1
                 if on_window is not None:
@@ -330,6 +276,28 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
 
 
 _REACH: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Reach]] = weakref.WeakKeyDictionary()
+_RUNNERS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _WindowRunner]] = weakref.WeakKeyDictionary()
+
+
+def _runner_for(cm: Any, win: tuple[int, ...], timeout_s: float, backend: str | None,
+                weights: dict[str, torch.Tensor] | None) -> _WindowRunner:
+    """The window runner of ``cm`` for windows of ``win`` pixels, kept across predict calls in the
+    same process group (its engine's stages run the model's own parameters, so weights loaded into
+    the model in place reach it); ``weights`` (trained in this process) are copied in each call."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    cache = _RUNNERS.setdefault(cm, {})
+    key = (win, timeout_s, backend)
+    runner = cache.get(key)
+    if runner is None or runner.group is not group:
+        runner = cache[key] = _WindowRunner(cm, timeout_s, backend, weights)
+        runner.group = group
+    elif weights is not None:
+        runner.weights = weights
+        if runner.engine is not None:
+            copy_state(runner.engine, weights)
+    return runner
 
 
 def _reach(cm: Any, channels: int, win: tuple[int, ...]) -> Reach:

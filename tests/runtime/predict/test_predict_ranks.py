@@ -7,7 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.distributed import run_workers
-from helpers.predict_models import predict_worker, reference, seg_net, train_then_predict_worker
+from helpers.predict_models import (
+    predict_twice_worker,
+    predict_worker,
+    reference,
+    seg_net,
+    train_then_predict_worker,
+)
 
 zarr = pytest.importorskip("zarr")
 tifffile = pytest.importorskip("tifffile")
@@ -63,3 +69,14 @@ def test_predict_after_training_in_the_same_job_runs_the_trained_weights(tmp_pat
     np.testing.assert_allclose(got, reference(net, img), atol=1e-4, rtol=0)
     if steps:
         assert np.abs(got - reference(seg_net(), img)).max() > 1e-3  # the weights did move
+
+
+@pytest.mark.slow
+def test_a_second_predict_reuses_the_engine_and_sees_new_weights(tmp_path: Path) -> None:
+    src, img = _source(tmp_path, (1, 64, 96))
+    pins = {"stages": 1, "spatial_parts": 2, "slice": "vertical", "micro_batches": 1, "replicas": 1, "dp": 1}
+    reused = run_workers(predict_twice_worker, 2, src, str(tmp_path), pins, timeout_s=600)
+    assert reused == [True, True]
+    for suffix, seed in (("1", 0), ("2", 1)):
+        got = np.asarray(zarr.open_array(str(tmp_path / f"{suffix}.zarr" / "0"))[:])
+        np.testing.assert_allclose(got, reference(seg_net(seed=seed), img), atol=1e-4, rtol=0)
