@@ -69,24 +69,32 @@ def _segment(nodes: list[str], upto: str) -> list[int]:
 _Run = tuple[list[float], dict[str, torch.Tensor], list[int]]
 
 
-def _worker(rank: int, world: int, p: float, stage: int, upto: str | float) -> tuple[_Run, _Run]:
+def _worker(rank: int, world: int, p: float, stage: int, upto: str | float, precision: str = "fp32"
+            ) -> tuple[_Run, _Run]:
     """The run with the segment, and its twin: the same plan without recompute, in the same processes."""
-    return _train(rank, world, p, stage, upto), _train(rank, world, p, stage, None)
+    return _train(rank, world, p, stage, upto, precision), _train(rank, world, p, stage, None, precision)
 
 
-def _train(rank: int, world: int, p: float, stage: int, upto: str | float | None) -> _Run:
-    """``upto``: the node name the segment ends at, or the cap under which the planner chooses it."""
+def _train(rank: int, world: int, p: float, stage: int, upto: str | float | None, precision: str = "fp32") -> _Run:
+    """``upto``: the node name the segment ends at, or the cap under which the planner chooses it;
+    ``precision`` other than fp32: a float32 model under that autocast (it casts float32 only)."""
     cap = {"recompute": "auto", "gpu_memory": upto} if isinstance(upto, float) else {"recompute": "off"}
-    cm = nowdl.compile(_make(p), gpus=world, mode="estimate", optimizer=_adam, loss_fn=nn.CrossEntropyLoss(),
-                       cache=False, progress=False, timeout_s=90, offload="off", **cap, **CFG)
-    x0, y0 = _data(0)
+    model = _make(p) if precision == "fp32" else _make(p).float()
+
+    def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _data(step)
+        return (x, y) if precision == "fp32" else (x.float(), y)
+
+    cm = nowdl.compile(model, gpus=world, mode="estimate", optimizer=_adam, loss_fn=nn.CrossEntropyLoss(),
+                       cache=False, progress=False, timeout_s=90, offload="off", precision=precision, **cap, **CFG)
+    x0, y0 = data(0)
     plan = cm.plan(x0[:1], target=y0[:1])
     st = plan.stages[stage]
     if isinstance(upto, str):
         st.recompute, st.recompute_segment = True, _segment(st.nodes, upto)
     plan.validate()
     torch.manual_seed(SEED)
-    losses = [cm.train_step(*_data(step)) for step in range(STEPS)]
+    losses = [cm.train_step(*data(step)) for step in range(STEPS)]
     segments = cm._trainer.engine.runner.segments
     assert segments.keys() == ({stage} if rank in st.ranks and upto else set())
     if stage in segments:  # a prefix runs as two generated modules, another segment node by node
@@ -130,6 +138,16 @@ def test_segment_trains_exactly_as_one_process(p: float, stage: int, upto: str |
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-9, atol=1e-12)
     assert list(sd) == list(ref_sd)
     for k, want in ref_sd.items():
+        torch.testing.assert_close(sd[k], want, rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_segment_under_bf16_equals_the_same_plan_without_recompute() -> None:
+    """Under bf16 autocast the segment's recompute runs in the same autocast: losses and every state
+    entry equal the same plan without recompute (bf16 is not compared with one float process)."""
+    (losses, sd, seg), (twin_losses, twin_sd, _) = run_workers(_worker, 2, 0.0, 0, "body_1_1", "bf16",
+                                                               timeout_s=400)[0]
+    assert len(seg) == 2 and losses == twin_losses
+    for k, want in twin_sd.items():
         torch.testing.assert_close(sd[k], want, rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
 
 
