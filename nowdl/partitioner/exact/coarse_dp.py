@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import make_partition, one_to_one
@@ -25,7 +26,7 @@ from nowdl.partitioner.exact.downsets import Lattice, enumerate_ideals
 from nowdl.partitioner.exact.ideal_dp import solve_ideals
 from nowdl.partitioner.exact.wait_weights import with_waits_folded
 
-__all__ = ["coarse_split", "split_contracted", "COARSE_CAP"]
+__all__ = ["coarse_split", "split_contracted", "densest_lattice", "COARSE_CAP"]
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,18 @@ def _coarse_lattice(problem: Problem, cap: int) -> tuple[Problem, list[list[int]
     lat = enumerate_ideals(small, cap) if small.n < problem.n else None
     if lat is None:
         return None
-    best = (small, groups, lat)
-    lo, hi = small.n + 1, problem.n - 1
+    return densest_lattice(lambda m: coarsen(problem, max_nodes=m, warn=False), small.n + 1, problem.n - 1, cap,
+                           (small, groups, lat))
+
+
+def densest_lattice(make: Callable[[int], tuple[Problem, list[list[int]]]], lo: int, hi: int, cap: int,
+                    best: tuple[Problem, list[list[int]], Lattice] | None = None
+                    ) -> tuple[Problem, list[list[int]], Lattice] | None:
+    """The coarsening ``make(m)`` (at most ``m`` groups) with the most groups whose ideals number
+    at most ``cap``, by binary search of ``m`` in [lo, hi]; ``best`` where none in it does."""
     while lo <= hi:
         mid = (lo + hi) // 2
-        small, groups = coarsen(problem, max_nodes=mid, warn=False)
+        small, groups = make(mid)
         lat = enumerate_ideals(small, cap)
         if lat is None:
             hi = mid - 1

@@ -50,7 +50,7 @@ from nowdl.partitioner.costs.skip_waits import has_waits
 from nowdl.partitioner.costs.structure import check_problem, topological_order
 from nowdl.partitioner.exact.coarse_groups import compose_groups, expand
 
-__all__ = ["coarsen", "expand", "compose_groups"]
+__all__ = ["coarsen", "expand", "compose_groups", "merge_start"]
 
 log = logging.getLogger(__name__)
 
@@ -323,6 +323,16 @@ class _Groups:
             tied=[t for t in tied if len(t) > 1],
         )
         return coarse, groups
+
+
+def merge_start(problem: Problem) -> tuple[_Groups, list[tuple[float, float]], float, float]:
+    """Fresh groups of ``problem`` for a merging pass (tileability ignored where no stage is spatial:
+    it only matters there), each node's (memory, time) load, and the loads' totals."""
+    g = _Groups(problem)
+    if not any(st.spatial for st in problem.stages):
+        g.tile = [True] * problem.n
+    loads = [g.load(v) for v in range(problem.n)]
+    return g, loads, max(sum(m for m, _ in loads), 1e-300), max(sum(t for _, t in loads), 1e-300)
 
 
 def coarsen(

@@ -25,7 +25,7 @@ import time
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import one_to_one, topological_order
 from nowdl.partitioner.exact.coarse_dp import split_contracted
-from nowdl.partitioner.exact.coarsen import _Groups
+from nowdl.partitioner.exact.coarsen import merge_start
 from nowdl.partitioner.exact.downsets import Lattice, enumerate_ideals
 
 __all__ = ["sese_regions", "contract_regions", "sese_split", "SESE_CAP"]
@@ -88,12 +88,7 @@ def contract_regions(problem: Problem, regions: list[tuple[int, list[int]]], wei
     """Merge the outermost regions of at most ``weight`` (share of the total memory or time,
     the larger) into their exits; then, with ``chains``, greedy single-consumer merges down to
     that many groups. Returns the coarse problem and its groups (original indices)."""
-    g = _Groups(problem)
-    if not any(st.spatial for st in problem.stages):  # tileability only matters to spatial stages
-        g.tile = [True] * problem.n
-    loads = [g.load(v) for v in range(problem.n)]
-    tot_mem = max(sum(m for m, _ in loads), 1e-300)
-    tot_time = max(sum(t for _, t in loads), 1e-300)
+    g, loads, tot_mem, tot_time = merge_start(problem)
     tied = [set(t) for t in problem.tied]
     taken = [False] * problem.n
     for x, nodes in reversed(regions):  # parents first: the outermost that fit

@@ -34,9 +34,10 @@ import time
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.skip_waits import has_waits, without_waits
 from nowdl.partitioner.costs.structure import make_partition, objective_values, one_to_one
+from nowdl.partitioner.exact.coarse_dp import densest_lattice
 from nowdl.partitioner.exact.coarse_groups import expand
-from nowdl.partitioner.exact.coarsen import _Groups
-from nowdl.partitioner.exact.downsets import Lattice, enumerate_ideals
+from nowdl.partitioner.exact.coarsen import merge_start
+from nowdl.partitioner.exact.downsets import Lattice
 from nowdl.partitioner.exact.wait_search import solve_waits
 from nowdl.partitioner.exact.window_dp import refine_cuts
 
@@ -67,12 +68,7 @@ def split_coarsening(problem: Problem, stage_of: list[int], max_nodes: int) -> t
     """Merge each group into its single consumer group of the same stage of ``stage_of``,
     lightest pairs first (never past half a stage), down to ``max_nodes`` groups or until no such
     link is left. Returns the coarse problem and its groups (original indices)."""
-    g = _Groups(problem)
-    if not any(st.spatial for st in problem.stages):  # tileability only matters to spatial stages
-        g.tile = [True] * problem.n
-    loads = [g.load(v) for v in range(problem.n)]
-    tot_mem = max(sum(m for m, _ in loads), 1e-300)
-    tot_time = max(sum(t for _, t in loads), 1e-300)
+    g, loads, tot_mem, tot_time = merge_start(problem)
     limit = 1.0 / (2 * problem.k)
     heap: list[tuple[float, int, int, int, int]] = []
 
@@ -104,18 +100,7 @@ def split_coarsening(problem: Problem, stage_of: list[int], max_nodes: int) -> t
 
 def _lattice(problem: Problem, stage_of: list[int], cap: int) -> tuple[Problem, list[list[int]], Lattice] | None:
     """The coarsening around ``stage_of`` with the most groups and at most ``cap`` ideals."""
-    lo, hi = max(8, 2 * problem.k), problem.n
-    best = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        small, groups = split_coarsening(problem, stage_of, mid)
-        lat = enumerate_ideals(small, cap)
-        if lat is None:
-            hi = mid - 1
-        else:
-            best = (small, groups, lat)
-            lo = max(mid, small.n) + 1
-    return best
+    return densest_lattice(lambda m: split_coarsening(problem, stage_of, m), max(8, 2 * problem.k), problem.n, cap)
 
 
 def _focus(problem: Problem, part: Partition, time_limit: float) -> Partition | None:
