@@ -60,29 +60,33 @@ class _Base:
         m = lat.members.astype(np.float64)
         count = lat.size
         self.static, self.act, self.time = m @ static, m @ act, m @ tim
-        rs = np.zeros((count, count))
-        for j, front in enumerate(lat.frontier):  # sent: the frontier of the end ideal
-            if front:
-                rs[:, j] = (~lat.members[:, front]) @ out[front]
-        self.sent = rs.copy()
-        seen: dict[tuple[int, tuple[int, ...]], np.ndarray] = {}
-        for i, front in enumerate(lat.frontier):  # received: the frontier of the start ideal
-            for u in front:
-                if out[u] == 0.0:
-                    continue
-                ext = tuple(c for c in lat.consumers[u] if not lat.members[i, c])
-                if (u, ext) not in seen:
-                    seen[(u, ext)] = np.asarray(lat.members[:, list(ext)].any(axis=1))
-                rs[i] += out[u] * seen[(u, ext)]
+        front = np.zeros(lat.members.shape, dtype=bool)  # front[i, u]: u is on ideal i's frontier
+        for i, f in enumerate(lat.frontier):
+            front[i, f] = True
+        front &= (out != 0.0)[None, :]
+        # sent: the frontier of the end ideal, less what the start ideal already holds
+        self.sent = (front @ out)[None, :] - m @ (front * out).T
+        # received: the frontier of the start ideal with a consumer in the end ideal (every
+        # consumer of a one-consumer tensor is outside its frontier ideal; the others in turn)
+        rs = self.sent.copy()
+        ncons = np.array([len(set(c)) for c in lat.consumers])
+        one = np.flatnonzero((ncons == 1) & front.any(axis=0))
+        if one.size:
+            first = [lat.consumers[u][0] for u in one]
+            rs += (front[:, one] * out[one]) @ m[:, first].T
+        for u in np.flatnonzero((ncons > 1) & front.any(axis=0)):
+            rows, cons = np.flatnonzero(front[:, u]), sorted(set(lat.consumers[u]))
+            hit = (~lat.members[np.ix_(rows, cons)]).astype(np.float64) @ m[:, cons].T > 0.5
+            rs[rows] += out[u] * hit
         self.rs = rs
         self.wmax: np.ndarray | None = None
         levels = np.unique(ws[ws > 0])
-        if levels.size:
-            wmax = np.zeros((count, count))
+        if levels.size:  # [Note: ideal DP]: the number of levels D_j adds a node of names the largest
+            reached = np.zeros((count, count), dtype=np.int32)
             for w in levels:
                 cnt = lat.members[:, ws >= w].sum(axis=1)
-                wmax[cnt[:, None] < cnt[None, :]] = w  # ascending w: the largest wins
-            self.wmax = wmax
+                reached += cnt[:, None] < cnt[None, :]
+            self.wmax = np.concatenate([[0.0], levels])[reached]
 
     @property
     def nbytes(self) -> int:
@@ -164,28 +168,35 @@ class IdealCosts:
         spec = self.problem.stages[s]
         b = self.base(spec.variant)
         first = max(lo, int(a.min()) + 1)  # ideals are sorted by size: supersets come later
-        shape = (a.size, hi - lo)
-        mem, tim, work = np.full(shape, np.inf), np.full(shape, np.inf), np.full(shape, np.inf)
-        if first < hi:
+        if first >= hi:
+            mem = np.full((a.size, hi - lo), np.inf)
+            tim, work = mem.copy(), mem.copy()
+        else:  # in place where it can: these matrices are most of the DPs' time
             cols = slice(first, hi)
-            tm = b.time[None, cols] - b.time[a][:, None]
             rs = b.rs[a, cols]
-            m = b.static[None, cols] - b.static[a][:, None]
-            sent = b.sent[a, cols]
-            m += spec.inflight * (b.act[None, cols] - b.act[a][:, None])
-            m += spec.recv_factor * (rs - sent) + spec.send_factor * sent
+            m = b.sent[a, cols]
+            m *= spec.send_factor - spec.recv_factor
+            m += spec.recv_factor * rs
+            node = b.static + spec.inflight * b.act
+            m += node[None, cols]
+            m -= node[a][:, None]
             if b.wmax is not None:
                 m += b.wmax[a, cols]
-            t = tm + spec.link_s_per_byte * rs
+            tm = b.time[None, cols] - b.time[a][:, None]
+            t = rs
+            t *= spec.link_s_per_byte
+            t += tm
             ok = self.lat.proper[a, cols]
             if spec.spatial:
-                ok = ok & ~self._untileable[a, cols]
+                ok &= ~self._untileable[a, cols]
             if self.cap is not None:
-                ok = ok & (m <= self.cap * (1 + CAP_REL))
-            out = slice(first - lo, hi - lo)
-            mem[:, out] = np.where(ok, m, np.inf)
-            tim[:, out] = np.where(ok, t, np.inf)
-            work[:, out] = np.where(ok, tm, np.inf)
+                ok &= m <= self.cap * (1 + CAP_REL)
+            bad = ~ok
+            m[bad], t[bad], tm[bad] = np.inf, np.inf, np.inf
+            mem, tim, work = m, t, tm
+            if first > lo:  # the columns before ``first`` hold no superset of a row
+                pad = np.full((a.size, first - lo), np.inf)
+                mem, tim, work = (np.hstack([pad, x]) for x in (m, t, tm))
         if self.problem.objective == "memory":
             return mem, tim, work
         return tim, mem, work

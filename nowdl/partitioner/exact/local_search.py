@@ -95,6 +95,25 @@ class _Graph:
         f[:, cols] = m[:, cols] & (inside < self.ncons[None, cols] - 0.5)
         return f
 
+    @staticmethod
+    def _largest_workspace(ws: np.ndarray, a: np.ndarray, b: np.ndarray, af: np.ndarray, bf: np.ndarray,
+                           w: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """The largest workspace of a node in ``b[j] - a[i]`` for every pair (where ``a[i]`` is a
+        subset of ``b[j]``). The nodes every stage holds give a floor; above it only the levels of
+        the varying columns count, and since fewer nodes reach a higher level, the number of
+        levels some node of the stage reaches names the largest one."""
+        held = b[0, r] & ~a[0, r]
+        floor = float(ws[r][held].max()) if held.any() else 0.0
+        levels = np.unique(ws[w][ws[w] > floor])
+        if not levels.size:
+            return np.full((a.shape[0], b.shape[0]), floor)
+        above = (ws[w][:, None] >= levels[None, :]).astype(np.float32)
+        cb, ca = bf.astype(np.float32) @ above, af.astype(np.float32) @ above
+        count = np.zeros((a.shape[0], b.shape[0]), dtype=np.int32)
+        for lvl in range(levels.size):
+            count += (cb[None, :, lvl] - ca[:, None, lvl]) > 0.5
+        return np.where(count > 0, levels[np.maximum(count - 1, 0)], floor)
+
     def loads(self, s: int, a: np.ndarray, fa: np.ndarray, b: np.ndarray, fb: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(memory, time, work) of stage s from every ideal of ``a`` to every one of ``b``
@@ -136,14 +155,7 @@ class _Graph:
             c = self.cons[u]
             hit = ((fa[:, u, None] & ~a[:, c]).astype(np.float64) @ b[:, c].T.astype(np.float64)) > 0
             recv += out[u] * hit
-        wmax = np.zeros_like(sent)
-        levels = np.unique(ws[ws > 0])
-        if levels.size:  # the largest level the stage holds a node of
-            above = (ws[:, None] >= levels[None, :]).astype(np.float64)
-            const = b[0, r].astype(np.float64) @ above[r] - a[0, r].astype(np.float64) @ above[r]
-            more = ((bf @ above[w])[None, :, :] - (af @ above[w])[:, None, :] + const) > 0.5
-            top = more.shape[2] - 1 - np.argmax(more[:, :, ::-1], axis=2)
-            wmax = np.where(more.any(axis=2), levels[top], 0.0)
+        wmax = self._largest_workspace(ws, a, b, af, bf, w, r)
         work = diff(tim)
         mem = (diff(static) + spec.inflight * diff(act) + spec.recv_factor * recv
                + spec.send_factor * sent + wmax)
