@@ -75,7 +75,7 @@ class _Base:
             first = [lat.consumers[u][0] for u in one]
             rs += (front[:, one] * out[one]) @ m[:, first].T
         for u in np.flatnonzero((ncons > 1) & front.any(axis=0)):
-            rows, cons = np.flatnonzero(front[:, u]), sorted(set(lat.consumers[u]))
+            rows, cons = np.flatnonzero(front[:, u]), np.array(sorted(set(lat.consumers[u])))
             hit = (~lat.members[np.ix_(rows, cons)]).astype(np.float64) @ m[:, cons].T > 0.5
             rs[rows] += out[u] * hit
         self.rs = rs
