@@ -82,10 +82,12 @@ class _Base:
         self.wmax: np.ndarray | None = None
         levels = np.unique(ws[ws > 0])
         if levels.size:  # [Note: ideal DP]: the number of levels D_j adds a node of names the largest
-            reached = np.zeros((count, count), dtype=np.int32)
+            reached = np.zeros((count, count), dtype=np.uint8 if levels.size < 255 else np.int32)
+            step = np.empty((count, count), dtype=bool)
             for w in levels:
-                cnt = lat.members[:, ws >= w].sum(axis=1)
-                reached += cnt[:, None] < cnt[None, :]
+                cnt = lat.members[:, ws >= w].sum(axis=1, dtype=np.int32)
+                np.less(cnt[:, None], cnt[None, :], out=step)
+                reached += step
             self.wmax = np.concatenate([[0.0], levels])[reached]
 
     @property

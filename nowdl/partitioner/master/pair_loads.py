@@ -30,8 +30,10 @@ class Halves:
     end: int
     stagewise: frozenset[int] = frozenset()  # families (0: obj, i: limits[i-1]) taken per
     # stage (max of the rank's two stages) instead of per rank (their sum)
-    _spans: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, compare=False,
-                                                             repr=False)
+    # row spans by matrix layout, shared by the Halves of one search (``reversed`` and the
+    # levels' Halves read the same matrices): each is computed once
+    spans: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[np.ndarray, np.ndarray, np.ndarray]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @property
     def k(self) -> int:
@@ -47,13 +49,15 @@ class Halves:
         return Halves(obj=[m.T for m in reversed(self.obj)],
                       limits=[([m.T for m in reversed(mats)], b) for mats, b in self.limits],
                       allowed=list(reversed(self.allowed)), start=self.end, end=self.start,
-                      stagewise=self.stagewise)
+                      stagewise=self.stagewise, spans=self.spans)
 
     def window(self, s: int, rows: np.ndarray) -> tuple[int, int]:
         """Columns holding every finite step of stage s from ``rows``."""
-        if s not in self._spans:
-            self._spans[s] = _span(self.obj[s])
-        lo, hi = self._spans[s]
+        m = self.obj[s]
+        key = (m.__array_interface__["data"][0], m.shape, m.strides)
+        if key not in self.spans:  # the matrix is kept with its spans: its address stays its own
+            self.spans[key] = (m, *_span(m))
+        _, lo, hi = self.spans[key]
         return int(lo[rows].min()), int(hi[rows].max())
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -110,7 +111,8 @@ def standard_pairing(ranks: Sequence[Sequence[int]], k: int) -> bool:
 def improve(prim: Sequence[np.ndarray], sec: Sequence[np.ndarray], *, mem_is_prim: bool,
             cap: float | None, allowed: Sequence[np.ndarray | None], start: int, end: int,
             cuts: Sequence[int], level2: bool = True,
-            work: Sequence[np.ndarray] | None = None) -> tuple[float, list[int]]:
+            work: Sequence[np.ndarray] | None = None,
+            spans: dict[Any, Any] | None = None) -> tuple[float, list[int]]:
     """The levels of [Note: lexicographic levels] for a MASTER split by ``descend``.
 
     Args:
@@ -121,18 +123,20 @@ def improve(prim: Sequence[np.ndarray], sec: Sequence[np.ndarray], *, mem_is_pri
         cuts: a feasible split to start from.
         level2: then minimise the secondary with the primary held.
         work: per-stage work matrices: then spread the work when a stage would idle.
+        spans: row spans already computed for these matrices (``Halves.spans``), shared.
 
     Returns:
         (level-1 value, cuts), never worse than ``cuts`` on level 1.
     """
     mem = prim if mem_is_prim else sec
     caps: list[tuple[Sequence[np.ndarray], float]] = [(mem, cap)] if cap is not None else []
-    h1 = Halves(obj=prim, limits=caps, allowed=allowed, start=start, end=end)
+    spans = spans if spans is not None else {}
+    h1 = Halves(obj=prim, limits=caps, allowed=allowed, start=start, end=end, spans=spans)
     p_opt, best = descend(h1, cuts)
     if not level2 or not math.isfinite(p_opt):
         return p_opt, best
     p_lim = p_opt * (1 + 1e-9)
-    h2 = Halves(obj=sec, limits=caps + [(prim, p_lim)], allowed=allowed, start=start, end=end)
+    h2 = Halves(obj=sec, limits=caps + [(prim, p_lim)], allowed=allowed, start=start, end=end, spans=spans)
     s_opt, best = descend(h2, best)
     if work is None or spread_ok_split(work, best):
         return p_opt, best
@@ -142,7 +146,7 @@ def improve(prim: Sequence[np.ndarray], sec: Sequence[np.ndarray], *, mem_is_pri
     def halves(obj: Sequence[np.ndarray], limits: list[tuple[Sequence[np.ndarray], float]],
                stagewise: frozenset[int]) -> Halves:
         return Halves(obj=obj, limits=caps + limits, allowed=allowed, start=start, end=end,
-                      stagewise=stagewise)
+                      stagewise=stagewise, spans=spans)
 
     _, held = descend(halves(neg, [(prim, p_lim), (sec, s_opt * (1 + 1e-9))], spread), best)
     if spread_ok_split(work, held):
@@ -204,6 +208,7 @@ def master_split(costs: ChainCosts, *, mem_is_prim: bool, cap: float | None,
     mem = prim if mem_is_prim else sec
     h = Halves(obj=prim, limits=[(mem, cap)] if cap is not None else [], allowed=allowed,
                start=start, end=end)
+    spans = h.spans
     found: list[tuple[float, int, list[int]]] = []
     for i, alpha in enumerate(SEED_WEIGHTS):
         weights = [alpha if s < k // 2 else 1.0 for s in range(k)]
@@ -219,7 +224,7 @@ def master_split(costs: ChainCosts, *, mem_is_prim: bool, cap: float | None,
         if not seed:
             continue
         value, cuts = improve(prim, sec, mem_is_prim=mem_is_prim, cap=cap, allowed=allowed,
-                              start=start, end=end, cuts=seed, level2=False)
+                              start=start, end=end, cuts=seed, level2=False, spans=spans)
         if cap is not None and rank_value(h, mem, cuts) > cap * (1 + 1e-9):
             continue
         found.append((value, i, cuts))
@@ -227,5 +232,5 @@ def master_split(costs: ChainCosts, *, mem_is_prim: bool, cap: float | None,
         return None
     _, _, cuts = min(found)
     _, cuts = improve(prim, sec, mem_is_prim=mem_is_prim, cap=cap, allowed=allowed, start=start,
-                      end=end, cuts=cuts, work=work)
+                      end=end, cuts=cuts, work=work, spans=spans)
     return cuts, 0.0
