@@ -140,7 +140,7 @@ def improve(prim: Sequence[np.ndarray], sec: Sequence[np.ndarray], *, mem_is_pri
     s_opt, best = descend(h2, best)
     if work is None or spread_ok_split(work, best):
         return p_opt, best
-    neg = [np.where(np.isfinite(w), -w, np.inf) for w in work]
+    neg = [_negated(w) for w in work]
     spread = frozenset({0})
 
     def halves(obj: Sequence[np.ndarray], limits: list[tuple[Sequence[np.ndarray], float]],
@@ -157,6 +157,13 @@ def improve(prim: Sequence[np.ndarray], sec: Sequence[np.ndarray], *, mem_is_pri
     floor = w_opt * (1 - 1e-9) if w_opt < 0 else w_opt
     _, lower = descend(halves(sec, [(prim, p_lim), (neg, floor)], frozenset({len(caps) + 2})), free)
     return p_opt, lower if spread_ok_split(work, lower) else free
+
+
+def _negated(w: np.ndarray) -> np.ndarray:
+    """``-w`` where finite, inf where ``w`` is (a step not allowed stays not allowed)."""
+    neg = np.negative(w)
+    neg[neg == -np.inf] = np.inf
+    return neg
 
 
 # front-half weights of the seeds: balanced stages, front stages as small as possible (the
