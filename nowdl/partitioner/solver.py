@@ -343,12 +343,12 @@ def _solve(problem: Problem, *, time_limit: float, solver: str, coarsen: bool, m
                 raise InfeasibleError(_ideal_cap_message(work, lat, cache))
         else:  # too many ideals: the best of a beam of thin cuts and one topological order
             beam = solve_ideals(work, cache.beam(work), bases=cache.bases)
-            try:
-                order: Partition | None = solve_dp(work, explain=False)
+            order: Partition | None = None
+            try:  # the anytime split starts from the beam's where there is one ([Note: anytime split])
+                order = solve_dp(work, explain=False) if beam is None or ilp else None
             except InfeasibleError:
                 if beam is None and not ilp:  # screening: the caller explains a failure
                     raise
-                order = None
             known, lat_none = _best(work, [beam, order]), True
             if not ilp:  # screening, the anytime split: [Note: anytime split]
                 known = _anytime(work, known, time_limit)

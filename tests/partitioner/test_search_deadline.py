@@ -90,3 +90,33 @@ def test_leanest_tiles_first_skips_only_what_cannot_fit(monkeypatch: pytest.Monk
     assert pruned.predicted == every.predicted
     assert [(s.nodes, s.parts, s.tiles_per_gpu, s.offload, s.recompute) for s in pruned.stages] == \
         [(s.nodes, s.parts, s.tiles_per_gpu, s.offload, s.recompute) for s in every.stages]
+
+
+@pytest.mark.slow
+def test_the_anytime_winner_alone_gets_the_wait_refinement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: winner refinement]: in the anytime search the chosen candidate's split is refined
+    once, within its per-node budget, and the plan keeps it only if its reported peak does not
+    rise; with a time limit (the MILP's search) it is not refined."""
+    import monai.networks.nets as nets
+
+    import nowdl.partitioner.search.deadline as deadline
+
+    calls: list[tuple[int, float]] = []
+    real = deadline.refine_winner
+
+    def spy(problem: Any, part: Any, *, budget_s: float) -> Any:
+        calls.append((problem.n, budget_s))
+        return real(problem, part, budget_s=budget_s)
+
+    monkeypatch.setattr(deadline, "refine_winner", spy)
+    torch.manual_seed(0)
+    model = nets.BasicUNetPlusPlus(spatial_dims=2, in_channels=1, out_channels=2, features=(4, 4, 8, 8, 16, 4))
+    x = torch.empty(1, 1, 32, 32, device="meta")
+    kw: dict[str, Any] = dict(gpus=4, stages=4, micro_batches=4, balance="memory", mode="estimate",
+                              device_spec="h100", progress=False, cache=False)
+    plan = nowdl.compile(model, **kw).plan(x)
+    assert len(calls) == 1 and 0 < calls[0][1] <= deadline.REFINE_S_PER_NODE * calls[0][0]
+    assert plan.solver["status"] in ("feasible", "heuristic")
+    calls.clear()
+    nowdl.compile(model, planner=nowdl.PlannerOptions(time_limit=4), **kw).plan(x)
+    assert not calls

@@ -14,8 +14,9 @@ from helpers.problems import check_valid, random_problem
 from nowdl.partitioner.costs.problem import Problem, evaluate
 from nowdl.partitioner.costs.structure import make_partition, objective_values, topological_order
 from nowdl.partitioner.exact.order_dp import solve_dp
-from nowdl.partitioner.exact.wait_refine import refine_waits, waits_matter
+from nowdl.partitioner.exact.wait_refine import refine_waits, refine_winner, waits_matter
 from nowdl.partitioner.exact.window_dp import evaluate_many, refine_cuts, window_loads
+from nowdl.partitioner.solver import with_lower_bound
 from nowdl.schedule.orders import skip_waits
 
 
@@ -104,3 +105,26 @@ def test_refinement_improves_some_seed() -> None:
         if objective_values(problem, got) < objective_values(problem, start):
             return
     pytest.fail("no seed improved")
+
+
+def test_refine_winner_improves_with_the_bound_kept() -> None:
+    """The anytime winner's refinement ([Note: winner refinement]): a valid split strictly
+    better than its start where it returns one, its gap measured against the start's bound,
+    and None where the waits do not raise the start or no time is given."""
+    improved = 0
+    for seed in range(30):
+        problem = _problem(seed)
+        start = with_lower_bound(problem, solve_dp(problem, explain=False))  # the assignment LP's bound
+        got = refine_winner(problem, start, budget_s=5.0)
+        if got is None:
+            continue
+        improved += 1
+        check_valid(problem, got)
+        old, new = objective_values(problem, start)[0], objective_values(problem, got)[0]
+        assert new < old
+        assert got.status == "feasible"
+        assert got.gap == pytest.approx(1 - old * (1 - start.gap) / new)
+        assert refine_winner(problem, start, budget_s=0.0) is None
+    assert improved, "no seed improved"
+    plain = _problem(2, waits=False)
+    assert refine_winner(plain, solve_dp(plain, explain=False), budget_s=5.0) is None

@@ -26,6 +26,7 @@ gap against the assignment LP's bound.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import math
@@ -36,12 +37,12 @@ from nowdl.partitioner.costs.skip_waits import has_waits, without_waits
 from nowdl.partitioner.costs.structure import make_partition, objective_values, one_to_one
 from nowdl.partitioner.exact.coarse_dp import densest_lattice
 from nowdl.partitioner.exact.coarse_groups import expand
-from nowdl.partitioner.exact.coarsen import merge_start
+from nowdl.partitioner.exact.coarsen import coarsen, merge_start
 from nowdl.partitioner.exact.downsets import Lattice
 from nowdl.partitioner.exact.wait_search import solve_waits
 from nowdl.partitioner.exact.window_dp import refine_cuts
 
-__all__ = ["refine_waits", "waits_matter", "split_coarsening", "FOCUS_CAP", "WAIT_GAP", "WAIT_MATTERS"]
+__all__ = ["refine_waits", "refine_winner", "waits_matter", "split_coarsening", "FOCUS_CAP", "WAIT_GAP", "WAIT_MATTERS"]
 
 log = logging.getLogger(__name__)
 
@@ -145,3 +146,25 @@ def refine_waits(problem: Problem, part: Partition, *, budget_s: float) -> Parti
     log.info("wait refinement: %.6g -> %.6g in %d step(s), %.2f s", objective_values(problem, part)[0],
              objective_values(problem, best)[0], steps, time.perf_counter() - t0)
     return best if _key(problem, best) < _key(problem, part) else part
+
+
+def refine_winner(problem: Problem, part: Partition, *, budget_s: float) -> Partition | None:
+    """``refine_waits`` for a search's chosen split: on ``problem`` merged where no optimum
+    needs nodes apart (``coarsen``, when ``part`` keeps each merged group in one stage), mapped
+    back. None when the waits do not raise it or nothing improves; else status "feasible" with
+    its gap to the bound ``part`` reported ("heuristic" when it had none)."""
+    if budget_s <= 0 or not one_to_one(problem) or problem.k < 3 or not waits_matter(problem, part):
+        return None
+    work, groups = coarsen(problem, warn=False)
+    if work.n < problem.k or any(len({part.stage_of[v] for v in g}) > 1 for g in groups):
+        work, groups = problem, [[v] for v in range(problem.n)]
+    start = make_partition(work, [part.stage_of[g[0]] for g in groups], solver=part.solver, status=part.status,
+                           gap=part.gap)
+    got = refine_waits(work, start, budget_s=budget_s)
+    full = expand(got, groups, problem)
+    old, new = objective_values(problem, part)[0], objective_values(problem, full)[0]
+    if got is start or not new < old:
+        return None
+    lower = old * (1 - part.gap) if math.isfinite(part.gap) else math.nan
+    gap = max(0.0, 1 - lower / new) if math.isfinite(lower) and new > 0 else math.nan
+    return dataclasses.replace(full, status="heuristic" if math.isnan(gap) else "feasible", gap=gap)

@@ -45,6 +45,7 @@ from nowdl.partitioner.search.candidate_problem import candidate_problem
 from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.search.deadline import (
     TileGroups,
+    finishing_split,
     heuristic_over,
     least_memory,
     out_of_time_message,
@@ -239,11 +240,8 @@ def search(
             raise InfeasibleError(out_of_time_message(req, len(cands) - untried, len(cands), searched, costs.mem_cap))
         raise InfeasibleError(infeasible_message(costs, req, searched, cache, deadline))  # the lattices, splits
     best = min(fitting, key=lambda e: e.key())
-    left = deadline - time.perf_counter()
-    if best.part.status == "heuristic" and best.part.solver == "ideals" and left > 0:  # MASTER: its gap
-        part = solve(best.problem, cache=cache, start=best.part, mip_gap=req.mip_gap, time_limit=left)
-        if not host_fits(best.costs, best.cand, part.stage_of):  # offloads over the host memory
-            part = best.part
+    part = finishing_split(best.costs, best.cand, best.problem, best.part, req, cache, deadline)  # [Note: winner refinement]
+    if part is not None and host_fits(best.costs, best.cand, part.stage_of):  # not offloads over the host memory
         best = dataclasses.replace(best, part=part, pred=predict_step(best.costs, best.cand, part,
                                                                       best.cand.micro_batch_size))
         results = [best if e.cand == best.cand else e for e in results]

@@ -42,23 +42,58 @@ import time
 from collections.abc import Callable
 
 from nowdl.errors import InfeasibleError
+from nowdl.partitioner.costs.costmodel import Costs
+from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import one_to_one
+from nowdl.partitioner.exact.wait_refine import refine_winner
 from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.search.model_space import uncapped
 from nowdl.partitioner.solver import SolveCache, proven, solve
 from nowdl.plan.plan import format_bytes
 
-__all__ = ["REFUSAL_S", "refusal_budget", "out_of_time_message", "out_of_time_warning", "TileGroups", "least_memory",
+__all__ = ["REFINE_S_PER_NODE", "finishing_split", "REFUSAL_S", "refusal_budget", "out_of_time_message", "out_of_time_warning", "TileGroups", "least_memory",
            "over_cap_proven", "heuristic_over"]
 
 REFUSAL_S = 2.0  # seconds a refusal's figures get at least, past the deadline if need be
+REFINE_S_PER_NODE = 0.0025  # the anytime winner's wait refinement, at most, per node ([Note: winner refinement])
 
 
 def refusal_budget(deadline: float, most: float) -> float:
     """Seconds for a refusal's figures: what is left before ``deadline``, at least ``REFUSAL_S``,
     at most ``most``."""
     return min(most, max(REFUSAL_S, deadline - time.perf_counter()))
+
+
+def finishing_split(costs: Costs, cand: Candidate, problem: Problem, part: Partition, req: PlanRequest,
+                    cache: SolveCache, deadline: float) -> Partition | None:
+    """The chosen candidate's split improved with what is left of the time limit, or None.
+
+    [Note: winner refinement] A MASTER split of the exact DP's lattice gets the MILP for its
+    gap. In the anytime search (no MILP) the screening solves leave out the wait refinement
+    ([Note: wait refinement]: seconds each, on every candidate); the chosen split gets it once,
+    for ``REFINE_S_PER_NODE`` seconds per node at most (AmoebaNet-D's 1,095 nodes: 2.7 s), where
+    its long-skip waits raise it. The refinement lowers the solvers' bound of the fullest stage;
+    balancing memory, it is kept only where the peak the plan reports (that bound less what the
+    stage has freed by then, ``stage_memory``) does not rise.
+    """
+    left = deadline - time.perf_counter()
+    if left <= 0:
+        return None
+    if part.status == "heuristic" and part.solver == "ideals":
+        return solve(problem, cache=cache, start=part, mip_gap=req.mip_gap, time_limit=left)
+    if req.milp or part.status == "optimal" or cand.recompute or cand.offload:
+        return None
+    got = refine_winner(problem, part, budget_s=min(left, REFINE_S_PER_NODE * problem.n))
+    if got is None or (req.balance == "memory" and _plan_peak(costs, cand, got) > _plan_peak(costs, cand, part)):
+        return None
+    return got
+
+
+def _plan_peak(costs: Costs, cand: Candidate, part: Partition) -> float:
+    """The fullest stage's peak as the plan reports it, one stage per rank."""
+    mem = stage_memory(costs, cand, part.stage_of)
+    return max(part.stage_mem[s] - mem[s]["freed_bytes"] for s in range(cand.stages))
 
 
 def _limit_text(req: PlanRequest) -> str:
