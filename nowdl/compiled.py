@@ -15,6 +15,7 @@ from torch import nn
 
 from nowdl.codegen.chain import StageChain, chain_stages
 from nowdl.errors import NowdlError
+from nowdl.gcpause import gc_paused
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
 from nowdl.partitioner.costs.costmodel import Costs
@@ -162,6 +163,11 @@ class CompiledModel:
             PlanError: a given plan file is malformed or for another model.
             TraceError: the model cannot be traced faithfully.
         """
+        with gc_paused(self._resolved_mode() == "estimate"):  # [Note: planning without gc]
+            return self._plan(example_inputs, target=target, train=train, single=single)
+
+    def _plan(self, example_inputs: tuple[torch.Tensor, ...], *, target: torch.Tensor | None, train: bool,
+              single: bool) -> Plan:
         key = tuple(tuple(x.shape) for x in example_inputs)
         req = self.request
         own = single and self.plan_path is None and req is not None and (req.micro_batches, req.replicas, req.dp) != (

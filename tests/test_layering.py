@@ -5,7 +5,7 @@ Layers, lowest first (a module may import its own layer and every lower one)::
     trace (0) -> profiler (1) -> partitioner (2) -> codegen (3) -> runtime (4)
         -> api, compiled, options, cli, plot, data, __main__ and the package ``nowdl/__init__`` (5)
 
-Leaves (errors, units, geometry, models, cpumem, lazy, backends, plan, schedule) sit below every
+Leaves (errors, units, geometry, models, cpumem, gcpause, lazy, backends, plan, schedule) sit below every
 layer: anyone may import them, and they import only other leaves.
 
 The import graph has one node per module (``nowdl.runtime.spatial``; a package is its
@@ -37,7 +37,8 @@ PKG = ROOT / "nowdl"
 MAX_LINES = 400
 
 LEAVES = (
-    "nowdl.errors", "nowdl.units", "nowdl.geometry", "nowdl.models", "nowdl.cpumem", "nowdl.lazy", "nowdl.backends",
+    "nowdl.errors", "nowdl.units", "nowdl.geometry", "nowdl.models", "nowdl.cpumem", "nowdl.gcpause", "nowdl.lazy",
+    "nowdl.backends",
     "nowdl.plan",  # the Plan, its JSON and the cluster topology it is made for
     "nowdl.schedule",  # pipeline schedules: orders, zero bubble, simulation, the grid
 )
