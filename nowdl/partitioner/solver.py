@@ -71,20 +71,21 @@ WAIT_SHARE = 0.5  # of the time limit, at most, for the anytime split's wait ref
 WAIT_MIN_S = 5.0  # below this time limit (plan()'s screening solves: 3 s) no wait refinement
 
 # [Note: anytime split] Where the graph has too many ideals, screening (``ilp=False``) returns
-# the best of four splits, each exact over a family the others miss: the beam of thin cuts, the
-# DP over one topological order, the DP over the ideals with the single-exit regions contracted
-# ([Note: SESE contraction]) and the DP over a greedily coarsened graph ([Note: coarse ideal DP]);
-# the best two are walked downhill by the DP over the ideals near their cuts ([Note: local
-# ideals]) for ANYTIME_LOCAL_S / 2 to ANYTIME_LOCAL_S each (by what the time limit leaves), then
-# the better end point once more with ANYTIME_PER_SIDE ideals a side; where the long-skip waits
-# raise it and the time limit is at least WAIT_MIN_S, the searches that charge them for up to
-# WAIT_SHARE of it ([Note: wait refinement]). The split returned without the MILP carries the
-# assignment LP's bound ([Note: assignment LP bound]): status "feasible" and its gap, never
-# "optimal" unless that bound proves it. On the MONAI nets of docs/models.md (SwinUNETR, UNETR
-# at K = 4, 8; UNet++ at K = 4) this split was within 0.7% of HiGHS's split proven within 1%,
-# UNet++ at K = 8 9% above it; the configuration search runs the MILP only when asked
-# (``PlanRequest.milp``: an explicit time limit, or ``exact``).
-
+# the best of three splits, each exact over a family the others miss: the beam of thin cuts
+# (the DP over one topological order only where the beam has no split), the DP over the ideals
+# with the single-exit regions contracted ([Note: SESE contraction]) and the DP over a greedily
+# coarsened graph ([Note: coarse ideal DP]); the best two are walked downhill by the DP over the
+# ideals near their cuts ([Note: local ideals]) for ANYTIME_LOCAL_S / 2 to ANYTIME_LOCAL_S each
+# (by what the time limit leaves), then the better end point once more with ANYTIME_PER_SIDE
+# ideals a side; where the long-skip waits raise it and the time limit is at least WAIT_MIN_S,
+# the searches that charge them for up to WAIT_SHARE of it ([Note: wait refinement]; the
+# configuration search gives its chosen split that refinement once instead: [Note: winner
+# refinement]). The split returned without the MILP carries the assignment LP's bound ([Note:
+# assignment LP bound]): status "feasible" and its gap, never "optimal" unless that bound proves
+# it. On the MONAI nets of docs/models.md (SwinUNETR, UNETR at K = 4, 8; UNet++ at K = 4) this
+# split was within 0.7% of HiGHS's split proven within 1%, UNet++ at K = 8 9% above it; the
+# configuration search runs the MILP only when asked (``PlanRequest.milp``: an explicit time
+# limit, or ``exact``).
 
 @dataclass
 class SolveCache:
