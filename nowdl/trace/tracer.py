@@ -146,7 +146,10 @@ def _export_trace(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> fx.Grap
         model.train(was_training)
         for name, lg in quiet.items():
             lg.setLevel(levels[name])
-    gm = ep.module()
+    try:  # no guard module: normalize_exported drops the guards anyway ([Note: exported graphs])
+        gm = ep.module(check_guards=False)
+    except TypeError:  # a torch whose module() takes no check_guards
+        gm = ep.module()
     if not isinstance(gm, fx.GraphModule):
         raise TypeError(f"torch.export returned {type(gm).__name__}, not a GraphModule")
     gm = normalize_exported(gm, model)
