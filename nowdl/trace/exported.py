@@ -206,11 +206,11 @@ def normalize_exported(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
             gm.graph.erase_node(n)
     moded = _follow_mode(gm)
     _untie_device(gm)
-    # a plain GraphModule: ep.module()'s class refuses train() and eval()
+    gm.graph.lint()
+    # a plain GraphModule (ep.module()'s class refuses train() and eval()), compiled as it is made;
+    # adopting the model's tensors changes attributes, not the graph
     gm = fx.GraphModule(gm, gm.graph, class_name=type(model).__name__)
     adopted = _adopt(gm, model)
-    gm.graph.lint()
-    gm.recompile()
     log.info("export graph: %d guards dropped, %d module calls lifted, %d ops follow train/eval, "
              "%d tensors shared with the model", dropped, lifted, moded, adopted)
     return gm
