@@ -1,6 +1,7 @@
 """Random partitioning problems and the brute-force references the solver tests check against.
 
-``random_problem`` and ``resnet_like`` build :class:`Problem` instances; ``feasible``,
+``random_problem`` and ``resnet_like`` build :class:`Problem` instances (``with_skip_waits``
+charges 1F1B's long-skip gradient waits on one); ``feasible``,
 ``brute_force``, ``all_splits`` and ``lex_reference`` enumerate every monotone split of a small
 problem; ``check_valid`` and ``check_levels`` assert a solver's split against them.
 """
@@ -18,6 +19,7 @@ from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, Sta
 from nowdl.partitioner.costs.structure import make_partition, objective_values
 from nowdl.partitioner.exact.chain_dp import spread_ok
 from nowdl.partitioner.milp.solve import available_solvers
+from nowdl.schedule.orders import skip_waits
 
 __all__ = [
     "SOLVERS",
@@ -31,6 +33,7 @@ __all__ = [
     "lex_reference",
     "random_problem",
     "resnet_like",
+    "with_skip_waits",
 ]
 
 SOLVERS = available_solvers()
@@ -81,6 +84,13 @@ def random_problem(
         ranks=ranks,
         objective=objective,
     )
+
+
+def with_skip_waits(problem: Problem) -> Problem:
+    """``problem`` with the long-skip gradient waits of 1F1B at 2K micro-batches on its stages."""
+    counts = skip_waits("1f1b", problem.k, 2 * problem.k)
+    return dataclasses.replace(problem, stages=[dataclasses.replace(st, skip_wait=counts[s])
+                                                for s, st in enumerate(problem.stages)])
 
 
 def feasible(problem: Problem, stage_of: list[int] | tuple[int, ...], *, cap_rel: float = 0.0) -> bool:

@@ -4,12 +4,11 @@ worse than their start with the waits charged, and on some problem they improve 
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import numpy as np
 import pytest
-from helpers.problems import check_valid, random_problem
+from helpers.problems import check_valid, random_problem, with_skip_waits
 
 from nowdl.partitioner.costs.problem import Problem, evaluate
 from nowdl.partitioner.costs.structure import make_partition, objective_values, topological_order
@@ -17,17 +16,12 @@ from nowdl.partitioner.exact.order_dp import solve_dp
 from nowdl.partitioner.exact.wait_refine import refine_waits, refine_winner, waits_matter
 from nowdl.partitioner.exact.window_dp import evaluate_many, refine_cuts, window_loads
 from nowdl.partitioner.solver import with_lower_bound
-from nowdl.schedule.orders import skip_waits
 
 
 def _problem(seed: int, waits: bool = True) -> Problem:
     rng = random.Random(seed)
     problem = random_problem(rng, rng.randint(24, 40), rng.randint(3, 5), skips=0.6, objective="memory")
-    if not waits:
-        return problem
-    counts = skip_waits("1f1b", problem.k, 2 * problem.k)
-    return dataclasses.replace(problem, stages=[dataclasses.replace(st, skip_wait=counts[s])
-                                                for s, st in enumerate(problem.stages)])
+    return with_skip_waits(problem) if waits else problem
 
 
 def _random_split(problem: Problem, rng: random.Random) -> list[int]:

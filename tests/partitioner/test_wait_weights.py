@@ -4,11 +4,10 @@ no waits."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
-from helpers.problems import check_valid, random_problem
+from helpers.problems import check_valid, random_problem, with_skip_waits
 
 from nowdl.partitioner.costs.problem import Problem
 from nowdl.partitioner.costs.structure import make_partition, objective_values
@@ -17,17 +16,12 @@ from nowdl.partitioner.exact.coarsen import coarsen
 from nowdl.partitioner.exact.downsets import enumerate_ideals
 from nowdl.partitioner.exact.ideal_dp import solve_ideals
 from nowdl.partitioner.exact.wait_weights import with_waits_folded
-from nowdl.schedule.orders import skip_waits
 
 
 def _problem(seed: int, waits: bool) -> Problem:
     rng = random.Random(seed)
     problem = random_problem(rng, rng.randint(24, 32), rng.randint(3, 4), skips=0.6, objective="memory")
-    if not waits:
-        return problem
-    counts = skip_waits("1f1b", problem.k, 2 * problem.k)
-    return dataclasses.replace(problem, stages=[dataclasses.replace(st, skip_wait=counts[s])
-                                                for s, st in enumerate(problem.stages)])
+    return with_skip_waits(problem) if waits else problem
 
 
 def _coarse(problem: Problem) -> tuple[Problem, list[list[int]], object] | None:
