@@ -42,13 +42,27 @@ from nowdl.partitioner.exact.downsets import (
 from nowdl.partitioner.master.exact import lagrangian_bound
 from nowdl.partitioner.master.pairing import master_split, standard_pairing
 
-__all__ = ["Lattice", "enumerate_ideals", "beam_ideals", "IdealCosts", "solve_ideals", "bound_master", "IDEAL_CAP",
-           "BEAM_CAP"]  # Lattice, the two builders and the caps live in nowdl.partitioner.exact.downsets
+__all__ = ["Lattice", "enumerate_ideals", "beam_ideals", "IdealCosts", "solve_ideals", "bound_master", "largest_level",
+           "IDEAL_CAP", "BEAM_CAP"]  # Lattice, the two builders and the caps live in nowdl.partitioner.exact.downsets
 
 log = logging.getLogger(__name__)
 
 _BASES_BYTES = 512 * 2**20  # pair matrices kept between solves, least recently used out first
 # (a search's candidates ask for a few kinds of stage in turn: 8 on UNet++ at 4 stages)
+
+
+def largest_level(ca: np.ndarray, cb: np.ndarray, levels: np.ndarray, floor: float = 0.0) -> np.ndarray:
+    """The largest workspace among the nodes of ``D_j`` minus ``D_i`` for every pair, where
+    ``D_i`` is inside ``D_j`` ([Note: ideal DP]): ``ca[i, l]`` and ``cb[j, l]`` count the nodes
+    of ``D_i`` and ``D_j`` whose workspace reaches ``levels[l]`` (ascending). Fewer nodes reach a
+    higher level, so the number of levels where ``D_j`` holds more names the largest one;
+    ``floor`` where it holds more at none."""
+    reached = np.zeros((ca.shape[0], cb.shape[0]), dtype=np.uint8 if levels.size < 255 else np.int32)
+    step = np.empty(reached.shape, dtype=bool)
+    for lvl in range(levels.size):
+        np.less(ca[:, lvl, None] + 0.5, cb[None, :, lvl], out=step)
+        reached += step
+    return np.concatenate([[floor], levels])[reached]
 
 
 class _Base:
@@ -58,7 +72,6 @@ class _Base:
     def __init__(self, lat: Lattice, static: np.ndarray, act: np.ndarray, tim: np.ndarray,
                  ws: np.ndarray, out: np.ndarray) -> None:
         m = lat.members.astype(np.float64)
-        count = lat.size
         self.static, self.act, self.time = m @ static, m @ act, m @ tim
         front = np.zeros(lat.members.shape, dtype=bool)  # front[i, u]: u is on ideal i's frontier
         for i, f in enumerate(lat.frontier):
@@ -81,14 +94,9 @@ class _Base:
         self.rs = rs
         self.wmax: np.ndarray | None = None
         levels = np.unique(ws[ws > 0])
-        if levels.size:  # [Note: ideal DP]: the number of levels D_j adds a node of names the largest
-            reached = np.zeros((count, count), dtype=np.uint8 if levels.size < 255 else np.int32)
-            step = np.empty((count, count), dtype=bool)
-            for w in levels:
-                cnt = lat.members[:, ws >= w].sum(axis=1, dtype=np.int32)
-                np.less(cnt[:, None], cnt[None, :], out=step)
-                reached += step
-            self.wmax = np.concatenate([[0.0], levels])[reached]
+        if levels.size:
+            cnt = lat.members.astype(np.float32) @ (ws[:, None] >= levels[None, :]).astype(np.float32)
+            self.wmax = largest_level(cnt, cnt, levels)
 
     @property
     def nbytes(self) -> int:

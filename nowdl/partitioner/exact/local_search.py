@@ -29,6 +29,7 @@ from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import make_partition, objective_values, one_to_one
 from nowdl.partitioner.exact.chain_dp import spread_ok
 from nowdl.partitioner.exact.downsets import near_ideals
+from nowdl.partitioner.exact.ideal_dp import largest_level
 
 __all__ = ["improve_split", "PER_SIDE"]
 
@@ -99,20 +100,15 @@ class _Graph:
     def _largest_workspace(ws: np.ndarray, a: np.ndarray, b: np.ndarray, af: np.ndarray, bf: np.ndarray,
                            w: np.ndarray, r: np.ndarray) -> np.ndarray:
         """The largest workspace of a node in ``b[j] - a[i]`` for every pair (where ``a[i]`` is a
-        subset of ``b[j]``). The nodes every stage holds give a floor; above it only the levels of
-        the varying columns count, and since fewer nodes reach a higher level, the number of
-        levels some node of the stage reaches names the largest one."""
+        subset of ``b[j]``): the nodes every stage holds give a floor, and above it only the
+        levels of the varying columns count (``largest_level``)."""
         held = b[0, r] & ~a[0, r]
         floor = float(ws[r][held].max()) if held.any() else 0.0
         levels = np.unique(ws[w][ws[w] > floor])
         if not levels.size:
             return np.full((a.shape[0], b.shape[0]), floor)
         above = (ws[w][:, None] >= levels[None, :]).astype(np.float32)
-        cb, ca = bf.astype(np.float32) @ above, af.astype(np.float32) @ above
-        count = np.zeros((a.shape[0], b.shape[0]), dtype=np.int32)
-        for lvl in range(levels.size):
-            count += (cb[None, :, lvl] - ca[:, None, lvl]) > 0.5
-        return np.where(count > 0, levels[np.maximum(count - 1, 0)], floor)
+        return largest_level(af.astype(np.float32) @ above, bf.astype(np.float32) @ above, levels, floor)
 
     def loads(self, s: int, a: np.ndarray, fa: np.ndarray, b: np.ndarray, fb: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -82,8 +82,8 @@ def finishing_split(costs: Costs, cand: Candidate, problem: Problem, part: Parti
         return None
     if part.status == "heuristic" and part.solver == "ideals":
         return solve(problem, cache=cache, start=part, mip_gap=req.mip_gap, time_limit=left)
-    if req.milp or part.status == "optimal" or cand.recompute or cand.offload:
-        return None
+    if req.milp or part.status == "optimal" or cand.recompute or cand.offload or cand.tiles_per_gpu > 1:
+        return None  # levers and sequential tiles change the plan's peaks past what _plan_peak reads
     got = refine_winner(problem, part, budget_s=min(left, REFINE_S_PER_NODE * problem.n))
     if got is None or (req.balance == "memory" and _plan_peak(costs, cand, got) > _plan_peak(costs, cand, part)):
         return None
