@@ -18,14 +18,14 @@ from nowdl.errors import NowdlError
 from nowdl.gcpause import gc_paused
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
+from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference
 from nowdl.partitioner.costs.levers import host_share
 from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.placement.layout import request_topology
 from nowdl.partitioner.search.best_plan import build_plan, timed_search
-from nowdl.partitioner.search.config import PlanRequest
-from nowdl.partitioner.spatial.halo_fusion import plan_fusion
+from nowdl.partitioner.search.halo_fusion import plan_fusion
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.partitioner.spatial.whole_image import whole_image_ops
 from nowdl.plan.plan import Plan

@@ -132,9 +132,9 @@ def test_cat_is_recognised_in_both_tracers_profiles() -> None:
 def test_freed_by_the_peak_by_hand() -> None:
     """[Note: freed by the peak] on a 4-node chain in one stage: saved 100, 50, 30, 20 bytes,
     workspaces 0, 200, 10, 40: the peak is at node b (150 saved so far + 200), not 200 + 200."""
+    from nowdl.partitioner.config.candidate import Candidate
     from nowdl.partitioner.costs.costmodel import Costs
     from nowdl.partitioner.costs.memory_breakdown import stage_memory
-    from nowdl.partitioner.search.config import Candidate
     from nowdl.profiler.cost import NodeCost, Profile
 
     acts, wss = [100, 50, 30, 20], [0, 200, 10, 40]
@@ -174,7 +174,7 @@ def test_fused_runs_raise_the_predicted_peak_by_their_window() -> None:
     """[Note: fused workspace]: a fused halo run's first op holds its window's gradient and its
     input gradient over the window; the plan charges it, consistently in stages and ranks."""
     from nowdl.partitioner.costs.costmodel import dtype_bytes, grad_workspace
-    from nowdl.partitioner.spatial.halo_fusion import fused_workspace
+    from nowdl.partitioner.search.halo_fusion import fused_workspace
     from nowdl.partitioner.spatial.tileable import halo_elements
 
     def plan(fusion: str) -> tuple[nowdl.Plan, nowdl.CompiledModel]:

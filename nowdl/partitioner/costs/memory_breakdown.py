@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from nowdl.partitioner.config.candidate import Candidate
 from nowdl.partitioner.costs.costmodel import Costs, build_problem
 from nowdl.partitioner.costs.problem import boundary_bytes
-from nowdl.partitioner.search.config import Candidate
 
 __all__ = ["MEMORY_KEYS", "stage_memory"]
 
@@ -55,7 +55,7 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
     + inflight x saved + recv_held x recv + send_held x send + workspace + wait`` is the solvers'
     bound of the stage's peak, and that less ``freed_bytes`` the plan's ``peak_bytes``.
     ``fused_ws`` raises the workspace of the nodes it names (the first op of a fused halo run,
-    [Note: fused workspace] in partitioner/spatial/halo_fusion.py).
+    [Note: fused workspace] in partitioner/search/halo_fusion.py).
     """
     prof = costs.profile
     problem = build_problem(costs, cand, "memory")

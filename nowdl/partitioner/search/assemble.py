@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest
 from nowdl.partitioner.costs.costmodel import (
     Costs,
     build_problem,
@@ -16,8 +17,7 @@ from nowdl.partitioner.costs.levers import lever_figures
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.segments import segment_figures
-from nowdl.partitioner.placement.traffic import cross_node_bytes, halo_bytes, together_groups
-from nowdl.partitioner.search.config import Candidate, PlanRequest
+from nowdl.partitioner.costs.traffic import cross_node_bytes, halo_bytes, together_groups
 from nowdl.partitioner.spatial.tileable import slice_grid
 from nowdl.plan.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
 
@@ -165,7 +165,7 @@ def _setting(v: object) -> object:
 def charge_fused_workspace(plan: Plan, costs: Costs, result: SearchResult, fused_ws: Mapping[str, float]) -> None:
     """Raise the predicted peaks of ``plan`` (its stages, ranks and whole) by what the fused
     halo runs chosen after planning hold in their backward ([Note: fused workspace] in
-    partitioner/spatial/halo_fusion.py); ``fused_ws`` maps a run's first node to that workspace."""
+    partitioner/search/halo_fusion.py); ``fused_ws`` maps a run's first node to that workspace."""
     if not fused_ws:
         return
     mem = stage_memory(result.costs or costs, result.candidate, result.partition.stage_of, fused_ws)
