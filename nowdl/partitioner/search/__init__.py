@@ -14,10 +14,10 @@ from nowdl.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nowdl.partitioner.search.best_plan import SearchResult, search
-    from nowdl.partitioner.search.halo_fusion import plan_fusion
+    from nowdl.partitioner.search.halo_fusion import fusion
 
-__all__ = ["search", "SearchResult", "plan_fusion"]
+__all__ = ["search", "SearchResult", "fusion"]
 
 __getattr__ = lazy_exports(__name__, {
-    "SearchResult": "best_plan", "search": "best_plan", "plan_fusion": "halo_fusion",
+    "SearchResult": "best_plan", "search": "best_plan", "fusion": "halo_fusion",
 })
