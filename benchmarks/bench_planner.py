@@ -75,10 +75,10 @@ from nowdl.partitioner.baselines import (
     balance_by_params,
     balance_by_weights,
 )
+from nowdl.partitioner.config.candidate import Candidate
 from nowdl.partitioner.costs.costmodel import Costs, build_problem
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import topological_order
-from nowdl.partitioner.search.config import Candidate
 from nowdl.partitioner.solver import solve
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.plan.plan import Plan

@@ -14,8 +14,8 @@ from nowdl.compiled import CompiledModel
 from nowdl.errors import NowdlError, PlanError
 from nowdl.optimizers import OptimizerSpec, build_optimizer
 from nowdl.options import CacheSetting, DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
-from nowdl.partitioner.search.config import PlanRequest
-from nowdl.partitioner.search.lever_options import check_lever, recompute_setting
+from nowdl.partitioner.config.candidate import PlanRequest
+from nowdl.partitioner.config.lever_options import check_lever, recompute_setting
 from nowdl.profiler.cost import Profile
 from nowdl.units import parse_bytes
 

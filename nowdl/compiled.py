@@ -18,14 +18,14 @@ from nowdl.errors import NowdlError
 from nowdl.gcpause import gc_paused
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
+from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference
 from nowdl.partitioner.costs.levers import host_share
 from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.placement.layout import request_topology
 from nowdl.partitioner.search.best_plan import build_plan, timed_search
-from nowdl.partitioner.search.config import PlanRequest
-from nowdl.partitioner.spatial.halo_fusion import plan_fusion
+from nowdl.partitioner.search.halo_fusion import fusion as halo_fusion
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.partitioner.spatial.whole_image import whole_image_ops
 from nowdl.plan.plan import Plan
@@ -244,24 +244,28 @@ class CompiledModel:
             bar.close()
         from nowdl import __version__
 
-        plan = build_plan(
-            costs, req, result,
-            model_info={"fingerprint": t.fingerprint, "name": type(self.model).__name__,
-                        "inputs": [list(s) for s in key], "tracer": t.tracer,
-                        "nodes": len(prof.nodes)},
-            profile_info={"source": prof.source, "device": prof.device, "dtype": prof.dtype,
-                          "precision": prof.precision, "optimizer": prof.optimizer, "device_spec": getattr(spec, "name", str(spec)),
-                          "link_bw": float(spec.link_bw), "wall_s": round(prof.wall_s, 3), "loss": loss.to_json()},
-            solver_seconds=secs, created_by=f"nowdl {__version__}",
-            params_per_node=_params_per_node(t.gm),
-        )
         fusion = self.options.halo_fusion
+
+        def assemble(policy: str | int) -> Plan:
+            return build_plan(
+                costs, req, result,
+                model_info={"fingerprint": t.fingerprint, "name": type(self.model).__name__,
+                            "inputs": [list(s) for s in key], "tracer": t.tracer,
+                            "nodes": len(prof.nodes)},
+                profile_info={"source": prof.source, "device": prof.device, "dtype": prof.dtype,
+                              "precision": prof.precision, "optimizer": prof.optimizer,
+                              "device_spec": getattr(spec, "name", str(spec)), "link_bw": float(spec.link_bw),
+                              "wall_s": round(prof.wall_s, 3), "loss": loss.to_json()},
+                solver_seconds=secs, created_by=f"nowdl {__version__}",
+                params_per_node=_params_per_node(t.gm),
+                fusion=halo_fusion(t.gm, policy, float(spec.link_bw), costs.topo(req.gpus).intra.latency_s),
+            )
+
+        plan = assemble(fusion)
+        if not train and fusion == "auto" and cap is not None and max(r.predicted_peak_bytes for r in plan.ranks) > cap:
+            plan, fusion = assemble("off"), "off"  # inference: a fused window's copy would pass the cap
         if result.costs is not None:  # planned at another micro-batch size than the example's
             costs, prof = result.costs, result.costs.profile
-        unfused = None if train or fusion != "auto" or cap is None else Plan.from_json(plan.to_json())
-        plan_fusion(t.gm, plan, prof, costs, result, fusion, float(spec.link_bw), costs.topo(req.gpus).intra.latency_s)
-        if unfused is not None and cap is not None and max(r.predicted_peak_bytes for r in plan.ranks) > cap:
-            plan, fusion = unfused, "off"  # inference: a fused window's copy would pass the cap
         plan.config["halo_fusion"] = fusion
         plan.config["precision"] = self.precision
         if not train:

@@ -1,6 +1,6 @@
 """Window geometry of tiled ops: pure arithmetic on shapes and modules, no tensors moved.
 
-Shared by the planner (``nowdl.partitioner.spatial.halo_fusion`` prices halo fusion with
+Shared by the planner (``nowdl.partitioner.search.halo_fusion`` prices halo fusion with
 :func:`chain_geometry`) and the runtime (``nowdl.runtime.spatial`` and ``nowdl.runtime.spatial.fusion``
 run the ops), so it sits below both as a leaf module: it imports only torch.
 

@@ -17,7 +17,7 @@ from torch import nn
 from nowdl.backends import backend_name
 from nowdl.errors import NowdlError
 from nowdl.optimizers import OptimizerSpec, check_optimizer
-from nowdl.partitioner.spatial.halo_fusion import check_policy
+from nowdl.partitioner.search.halo_fusion import check_policy
 from nowdl.profiler.devices import BUILTIN_SPECS, DeviceSpec
 from nowdl.profiler.profile_graph import PRECISIONS
 

@@ -61,6 +61,25 @@ LAYERS = {
 }
 LEAF = -1
 
+#: Inside a layer, its sub-packages (and top modules) in import order, lowest first: a module may
+#: import its own sub-package and the ones before it, never one after it.
+SUBLAYERS: dict[str, tuple[str, ...]] = {
+    "nowdl.partitioner": (
+        "spatial",  # which nodes run on tiles, their halos
+        "config",  # the vocabulary: PlanRequest, Candidate, grids, lever settings
+        "placement",  # which rank holds which part
+        "chain",  # the min-max chain DP the DPs, MASTER and the MILP share
+        "costs",  # a profile and a candidate as a Problem of numbers
+        "master",  # GEMS-MASTER pairing over chain costs
+        "exact",  # DPs over orders and ideals
+        "milp",  # the HiGHS MILP
+        "baselines",  # torchgpipe's block partition and other simple splits
+        "solver",  # one configuration's split
+        "search",  # configurations, halo fusion, the Plan
+    ),
+    "nowdl.runtime": ("launch", "spatial", "data", "pipeline", "training", "predict"),
+}
+
 # Violations owned by the branch splitting engine.py / trainer.py / run.py / api.py / cli.py.
 # Each entry must still be needed (see test_known_entries_are_needed); empty after merging.
 KNOWN: dict[str, set[tuple[str, ...]]] = {"upward": set(), "cycle": set(), "long": set()}
@@ -142,6 +161,26 @@ def cycle_keys(g: nx.DiGraph) -> set[tuple[str, ...]]:
     return out
 
 
+def sublayer(mod: str) -> tuple[str, int] | None:
+    """(layer package, rank of ``mod``'s sub-package in SUBLAYERS), None outside them or for a
+    layer's own ``__init__`` (its façade re-exports from every sub-package)."""
+    for top, order in SUBLAYERS.items():
+        if mod.startswith(top + "."):
+            part = mod[len(top) + 1:].split(".")[0]
+            return (top, order.index(part)) if part in order else (top, -1)
+    return None
+
+
+def sub_upward_edges(g: nx.DiGraph) -> set[tuple[str, ...]]:
+    """Edges from a sub-package of a layer to a later one of the same layer (SUBLAYERS)."""
+    out = set()
+    for a, b in g.edges:
+        sa, sb = sublayer(a), sublayer(b)
+        if sa and sb and sa[0] == sb[0] and sb[1] > sa[1]:
+            out.add((a, b))
+    return out
+
+
 def long_files() -> set[tuple[str, ...]]:
     out = set()
     for path in modules().values():
@@ -162,6 +201,21 @@ def test_graph_sees_lazy_and_type_checking_imports() -> None:
     g.add_edges_from([("nowdl.trace.tracer", "nowdl.runtime.pipeline.engine"), ("nowdl.runtime.pipeline.engine", "nowdl.trace.tracer")])
     assert ("nowdl.trace.tracer", "nowdl.runtime.pipeline.engine") in upward_edges(g)
     assert ("nowdl.runtime.pipeline.engine", "nowdl.trace.tracer") in cycle_keys(g)
+
+
+def test_sub_packages_import_one_way() -> None:
+    """The partitioner's and the runtime's sub-packages import in SUBLAYERS' order, no arrow back."""
+    g = import_graph()
+    unplaced = sorted({m for m in modules() if (s := sublayer(m)) and s[1] < 0})
+    assert not unplaced, f"place these modules' sub-packages in SUBLAYERS of {__name__}: {unplaced}"
+    bad = sub_upward_edges(g)
+    assert not bad, "sub-packages importing a later one of their layer:\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in sorted(bad))
+    # the check does fire: the cost model reaching up into the search is found
+    g.add_edge("nowdl.partitioner.costs.costmodel", "nowdl.partitioner.search.assemble")
+    g.add_edge("nowdl.runtime.launch.group", "nowdl.runtime.pipeline.engine")
+    assert sub_upward_edges(g) == {("nowdl.partitioner.costs.costmodel", "nowdl.partitioner.search.assemble"),
+                                   ("nowdl.runtime.launch.group", "nowdl.runtime.pipeline.engine")}
 
 
 def test_every_module_has_a_layer() -> None:

@@ -299,7 +299,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.nodes:
             for s in plan.stages:
                 print(f"stage {s.index}: {' '.join(s.nodes)}")
-        from nowdl.partitioner.placement.traffic import format_node_map
+        from nowdl.partitioner.costs.traffic import format_node_map
 
         print(format_node_map(plan))
         if args.schedule:

@@ -1,7 +1,7 @@
 """``--recompute`` and ``--offload`` on ``nowdl plan`` and ``nowdl run``, and what a plan's choices cost.
 
 The flags take what ``compile(recompute=..., offload=...)`` takes ([Note: lever settings] in
-partitioner/search/lever_options.py): ``auto``, ``on``, ``off`` or stage indices ``0,2``.
+partitioner/config/lever_options.py): ``auto``, ``on``, ``off`` or stage indices ``0,2``.
 :func:`format_levers` is the text ``nowdl plan`` and ``nowdl show`` print under the plan: per
 stage that recomputes or offloads, the time it adds and the bytes it moves off the GPU.
 """
@@ -12,7 +12,7 @@ import argparse
 from typing import Any
 
 from nowdl.errors import NowdlError
-from nowdl.partitioner.search.lever_options import LeverSetting, check_lever
+from nowdl.partitioner.config.lever_options import LeverSetting, check_lever
 from nowdl.plan.plan import Plan, StagePlan, format_bytes
 
 __all__ = ["add_lever_arguments", "lever_arg", "lever_kwargs", "format_levers", "segment_text"]

@@ -14,10 +14,10 @@ import random
 
 import pytest
 
+from nowdl.partitioner.chain.chain_dp import spread_ok
 from nowdl.partitioner.costs.no_idle import stage_work
 from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec, evaluate
 from nowdl.partitioner.costs.structure import make_partition, objective_values
-from nowdl.partitioner.exact.chain_dp import spread_ok
 from nowdl.partitioner.milp.solve import available_solvers
 from nowdl.schedule.orders import skip_waits
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from helpers.problems import brute_force, random_problem
 
+from nowdl.partitioner.chain.chain_dp import minmax_path
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
 from nowdl.partitioner.costs.structure import objective_values
-from nowdl.partitioner.exact.chain_dp import minmax_path
 from nowdl.partitioner.exact.coarse_check import coarse_optimum_holds
 from nowdl.partitioner.exact.coarsen import coarsen
 from nowdl.partitioner.exact.ideal_dp import enumerate_ideals, solve_ideals

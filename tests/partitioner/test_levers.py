@@ -10,6 +10,7 @@ import torch
 
 import nowdl
 from nowdl.errors import InfeasibleError, NowdlError
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest
 from nowdl.partitioner.costs.costmodel import (
     Costs,
     build_problem,
@@ -20,7 +21,6 @@ from nowdl.partitioner.costs.levers import HOST_USABLE, host_share, offload_time
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, boundary_bytes, evaluate
 from nowdl.partitioner.costs.tied import tied_nodes
-from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.profiler.devices import BUILTIN_SPECS, DeviceSpec
 

@@ -132,9 +132,9 @@ def test_cat_is_recognised_in_both_tracers_profiles() -> None:
 def test_freed_by_the_peak_by_hand() -> None:
     """[Note: freed by the peak] on a 4-node chain in one stage: saved 100, 50, 30, 20 bytes,
     workspaces 0, 200, 10, 40: the peak is at node b (150 saved so far + 200), not 200 + 200."""
+    from nowdl.partitioner.config.candidate import Candidate
     from nowdl.partitioner.costs.costmodel import Costs
     from nowdl.partitioner.costs.memory_breakdown import stage_memory
-    from nowdl.partitioner.search.config import Candidate
     from nowdl.profiler.cost import NodeCost, Profile
 
     acts, wss = [100, 50, 30, 20], [0, 200, 10, 40]
@@ -174,7 +174,7 @@ def test_fused_runs_raise_the_predicted_peak_by_their_window() -> None:
     """[Note: fused workspace]: a fused halo run's first op holds its window's gradient and its
     input gradient over the window; the plan charges it, consistently in stages and ranks."""
     from nowdl.partitioner.costs.costmodel import dtype_bytes, grad_workspace
-    from nowdl.partitioner.spatial.halo_fusion import fused_workspace
+    from nowdl.partitioner.search.halo_fusion import fused_workspace
     from nowdl.partitioner.spatial.tileable import halo_elements
 
     def plan(fusion: str) -> tuple[nowdl.Plan, nowdl.CompiledModel]:
@@ -189,7 +189,7 @@ def test_fused_runs_raise_the_predicted_peak_by_their_window() -> None:
     assert st.fused and not st0.fused
     x = torch.empty(1, 1, 256, 256, device="meta")
     gm, prof = cm.trace(x).gm, cm.profile(x)
-    ws = fused_workspace(gm, fused, prof)
+    ws = fused_workspace(gm, [(s.nodes, s.parts, s.grid) for s in fused.stages], [s.fused for s in fused.stages], prof)
     assert set(ws) == {c[0] for c in st.fused}
     grads = dict(zip((n.name for n in prof.nodes), grad_workspace(prof), strict=True))
     for c in st.fused:  # by hand: gradients / P + the window (tile + deep halo) + the halo again
@@ -205,6 +205,7 @@ def test_fused_runs_raise_the_predicted_peak_by_their_window() -> None:
     assert q["workspace_bytes"] > q0["workspace_bytes"]
     delta = (q["workspace_bytes"] - q0["workspace_bytes"]) - (q["freed_bytes"] - q0["freed_bytes"])
     assert q["peak_bytes"] == pytest.approx(q0["peak_bytes"] + delta)
+    assert q["fused_bytes"] == pytest.approx(q["workspace_bytes"] - q0["workspace_bytes"]) and q0["fused_bytes"] == 0
     assert q["peak_bytes"] > q0["peak_bytes"]
     assert [r.predicted_peak_bytes for r in fused.ranks] == pytest.approx([q["peak_bytes"]] * 2)
     assert fused.predicted["peak_bytes"] == pytest.approx(q["peak_bytes"])

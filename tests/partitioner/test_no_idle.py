@@ -15,10 +15,10 @@ from torch import nn
 
 import nowdl
 from nowdl.models import unet
+from nowdl.partitioner.chain.chain_dp import IDLE_FRACTION, lexicographic, spread_ok
 from nowdl.partitioner.costs.no_idle import idle_stages, stage_work
 from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.costs.structure import objective_values, topological_order
-from nowdl.partitioner.exact.chain_dp import IDLE_FRACTION, lexicographic, spread_ok
 from nowdl.partitioner.exact.order_dp import _OrderCosts, _SegmentCosts, solve_dp
 from nowdl.partitioner.milp.solve import solve_ilp
 from nowdl.partitioner.solver import solve

@@ -11,10 +11,10 @@ import torch
 
 import nowdl
 from nowdl.cli.levers import format_levers
+from nowdl.partitioner.config.candidate import Candidate
 from nowdl.partitioner.costs.costmodel import Costs, build_problem
 from nowdl.partitioner.costs.problem import evaluate
 from nowdl.partitioner.costs.tied import tied_nodes
-from nowdl.partitioner.search.config import Candidate
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.plot.memory import memory_bars
 from nowdl.profiler.devices import BUILTIN_SPECS

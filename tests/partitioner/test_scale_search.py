@@ -14,8 +14,8 @@ from helpers.reference import train_reference
 
 import nowdl
 from nowdl.errors import InfeasibleError, NowdlError
-from nowdl.partitioner.search.config import PlanRequest, batch_splits, enumerate_candidates
-from nowdl.partitioner.search.grids import part_counts, sub_grid, tile_counts
+from nowdl.partitioner.config.candidate import PlanRequest, batch_splits, enumerate_candidates
+from nowdl.partitioner.config.grids import part_counts, sub_grid, tile_counts
 
 
 def _unet(**kw: Any) -> torch.nn.Module:

@@ -23,6 +23,7 @@ from helpers.problems import (
 
 from nowdl.errors import InfeasibleError
 from nowdl.models import resnet
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.costs.costmodel import Costs, predict_step
 from nowdl.partitioner.costs.no_idle import idle_stages
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
@@ -43,7 +44,6 @@ from nowdl.partitioner.search.best_plan import (
 )
 from nowdl.partitioner.search.bounds import candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
-from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.search.model_space import image_of
 from nowdl.partitioner.solver import SolveCache, proven, solve
 from nowdl.partitioner.spatial.tileable import spatial_rules

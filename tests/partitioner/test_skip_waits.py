@@ -19,11 +19,11 @@ from helpers.problems import SOLVERS, brute_force, feasible, random_problem
 from torch import nn
 
 import nowdl
+from nowdl.partitioner.chain.chain_dp import spread_ok
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec, evaluate
 from nowdl.partitioner.costs.skip_waits import without_waits
 from nowdl.partitioner.costs.structure import check_problem, make_partition, objective_values
 from nowdl.partitioner.exact import wait_search as waitsearch
-from nowdl.partitioner.exact.chain_dp import spread_ok
 from nowdl.partitioner.milp.solve import build_ilp, solve_ilp
 from nowdl.partitioner.solver import solve
 from nowdl.schedule import stage_actions

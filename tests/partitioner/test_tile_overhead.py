@@ -10,9 +10,9 @@ import torch
 
 import nowdl
 from nowdl.errors import NowdlError
+from nowdl.partitioner.config.candidate import Candidate
 from nowdl.partitioner.costs.costmodel import Costs, build_problem, stage_sums
 from nowdl.partitioner.costs.tied import tied_nodes
-from nowdl.partitioner.search.config import Candidate
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.profiler.devices import BUILTIN_SPECS, DeviceSpec
 

@@ -12,10 +12,10 @@ from torch import nn
 import nowdl
 from nowdl.cli.commands import main
 from nowdl.errors import NowdlError, PlanError
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest
 from nowdl.partitioner.costs.costmodel import Costs, build_problem, grad_sync_s
+from nowdl.partitioner.costs.traffic import cross_node_bytes, format_node_map
 from nowdl.partitioner.placement.layout import allreduce_s, place
-from nowdl.partitioner.placement.traffic import cross_node_bytes, format_node_map
-from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.plan.topology import (
     BUILTIN_NODES,

@@ -15,8 +15,8 @@ from helpers.distributed import run_workers
 
 import nowdl
 from nowdl.cli.commands import main
+from nowdl.partitioner.costs.traffic import format_node_map
 from nowdl.partitioner.placement.layout import allreduce_s
-from nowdl.partitioner.placement.traffic import format_node_map
 from nowdl.plan.topology import Link, Topology
 from nowdl.profiler import BUILTIN_SPECS, DeviceSpec
 from nowdl.profiler.calibrate.links import fit_line, probe_links

@@ -22,13 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from nowdl.partitioner.config.candidate import Candidate
 from nowdl.partitioner.costs.held_tensors import backward_grad_bytes, deferred_bytes, held_buffers
 from nowdl.partitioner.costs.inference import inference_stages
 from nowdl.partitioner.costs.levers import apply_levers, offload_time_s
 from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec
 from nowdl.partitioner.costs.tile_overhead import tile_op_seconds
 from nowdl.partitioner.placement.layout import Layout, allreduce_s, flat_topology, place
-from nowdl.partitioner.search.config import Candidate
 from nowdl.partitioner.spatial.tileable import SpatialRule, halo_elements, slice_grid, tile_shape
 from nowdl.plan.topology import Topology
 from nowdl.profiler.cost import NodeCost, Profile

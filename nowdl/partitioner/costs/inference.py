@@ -26,8 +26,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from nowdl.errors import NowdlError
+from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.costs.problem import StageSpec
-from nowdl.partitioner.search.config import PlanRequest
 from nowdl.plan.plan import Plan
 from nowdl.profiler.cost import NodeCost, Profile
 from nowdl.schedule.actions import FORWARD_ONLY

@@ -61,10 +61,10 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from nowdl.partitioner.config.candidate import Candidate
 from nowdl.partitioner.costs.inference import live_bytes
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
 from nowdl.partitioner.costs.segments import segment_variant
-from nowdl.partitioner.search.config import Candidate
 from nowdl.plan.topology import node_spec_for
 from nowdl.profiler.cost import Profile
 

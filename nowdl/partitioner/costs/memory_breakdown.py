@@ -27,19 +27,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from nowdl.partitioner.config.candidate import Candidate
 from nowdl.partitioner.costs.costmodel import Costs, build_problem
 from nowdl.partitioner.costs.problem import boundary_bytes
-from nowdl.partitioner.search.config import Candidate
 
 __all__ = ["MEMORY_KEYS", "stage_memory"]
 
 MEMORY_KEYS = ("weight_bytes", "grad_bytes", "optim_bytes", "saved_bytes", "recv_bytes", "send_bytes",
-               "workspace_bytes", "wait_bytes", "recv_held", "send_held", "freed_bytes")
+               "workspace_bytes", "wait_bytes", "recv_held", "send_held", "freed_bytes", "fused_bytes")
 """Keys :func:`stage_memory` fills (bytes per rank of the stage; saved, recv and send per
 micro-batch, ``workspace_bytes`` held once; ``recv_held``/``send_held``: how many micro-batches'
 worth of recv and send bytes the stage holds at its peak; ``wait_bytes``: gradients of received
 long skips held at the peak until their producer takes them, all copies counted; ``freed_bytes``:
-what one micro-batch has freed by the stage's peak, [Note: freed by the peak])."""
+what one micro-batch has freed by the stage's peak, [Note: freed by the peak]; ``fused_bytes``:
+how much the fused halo runs raise ``workspace_bytes`` above the solvers' figure, [Note: fused
+workspace] in partitioner/search/halo_fusion.py)."""
 
 
 def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
@@ -55,15 +57,15 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
     + inflight x saved + recv_held x recv + send_held x send + workspace + wait`` is the solvers'
     bound of the stage's peak, and that less ``freed_bytes`` the plan's ``peak_bytes``.
     ``fused_ws`` raises the workspace of the nodes it names (the first op of a fused halo run,
-    [Note: fused workspace] in partitioner/spatial/halo_fusion.py).
+    [Note: fused workspace] in partitioner/search/halo_fusion.py).
     """
     prof = costs.profile
     problem = build_problem(costs, cand, "memory")
     k = cand.stages
     out = [dict.fromkeys(MEMORY_KEYS, 0.0) for _ in range(k)]
     fused = fused_ws or {}
-    ws = [max(problem.variants[problem.stages[stage_of[v]].variant].workspace[v], fused.get(n.name, 0.0))
-          for v, n in enumerate(prof.nodes)]  # each node's transient where it sits
+    base = [problem.variants[problem.stages[stage_of[v]].variant].workspace[v] for v in range(len(prof.nodes))]
+    ws = [max(b, fused.get(n.name, 0.0)) for b, n in zip(base, prof.nodes, strict=True)]  # each node's transient
     for v, n in enumerate(prof.nodes):
         s = stage_of[v]
         vec = problem.variants[problem.stages[s].variant]
@@ -72,6 +74,7 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
         out[s]["optim_bytes"] += n.optim_bytes
         out[s]["saved_bytes"] += vec.act[v]
         out[s]["workspace_bytes"] = max(out[s]["workspace_bytes"], ws[v])
+        out[s]["fused_bytes"] = max(out[s]["fused_bytes"], base[v])  # the solvers' workspace, for now
     recv, send, wait = boundary_bytes(problem, stage_of)
     for s, spec in enumerate(problem.stages):
         out[s].update(recv_bytes=recv[s], send_bytes=send[s], wait_bytes=wait[s],
@@ -96,6 +99,7 @@ def stage_memory(costs: Costs, cand: Candidate, stage_of: Sequence[int],
         top[s] = max(top[s], cum[s] + ws[v])
     for s, spec in enumerate(problem.stages):
         out[s]["freed_bytes"] = spec.inflight * sent[s] + max(0.0, cum[s] + out[s]["workspace_bytes"] - top[s])
+        out[s]["fused_bytes"] = out[s]["workspace_bytes"] - out[s]["fused_bytes"]
     if not costs.inference:
         _recompute_peaks(out, cand, sent)
     return out

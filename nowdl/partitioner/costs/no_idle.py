@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nowdl.partitioner.chain.chain_dp import IDLE_FRACTION, spread_ok
 from nowdl.partitioner.costs.problem import Problem
-from nowdl.partitioner.exact.chain_dp import IDLE_FRACTION, spread_ok
 
 __all__ = ["stage_work", "idle_stages", "idle_warning", "IDLE_FRACTION", "spread_ok"]
 

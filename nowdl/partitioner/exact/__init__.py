@@ -2,8 +2,8 @@
 
 ``order_dp`` splits one topological order; ``ideal_dp`` and ``downsets`` split over the DAG's
 ideals; ``wait_search`` adds long-skip gradient waits, ``window_dp`` and ``wait_refine``
-charge them in the anytime split's last step; ``chain_dp`` is the min-max DP and the
-lexicographic levels they share; ``coarsen``, ``coarse_groups`` and ``coarse_dp`` shrink wide
+charge them in the anytime split's last step (the min-max DP and the lexicographic levels they
+share with the MASTER pairing are ``partitioner.chain``); ``coarsen``, ``coarse_groups`` and ``coarse_dp`` shrink wide
 graphs, ``coarse_check`` proves a coarse optimum for the whole graph; ``local_search`` improves
 a heuristic split near its cuts.
 """

@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from nowdl.partitioner.chain.chain_dp import REL_TOL, minmax_path
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.skip_waits import without_waits
 from nowdl.partitioner.costs.structure import make_partition, objective_values, one_to_one
-from nowdl.partitioner.exact.chain_dp import REL_TOL, minmax_path
 from nowdl.partitioner.exact.downsets import Lattice
 from nowdl.partitioner.exact.ideal_dp import IdealCosts
 

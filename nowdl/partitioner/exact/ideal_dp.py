@@ -29,9 +29,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from nowdl.partitioner.chain.chain_dp import CAP_REL, lexicographic
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import make_partition
-from nowdl.partitioner.exact.chain_dp import CAP_REL, lexicographic
 from nowdl.partitioner.exact.downsets import (
     BEAM_CAP,
     IDEAL_CAP,

@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
+from nowdl.partitioner.chain.chain_dp import spread_ok
 from nowdl.partitioner.costs.no_idle import stage_work
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import make_partition, objective_values, one_to_one
-from nowdl.partitioner.exact.chain_dp import spread_ok
 from nowdl.partitioner.exact.downsets import near_ideals
 from nowdl.partitioner.exact.ideal_dp import largest_level
 

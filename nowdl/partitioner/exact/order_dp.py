@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from nowdl.errors import InfeasibleError
+from nowdl.partitioner.chain.chain_dp import CAP_REL, lexicographic
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import (
     check_problem,
@@ -35,7 +36,6 @@ from nowdl.partitioner.costs.structure import (
     one_to_one,
     tileable_mask,
 )
-from nowdl.partitioner.exact.chain_dp import CAP_REL, lexicographic
 from nowdl.partitioner.master.pairing import master_split, standard_pairing
 
 __all__ = ["solve_dp", "minmax_dp"]

@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from nowdl.partitioner.chain.chain_dp import REL_TOL, spread_ok
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import make_partition
-from nowdl.partitioner.exact.chain_dp import REL_TOL, spread_ok
 from nowdl.partitioner.exact.downsets import Lattice
 from nowdl.partitioner.exact.ideal_dp import IdealCosts
 

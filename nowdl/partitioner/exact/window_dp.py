@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from nowdl.partitioner.chain.chain_dp import spread_ok
 from nowdl.partitioner.costs.no_idle import stage_work
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import (
@@ -42,7 +43,6 @@ from nowdl.partitioner.costs.structure import (
     one_to_one,
     topological_order,
 )
-from nowdl.partitioner.exact.chain_dp import spread_ok
 from nowdl.partitioner.exact.coarsen import coarsen
 from nowdl.partitioner.exact.downsets import _expansions, _graph, _Info
 from nowdl.partitioner.exact.local_search import _Graph, _masks, _members

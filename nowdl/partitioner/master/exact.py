@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nowdl.partitioner.exact.chain_dp import ChainCosts, minmax_path
+from nowdl.partitioner.chain.chain_dp import ChainCosts, minmax_path
 from nowdl.partitioner.master.pair_loads import Halves, rank_value, spread_ok_split
 
 __all__ = ["pair_dp", "exact_levels", "lagrangian_bound"]

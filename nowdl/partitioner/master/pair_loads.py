@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nowdl.partitioner.exact.chain_dp import spread_ok
+from nowdl.partitioner.chain.chain_dp import spread_ok
 
 __all__ = ["Halves", "rank_value", "spread_ok_split"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from nowdl.partitioner.exact.chain_dp import ChainCosts, minmax_path
+from nowdl.partitioner.chain.chain_dp import ChainCosts, minmax_path
 from nowdl.partitioner.master.exact import exact_levels
 from nowdl.partitioner.master.pair_loads import Halves, rank_value, spread_ok_split
 

@@ -18,6 +18,7 @@ import time
 import pulp
 
 from nowdl.errors import InfeasibleError
+from nowdl.partitioner.chain.chain_dp import spread_ok
 from nowdl.partitioner.costs.no_idle import stage_work
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import (
@@ -26,7 +27,6 @@ from nowdl.partitioner.costs.structure import (
     objective_values,
     stage_ranges,
 )
-from nowdl.partitioner.exact.chain_dp import spread_ok
 from nowdl.partitioner.exact.order_dp import solve_dp
 from nowdl.partitioner.milp.lp_bound import assignment_lower_bound
 from nowdl.partitioner.milp.model import ConstantViolation, IlpModel, build_ilp

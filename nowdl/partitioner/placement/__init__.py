@@ -1,4 +1,5 @@
-"""Placement: which global rank holds which part of a plan on a cluster of nodes, and the traffic between nodes.
+"""Placement: which global rank holds which part of a plan on a cluster of nodes (the traffic
+between nodes it causes is a cost: ``partitioner.costs.traffic``).
 """
 
 from typing import TYPE_CHECKING
@@ -7,10 +8,9 @@ from nowdl.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from nowdl.partitioner.placement.layout import Layout, place
-    from nowdl.partitioner.placement.traffic import format_node_map
 
-__all__ = ["Layout", "place", "format_node_map"]
+__all__ = ["Layout", "place"]
 
 __getattr__ = lazy_exports(__name__, {
-    "Layout": "layout", "place": "layout", "format_node_map": "traffic",
+    "Layout": "layout", "place": "layout",
 })

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from nowdl.partitioner.search.config import Candidate, PlanRequest
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest
 from nowdl.plan.topology import Link, Topology, make_topology, node_spec_for
 
 __all__ = ["Layout", "place", "allreduce_s", "request_topology", "flat_topology"]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest
 from nowdl.partitioner.costs.costmodel import (
     Costs,
     build_problem,
@@ -16,12 +16,12 @@ from nowdl.partitioner.costs.levers import lever_figures
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.segments import segment_figures
-from nowdl.partitioner.placement.traffic import cross_node_bytes, halo_bytes, together_groups
-from nowdl.partitioner.search.config import Candidate, PlanRequest
+from nowdl.partitioner.costs.traffic import cross_node_bytes, halo_bytes, together_groups
+from nowdl.partitioner.search.halo_fusion import Fusion
 from nowdl.partitioner.spatial.tileable import slice_grid
 from nowdl.plan.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
 
-__all__ = ["SearchResult", "build_plan", "charge_fused_workspace"]
+__all__ = ["SearchResult", "build_plan"]
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,14 @@ def build_plan(
     solver_seconds: float,
     created_by: str,
     params_per_node: dict[str, int],
+    fusion: Fusion | None = None,
 ) -> Plan:
     """Assemble the Plan (stages, rank map, cross-stage tensors, predictions) for a solved search.
 
     The plan is made from the costs at the chosen micro-batch size (``result.costs``), so its
-    tensors and recorded inputs carry that many samples."""
+    tensors and recorded inputs carry that many samples. ``fusion`` (``halo_fusion.fusion``)
+    chooses each spatial stage's fused halo runs; their workspace is charged in the stages'
+    memory ([Note: fused workspace] in partitioner/search/halo_fusion.py)."""
     cand, part = result.candidate, result.partition
     if result.costs is not None:
         costs = result.costs
@@ -65,27 +68,34 @@ def build_plan(
     lay = layout_of(costs, cand)  # [Note: placement]: on one node, rank = d x rpp + slot start + q
     rank_of = lay.rank_of
     sums = stage_sums(costs, cand, part.stage_of)
-    mem = stage_memory(costs, cand, part.stage_of)  # [Note: memory breakdown]
     seq = _sequential_stages(cand)
-    if seq and result.problem is not None:
-        _sequential_terms(result.problem, part.stage_of, seq, mem, sums)
     sp_dims = max(1, len(prof.input_shapes[0]) - 2) if prof.input_shapes else 2
     stage_nodes: list[list[str]] = [[] for _ in range(k)]
     for i, n in enumerate(prof.nodes):
         stage_nodes[part.stage_of[i]].append(n.name)
+    grids = [list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 or s in seq else [] for s in range(k)]
+    fused: list[list[list[str]]] = [[] for _ in range(k)]
+    fused_ws: dict[str, float] = {}
+    if fusion is not None:
+        fused, fused_ws = fusion(prof, [(stage_nodes[s], parts[s], grids[s]) for s in range(k)])
+        # a stage of sequential tiles fuses its halos whole ([Note: sequential tiles cost]): no run's workspace
+        fused_ws = {n: w for s in range(k) if s not in seq for run in fused[s] for n, w in fused_ws.items() if n == run[0]}
+    mem = stage_memory(costs, cand, part.stage_of, fused_ws)  # [Note: memory breakdown]
+    if seq and result.problem is not None:
+        _sequential_terms(result.problem, part.stage_of, seq, mem, sums)
     halo = halo_bytes(costs, cand, part.stage_of)
     stages = []
     lat = message_latency_s(costs, cand, part.stage_of)  # [Note: message latency]
     lever = lever_figures(build_problem(costs, cand, "memory"), cand, part.stage_of, sums, costs.host_link_bw)
     segs = segment_figures(prof, cand.segments, part.stage_of, cand.inflight(), lever)  # [Note: recompute segments]
     time_s = [part.stage_time[s] + lat[s] + lever[s]["offload_s"] for s in range(k)]
-    peak = [part.stage_mem[s] - mem[s]["freed_bytes"] for s in range(k)]  # [Note: freed by the peak]
+    # [Note: freed by the peak]; the solvers' bound does not hold the fused runs' workspace: added here
+    peak = [part.stage_mem[s] + mem[s]["fused_bytes"] - mem[s]["freed_bytes"] for s in range(k)]
     for s in range(k):
         comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"] + lever[s]["recompute_s"] + lever[s]["offload_s"])
         stages.append(StagePlan(
             index=s, nodes=stage_nodes[s], ranks=[rank_of[(0, s, q)] for q in range(parts[s])],
-            parts=parts[s], slice=cand.slice if parts[s] > 1 or s in seq else None,
-            grid=list(slice_grid(cand.slice, parts[s], sp_dims)) if parts[s] > 1 or s in seq else [],
+            parts=parts[s], slice=cand.slice if parts[s] > 1 or s in seq else None, grid=grids[s], fused=fused[s],
             tiles_per_gpu=cand.tiles_per_gpu if s in seq else 1,
             params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
             param_bytes=int(sums[s]["param_bytes"]),
@@ -160,25 +170,6 @@ def build_plan(
 def _setting(v: object) -> object:
     """A lever setting as JSON: "auto", "on", "off" or a list of stages."""
     return list(v) if isinstance(v, tuple) else v
-
-
-def charge_fused_workspace(plan: Plan, costs: Costs, result: SearchResult, fused_ws: Mapping[str, float]) -> None:
-    """Raise the predicted peaks of ``plan`` (its stages, ranks and whole) by what the fused
-    halo runs chosen after planning hold in their backward ([Note: fused workspace] in
-    partitioner/spatial/halo_fusion.py); ``fused_ws`` maps a run's first node to that workspace."""
-    if not fused_ws:
-        return
-    mem = stage_memory(result.costs or costs, result.candidate, result.partition.stage_of, fused_ws)
-    for st, m in zip(plan.stages, mem, strict=True):
-        if st.tiles_per_gpu > 1:
-            continue  # a stage of sequential tiles fuses its halos whole ([Note: sequential tiles cost])
-        p = st.predicted
-        delta = (m["workspace_bytes"] - p["workspace_bytes"]) - (m["freed_bytes"] - p["freed_bytes"])
-        p.update(workspace_bytes=m["workspace_bytes"], freed_bytes=m["freed_bytes"], peak_bytes=p["peak_bytes"] + delta)
-    peak = {st.index: st.predicted["peak_bytes"] for st in plan.stages}
-    for r in plan.ranks:
-        r.predicted_peak_bytes = sum(peak[h["stage"]] for h in r.stages)
-    plan.predicted["peak_bytes"] = max(r.predicted_peak_bytes for r in plan.ranks)
 
 
 def _sequential_stages(cand: Candidate) -> set[int]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from nowdl.partitioner.config.candidate import MICRO_BATCH_CHOICES, Candidate, PlanRequest
 from nowdl.partitioner.costs.costmodel import Costs
-from nowdl.partitioner.search.config import MICRO_BATCH_CHOICES, Candidate, PlanRequest
 from nowdl.profiler.cost import NodeCost
 
 __all__ = ["scaled_costs", "CostsByBatch", "batch_choice"]

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nowdl.errors import InfeasibleError, NowdlError
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.costs.costmodel import (
     Costs,
     grad_sync_s,
@@ -42,7 +43,6 @@ from nowdl.partitioner.search.assemble import SearchResult, build_plan
 from nowdl.partitioner.search.batch_split import CostsByBatch, batch_choice
 from nowdl.partitioner.search.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
-from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.search.deadline import (
     TileGroups,
     finishing_split,

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nowdl.partitioner.config.candidate import Candidate
 from nowdl.partitioner.costs.costmodel import Costs, pipeline_slots
 from nowdl.partitioner.costs.problem import Problem
 from nowdl.partitioner.costs.structure import node_stage_costs, stage_mult, stage_ranges
-from nowdl.partitioner.search.config import Candidate
 
 __all__ = ["Bounds", "candidate_bounds"]
 

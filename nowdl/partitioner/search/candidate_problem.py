@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from nowdl.partitioner.config.candidate import Candidate
+from nowdl.partitioner.config.grids import grid_of
 from nowdl.partitioner.costs.costmodel import Costs, build_problem, spatial_dims_of
 from nowdl.partitioner.costs.problem import Problem
 from nowdl.partitioner.costs.sequential_tiles import sequential_problem
 from nowdl.partitioner.search.batch_split import CostsByBatch
-from nowdl.partitioner.search.config import Candidate
-from nowdl.partitioner.search.grids import grid_of
 
 __all__ = ["candidate_problem", "stage_grids", "too_small"]
 

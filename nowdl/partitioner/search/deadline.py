@@ -42,12 +42,12 @@ import time
 from collections.abc import Callable
 
 from nowdl.errors import InfeasibleError
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import one_to_one
 from nowdl.partitioner.exact.wait_refine import refine_winner
-from nowdl.partitioner.search.config import Candidate, PlanRequest
 from nowdl.partitioner.search.model_space import uncapped
 from nowdl.partitioner.solver import SolveCache, proven, solve
 from nowdl.plan.plan import format_bytes

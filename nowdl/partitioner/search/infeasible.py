@@ -18,14 +18,14 @@ import math
 import time
 
 from nowdl.errors import InfeasibleError, NowdlError
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest, enumerate_candidates
+from nowdl.partitioner.config.grids import part_counts, tile_counts
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.sequential_tiles import image_norms
 from nowdl.partitioner.search.batch_split import CostsByBatch
 from nowdl.partitioner.search.bounds import candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
-from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.search.deadline import refusal_budget
-from nowdl.partitioner.search.grids import part_counts, tile_counts
 from nowdl.partitioner.search.model_space import (
     batch_of,
     image_of,

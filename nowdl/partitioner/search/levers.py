@@ -3,7 +3,7 @@
 [Note: choosing levers] The objective stays the search's: the highest predicted throughput
 under the memory cap (balance "memory" or "compute" only changes how each candidate is split).
 A candidate first gets the stages the user forces ("on" or a list, [Note: lever settings] in
-search/lever_options.py) and is solved. Where it does not fit and a setting is "auto", every
+config/lever_options.py) and is solved. Where it does not fit and a setting is "auto", every
 stage on a rank over the cap takes a lever, the one that adds less time by the current split's
 figures: recomputation (its forward again, [Note: recompute cost] in costs/levers.py) where
 the stage holds more than one micro-batch, or host offload (the exposed copy time, [Note: host
@@ -27,13 +27,13 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from nowdl.errors import NowdlError
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest
+from nowdl.partitioner.config.lever_options import LeverSetting, forced_stages
 from nowdl.partitioner.costs.costmodel import Costs, build_problem, stage_sums
 from nowdl.partitioner.costs.levers import host_bytes, offload_time_s
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.milp.lp_bound import memory_floor
 from nowdl.partitioner.search.bounds import candidate_bounds
-from nowdl.partitioner.search.config import Candidate, PlanRequest
-from nowdl.partitioner.search.lever_options import LeverSetting, forced_stages
 from nowdl.plan.plan import format_bytes
 
 __all__ = ["LEVER_SHARE", "with_forced", "floor_candidate", "floors_over", "fit_with_levers", "host_fits", "host_message", "check_offload_possible"]

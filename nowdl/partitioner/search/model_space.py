@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.problem import Problem
-from nowdl.partitioner.search.config import PlanRequest
 
 __all__ = ["tileable_ends", "max_stages", "batch_of", "image_of", "uncapped"]
 

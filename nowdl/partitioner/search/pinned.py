@@ -6,8 +6,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from nowdl.errors import NowdlError
-from nowdl.partitioner.search.config import Candidate, PlanRequest, enumerate_candidates
-from nowdl.partitioner.search.grids import (
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest, enumerate_candidates
+from nowdl.partitioner.config.grids import (
     MAX_TILES_PER_GPU,
     cuts_evenly,
     grid_of,

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from nowdl.partitioner.config.candidate import Candidate, PlanRequest
+from nowdl.partitioner.config.lever_options import forced_stages
 from nowdl.partitioner.costs.costmodel import Costs, predict_step, stage_sums
 from nowdl.partitioner.costs.levers import offload_time_s, recompute_vectors
 from nowdl.partitioner.costs.no_idle import idle_stages
@@ -31,8 +33,6 @@ from nowdl.partitioner.costs.structure import make_partition
 from nowdl.partitioner.search.batch_split import CostsByBatch
 from nowdl.partitioner.search.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
-from nowdl.partitioner.search.config import Candidate, PlanRequest
-from nowdl.partitioner.search.lever_options import forced_stages
 from nowdl.partitioner.search.levers import host_fits
 
 __all__ = ["shorten_recompute", "prefix_times"]

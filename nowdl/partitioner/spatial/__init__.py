@@ -1,4 +1,4 @@
-"""Spatial rules for planning: which nodes may run on tiles, their halos, halo fusion, and the
+"""Spatial rules for planning: which nodes may run on tiles, their halos, and the
 ops whose result depends on the whole image.
 """
 
@@ -7,13 +7,12 @@ from typing import TYPE_CHECKING
 from nowdl.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from nowdl.partitioner.spatial.halo_fusion import plan_fusion
     from nowdl.partitioner.spatial.tileable import SpatialRule, slice_grid, spatial_rules
     from nowdl.partitioner.spatial.whole_image import whole_image_ops, why_whole
 
-__all__ = ["SpatialRule", "spatial_rules", "slice_grid", "plan_fusion", "whole_image_ops", "why_whole"]
+__all__ = ["SpatialRule", "spatial_rules", "slice_grid", "whole_image_ops", "why_whole"]
 
 __getattr__ = lazy_exports(__name__, {
     "SpatialRule": "tileable", "slice_grid": "tileable", "spatial_rules": "tileable",
-    "plan_fusion": "halo_fusion", "whole_image_ops": "whole_image", "why_whole": "whole_image",
+    "whole_image_ops": "whole_image", "why_whole": "whole_image",
 })

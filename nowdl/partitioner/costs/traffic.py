@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from nowdl.partitioner.search.config import Candidate
+from nowdl.partitioner.config.candidate import Candidate
 from nowdl.partitioner.spatial.tileable import SpatialRule, halo_elements, slice_grid
 from nowdl.units import format_bytes
 

@@ -27,7 +27,7 @@ memory cap do not see it).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -37,20 +37,22 @@ from nowdl.errors import NowdlError
 from nowdl.geometry import chain_geometry, fusable
 from nowdl.partitioner.costs.costmodel import (
     HALO_LATENCY_S,
-    Costs,
     border_fraction,
     dtype_bytes,
     exposed_halo_s,
     grad_workspace,
 )
-from nowdl.partitioner.search.assemble import SearchResult, charge_fused_workspace
 from nowdl.partitioner.spatial.tileable import SpatialRule, halo_elements, spatial_rules
-from nowdl.plan.plan import Plan
 from nowdl.profiler.cost import Profile
 
-__all__ = ["fusion_runs", "choose_fusion", "fused_workspace", "plan_fusion", "check_policy", "FUSION_POLICIES"]
+__all__ = ["fusion_runs", "choose_fusion", "fused_workspace", "fusion", "check_policy", "FUSION_POLICIES", "StageLayout",
+           "Fusion"]
 
 FUSION_POLICIES = ("auto", "off")
+
+StageLayout = tuple[list[str], int, list[int]]  # a stage's nodes, tiles and tile grid
+Fusion = Callable[[Profile, Sequence[StageLayout]], tuple[list[list[list[str]]], dict[str, float]]]
+"""What ``build_plan`` asks of halo fusion: per stage, its fused runs, and per run's first node its workspace."""
 
 
 def _windowed(m: nn.Module) -> bool:
@@ -161,60 +163,68 @@ def check_policy(policy: object) -> str | int:
     return policy  # type: ignore[return-value]
 
 
-def choose_fusion(gm: fx.GraphModule, plan: Plan, prof: Profile, link_bw: float, policy: str | int,
-                  latency_s: float = HALO_LATENCY_S) -> None:
-    """Fill ``plan.stages[i].fused`` for every spatial stage, following ``policy``; a halo
-    exchange costs ``latency_s`` plus its bytes at ``link_bw`` (a calibrated spec's figures).
+def choose_fusion(gm: fx.GraphModule, stages: Sequence[StageLayout], prof: Profile, link_bw: float, policy: str | int,
+                  latency_s: float = HALO_LATENCY_S) -> list[list[list[str]]]:
+    """Per stage (nodes, tiles, grid), its fused runs, following ``policy``; a halo exchange costs
+    ``latency_s`` plus its bytes at ``link_bw`` (a calibrated spec's figures).
 
     Raises:
         NowdlError: an unknown policy.
     """
     policy = check_policy(policy)
     g = _Graph({n.name: n for n in gm.graph.nodes}, dict(gm.named_modules()), spatial_rules(gm))
-    for st in plan.stages:
-        st.fused = []
-        if st.parts <= 1 or policy == "off":
+    out: list[list[list[str]]] = []
+    for nodes, parts, grid in stages:
+        fused: list[list[str]] = []
+        out.append(fused)
+        if parts <= 1 or policy == "off":
             continue
-        for run in fusion_runs(gm, st.nodes):
+        for run in fusion_runs(gm, nodes):
             windowed = {name: _windowed(g.module(name)) for name in run}
             if isinstance(policy, int):
-                st.fused.extend(_split(run, windowed, policy))
+                fused.extend(_split(run, windowed, policy))
                 continue
             best: list[list[str]] = []
             best_gain = 0.0
             for most in range(2, len(run) + 1):
                 chains = _split(run, windowed, most)
-                gain = sum(_gain(g, c, prof, st.grid, link_bw, latency_s) for c in chains)
+                gain = sum(_gain(g, c, prof, grid, link_bw, latency_s) for c in chains)
                 if gain > best_gain:
                     best, best_gain = chains, gain
-            st.fused.extend(best)
+            fused.extend(best)
+    return out
 
 
-def fused_workspace(gm: fx.GraphModule, plan: Plan, prof: Profile) -> dict[str, float]:
-    """Per fused run of ``plan`` (``stages[i].fused``), its first node's backward workspace per
-    tile rank, in bytes ([Note: fused workspace])."""
+def fused_workspace(gm: fx.GraphModule, stages: Sequence[StageLayout], fused: Sequence[Sequence[list[str]]],
+                    prof: Profile) -> dict[str, float]:
+    """Per fused run (``fused[s]``, the runs of stage ``s``), its first node's backward workspace
+    per tile rank, in bytes ([Note: fused workspace])."""
     g = _Graph({n.name: n for n in gm.graph.nodes}, dict(gm.named_modules()), {})
     grads = dict(zip((n.name for n in prof.nodes), grad_workspace(prof), strict=True))
     out: dict[str, float] = {}
-    for st in plan.stages:
-        for chain in st.fused if st.parts > 1 else []:
+    for (_, parts, grid), runs in zip(stages, fused, strict=True):
+        for chain in runs if parts > 1 else []:
             src = g.source(chain[0])
             shape = list(prof[src].out_shape or []) if src in prof else []
             if len(shape) < 3 or chain[0] not in grads:
                 continue
             try:
-                geo = chain_geometry([g.module(c) for c in chain], shape[2:], st.grid)
+                geo = chain_geometry([g.module(c) for c in chain], shape[2:], grid)
             except (ValueError, NotImplementedError):
                 continue
             deep = tuple(max(lo, hi) for lo, hi in geo["halo"])
-            halo = halo_elements(shape, st.grid, deep) * dtype_bytes(prof[src].out_dtype)
-            out[chain[0]] = grads[chain[0]] / st.parts + prof[src].out_bytes / st.parts + 2 * halo
+            halo = halo_elements(shape, grid, deep) * dtype_bytes(prof[src].out_dtype)
+            out[chain[0]] = grads[chain[0]] / parts + prof[src].out_bytes / parts + 2 * halo
     return out
 
 
-def plan_fusion(gm: fx.GraphModule, plan: Plan, prof: Profile, costs: Costs, result: SearchResult,
-                policy: str | int, link_bw: float, latency_s: float = HALO_LATENCY_S) -> None:
-    """:func:`choose_fusion` on a new plan, then its predicted peaks raised by the chosen runs'
-    workspace ([Note: fused workspace])."""
-    choose_fusion(gm, plan, prof, link_bw, policy, latency_s)
-    charge_fused_workspace(plan, costs, result, fused_workspace(gm, plan, prof))
+def fusion(gm: fx.GraphModule, policy: str | int, link_bw: float, latency_s: float = HALO_LATENCY_S) -> Fusion:
+    """The halo fusion of a plan ([Note: fusion cost], [Note: fused workspace]), for ``build_plan``:
+    the runs of each stage under ``policy`` and their workspace, computed once."""
+    policy = check_policy(policy)
+
+    def runs_and_workspace(prof: Profile, stages: Sequence[StageLayout]) -> tuple[list[list[list[str]]], dict[str, float]]:
+        fused = choose_fusion(gm, stages, prof, link_bw, policy, latency_s)
+        return fused, fused_workspace(gm, stages, fused, prof)
+
+    return runs_and_workspace

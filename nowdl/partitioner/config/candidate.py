@@ -6,8 +6,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from nowdl.errors import NowdlError
-from nowdl.partitioner.search.grids import part_counts, tile_counts
-from nowdl.partitioner.search.lever_options import LeverSetting, check_lever, check_lever_pair
+from nowdl.partitioner.config.grids import part_counts, tile_counts
+from nowdl.partitioner.config.lever_options import LeverSetting, check_lever, check_lever_pair
 from nowdl.partitioner.spatial.tileable import SLICE_METHODS
 from nowdl.schedule.zero_bubble_order import zb_held
 
@@ -54,7 +54,7 @@ class PlanRequest:
     global_batch: int | None = None  # samples per optimizer step: micro-batch x m x replicas x dp must equal it
     nodes: int | None = None  # cluster nodes (None: from gpus_per_node or the device spec's node)
     gpus_per_node: int | None = None  # GPUs per node (None: the device spec's node, e.g. 8 for h100)
-    recompute: LeverSetting = "auto"  # [Note: lever settings] in search/lever_options.py
+    recompute: LeverSetting = "auto"  # [Note: lever settings] in config/lever_options.py
     offload: LeverSetting = "auto"
     tiles_per_gpu: int | None = None  # tiles each GPU of a spatial stage runs in turn (None: searched)
     micro_batch_size: int | None = None  # samples per micro-batch with a global batch (None: searched)
