@@ -24,6 +24,7 @@ import torch.distributed as dist
 from nowdl.backends import BACKENDS, backend_name
 from nowdl.errors import NowdlError
 from nowdl.runtime.launch.attempt import job_store
+from nowdl.runtime.launch.comm import Waitable
 from nowdl.runtime.launch.group_exit import destroy_at_exit
 from nowdl.runtime.launch.launcher import LAUNCHER_VAR, LaunchEnv, launch_env
 from nowdl.runtime.launch.where import here
@@ -206,11 +207,12 @@ def rendezvous_message(env: LaunchEnv, timeout_s: float, exc: BaseException) -> 
             f"raise --timeout [{type(exc).__name__}: {first}]")
 
 
-def wait(work: dist.Work | None, *, timeout_s: float, what: str, peer: int | None) -> None:
+def wait(work: Waitable | None, *, timeout_s: float, what: str, peer: int | None) -> None:
     """Wait for an async send/receive/collective ``work`` for at most ``timeout_s`` seconds.
 
-    ``work`` is what ``dist.isend``/``irecv``/``all_reduce(..., async_op=True)`` return;
-    ``None`` (they return it when this rank is not in the group) means nothing to wait for.
+    ``work`` is what ``isend``/``irecv``/``all_reduce(..., async_op=True)`` of torch.distributed
+    or of ``runtime/launch/comm.py`` return; ``None`` (they return it when this rank is not in
+    the group) means nothing to wait for.
 
     ``what`` says what is being exchanged (e.g. ``"activations of micro-batch 3"``) and
     ``peer`` with whom (``None`` for a collective). If the peer does not answer in time, or
