@@ -19,6 +19,7 @@ from helpers.distributed import run_workers
 from nowdl.errors import NowdlError
 from nowdl.runtime.launch import comm
 from nowdl.runtime.launch.group import PeerError, wait
+from nowdl.runtime.spatial.dispatch import sum_weight_grads
 
 STAGED = {comm.STAGE_VAR: "1"}
 
@@ -59,6 +60,12 @@ def _exchanges(rank: int, world: int) -> dict[str, Any]:
     comm.all_reduce(g, group=sub)
     out["sub"] = g.clone()
     out["bytes"] = comm.staged_bytes() - start
+    lin = torch.nn.Linear(2, 1)  # the tiles' weight gradients (spatial/dispatch.py): one flat all-reduce
+    for p in lin.parameters():
+        p.grad = torch.full_like(p, float(rank + 1))
+    sum_weight_grads(lin)
+    out["grads"] = [p.grad.tolist() for p in lin.parameters()]
+    out["grad_bytes"] = comm.staged_bytes() - start - out["bytes"]
     return out
 
 
@@ -75,6 +82,7 @@ def test_staged_exchanges_deliver_what_torch_distributed_does() -> None:
         # every byte through a staging buffer: p2p 48 + 48, all-reduces 2x20 + 2x8, all_gather
         # 32 + 2x32, broadcast 16 (the source copies out, the other copies in), sub-group 2x8
         assert out["bytes"] == 96 + 40 + 16 + 96 + 16 + 16, out["bytes"]
+        assert out["grads"] == [[[3.0, 3.0]], [3.0]] and out["grad_bytes"] == 2 * 3 * 4
 
 
 def _plain(rank: int, world: int) -> tuple[int, bool]:
