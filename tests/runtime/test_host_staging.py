@@ -85,16 +85,23 @@ def test_staged_exchanges_deliver_what_torch_distributed_does() -> None:
         assert out["grads"] == [[[3.0, 3.0]], [3.0]] and out["grad_bytes"] == 2 * 3 * 4
 
 
-def _plain(rank: int, world: int) -> tuple[int, bool]:
+def _swap(rank: int, world: int) -> tuple[int, bool, list[float]]:
+    """A halo-like swap through comm.exchange (receives and sends posted together) and an async all-reduce."""
+    got = torch.zeros(2)
+    works = comm.exchange([(got, 1 - rank)], [(torch.full((2,), float(rank)), 1 - rank)], tag=3)
+    for w in works:
+        wait(w, timeout_s=10, what="a swap", peer=1 - rank)
     t = torch.ones(3)
     w = comm.all_reduce(t, async_op=True)
     w.wait()
-    return comm.staged_bytes(), isinstance(w, comm.StagedWork)
+    return comm.staged_bytes(), isinstance(w, comm.StagedWork), got.tolist()
 
 
-def test_cpu_tensors_are_not_staged_by_default_nor_with_staging_off() -> None:
-    assert run_workers(_plain, 2, timeout_s=60) == [(0, False)] * 2
-    assert run_workers(_plain, 2, env={comm.STAGE_VAR: "0"}, timeout_s=60) == [(0, False)] * 2
+def test_exchange_swaps_and_cpu_tensors_are_not_staged_by_default_nor_with_staging_off() -> None:
+    plain = [(0, False, [1.0, 1.0]), (0, False, [0.0, 0.0])]
+    assert run_workers(_swap, 2, timeout_s=60) == plain  # dist.batch_isend_irecv (one by one on gloo)
+    assert run_workers(_swap, 2, env={comm.STAGE_VAR: "0"}, timeout_s=60) == plain
+    assert run_workers(_swap, 2, env=STAGED, timeout_s=60) == [(16 + 24, True, [1.0, 1.0]), (16 + 24, True, [0.0, 0.0])]
 
 
 def _silent_staged(rank: int, world: int) -> tuple[str, list[float]]:

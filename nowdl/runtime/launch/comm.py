@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["isend", "irecv", "all_reduce", "all_gather", "broadcast", "Waitable", "StagedWork",
+__all__ = ["isend", "irecv", "exchange", "all_reduce", "all_gather", "broadcast", "Waitable", "StagedWork",
            "staged", "staged_bytes", "STAGE_VAR"]
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,25 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
         return dist.irecv(tensor, src=src, group=group, tag=tag)
     host = _host(tensor)
     return _done(dist.irecv(host, src=src, group=group, tag=tag), lambda: _from_host(tensor, host), [host], True)
+
+
+def exchange(recvs: Sequence[tuple[torch.Tensor, int]], sends: Sequence[tuple[torch.Tensor, int]],
+             group: dist.ProcessGroup | None = None, tag: int = 0) -> list[Any]:
+    """Post the receives ``(buffer, source)`` and sends ``(tensor, destination)`` (global ranks) of one
+    exchange together; returns their works.
+
+    Unstaged, they go out as one ``dist.batch_isend_irecv``: NCCL then runs them as one group of
+    point-to-point calls, so that two neighbours' receives do not each wait for the other's send
+    (separate NCCL sends and receives to one peer run in order and may block); gloo, which does
+    not group them, posts them one by one, as staged exchanges are.
+    """
+    if not recvs and not sends:
+        return []
+    if any(staged(t, group) for t, _ in (*recvs, *sends)):
+        return [irecv(t, p, group, tag) for t, p in recvs] + [isend(t, p, group, tag) for t, p in sends]
+    ops = [dist.P2POp(dist.irecv, t, p, group, tag) for t, p in recvs]
+    ops += [dist.P2POp(dist.isend, t, p, group, tag) for t, p in sends]
+    return list(dist.batch_isend_irecv(ops))
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None,
