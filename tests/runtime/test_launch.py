@@ -132,6 +132,27 @@ def test_ranks_sharing_a_gpu_use_gloo_bound_to_local_rank_modulo_gpus(monkeypatc
     assert _auto_backend(four[0], {}) == "gloo" and _set_device(four[0], "gloo") is None
 
 
+def test_a_device_other_than_the_one_nccl_bound_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from nowdl.runtime.training.trainer import Trainer
+
+    def device(asked: str, backend: str) -> torch.device:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+        tr = Trainer(SimpleNamespace(device=asked), optimizer=None, loss_fn=None)  # type: ignore[arg-type]
+        tr.rank = 1
+        return tr.device()
+
+    with pytest.raises(NowdlError, match=r"rank 1: compile\(device='cuda:0'\) but NCCL bound this rank to cuda:1 "
+                                         r"\(its LOCAL_RANK\): pass device='cuda'"):
+        device("cuda:0", "nccl")
+    assert device("cuda:1", "nccl") == torch.device("cuda", 1)
+    assert device("cuda", "nccl") == torch.device("cuda")
+    assert device("cuda:0", "gloo") == torch.device("cuda", 0)  # several ranks on one GPU: allowed
+
+
 def test_init_distributed_needs_master_under_mpirun() -> None:
     env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "node0"}
     with pytest.raises(NowdlError, match="openmpi.*MASTER_PORT is not set.*export MASTER_ADDR"):
