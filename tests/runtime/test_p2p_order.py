@@ -49,7 +49,7 @@ def _recorded(rank: int, world: int, name: str, cfg: dict[str, Any]) -> list[Pos
     comm.isend, comm.irecv, comm.exchange = rec_isend, rec_irecv, rec_exchange
     cm = nowdl.compile(make_model(name), gpus=world, mode="estimate", optimizer=adam, loss_fn=make_loss(name),
                        cache=False, progress=False, timeout_s=60, **cfg)
-    cm.train_step(*make_batch(name, cfg["micro_batches"] * cfg["replicas"], 0))
+    cm.train_step(*make_batch(name, cfg["micro_batches"] * cfg["replicas"] * cfg["dp"], 0))
     return log
 
 
