@@ -104,16 +104,19 @@ def _host(like: torch.Tensor) -> torch.Tensor:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t``, complete when this returns (a separate buffer even for a CPU ``t``)."""
+    """A host copy of ``t``, complete when this returns (a separate buffer even for a CPU ``t``);
+    unseen by autograd, as torch.distributed's own exchanges are."""
     host = _host(t)
-    host.copy_(t)
+    with torch.no_grad():
+        host.copy_(t)
     _count["bytes"] += t.numel() * t.element_size()
     return host
 
 
 def _from_host(t: torch.Tensor, host: torch.Tensor) -> None:
     """Copy ``host`` into ``t``, complete when this returns."""
-    t.copy_(host)
+    with torch.no_grad():
+        t.copy_(host)
     _count["bytes"] += t.numel() * t.element_size()
 
 
