@@ -125,11 +125,18 @@ def test_which_tensors_are_staged(monkeypatch: pytest.MonkeyPatch) -> None:
     """Auto: a non-CPU tensor whose device the group runs on gloo; never under NCCL; 1/0 force."""
     meta = torch.empty(2, device="meta")
     cpu = torch.empty(2)
-    configs = {"gloo": "cpu:gloo,meta:gloo", "nccl": "meta:nccl", "mixed": "cpu:gloo,meta:nccl"}
+    configs = {"gloo": "cpu:gloo,meta:gloo", "nccl": "meta:nccl", "mixed": "cpu:gloo,meta:nccl", "untyped": "gloo"}
+
+    def config(group: Any = None, name: str = "") -> str:
+        if name == "outside":
+            raise ValueError("Invalid process group specified")  # what torch says to a rank not in the group
+        return configs[name]
+
     for env, name, t, want in [("", "gloo", meta, True), ("", "gloo", cpu, False), ("", "nccl", meta, False),
                                ("", "mixed", meta, False), ("1", "gloo", cpu, True), ("1", "nccl", meta, False),
-                               ("0", "gloo", meta, False), ("auto", "gloo", meta, True)]:
-        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, name=name: configs[name])
+                               ("0", "gloo", meta, False), ("auto", "gloo", meta, True), ("", "untyped", meta, True),
+                               ("", "outside", meta, False)]:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, name=name: config(group, name))
         monkeypatch.setenv(comm.STAGE_VAR, env)
         assert comm.staged(t) is want, (env, name, t.device)
     monkeypatch.setenv(comm.STAGE_VAR, "sometimes")

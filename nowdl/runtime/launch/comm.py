@@ -29,6 +29,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from nowdl.errors import NowdlError
+
 __all__ = ["isend", "irecv", "exchange", "all_reduce", "all_gather", "broadcast", "Waitable", "StagedWork",
            "staged", "staged_bytes", "STAGE_VAR"]
 
@@ -61,8 +63,6 @@ def _mode() -> str:
         return "always"
     if value in ("0", "false", "no", "off", "never"):
         return "never"
-    from nowdl.errors import NowdlError
-
     raise NowdlError(f"{STAGE_VAR}={value!r} is not 1, 0 or auto: unset it (stage CUDA tensors on gloo groups), "
                      "or set 1 (stage every tensor) or 0 (never)")
 
