@@ -59,6 +59,12 @@ def _exchanges(rank: int, world: int) -> dict[str, Any]:
     g = torch.ones(2) * (rank + 1)
     comm.all_reduce(g, group=sub)
     out["sub"] = g.clone()
+    ag = [torch.zeros(1) for _ in range(world)]  # the async forms: the results land in wait()
+    w1 = comm.all_gather(ag, torch.tensor([rank + 5.0]), async_op=True)
+    b2 = torch.tensor([float(rank)])
+    w2 = comm.broadcast(b2, src=0, async_op=True)
+    assert w1.wait() and w2.wait()
+    out["async"] = [float(a) for a in ag] + [float(b2)]
     out["bytes"] = comm.staged_bytes() - start
     lin = torch.nn.Linear(2, 1)  # the tiles' weight gradients (spatial/dispatch.py): one flat all-reduce
     for p in lin.parameters():
@@ -79,9 +85,11 @@ def test_staged_exchanges_deliver_what_torch_distributed_does() -> None:
         assert out["gather"] == [0, 1]
         assert out["bcast"].tolist() == [11.0] * 4
         assert out["sub"].tolist() == [3.0, 3.0]
+        assert out["async"] == [5.0, 6.0, 0.0]
         # every byte through a staging buffer: p2p 48 + 48, all-reduces 2x20 + 2x8, all_gather
-        # 32 + 2x32, broadcast 16 (the source copies out, the other copies in), sub-group 2x8
-        assert out["bytes"] == 96 + 40 + 16 + 96 + 16 + 16, out["bytes"]
+        # 32 + 2x32, broadcast 16 (the source copies out, the other copies in), sub-group 2x8,
+        # async all_gather 4 + 2x4 and broadcast 4
+        assert out["bytes"] == 96 + 40 + 16 + 96 + 16 + 16 + 12 + 4, out["bytes"]
         assert out["grads"] == [[[3.0, 3.0]], [3.0]] and out["grad_bytes"] == 2 * 3 * 4
 
 
