@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nowdl.geometry import TileTooSmallError
+from nowdl.runtime.launch import comm
 from nowdl.runtime.spatial.tiles import TileGrid
 
 __all__ = ["Window", "fetch_window", "halo_exchange", "TileTooSmallError"]
@@ -124,17 +125,10 @@ def _post_exchange(x: Tensor, grid: TileGrid, plan: Any, group: dist.ProcessGrou
     recv, send, _ = plan
     mine = [lo for lo, _ in grid.tile_bounds()]
     lead = tuple(x.shape[:2])
-    reqs = []
-    bufs: list[Tensor] = []
-    for q, box in recv:
-        buf = x.new_empty(lead + tuple(hi - lo for lo, hi in box))
-        reqs.append(dist.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
-        bufs.append(buf)
-    keep = []
-    for q, box in send:
-        t = x[_rel(box, mine)].contiguous()
-        keep.append(t)
-        reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
+    bufs = [x.new_empty(lead + tuple(hi - lo for lo, hi in box)) for _, box in recv]
+    keep = [x[_rel(box, mine)].contiguous() for _, box in send]
+    reqs = comm.exchange([(b, grid.ranks[q]) for (q, _), b in zip(recv, bufs, strict=True)],
+                         [(t, grid.ranks[q]) for (q, _), t in zip(send, keep, strict=True)], group, tag)
     return Pending(reqs, bufs, keep)
 
 
@@ -216,14 +210,11 @@ def _post_slabs(slabs: Sequence[Tensor], like: Tensor, grid: TileGrid, plan: Any
     contiguous) to their owners, and the receives of my sent slabs' gradients (``Pending.bufs``:
     (box, buffer) pairs for :func:`_finish_return`; dtype, device, batch and channels of ``like``)."""
     recv, send, _ = plan
-    reqs = []
-    bufs: list[tuple[Window, Tensor]] = []
-    for q, box in send:  # I sent them this slab: its gradient comes back to me
-        buf = like.new_empty(tuple(like.shape[:2]) + tuple(hi - lo for lo, hi in box))
-        reqs.append(dist.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
-        bufs.append((box, buf))
-    for (q, _), t in zip(recv, slabs, strict=True):  # they own this slab of my window: send its gradient home
-        reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
+    # I sent them these slabs: their gradients come back to me; they own the slabs of my window
+    # that I received: their gradients go home
+    bufs = [(box, like.new_empty(tuple(like.shape[:2]) + tuple(hi - lo for lo, hi in box))) for _, box in send]
+    reqs = comm.exchange([(b, grid.ranks[q]) for (q, _), (_, b) in zip(send, bufs, strict=True)],
+                         [(t, grid.ranks[q]) for (q, _), t in zip(recv, slabs, strict=True)], group, tag)
     return Pending(reqs, bufs, list(slabs))
 
 

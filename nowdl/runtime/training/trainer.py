@@ -170,7 +170,14 @@ class Trainer:
 
     def _device(self) -> torch.device:
         if self.cm.device is not None:
-            return torch.device(self.cm.device)
+            dev = torch.device(self.cm.device)
+            if dev.type == "cuda" and dev.index is not None and dist.is_initialized() and dist.get_backend() == "nccl":
+                bound = torch.cuda.current_device()  # cuda:LOCAL_RANK ([Note: NCCL device])
+                if dev.index != bound:
+                    raise NowdlError(f"rank {self.rank}: compile(device={str(dev)!r}) but NCCL bound this rank to "
+                                     f"cuda:{bound} (its LOCAL_RANK): pass device='cuda' (each rank its own GPU) or "
+                                     "leave device unset")
+            return dev
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
