@@ -4,7 +4,8 @@
 joins; ``attempt`` keeps each restart's rendezvous keys apart; ``group_exit`` destroys the
 group at interpreter exit; ``nodes`` checks the job's nodes against the plan; ``failure``
 reports the first failing rank's error once and watches every rank's beat; ``where`` records
-the step and action in flight; ``lost`` names the rank a failed exchange lost.
+the step and action in flight; ``lost`` names the rank a failed exchange lost; ``faults`` holds
+the named kill points of the fault-injection tests.
 """
 
 from typing import TYPE_CHECKING
