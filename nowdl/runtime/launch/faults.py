@@ -7,8 +7,9 @@ global rank ``rank`` (``RANK``), in restart ``attempt`` of the job (``TORCHELAST
 plus ``SLURM_RESTART_COUNT``, 0 the first), SIGKILLs itself at its ``hit``-th pass (1-based) through
 point ``name``, as the OOM killer or a lost node would end it: no handler, no flush. ``attempt`` and
 ``hit`` default to 0 and 1. Without the variable a point is one dictionary lookup.
-The points, in the order a run meets them, are :data:`POINTS`; docs/checkpoints.md lists which
-the tests kill.
+The points, in the order a run meets them, are :data:`POINTS`; rank 0 publishes a save alone,
+so the other ranks pass its four publishing points together while they wait for it.
+tests/runtime/launch/test_kill_points.py kills rank 0 and rank 1 at every point.
 """
 
 from __future__ import annotations

@@ -141,6 +141,9 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: Mappi
         sums = [None] * world
         dist.all_gather_object(sums, mine)
     final = root / _step_name(step)
+    if rank != 0:  # this rank waits in the save while rank 0 publishes it: the same kill points, in that order
+        for name in ("save.before_rename", "save.after_rename", "save.before_latest", "save.after_latest"):
+            faults.point(name)
     if rank == 0:
         try:
             record = {"format": FORMAT, "version": VERSION, "step": step, "world": world, **dict(meta),
