@@ -121,30 +121,49 @@ def _build(args: argparse.Namespace, world: int) -> Any:
 
 def predict_main(args: argparse.Namespace) -> int:
     """Run ``nowdl predict``; returns 0 (errors raise: the CLI prints them and exits 2)."""
-    from nowdl.progress import Progress
+    from nowdl.runtime.launch.failure import open_channel
     from nowdl.runtime.launch.group import init_distributed, launch_env
+    from nowdl.runtime.launch.lost import report_failure
 
     env = launch_env()
     if env.world_size > 1:
         init_distributed(timeout_s=args.timeout)
+    # the job's failure channel, as `nowdl run` has it: the first error is printed once, and a rank
+    # that dies is named by the survivors ([Note: lost ranks] in runtime/launch/failure.py)
+    channel = open_channel(env.rank, env.world_size, timeout_s=args.timeout,
+                           report=lambda m: print(f"nowdl predict: error: {m}", file=sys.stderr, flush=True))
+    try:
+        _predict(args, env.rank, env.world_size)
+    except Exception as e:
+        instead = report_failure(e, env.rank, env.world_size, channel)
+        if instead is None:
+            raise
+        raise instead from e
+    finally:
+        if channel is not None:
+            channel.close()
+    if env.world_size > 1:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _predict(args: argparse.Namespace, rank: int, world: int) -> None:
     from pathlib import Path
 
+    from nowdl.progress import Progress
     from nowdl.runtime.predict.writers import check_out
 
     spec = _spec(args.data, args.level)
     window = _window(args.window)
     check_out(Path(args.out), args.overwrite)  # before the weights are read
-    cm = _build(args, env.world_size)
-    bar = Progress("predicting", enabled=env.rank == 0, unit="window", min_total=2)
+    cm = _build(args, world)
+    bar = Progress("predicting", enabled=rank == 0, unit="window", min_total=2)
     try:
         summary = cm.predict(spec, args.out, output=args.output, window=window, overwrite=args.overwrite,
                              format=args.format, on_window=bar.update)
     finally:
         bar.close()
-    if env.rank == 0:
+    if rank == 0:
         print(summary.line())
         print(f"wrote {args.out}")
         sys.stdout.flush()
-    if env.world_size > 1:
-        torch.distributed.destroy_process_group()
-    return 0

@@ -142,14 +142,25 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan as JSON atomically (a crash never leaves half a file)."""
+        """Write the plan as JSON atomically and durably: fsynced before its rename, the folder after
+        (a crash or a power loss never leaves half a file; [Note: durable saves] in
+        runtime/training/durable.py)."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(self.to_json() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, p)
+            dfd = os.open(p.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            except OSError:  # a filesystem that cannot fsync a folder
+                pass
+            finally:
+                os.close(dfd)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

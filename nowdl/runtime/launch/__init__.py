@@ -5,7 +5,8 @@ joins; ``attempt`` keeps each restart's rendezvous keys apart; ``group_exit`` de
 group at interpreter exit; ``nodes`` checks the job's nodes against the plan; ``failure``
 reports the first failing rank's error once and watches every rank's beat; ``where`` records
 the step and action in flight; ``lost`` names the rank a failed exchange lost; ``comm`` is where
-every tensor crosses ranks (host staging where gloo meets CUDA tensors).
+every tensor crosses ranks (host staging where gloo meets CUDA tensors); ``faults`` holds the
+named kill points of the fault-injection tests.
 """
 
 from typing import TYPE_CHECKING

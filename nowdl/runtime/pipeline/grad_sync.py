@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.codegen.stage import StageModule
-from nowdl.runtime.launch import comm
+from nowdl.runtime.launch import comm, faults
 from nowdl.runtime.launch.group import wait
 from nowdl.runtime.pipeline.ranks import Placement
 
@@ -171,6 +171,7 @@ class GradSync:
             if self._good_steps % 2000 == 0:
                 self.loss_scale *= 2.0
         if self.optimizer is not None:
+            faults.point("train.optimizer")
             self.optimizer.step()
 
     def mean_loss(self, local_sum: float) -> float:

@@ -18,6 +18,7 @@ import torch
 
 from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
+from nowdl.runtime.launch import faults
 from nowdl.runtime.launch.group import wait
 from nowdl.runtime.pipeline.deferred_wgrad import WeightGrad, capturing, deferring, run_weight_grads
 from nowdl.runtime.pipeline.grad_sync import Bucket, Buckets, GradSync
@@ -153,6 +154,8 @@ class ScheduleRunner:
 
     def forward(self, step: Step, act: Action) -> None:
         """Receive the inputs, run the stage, send the outputs; at the last stage, the loss."""
+        if step.train:
+            faults.point("train.forward")
         key = (act.replica, act.stage, act.microbatch)
         st = self.view.stages[act.stage]
         tiled = self.tiled.get((act.replica, act.stage))
@@ -211,6 +214,7 @@ class ScheduleRunner:
     def backward(self, step: Step, act: Action) -> None:
         """Receive the outputs' gradients, run the backward (deferring the weight gradients of a
         zero-bubble stage), send the inputs' gradients."""
+        faults.point("train.backward")
         key = (act.replica, act.stage, act.microbatch)
         st = self.view.stages[act.stage]
         me = (act.stage, self.view.part[(act.replica, act.stage)])

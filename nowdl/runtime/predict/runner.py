@@ -32,6 +32,7 @@ import torch
 from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
 from nowdl.runtime.data.readers import ImageArray, to_tensor
+from nowdl.runtime.launch import faults
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.predict.agreement import Writes, guard, rank_world
 from nowdl.runtime.predict.shares import chunk_share, tile_piece, window_piece
@@ -199,6 +200,7 @@ def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, p
     """Write ``piece`` (from :func:`window_piece`) at ``share``."""
     if piece is not None and share is not None:
         store.write(share, _finish(piece, output))
+        faults.point("predict.write")
 
 
 def _image_input(image: ImageArray, win: Window) -> TiledInput:

@@ -13,6 +13,13 @@ them back: a run re-planned for other stages or GPUs loads the same keys from ot
 (resharding is DCP's, by key). A save goes to ``DIR/.saving-step-N`` first and is renamed and
 pointed to only when every rank has written and every file is checksummed; a crash mid-save
 leaves ``latest`` at the previous, complete checkpoint, and the next save clears the debris.
+Every file is fsynced, then its folder, before the rename that publishes it ([Note: durable
+saves] in durable.py), so after a power loss ``latest`` names a step that is on the disk.
+
+[Note: re-save] Saving the step ``latest`` already names (a run re-saved at its last step) moves
+the old folder aside to ``.replaced-step-N`` before the new one takes its name, and removes it
+only once ``latest`` is durable. A crash between the two renames leaves ``latest`` naming a
+missing folder with its old copy aside: loading reads the copy, and the next save puts it back.
 
 Loading never unpickles anything but DCP's own metadata classes (an allow-listed unpickler);
 tensors are read by DCP with ``weights_only=True``; our own metadata is JSON.
@@ -37,6 +44,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from nowdl.errors import NowdlError
+from nowdl.runtime.launch import faults
+from nowdl.runtime.training.durable import fsync_dir, replace_durable, write_durable
 
 __all__ = ["CheckpointError", "Checkpoint", "FORMAT", "save_checkpoint", "open_checkpoint", "find_checkpoint",
            "latest_step_dir"]
@@ -107,9 +116,10 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: Mappi
         try:
             if root.exists() and not root.is_dir():
                 raise NotADirectoryError(f"{root} is a file")
-            root.mkdir(parents=True, exist_ok=True)
-            for old in root.glob(".saving-step-*"):  # debris of an interrupted save
-                shutil.rmtree(old, ignore_errors=True)
+            if not root.is_dir():
+                root.mkdir(parents=True)
+                fsync_dir(root.parent)
+            _tidy(root)
             tmp.mkdir()
         except OSError as e:
             error = f"cannot write a checkpoint in {root}: {e}; pass a writable folder"
@@ -119,7 +129,8 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: Mappi
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
-            dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+            dcp.save(dict(tensors), storage_writer=_Writer(tmp), no_dist=not _distributed())
+        faults.point("save.metadata")
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
         mine = {name: [(tmp / name).stat().st_size, _crc(tmp / name)] for name in files[rank::world]}
     except Exception as e:  # noqa: BLE001 - a full disk, a quota, a lost mount: reported on every rank below
@@ -130,20 +141,28 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: Mappi
         sums = [None] * world
         dist.all_gather_object(sums, mine)
     final = root / _step_name(step)
+    if rank != 0:  # this rank waits in the save while rank 0 publishes it: the same kill points, in that order
+        for name in ("save.before_rename", "save.after_rename", "save.before_latest", "save.after_latest"):
+            faults.point(name)
     if rank == 0:
         try:
             record = {"format": FORMAT, "version": VERSION, "step": step, "world": world, **dict(meta),
                       "files": {k: v for part in sums for k, v in part.items()}}
-            (tmp / META).write_text(json.dumps(record, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            write_durable(tmp / META, json.dumps(record, indent=1))
+            fsync_dir(tmp)  # DCP fsyncs its shards and .metadata; their entries and the record's are made durable here
+            faults.point("save.before_rename")
+            aside = _publish(tmp, final)
+            faults.point("save.after_rename")
             pointer = root / f".{LATEST}.tmp"
-            pointer.write_text(final.name)
-            os.replace(pointer, root / LATEST)
+            write_durable(pointer, final.name)
+            faults.point("save.before_latest")
+            replace_durable(pointer, root / LATEST)
+            faults.point("save.after_latest")
         except OSError as e:
             error = _failed(e, root, step, _kept(root))
         else:
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
             steps = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != final.name)
             for old in steps[:max(0, len(steps) - (keep - 1))] if keep >= 1 else []:
                 shutil.rmtree(old, ignore_errors=True)
@@ -151,13 +170,56 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: Mappi
     return final
 
 
+class _Writer(dcp.FileSystemWriter):
+    """DCP's writer (fsyncs its files, ``sync_files``), with the kill point between the shards and the metadata."""
+
+    def write_data(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().write_data(*args, **kwargs)  # one thread: the shards are on disk when it returns
+        faults.point("save.shards_half")
+        return out
+
+
+def _aside(final: Path) -> Path:
+    return final.with_name(f".replaced-{final.name}")
+
+
+def _publish(tmp: Path, final: Path) -> Path | None:
+    """Rename the complete ``tmp`` to ``final``. A re-save of the same step moves the old ``final``
+    aside first (``.replaced-step-N``, returned, removed by the caller once the pointer is durable),
+    so the step's only copy is never deleted before its replacement is on disk ([Note: re-save])."""
+    aside = None
+    if final.exists():
+        aside = _aside(final)
+        shutil.rmtree(aside, ignore_errors=True)
+        replace_durable(final, aside)
+    replace_durable(tmp, final)
+    return aside
+
+
+def _tidy(root: Path) -> None:
+    """Before a save: remove an interrupted save's folder, and settle an interrupted re-save
+    ([Note: re-save]): its old copy goes back where ``latest`` looks if the new one never arrived,
+    and is removed if it did."""
+    for old in root.glob(".saving-step-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    for aside in root.glob(".replaced-step-*"):
+        final = root / aside.name.removeprefix(".replaced-")
+        if final.is_dir():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            replace_durable(aside, final)
+
+
 def _kept(root: Path) -> str:
-    """What the pointer of ``root`` names now (the checkpoint a failed save leaves in place)."""
+    """What the pointer of ``root`` names now (the checkpoint a failed save leaves in place; its copy
+    aside when a re-save stopped between its renames, [Note: re-save])."""
     try:
         name = (root / LATEST).read_text().strip()
     except OSError:
         return ""
-    return name if (root / name).is_dir() else ""
+    if (root / name).is_dir():
+        return name
+    return _aside(root / name).name if name and _aside(root / name).is_dir() else ""
 
 
 def _failed(e: BaseException, root: Path, step: int, kept: str) -> str:
@@ -186,6 +248,8 @@ def latest_step_dir(directory: str | os.PathLike[str]) -> Path | None:
         return None
     name = pointer.read_text().strip()
     step_dir = root / name
+    if name.startswith("step-") and not step_dir.is_dir() and _aside(step_dir).is_dir():
+        step_dir = _aside(step_dir)  # a re-save of this step stopped between its two renames ([Note: re-save])
     if not name.startswith("step-") or not step_dir.is_dir():
         raise CheckpointError(f"{pointer} points to {name!r}, which is not a checkpoint folder in {root}: the checkpoint "
                               "was moved or damaged; restore it or use another folder")
@@ -305,6 +369,7 @@ class Checkpoint:
                 continue
             out[key] = torch.empty(saved, dtype=md.properties.dtype)
         _agree(error)
+        faults.point("load.read")
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
