@@ -52,6 +52,9 @@ from nowdl.runtime.data.prefetch import TileReadAhead  # noqa: E402
 
 P = 4
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -103,6 +106,7 @@ def worker(rank: int, world: int, image: str, mask: str, crop: int, batch: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--size", type=int, default=8192, help="image side (default 8192)")
     ap.add_argument("--crop", type=int, default=8192, help="crop side = the model's input (default: the image)")
     ap.add_argument("--tile", type=int, default=512, help="TIFF tile side (default 512)")
@@ -141,4 +145,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("bench_data", "--results" in sys.argv):
+        main()

@@ -40,6 +40,9 @@ OFF: dict[str, Any] = dict(recompute="off", offload="off", tiles_per_gpu=1)
 MAX_GPUS = 64
 _T0 = time.perf_counter()
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def _say(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
@@ -112,6 +115,7 @@ def row(label: str, auto: Found, same: Any, base: Found | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--only", help="comma-separated keys of bench_out_of_core.MODELS: " + ",".join(MODELS))
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per plan() (default 60)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the fewest GPUs without the levers")
@@ -139,4 +143,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("bench_fewest_gpus", "--results" in sys.argv):
+        main()

@@ -76,6 +76,9 @@ __all__ = ["main", "paired_ratio", "theil_sen"]
 OPCODES_BOUND = 0.01
 PAIRED_BOUND = 0.05
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def _rss() -> int:
     with open("/proc/self/statm") as f:
@@ -305,6 +308,7 @@ def _paired_table(ranks: list[dict[str, Any]], steps: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--every", type=int, default=50, help="steps between memory samples")
     ap.add_argument("--windows", type=int, default=10, help="windows the steps are cut into for the medians")
@@ -332,4 +336,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with recorded("bench_long_run", "--results" in sys.argv):
+        raise SystemExit(main())

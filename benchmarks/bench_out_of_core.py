@@ -52,6 +52,9 @@ from nowdl.plan.plan import Plan, format_bytes
 GPUS = (1, 2, 4, 8, 16, 32, 64)
 SETTINGS = {"without": ("off", "off", 1), "with": ("auto", "auto", "auto")}
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 class _ResBlock(nn.Module):
     """nnU-Net's BasicBlockD: conv-norm-act-conv-norm, plus the input (1x1 conv after an average
@@ -203,6 +206,7 @@ def render(rows: Sequence[Row], markdown: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--only", help="comma-separated keys of MODELS")
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per plan() (default 20)")
@@ -220,4 +224,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded("bench_out_of_core", "--results" in sys.argv):
+        sys.exit(main())

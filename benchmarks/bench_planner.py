@@ -105,6 +105,9 @@ OK, BAD, NA = "✓", "✗", "—"
 
 _T0 = time.perf_counter()
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def progress(msg: str) -> None:
     """One progress line on stderr, with the elapsed time of the run."""
@@ -577,6 +580,7 @@ def summary(quality: Sequence[QualityRow], speed: Sequence[SpeedRow], markdown: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--quick", action="store_true",
                     help="a few small cases (smoke run): the UNets at 1024², K = 2 and 8, "
                          "and the two smallest speed graphs")
@@ -696,4 +700,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded("bench_planner", "--results" in sys.argv):
+        sys.exit(main())

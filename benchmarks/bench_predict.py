@@ -64,6 +64,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers.distributed import run_workers  # noqa: E402
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
 
 import nowdl  # noqa: E402
 from nowdl.runtime.training.metrics import peak_of  # noqa: E402
@@ -271,6 +273,7 @@ def _how(line: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--size", type=int, default=2048, help="2D slide side (default 2048)")
     ap.add_argument("--roi", type=int, default=256, help="2D sliding window side (default 256)")
     ap.add_argument("--depth", type=int, default=128, help="3D volume side (default 128)")
@@ -313,4 +316,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("bench_predict", "--results" in sys.argv):
+        main()

@@ -84,6 +84,9 @@ __all__ = ["main"]
 
 MIB = float(1 << 20)
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
@@ -463,6 +466,7 @@ def table2(cap: float, step: int, repeats: int, tmp: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--quick", action="store_true", help="3 timed steps, side found to 32 pixels")
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per variant (default 30; --quick 4)")
     ap.add_argument("--cap-mib", type=float, default=24.0, help="per-rank cap of table 3")
@@ -491,4 +495,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with recorded("bench_recompute_planned", "--results" in sys.argv):
+        raise SystemExit(main())

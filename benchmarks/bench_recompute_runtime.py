@@ -56,6 +56,9 @@ __all__ = ["main"]
 
 VARIANTS = ("keep", "recompute", "offload")
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
@@ -101,6 +104,7 @@ def worker(rank: int, world: int, plans: dict[str, str], m: int, size: int, repe
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--size", type=int, default=128)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--micro-batches", type=int, default=4)
@@ -140,4 +144,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with recorded("bench_recompute_runtime", "--results" in sys.argv):
+        raise SystemExit(main())

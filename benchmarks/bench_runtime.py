@@ -103,6 +103,9 @@ MEM_TOL = 0.10
 TIME_TOL = 0.15
 STEP_TARGET = 0.9  # nowdl's step / the best of pipelining's on the same split
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def log(msg: str) -> None:
     print(f"[bench_runtime {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -763,6 +766,7 @@ def device_spec(given: str | None, tmp: Path, quick: bool) -> tuple[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--quick", action="store_true", help="K=2, M=4 only, fewer repeats")
     ap.add_argument("--size", type=int, default=128, help="input height and width (default 128)")
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per framework (default 5)")
@@ -797,4 +801,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded("bench_runtime", "--results" in sys.argv):
+        sys.exit(main())

@@ -55,6 +55,9 @@ MODELS: dict[str, tuple[str, Callable[[], nn.Module], int]] = {
 
 _T0 = time.perf_counter()
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def progress(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
@@ -130,6 +133,7 @@ def render(rows: Sequence[Row], markdown: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--quick", action="store_true", help="stop at 64 GPUs")
     ap.add_argument("--max-gpus", type=int, default=2048)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
@@ -158,4 +162,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded("bench_scaling", "--results" in sys.argv):
+        sys.exit(main())

@@ -44,6 +44,9 @@ from nowdl.runtime.training.metrics import peak_of  # noqa: E402
 
 MIB = 1 << 20
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
@@ -109,6 +112,7 @@ def largest(cap: float, tiles_choices: list[int], tmp: str, start: int, step: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--quick", action="store_true", help="smaller side and cap (about 5 minutes)")
     ap.add_argument("--side", type=int, default=None)
     ap.add_argument("--cap-mib", type=float, default=None)
@@ -148,4 +152,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("bench_sequential_tiles", "--results" in sys.argv):
+        main()

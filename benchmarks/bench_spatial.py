@@ -147,6 +147,9 @@ TARGET_SIDE = 2.0
 MODELS = ("monai_unet", "resnet_stem")
 MiB = 1 << 20
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 def log(msg: str) -> None:
     who = f" rank {dist.get_rank()}" if dist.is_initialized() else ""
@@ -630,6 +633,7 @@ def mark(ok: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--quick", action="store_true", help="small images, a small cap, few repeats")
     ap.add_argument("--cap-mib", type=float, default=None, help="per-rank memory cap of Table 3 (default 48, quick 12)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per halo/compute case (default 15, quick 5)")
@@ -813,4 +817,5 @@ def build_grid(p: int) -> tuple[int, ...]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded("bench_spatial", "--results" in sys.argv):
+        sys.exit(main())

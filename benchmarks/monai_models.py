@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import test_monai_coverage as cov  # noqa: E402
 from helpers import monai_zoo  # noqa: E402
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
 
 import nowdl  # noqa: E402
 
@@ -276,6 +278,7 @@ def remake_plan8(path: Path, nets: list[monai_zoo.Net]) -> None:
 def main() -> None:
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "docs" / "models.md"))
     ap.add_argument("--only", help="comma-separated net ids")
     ap.add_argument("--no-train", action="store_true")
@@ -340,4 +343,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded("monai_models", "--results" in sys.argv):
+        main()

@@ -34,6 +34,9 @@ __all__ = ["WideNet", "SMALL", "REAL", "plan_wide", "load_reference", "REFERENCE
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "wide_reference.json"
 
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
+
 
 @dataclass(frozen=True)
 class WideNet:
@@ -113,6 +116,7 @@ def load_reference(path: Path = REFERENCE_PATH) -> dict[tuple[str, int], dict[st
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="plan the wide MONAI networks; --reference writes the JSON")
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     ap.add_argument("--reference", action="store_true", help="write the rows to --out")
     ap.add_argument("--time-limit", type=float, default=None)
     ap.add_argument("--ks", default="4,8")
@@ -142,4 +146,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded("wide_graphs", "--results" in sys.argv):
+        sys.exit(main())
