@@ -51,12 +51,19 @@ from harvest.profiles import profiles_section  # noqa: E402
 from harvest.ranks import nccl_section, ranks_section  # noqa: E402
 from harvest.records import Records, log  # noqa: E402
 from harvest.report import report  # noqa: E402
-from harvest.steps import dump_history, steps_section  # noqa: E402
+from harvest.steps import Row, dump_history, step_rows, steps_section  # noqa: E402
+from harvest.torch_tools import torch_tools_section  # noqa: E402
 
-SECTIONS = ("bandwidth", "ops", "steps", "ranks", "eager", "sync_debug", "profiles", "ops_variants", "nccl", "ops_wscap")
+
+def TOOL_ROWS(cpu: bool) -> list[Row]:  # noqa: N802
+    """torch's estimators run on the first step rows (the H200 rows of docs/benchmarks.md)."""
+    return [r for r in step_rows(cpu) if r.kind in ("train", "inference")][:4]
+
+SECTIONS = ("bandwidth", "ops", "steps", "ranks", "eager", "sync_debug", "profiles", "ops_variants", "nccl", "ops_wscap",
+            "torch_tools", "torch_tools_here")
 #: seconds each section may take at most (GPU); a section starts only with its share left
 CAPS = {"bandwidth": 10, "ops": 60, "steps": 170, "ranks": 110, "eager": 35, "sync_debug": 10, "profiles": 40,
-        "ops_variants": 30, "nccl": 15, "ops_wscap": 30}
+        "ops_variants": 30, "nccl": 15, "ops_wscap": 30, "torch_tools": 45, "torch_tools_here": 45}
 
 
 def spec_name(device: torch.device) -> str:
@@ -98,18 +105,24 @@ def ops_section(recs: Records, cpu: bool, device: torch.device, key: str, only: 
                 torch.cuda.empty_cache()
 
 
-def wscap_section(recs: Records, mib: int, cap_s: float, records: Path) -> None:
-    """The conv rows again in a child process whose cuDNN workspace is capped at ``mib`` MiB."""
-    child = records.with_name(records.stem + f".wscap{mib}.json")
-    env = {**os.environ, "CUDNN_CONV_WSCAP_DBG": str(mib)}
-    cmd = [sys.executable, __file__, "--only", "ops", "--ops-only", "conv", "--records", str(child),
-           "--budget", str(max(10, cap_s - 15))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cap_s + 30)
-    if proc.returncode != 0:
-        raise RuntimeError(f"child exited {proc.returncode}: {proc.stderr[-1500:]}")
-    data = json.loads(child.read_text())
-    recs.put("ops_wscap", {"CUDNN_CONV_WSCAP_DBG_MiB": mib, "settings": data.get("settings"), "rows": data.get("ops", [])})
-    child.unlink()
+def child_section(recs: Records, key: str, section: str, cap_s: float, records: Path, cpu: bool,
+                  env: dict[str, str] | None = None, extra: tuple[str, ...] = (), rows_key: str | None = None) -> None:
+    """Run ``section`` in a child process (its own environment; a crash there, such as a C++
+    ``terminate``, ends the child only) and keep what it recorded under ``key``."""
+    child = records.with_name(records.stem + f".{key}.json")
+    cmd = [sys.executable, __file__, "--only", section, "--records", str(child), "--budget", str(max(10.0, cap_s - 15)),
+           *(["--cpu"] if cpu else []), *extra]
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=cap_s + 20)
+        rc, err = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, err = "timeout", str(e.stderr or "")
+    data = json.loads(child.read_text()) if child.exists() else {}
+    recs.put(key, {"env": env or {}, "returncode": rc, "stderr": err[-1500:] if rc else "",
+                   "settings": data.get("settings"), "sections": data.get("sections"), "rows": data.get(rows_key or section, [])})
+    child.unlink(missing_ok=True)
+    if rc != 0 and not data.get(rows_key or section):
+        raise RuntimeError(f"child exited {rc}: {err[-800:]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         "sync_debug": lambda: sync_section(recs, cpu, spec, device),
         "ranks": lambda: ranks_section(recs, cpu, spec, device),
         "nccl": lambda: nccl_section(recs, device),
-        "ops_wscap": lambda: wscap_section(recs, 64, caps["ops_wscap"], path),
+        "ops_wscap": lambda: child_section(recs, "ops_wscap", "ops", caps["ops_wscap"], path, cpu,
+                                           {"CUDNN_CONV_WSCAP_DBG": "64"}, ("--ops-only", "conv")),
+        "torch_tools": lambda: child_section(recs, "torch_tools", "torch_tools_here", caps["torch_tools"], path, cpu,
+                                             rows_key="torch_tools"),
+        "torch_tools_here": lambda: torch_tools_section(recs, TOOL_ROWS(cpu), device, timed),
     }
+    if not args.only:
+        want = [s for s in want if s != "torch_tools_here"]  # "torch_tools" runs it in a child process
     for sec in want:
         if sec == "ops_wscap" and cpu:
             continue
