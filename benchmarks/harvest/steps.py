@@ -49,7 +49,8 @@ class Row:
 
     @property
     def label(self) -> str:
-        return f"{self.model} {'x'.join(map(str, self.input))} {self.kind}{f' T={self.tiles}' if self.tiles > 1 else ''}"
+        extra = "".join(f" {k}={v}" for k, v in sorted(self.compile_kw.items()))
+        return f"{self.model} {'x'.join(map(str, self.input))} {self.kind}{f' T={self.tiles}' if self.tiles > 1 else ''}{extra}"
 
 
 def _monai_unet(spatial_dims: int = 2, in_channels: int = 3, channels: tuple[int, ...] = (32, 64, 128, 256, 512),
@@ -113,6 +114,7 @@ def step_rows(cpu: bool) -> list[Row]:
         Row("resnet110v2", {}, (1, 3, 1024, 1024), "seq_tiles", tiles=4),
         Row("monai_unet", m3, (1, 1, 128, 128, 128), "train"),
         Row("monai_unet", m3, (1, 1, 256, 256, 256), "inference"),
+        Row("unet", {}, (1, 3, 2048, 2048), "train", compile_kw={"precision": "bf16"}),
         Row("unet", {}, (1, 3, 4096, 4096), "train"),
         Row("unet", {}, (1, 3, 4096, 4096), "seq_tiles", tiles=4),
         Row("unet", {}, (1, 3, 8192, 8192), "inference"),
@@ -211,6 +213,9 @@ def run_row(row: Row, spec: str, device: torch.device, timed: int) -> tuple[dict
     measured, events = _measure(step, device, mods, None if inference else eng.optimizer, row.history)
     rec.update(measured)
     times = _steps_s(step, device, timed)
+    if device.type == "cuda":  # what the cache holds after the timed steps (fragmentation shows here)
+        rec["reserved_after"] = int(torch.cuda.memory_reserved(device))
+        rec["max_reserved_all_steps"] = int(torch.cuda.max_memory_reserved(device))
     rec["step_s"] = statistics.median(times)
     rec["step_s_all"] = times
     rk = plan.ranks[0]
