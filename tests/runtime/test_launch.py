@@ -100,6 +100,38 @@ def test_default_backend() -> None:
             default_backend({"NOWDL_BACKEND": "nccl"})
 
 
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> list[int]:
+    """Pretend this machine has ``count`` GPUs and NCCL; returns the devices set_device was given."""
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    return chosen
+
+
+def test_ranks_sharing_a_gpu_use_gloo_bound_to_local_rank_modulo_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nowdl.runtime.launch.group import _auto_backend, _set_device
+
+    chosen = _fake_gpus(monkeypatch, 1)
+    four = [LaunchEnv(r, 4, r, "h", 1, "torchrun", local_world_size=4) for r in range(4)]
+    assert [_auto_backend(e, {}) for e in four] == ["gloo"] * 4  # every rank of the node alike
+    assert [_set_device(e, "gloo") for e in four] == [torch.device("cuda", 0)] * 4 and chosen == [0] * 4
+    assert _auto_backend(four[0], {"NOWDL_BACKEND": "nccl"}) == "nccl"  # asked for: kept, and refused below
+    for e in four:  # every rank refuses, not only those past the GPU count
+        with pytest.raises(NowdlError, match=r"one of 4 ranks on this node .* 1 GPU\(s\) and NCCL takes one GPU "
+                                             r"per rank: .*--nproc-per-node 1.*backend='gloo'"):
+            _set_device(e, "nccl")
+    chosen = _fake_gpus(monkeypatch, 2)
+    two = [LaunchEnv(r, 2, r, "h", 1, "torchrun", local_world_size=2) for r in range(2)]
+    assert [_auto_backend(e, {}) for e in two] == ["nccl"] * 2
+    assert [_set_device(e, "nccl") for e in two] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    shared = [LaunchEnv(r, 3, r, "h", 1, "torchrun", local_world_size=3) for r in range(3)]
+    assert [_set_device(e, "gloo") for e in shared] == [torch.device("cuda", i) for i in (0, 1, 0)]
+    _fake_gpus(monkeypatch, 0)
+    assert _auto_backend(four[0], {}) == "gloo" and _set_device(four[0], "gloo") is None
+
+
 def test_init_distributed_needs_master_under_mpirun() -> None:
     env = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "node0"}
     with pytest.raises(NowdlError, match="openmpi.*MASTER_PORT is not set.*export MASTER_ADDR"):

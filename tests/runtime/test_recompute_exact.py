@@ -18,6 +18,7 @@ import torch
 from helpers.distributed import run_workers
 from helpers.monai_zoo import build, by_id
 from helpers.reference import train_reference
+from helpers.staging import staged_worker
 from torch import nn
 
 import nowdl
@@ -149,10 +150,12 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: st
         torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{what}: {k}: {m}")
 
 
-def compare(name: str, world: int, cfg: dict[str, Any], lv: Levers, *, twin: bool = False, one: bool = True) -> _Run:
+def compare(name: str, world: int, cfg: dict[str, Any], lv: Levers, *, twin: bool = False, one: bool = True,
+            staged: bool = False) -> _Run:
     """Train with ``lv`` on ``world`` ranks; assert losses, parameters and buffers equal one process
-    (``one``; buffers of several copies: equal the ``twin`` run without recompute and offload)."""
-    results = run_workers(_worker, world, name, cfg, lv, twin, timeout_s=400)
+    (``one``; buffers of several copies: equal the ``twin`` run without recompute and offload);
+    ``staged``: every exchange through host staging."""
+    results = run_workers(staged_worker(_worker) if staged else _worker, world, name, cfg, lv, twin, timeout_s=400)
     (losses, sd, offloaded, layout), other = results[0]
     for r, res in enumerate(results):
         assert res[0][0] == losses, f"rank {r} reports another loss"
@@ -208,7 +211,8 @@ def test_bf16_recompute_and_offload_equal_keeping() -> None:
 
 
 def test_offload_round_trips_exactly() -> None:
-    compare("batch", 2, _PIPE2, Levers(offload=(0, 1)))
+    """Both stages offloaded, the messages between them host staged."""
+    compare("batch", 2, _PIPE2, Levers(offload=(0, 1)), staged=True)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from helpers.distributed import run_workers
 from helpers.reference import train_reference
+from helpers.staging import staged_worker
 from torch import nn
 
 import nowdl
@@ -159,9 +160,10 @@ def _reference(name: str, total: int) -> tuple[list[float], dict[str, torch.Tens
                            STEPS)
 
 
-def _compare(name: str, world: int, cfg: dict[str, Any], *, tiled_input: bool = False
+def _compare(name: str, world: int, cfg: dict[str, Any], *, tiled_input: bool = False, staged: bool = False
              ) -> list[tuple[int, list[int], int]]:
-    results = run_workers(_worker, world, name, cfg, tiled_input, timeout_s=300)
+    """Train on ``world`` ranks (``staged``: every exchange through host staging) against one process."""
+    results = run_workers(staged_worker(_worker) if staged else _worker, world, name, cfg, tiled_input, timeout_s=300)
     ref_losses, ref_sd = _reference(name, _total(cfg))
     losses, sd, layout = results[0]
     for r, res in enumerate(results):
@@ -178,9 +180,10 @@ def _compare(name: str, world: int, cfg: dict[str, Any], *, tiled_input: bool = 
 
 
 def test_resnet_spatial_stem_then_pipeline_uneven_tiles() -> None:
-    """A 17x15 image cut 2x1 (uneven tiles: 9 + 8 rows), BatchNorm statistics over both tiles."""
+    """A 17x15 image cut 2x1 (uneven tiles: 9 + 8 rows), BatchNorm statistics over both tiles; host
+    staged (halos, statistics, the tiles' weight gradients, tiles to a plain stage)."""
     layout = _compare("resnet_bn", 3, {"stages": 2, "spatial_parts": 2, "spatial_stages": 1, "slice": "horizontal",
-                                       "micro_batches": 2, "dp": 1, "replicas": 1, "schedule": "1f1b"})
+                                       "micro_batches": 2, "dp": 1, "replicas": 1, "schedule": "1f1b"}, staged=True)
     assert [(p, g) for p, g, _ in layout] == [(2, [2, 1]), (1, [])]
 
 
@@ -192,9 +195,9 @@ def test_monai_unet_spatial_encoder_and_decoder_with_tiled_skips() -> None:
 
 
 def test_monai_unet_fully_spatial_square() -> None:
-    """The whole UNet on 2x2 tiles; the loss is computed on the gathered output."""
+    """The whole UNet on 2x2 tiles; the loss is computed on the gathered output; host staged."""
     layout = _compare("monai_unet", 4, {"stages": 1, "spatial_parts": 4, "slice": "square", "micro_batches": 2,
-                                        "dp": 1, "replicas": 1, "schedule": "gpipe"})
+                                        "dp": 1, "replicas": 1, "schedule": "gpipe"}, staged=True)
     assert [(p, g) for p, g, _ in layout] == [(4, [2, 2])]
 
 

@@ -17,8 +17,18 @@ from typing import Any
 import pytest
 import torch
 from helpers.distributed import run_workers
-from helpers.exactness import LR, STEPS, adam, compare, make_batch, make_loss, make_model
+from helpers.exactness import (
+    LR,
+    STEPS,
+    adam,
+    compare,
+    make_batch,
+    make_loss,
+    make_model,
+    train_worker,
+)
 from helpers.reference import train_reference
+from helpers.staging import staged_worker
 from torch import nn
 
 import nowdl
@@ -35,9 +45,12 @@ def test_pipeline_monai_unet_long_skips(schedule: str) -> None:
     compare("monai_unet", 4, {"stages": 4, "dp": 1, "replicas": 1, "micro_batches": 4, "schedule": schedule})
 
 
-@pytest.mark.parametrize("name", ["resnet_bn", "monai_unet"])
-def test_master(name: str) -> None:
-    compare(name, 2, {"stages": 2, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "1f1b"})
+@pytest.mark.parametrize(("name", "staged"), [("resnet_bn", True), ("monai_unet", False)])
+def test_master(name: str, staged: bool) -> None:
+    """resnet_bn with every exchange through host staging (activations, gradients, the weights'
+    broadcast, the bucketed gradient all-reduce, the loss), as CUDA tensors on gloo go."""
+    compare(name, 2, {"stages": 2, "dp": 1, "replicas": 2, "micro_batches": 2, "schedule": "1f1b"},
+            worker=staged_worker(train_worker) if staged else train_worker)
 
 
 @pytest.mark.slow

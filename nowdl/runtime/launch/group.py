@@ -7,6 +7,15 @@ restarts] in ``runtime/launch/attempt.py``), and :func:`wait` waits for an async
 send/receive/collective with a deadline, turning a silent hang on a dead peer into a
 :class:`PeerError` that names the peer, what was being exchanged and where this rank was
 (``runtime/launch/where.py``).
+
+[Note: NCCL device] Before the group starts, each process makes ``cuda:LOCAL_RANK`` its current
+device (torch requires it for NCCL: object collectives, barrier and batched p2p use the current
+device) and, under NCCL, passes it as ``device_id``, which binds the process to it: the
+communicator forms at once (a bad GPU or network fails here, not at the first step) and the
+runtime's sub-groups are split from it. NCCL takes one GPU per rank; when a node's ranks
+outnumber its GPUs and no backend was asked for, the ranks use gloo, bound to
+``LOCAL_RANK % GPUs``, with CUDA tensors staged through host memory ([Note: host staging] in
+``runtime/launch/comm.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import torch.distributed as dist
 from nowdl.backends import BACKENDS, backend_name
 from nowdl.errors import NowdlError
 from nowdl.runtime.launch.attempt import job_store
+from nowdl.runtime.launch.comm import Waitable
 from nowdl.runtime.launch.group_exit import destroy_at_exit
 from nowdl.runtime.launch.launcher import LAUNCHER_VAR, LaunchEnv, launch_env
 from nowdl.runtime.launch.where import here
@@ -96,19 +106,44 @@ def _check_world(env: LaunchEnv, expected_world_size: int | None) -> None:
         )
 
 
-def _set_device(env: LaunchEnv, backend: str) -> None:
-    if not torch.cuda.is_available():
-        return
-    count = torch.cuda.device_count()
-    if env.local_rank < count:
-        torch.cuda.set_device(env.local_rank)
-    elif backend == "nccl":
+def _gpus_per_rank(env: LaunchEnv) -> tuple[int, int]:
+    """(ranks on this node, GPUs this process sees); the ranks are ``local_rank + 1`` at least."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(env.local_world_size or 0, env.local_rank + 1), count
+
+
+def _auto_backend(env: LaunchEnv, environ: Mapping[str, str] | None) -> str:
+    """:func:`default_backend`, but gloo when this node's ranks outnumber its GPUs (NCCL takes one
+    GPU per rank; gloo moves CUDA tensors through host memory: [Note: host staging] in
+    runtime/launch/comm.py). Every rank of a node decides alike from LOCAL_WORLD_SIZE."""
+    name = default_backend(environ)
+    env_vars: Mapping[str, str] = os.environ if environ is None else environ
+    ranks, gpus = _gpus_per_rank(env)
+    if name == "nccl" and not env_vars.get("NOWDL_BACKEND", "").strip() and env.local_world_size and ranks > gpus:
+        logger.info("%d ranks share %d GPU(s) on this node: NCCL takes one GPU per rank, so the ranks use gloo, "
+                    "which moves CUDA tensors through host memory", ranks, gpus)
+        return "gloo"
+    return name
+
+
+def _set_device(env: LaunchEnv, backend: str) -> torch.device | None:
+    """Make ``cuda:local_rank`` (modulo the GPUs seen: several ranks may share one under gloo) this
+    process's current device before the group starts, as NCCL requires; returns it (None without CUDA)."""
+    ranks, count = _gpus_per_rank(env)
+    if count == 0:
+        return None
+    if backend == "nccl" and ranks > count:
         raise NowdlError(
-            f"rank {env.rank} has local rank {env.local_rank} but this node has only {count} "
-            f"GPU(s): start at most {count} processes per node (--nproc-per-node {count})"
+            f"rank {env.rank} is one of {ranks} ranks on this node (local rank {env.local_rank}) but the node has "
+            f"{count} GPU(s) and NCCL takes one GPU per rank: start at most {count} processes per node "
+            f"(--nproc-per-node {count}), or use backend='gloo' (NOWDL_BACKEND=gloo), which lets ranks share a GPU "
+            "and moves CUDA tensors through host memory"
         )
-    else:
-        logger.warning("local rank %d >= %d visible GPUs; not setting a CUDA device", env.local_rank, count)
+    index = env.local_rank % count
+    torch.cuda.set_device(index)
+    if env.local_rank >= count:
+        logger.info("local rank %d shares GPU %d (%d visible)", env.local_rank, index, count)
+    return torch.device("cuda", index)
 
 
 def init_distributed(
@@ -150,9 +185,10 @@ def init_distributed(
         return env
 
     _check_world(env, expected_world_size)
-    name = _check_backend(backend, "backend") if backend is not None else default_backend(environ)
+    name = _check_backend(backend, "backend") if backend is not None else _auto_backend(env, environ)
     timeout = timedelta(seconds=timeout_s)
-    _set_device(env, name)
+    device = _set_device(env, name)
+    bind = device if name == "nccl" else None  # [Note: NCCL device]
     destroy_at_exit()  # the group we make ends before the interpreter does (runtime/launch/group_exit.py)
 
     if name == "mpi":
@@ -165,7 +201,7 @@ def init_distributed(
         env = replace(env, rank=rank, world_size=world)
     elif env.launcher == "single" and (env.master_addr is None or env.master_port is None):
         # Alone: an in-memory store, no port to pick.
-        dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=bind)
     else:
         if env.master_addr is None or env.master_port is None:
             missing = " and ".join(
@@ -188,7 +224,8 @@ def init_distributed(
                     env.launcher, env.local_rank, name, env.master_addr, env.master_port)
         try:
             store = job_store(env.master_addr, env.master_port, env.rank, env.world_size, timeout, environ)
-            dist.init_process_group(name, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+            dist.init_process_group(name, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                                    device_id=bind)
         except (RuntimeError, TimeoutError) as exc:  # DistStoreError, DistNetworkError: RuntimeErrors
             raise NowdlError(rendezvous_message(env, timeout_s, exc)) from exc
     return env
@@ -206,11 +243,12 @@ def rendezvous_message(env: LaunchEnv, timeout_s: float, exc: BaseException) -> 
             f"raise --timeout [{type(exc).__name__}: {first}]")
 
 
-def wait(work: dist.Work | None, *, timeout_s: float, what: str, peer: int | None) -> None:
+def wait(work: Waitable | None, *, timeout_s: float, what: str, peer: int | None) -> None:
     """Wait for an async send/receive/collective ``work`` for at most ``timeout_s`` seconds.
 
-    ``work`` is what ``dist.isend``/``irecv``/``all_reduce(..., async_op=True)`` return;
-    ``None`` (they return it when this rank is not in the group) means nothing to wait for.
+    ``work`` is what ``isend``/``irecv``/``all_reduce(..., async_op=True)`` of torch.distributed
+    or of ``runtime/launch/comm.py`` return; ``None`` (they return it when this rank is not in
+    the group) means nothing to wait for.
 
     ``what`` says what is being exchanged (e.g. ``"activations of micro-batch 3"``) and
     ``peer`` with whom (``None`` for a collective). If the peer does not answer in time, or

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.codegen.stage import StageModule
+from nowdl.runtime.launch import comm
 from nowdl.runtime.launch.group import wait
 from nowdl.runtime.pipeline.ranks import Placement
 
@@ -66,7 +67,7 @@ class Buckets:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in self.cur])  # type: ignore[union-attr]
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = comm.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.launched.append((self.stage, work, flat, self.cur))
         self.cur, self.size = [], 0
 
@@ -119,7 +120,7 @@ class GradSync:
             src = self.place.group_ranks(s)[0]
             for t in list(self.stages[s].module.parameters()) + list(self.stages[s].module.buffers()):
                 with torch.no_grad():
-                    dist.broadcast(t.data, src=src, group=g)
+                    comm.broadcast(t.data, src=src, group=g)
 
     def open_buckets(self, stage: int) -> Buckets | None:
         """Before this rank's last gradient action of ``stage`` in a step: reduce its gradients in
@@ -157,7 +158,7 @@ class GradSync:
                     bad.fill_(1.0)
                     break
             if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+                comm.all_reduce(bad, op=dist.ReduceOp.MAX)
             if bad.item() > 0:
                 self.loss_scale /= 2.0
                 self._good_steps = 0
@@ -180,5 +181,5 @@ class GradSync:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return local_sum / total
         t = torch.tensor([local_sum], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        comm.all_reduce(t, op=dist.ReduceOp.SUM)
         return float(t.item()) / total

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nowdl.codegen.stage import StageModule
+from nowdl.runtime.launch import comm
 from nowdl.runtime.launch.group import wait
 from nowdl.runtime.pipeline.rank_view import RankView
 from nowdl.runtime.spatial.exchange import Window, intersect
@@ -197,7 +197,7 @@ class Transfers:
         while rx.next_action < len(rx.per_action) and rx.next_action <= idx + LOOKAHEAD:
             for key, peer, tag, name, shape in rx.per_action[rx.next_action]:
                 buf = self._alloc(name, shape)
-                rx.posted[key] = (dist.irecv(buf, src=peer, tag=tag), peer, buf)
+                rx.posted[key] = (comm.irecv(buf, src=peer, tag=tag), peer, buf)
             rx.next_action += 1
 
     def take(self, rx: StepReceives, key: tuple[Any, ...], what: str) -> torch.Tensor:
@@ -221,7 +221,7 @@ class Transfers:
                 continue
             piece = msg[self.rel(box, self.box(name, act.stage, part))].contiguous()
             q = self.peer(act.replica, c, j)
-            w = dist.isend(piece, dst=q, tag=self.tag(name, False, act.replica, act.microbatch))
+            w = comm.isend(piece, dst=q, tag=self.tag(name, False, act.replica, act.microbatch))
             sends.append((w, f"{name} to stage {c}", piece, q, self.index(q, "F", c, act.microbatch, act.replica)))
         return sends
 
@@ -240,7 +240,7 @@ class Transfers:
                 if piece.untyped_storage().nbytes() > piece.numel() * piece.element_size():
                     piece = piece.clone()  # a view (a cat's slice) would hold the whole gradient until sent
                 q = self.peer(act.replica, p, i)
-                w = dist.isend(piece, dst=q, tag=self.tag(name, True, act.replica, act.microbatch))
+                w = comm.isend(piece, dst=q, tag=self.tag(name, True, act.replica, act.microbatch))
                 sends.append((w, f"gradient of {name} to stage {p}", piece, q,
                               self.index(q, "B", p, act.microbatch, act.replica)))
             t.grad = None  # sent: the pieces cut from it live until their sends complete

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from nowdl.geometry import POINTWISE
+from nowdl.runtime.launch import comm
 from nowdl.runtime.spatial.norms import batchnorm_tile, groupnorm_tile, instancenorm_tile
 from nowdl.runtime.spatial.tiled_ops import conv_tile, conv_transpose_tile, pool_tile, upsample_tile
 from nowdl.runtime.spatial.tiles import TileGrid
@@ -67,7 +68,7 @@ def sum_weight_grads(module: nn.Module, group: dist.ProcessGroup | None = None) 
     for ps in by_dtype.values():
         grads = [p.grad for p in ps if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        comm.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nowdl.geometry import TileTooSmallError
+from nowdl.runtime.launch import comm
 from nowdl.runtime.spatial.tiles import TileGrid
 
 __all__ = ["Window", "fetch_window", "halo_exchange", "TileTooSmallError"]
@@ -128,13 +129,13 @@ def _post_exchange(x: Tensor, grid: TileGrid, plan: Any, group: dist.ProcessGrou
     bufs: list[Tensor] = []
     for q, box in recv:
         buf = x.new_empty(lead + tuple(hi - lo for lo, hi in box))
-        reqs.append(dist.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
+        reqs.append(comm.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
         bufs.append(buf)
     keep = []
     for q, box in send:
         t = x[_rel(box, mine)].contiguous()
         keep.append(t)
-        reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
+        reqs.append(comm.isend(t, dst=grid.ranks[q], group=group, tag=tag))
     return Pending(reqs, bufs, keep)
 
 
@@ -220,10 +221,10 @@ def _post_slabs(slabs: Sequence[Tensor], like: Tensor, grid: TileGrid, plan: Any
     bufs: list[tuple[Window, Tensor]] = []
     for q, box in send:  # I sent them this slab: its gradient comes back to me
         buf = like.new_empty(tuple(like.shape[:2]) + tuple(hi - lo for lo, hi in box))
-        reqs.append(dist.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
+        reqs.append(comm.irecv(buf, src=grid.ranks[q], group=group, tag=tag))
         bufs.append((box, buf))
     for (q, _), t in zip(recv, slabs, strict=True):  # they own this slab of my window: send its gradient home
-        reqs.append(dist.isend(t, dst=grid.ranks[q], group=group, tag=tag))
+        reqs.append(comm.isend(t, dst=grid.ranks[q], group=group, tag=tag))
     return Pending(reqs, bufs, list(slabs))
 
 

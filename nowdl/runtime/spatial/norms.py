@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nowdl.runtime.launch import comm
 from nowdl.runtime.spatial.precision import REDUCED, autocast_off, opmath, probe_dtype
 
 __all__ = ["batchnorm_tile", "groupnorm_tile", "instancenorm_tile"]
@@ -56,7 +57,7 @@ def _global_stats(x: Tensor, dims: list[int], group: dist.ProcessGroup | None) -
     buf[slot, 0] = float(local_n)
     buf[slot, 1:s + 1] = mean_l.reshape(-1)
     buf[slot, s + 1:] = var_l.reshape(-1)
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    comm.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
     n_i = buf[:, :1]
     count = n_i.sum()
     mean = (n_i * buf[:, 1:s + 1]).sum(0) / count
@@ -67,7 +68,7 @@ def _global_stats(x: Tensor, dims: list[int], group: dist.ProcessGroup | None) -
 def _tile_means(a: Tensor, b: Tensor, group: dist.ProcessGroup | None, count: float) -> tuple[Tensor, Tensor]:
     """Two per-statistic sums over every tile (one all-reduce), divided by the whole count."""
     packed = torch.cat([a.reshape(-1), b.reshape(-1)])
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    comm.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     return packed[:a.numel()].reshape(a.shape) / count, packed[a.numel():].reshape(b.shape) / count
 
 

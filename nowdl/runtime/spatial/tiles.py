@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from nowdl.geometry import split_bounds  # re-exported: it lives with the other pure geometry
+from nowdl.runtime.launch import comm
 
 __all__ = ["TileGrid", "TiledInput", "split_bounds", "group_ranks"]
 
@@ -216,7 +217,7 @@ def _gather_full(tile: Tensor, grid: TileGrid, group: dist.ProcessGroup | None) 
     padded = tile.new_zeros(tuple(tile.shape[:2]) + big)
     padded[(slice(None), slice(None)) + tuple(slice(0, s) for s in exp)] = tile
     parts = [torch.empty_like(padded) for _ in grid.ranks]
-    dist.all_gather(parts, padded.contiguous(), group=group)
+    comm.all_gather(parts, padded.contiguous(), group=group)
     full = tile.new_empty(tuple(tile.shape[:2]) + grid.shape)
     for i, part in enumerate(parts):
         b = grid.tile_bounds(grid.coords_of(i))
