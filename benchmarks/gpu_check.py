@@ -53,6 +53,8 @@ from harvest.records import Records, log  # noqa: E402
 from harvest.report import report  # noqa: E402
 from harvest.steps import Row, dump_history, step_rows, steps_section  # noqa: E402
 from harvest.torch_tools import torch_tools_section  # noqa: E402
+from results import HELP as RESULTS_HELP  # noqa: E402
+from results import recorded  # noqa: E402
 
 
 def TOOL_ROWS(cpu: bool) -> list[Row]:  # noqa: N802
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", action="append", default=[], choices=SECTIONS, help="leave a section out (repeatable)")
     ap.add_argument("--ops-only", metavar="PREFIX", help="op grid rows whose op starts with PREFIX only")
     ap.add_argument("--report", metavar="FILE", help="print the tables of an existing records file and exit")
+    ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
     args = ap.parse_args(argv)
     if args.report:
         print(report(json.loads(Path(args.report).read_text())))
@@ -187,4 +190,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded("gpu_check", "--results" in sys.argv):
+        sys.exit(main())
