@@ -21,6 +21,7 @@ one variable per threshold stage ([Note: ILP formulation]).
 
 from __future__ import annotations
 
+from collections import deque
 from functools import lru_cache
 
 from nowdl.errors import NowdlError
@@ -68,7 +69,7 @@ def pending_grads(src: Order, dst: Order) -> list[tuple[int, int, int]]:
     b_at = {i: a for a, (kind, i) in enumerate(src) if kind == "B"}
     f_at = {i: a for a, (kind, i) in enumerate(src) if kind == "F"}
     done = -1  # the latest src action dst knows ran (from the forward messages it took)
-    pending: list[int] = []  # src action index that consumes each held gradient
+    pending: deque[int] = deque()  # src action index that consumes each held gradient, ascending
     whole = deferred = 0
     has_w = any(kind == "W" for kind, _ in dst)
     out = []
@@ -76,7 +77,8 @@ def pending_grads(src: Order, dst: Order) -> list[tuple[int, int, int]]:
         if kind == "F":
             done = max(done, f_at[i])  # this micro-batch's skip arrived: src ran F(i)
             whole += 1
-        pending = [c for c in pending if c > done + RECV_LOOKAHEAD]
+        while pending and pending[0] <= done + RECV_LOOKAHEAD:  # src's B's run in order: a prefix is released
+            pending.popleft()
         if kind == "B":
             out.append((whole + deferred, whole, len(pending)))
             pending.append(b_at[i])
@@ -98,10 +100,22 @@ def skip_waits(schedule: str, k: int, m: int) -> tuple[tuple[float, ...], ...]:
     (0.0, 0.0, 0.0)
     """
     orders = [stage_order(schedule, k, m, s) for s in range(k)]
+    # stages whose orders are equal wait alike (under 1F1B every stage with K - s >= m warms up
+    # the same m forwards): one replay per pair of distinct orders, not per pair of stages
+    ids: dict[Order, int] = {}
+    key = [ids.setdefault(o, len(ids)) for o in orders]
+    peak: dict[tuple[int, int], float] = {}
+
+    def held(i: int, j: int) -> float:
+        pair = (key[i], key[j])
+        if pair not in peak:
+            # the peak backward: the most micro-batches in flight, then the most whole, then held
+            peak[pair] = float(max(pending_grads(orders[i], orders[j]), default=(0, 0, 0))[2])
+        return peak[pair]
+
     out = []
     for j in range(k):
-        # the peak backward: the most micro-batches in flight, then the most whole, then held
-        row = [float(max(pending_grads(orders[i], orders[j]), default=(0, 0, 0))[2]) for i in range(j)]
+        row = [held(i, j) for i in range(j)]
         for i in range(j - 2, -1, -1):  # a farther producer waits at least as long
             row[i] = max(row[i], row[i + 1])
         out.append(tuple(row))

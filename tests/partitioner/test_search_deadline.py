@@ -70,6 +70,30 @@ def test_a_search_cut_short_before_anything_fits_refuses_naming_the_limit(monkey
     assert "raise the time limit (--time-limit 120" in msg and "\n" not in msg
 
 
+def test_a_limit_spent_bounding_still_answers_with_the_easy_candidate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: easy candidates first]: when the time limit ends while candidates are still being
+    bounded (2,048 GPUs under load), the search solves what it bounded, one stage first, and
+    answers with a plan that fits and the number it left untried, not with "0 tried"."""
+    offset = [0.0]
+    fake = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset[0])
+    monkeypatch.setattr(best_plan, "time", fake)
+    bound_one = best_plan.candidate_bounds
+    bounded: list[Any] = []
+
+    def bounds(cc: Any, cand: Any, *a: Any, **kw: Any) -> Any:
+        bounded.append(cand)
+        if len(bounded) == 3:
+            offset[0] = 86400.0  # the limit ends after three candidates are bounded
+        return bound_one(cc, cand, *a, **kw)
+
+    monkeypatch.setattr(best_plan, "candidate_bounds", bounds)
+    plan = _plan(_unet(), 256, gpus=64, planner=nowdl.PlannerOptions(time_limit=30))
+    stats = plan.solver["search"]
+    assert bounded[0].stages == 1 and stats["evaluated"] >= 1 and stats["untried"] > 0
+    assert plan.predicted["peak_bytes"] <= plan.config["gpu_memory"]
+    assert any("ran out of its" in w for w in plan.warnings)
+
+
 def test_refusal_figures_get_what_is_left_but_a_floor() -> None:
     now = time.perf_counter()
     assert refusal_budget(now + 1000, 20.0) == 20.0

@@ -283,16 +283,24 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
     proved over the cap, and how many the deadline left untried ([Note: search deadline])."""
     deadline = t0 + req.time_limit
     entries: list[tuple[Candidate, Costs, Problem, Bounds]] = []
-    for cand in pool:
-        if time.perf_counter() > deadline:
-            return [], 0, 0, len(pool)
+    unbounded = 0
+    for n, cand in enumerate(sorted(pool, key=_ease)):  # [Note: easy candidates first]
+        if time.perf_counter() > deadline and entries:
+            unbounded = len(pool) - n
+            break
         cc, problem = candidate_problem(by_batch, cand, req.balance)
         try:
             entries.append((cand, cc, problem, candidate_bounds(cc, cand, problem, cand.micro_batch_size)))
         except InfeasibleError:  # pins and tileability allow no split
             continue
-    order = sorted(range(len(entries)), key=lambda i: (-entries[i][3].throughput_ub, i))
+    pos = {c: n for n, c in enumerate(pool)}  # ties keep the enumeration's order, as do the results
+    order = sorted(range(len(entries)), key=lambda i: (-entries[i][3].throughput_ub, pos[entries[i][0]]))
+    easy = next((i for i in range(len(entries)) if entries[i][0].stages == 1), None)
+    if easy is not None:  # solved first: its split is immediate, and once it fits its throughput prunes
+        order.remove(easy)
+        order.insert(0, easy)
     evals: list[_Eval] = []
+    at: dict[int, int] = {}  # id of an eval -> its candidate's place in the pool
     best_lb = 0.0
     pruned = over = untried = 0
     tiles = TileGroups({e[0]: e[2] for e in entries}, lambda p: over_cap_proven(p, cache, deadline, req.mip_gap))
@@ -303,8 +311,8 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
         if b.throughput_ub < best_lb * (1 - _REL):
             pruned = len(order) - done
             break
-        if time.perf_counter() > deadline:
-            untried = len(order) - done
+        if time.perf_counter() > deadline and (best_lb > 0 or cand.stages > 1):
+            untried = len(order) - done  # past the limit only single-stage splits, until one fits
             break
         if tiles.dominated_over(cand):  # [Note: leanest tiles first]
             over += 1
@@ -340,11 +348,22 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
         if ev is None:
             continue
         evals.append(ev)
+        at[id(ev)] = pos[cand]
         if ev.fits and not ev.idle:
             best_lb = max(best_lb, ev.achievable(req.balance))
     if progress is not None and (pruned or untried):
         progress(len(order), len(order))
-    return evals, pruned, over, untried
+    evals.sort(key=lambda e: at[id(e)])
+    return evals, pruned, over, untried + unbounded
+
+
+def _ease(cand: Candidate) -> tuple[int, int, int, int]:
+    """[Note: easy candidates first] The order candidates are bounded in: data parallel copies of
+    one whole stage first (their split is the whole graph, found at once), then fewer stages,
+    fewer tiles and no mirror. Under a time limit that ends the bounding, the candidates bounded
+    are the ones that fit soonest, and the search goes on to solve them: it answers with the best
+    of those and the number left untried, never with nothing tried while one of them fits."""
+    return cand.stages, cand.parts, cand.replicas, cand.tiles_per_gpu
 
 
 
