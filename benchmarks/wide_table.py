@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from wide_graphs import REAL, SMALL, WideNet, load_reference, plan_wide
 
@@ -57,7 +60,23 @@ def _load() -> str:
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def cold_plan(label: str, k: int) -> float:
+    """Wall seconds of ``plan()`` as the first plan of a fresh process (imports of torch, nowdl and
+    MONAI done before the clock starts; no cache on disk: ``cache=False``)."""
+    code = ("import sys, json; sys.path.insert(0, 'benchmarks'); import torch, nowdl, monai.networks.nets; "
+            "from wide_graphs import SMALL, REAL, plan_wide; "
+            f"net = next(n for n in SMALL + REAL if n.label == {label!r}); "
+            f"print(json.dumps(plan_wide(net, {k})['wall_s']))")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
+    if out.returncode != 0:
+        raise RuntimeError(f"cold plan of {label} K={k} failed: {out.stderr[-500:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def _row(net: WideNet, k: int, repeats: int, ref: dict[str, object] | None) -> list[str]:
+    cold = statistics.median(cold_plan(net.label, k) for _ in range(repeats))
     runs = [plan_wide(net, k) for _ in range(repeats)]
     r = runs[-1]
     wall = statistics.median(x["wall_s"] for x in runs)
@@ -70,12 +89,12 @@ def _row(net: WideNet, k: int, repeats: int, ref: dict[str, object] | None) -> l
     else:
         ref_txt, ratio_txt, ratio_ok = NA, NA, NA
     target = TARGET_S.get(k)
-    time_ok = NA if target is None or ref is None else (OK if wall <= target else BAD)
+    time_ok = NA if target is None or ref is None else (OK if max(cold, wall) <= target else BAD)
     tm = r.get("timing") or {}
     parts = "/".join(f"{float(tm.get(key, float('nan'))):.2f}" for key in ("trace_s", "profile_s", "search_s"))
     return [net.label, str(k), str(r["nodes"]), f"{peak:.6g}", ref_txt, ratio_txt,
             f"{r['solver']} {r['status']}", proof(str(r["status"]), float(r["gap"])),
-            f"{wall:.2f}", parts, f"{cpu:.2f}", _load(), f"{ratio_ok} / {time_ok}"]
+            f"{cold:.2f}", f"{wall:.2f}", parts, f"{cpu:.2f}", _load(), f"{ratio_ok} / {time_ok}"]
 
 
 def _amoeba() -> list[list[str]]:
@@ -97,7 +116,7 @@ def _amoeba() -> list[list[str]]:
         ratio = part.bottleneck_mem / AMOEBA_OPT
         rows.append([f"AmoebaNet-D 1024² {label}", "8", str(prof.nodes), f"{part.bottleneck_mem:.6g}",
                      f"{AMOEBA_OPT:.4g} (proven optimum)", f"{ratio:.4f}",
-                     f"{part.solver} {part.status}", proof(part.status, part.gap), f"{wall:.2f}", "—", f"{cpu:.2f}", _load(),
+                     f"{part.solver} {part.status}", proof(part.status, part.gap), "—", f"{wall:.2f}", "—", f"{cpu:.2f}", _load(),
                      f"{OK if ratio <= 1.01 else BAD} / {OK if wall <= 10 else BAD}"])
     return rows
 
@@ -124,7 +143,7 @@ def _amoeba_plan(problem: Problem, names: list[str]) -> list[str]:
     parts = "/".join(f"{float(tm.get(key, float('nan'))):.2f}" for key in ("trace_s", "profile_s", "search_s"))
     return ["AmoebaNet-D 1024² plan() (default PlannerOptions)", "8", str(problem.n), f"{part.bottleneck_mem:.6g}",
             f"{AMOEBA_OPT:.4g} (proven optimum)", f"{ratio:.4f}", f"{sv.get('name')} {sv.get('status')}",
-            proof(str(sv.get("status")), float(sv.get("gap") or float("nan"))), f"{wall:.2f}", parts, f"{cpu:.2f}",
+            proof(str(sv.get("status")), float(sv.get("gap") or float("nan"))), "—", f"{wall:.2f}", parts, f"{cpu:.2f}",
             _load(), f"{OK if ratio <= 1.01 else BAD} / {OK if wall <= 10 else BAD}"]
 
 
@@ -137,7 +156,7 @@ def run_wide(markdown: bool, *, real: bool = False, repeats: int = 1) -> str:
         rows += [_row(net, k, 1, refs.get((net.label, k))) for net in REAL for k in (4, 8)]
     rows += _amoeba()
     headers = ["graph", "K", "nodes", "peak bytes", "reference (120 s, f97bb2f)", "ratio", "solver status", "exact?",
-               "wall s", "trace/profile/search wall s", "CPU s", "load avg", "≤1.01× / ≤time"]
+               "cold wall s", "warm wall s", "trace/profile/search wall s (warm)", "CPU s", "load avg", "≤1.01× / ≤time"]
     title = "Table 3: wide graphs, gpus = stages = micro-batches = K, balance memory, default PlannerOptions"
     head = f"\n### {title}\n" if markdown else f"\n{title}\n{'=' * len(title)}"
     return head + "\n" + _render(headers, rows, markdown)
