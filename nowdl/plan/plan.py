@@ -7,6 +7,7 @@ nowdl is refused rather than misread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -142,9 +143,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the plan as JSON atomically and durably: fsynced before its rename, the folder after
-        (a crash or a power loss never leaves half a file; [Note: durable saves] in
-        runtime/training/durable.py)."""
+        """Write the plan as JSON, atomically and fsynced ([Note: durable saves] in runtime/training)."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
@@ -155,12 +154,9 @@ class Plan:
                 os.fsync(f.fileno())
             os.replace(tmp, p)
             dfd = os.open(p.parent, os.O_RDONLY)
-            try:
+            with contextlib.suppress(OSError):  # a filesystem that cannot fsync a folder
                 os.fsync(dfd)
-            except OSError:  # a filesystem that cannot fsync a folder
-                pass
-            finally:
-                os.close(dfd)
+            os.close(dfd)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -13,6 +13,7 @@ import torch
 
 import nowdl
 import nowdl.partitioner.search.best_plan as best_plan
+import nowdl.partitioner.search.deadline as search_deadline
 from nowdl.errors import InfeasibleError
 from nowdl.partitioner.search.deadline import REFUSAL_S, TileGroups, refusal_budget
 
@@ -77,7 +78,8 @@ def test_a_limit_spent_bounding_still_answers_with_the_easy_candidate(monkeypatc
     offset = [0.0]
     fake = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + offset[0])
     monkeypatch.setattr(best_plan, "time", fake)
-    bound_one = best_plan.candidate_bounds
+    monkeypatch.setattr(search_deadline, "time", fake)
+    bound_one = search_deadline.candidate_bounds
     bounded: list[Any] = []
 
     def bounds(cc: Any, cand: Any, *a: Any, **kw: Any) -> Any:
@@ -86,7 +88,7 @@ def test_a_limit_spent_bounding_still_answers_with_the_easy_candidate(monkeypatc
             offset[0] = 86400.0  # the limit ends after three candidates are bounded
         return bound_one(cc, cand, *a, **kw)
 
-    monkeypatch.setattr(best_plan, "candidate_bounds", bounds)
+    monkeypatch.setattr(search_deadline, "candidate_bounds", bounds)
     plan = _plan(_unet(), 256, gpus=64, planner=nowdl.PlannerOptions(time_limit=30))
     stats = plan.solver["search"]
     assert bounded[0].stages == 1 and stats["evaluated"] >= 1 and stats["untried"] > 0

@@ -1,9 +1,9 @@
 """Configuration search: bound every candidate, solve only the ones that can win, emit a Plan.
 
-[Note: configuration search] Every candidate configuration (stages, micro-batches,
-replicas, dp, spatial layout) gets cheap bounds first ([Note: candidate bounds]): an upper
-bound on its throughput and a lower bound on its memory. Candidates are then taken best
-bound first and solved by ``solve(..., ilp=False)``: the exact DP over ideals where the
+[Note: configuration search] Every candidate configuration gets cheap bounds first, easiest
+first ([Note: candidate bounds], [Note: easy candidates first]): an upper bound on its throughput
+and a lower bound on its memory. One single-stage candidate is solved first, then the rest best
+bound first by ``solve(..., ilp=False)``: the exact DP over ideals where the
 graph allows (then the candidate's value is proven), else a heuristic split (DP over a
 topological order, MASTER descent; where none fits the cap, a MILP of at most
 ``SCREEN_MILP_S`` seconds). The search stops as soon as no remaining candidate's
@@ -45,6 +45,7 @@ from nowdl.partitioner.search.bounds import Bounds, candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
 from nowdl.partitioner.search.deadline import (
     TileGroups,
+    bound_easiest_first,
     finishing_split,
     heuristic_over,
     least_memory,
@@ -282,23 +283,11 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
     configuration search]) until the deadline; the solved ones, and how many the bounds pruned or
     proved over the cap, and how many the deadline left untried ([Note: search deadline])."""
     deadline = t0 + req.time_limit
-    entries: list[tuple[Candidate, Costs, Problem, Bounds]] = []
-    unbounded = 0
-    for n, cand in enumerate(sorted(pool, key=_ease)):  # [Note: easy candidates first]
-        if time.perf_counter() > deadline and entries:
-            unbounded = len(pool) - n
-            break
-        cc, problem = candidate_problem(by_batch, cand, req.balance)
-        try:
-            entries.append((cand, cc, problem, candidate_bounds(cc, cand, problem, cand.micro_batch_size)))
-        except InfeasibleError:  # pins and tileability allow no split
-            continue
+    entries, unbounded = bound_easiest_first(pool, by_batch, req.balance, deadline)
     pos = {c: n for n, c in enumerate(pool)}  # ties keep the enumeration's order, as do the results
     order = sorted(range(len(entries)), key=lambda i: (-entries[i][3].throughput_ub, pos[entries[i][0]]))
-    easy = next((i for i in range(len(entries)) if entries[i][0].stages == 1), None)
-    if easy is not None:  # solved first: its split is immediate, and once it fits its throughput prunes
-        order.remove(easy)
-        order.insert(0, easy)
+    easy = [i for i in order if entries[i][0].stages == 1][:1]
+    order = easy + [i for i in order if i not in easy]
     evals: list[_Eval] = []
     at: dict[int, int] = {}  # id of an eval -> its candidate's place in the pool
     best_lb = 0.0
@@ -355,15 +344,6 @@ def _screen(req: PlanRequest, pool: list[Candidate], by_batch: CostsByBatch, cac
         progress(len(order), len(order))
     evals.sort(key=lambda e: at[id(e)])
     return evals, pruned, over, untried + unbounded
-
-
-def _ease(cand: Candidate) -> tuple[int, int, int, int]:
-    """[Note: easy candidates first] The order candidates are bounded in: data parallel copies of
-    one whole stage first (their split is the whole graph, found at once), then fewer stages,
-    fewer tiles and no mirror. Under a time limit that ends the bounding, the candidates bounded
-    are the ones that fit soonest, and the search goes on to solve them: it answers with the best
-    of those and the number left untried, never with nothing tried while one of them fits."""
-    return cand.stages, cand.parts, cand.replicas, cand.tiles_per_gpu
 
 
 

@@ -48,11 +48,14 @@ from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.structure import one_to_one
 from nowdl.partitioner.exact.wait_refine import refine_winner
+from nowdl.partitioner.search.batch_split import CostsByBatch
+from nowdl.partitioner.search.bounds import Bounds, candidate_bounds
+from nowdl.partitioner.search.candidate_problem import candidate_problem
 from nowdl.partitioner.search.model_space import uncapped
 from nowdl.partitioner.solver import SolveCache, proven, solve
 from nowdl.plan.plan import format_bytes
 
-__all__ = ["REFINE_S_PER_NODE", "finishing_split", "REFUSAL_S", "refusal_budget", "out_of_time_message", "out_of_time_warning", "TileGroups", "least_memory",
+__all__ = ["REFINE_S_PER_NODE", "finishing_split", "REFUSAL_S", "refusal_budget", "out_of_time_message", "out_of_time_warning", "TileGroups", "least_memory", "ease", "bound_easiest_first",
            "over_cap_proven", "heuristic_over"]
 
 REFUSAL_S = 2.0  # seconds a refusal's figures get at least, past the deadline if need be
@@ -207,3 +210,28 @@ def over_cap_proven(problem: Problem, cache: SolveCache, deadline: float, mip_ga
 
 def _group(c: Candidate) -> Candidate:
     return dataclasses.replace(c, tiles_per_gpu=1)
+
+
+def ease(cand: Candidate) -> tuple[int, int, int, int]:
+    """[Note: easy candidates first] The order candidates are bounded in: data parallel copies of
+    one whole stage first (their split is the whole graph, found at once), then fewer stages,
+    fewer tiles and no mirror. Under a time limit that ends the bounding, the candidates bounded
+    are the ones that fit soonest, and the search goes on to solve them: it answers with the best
+    of those and the number left untried, never with nothing tried while one of them fits."""
+    return cand.stages, cand.parts, cand.replicas, cand.tiles_per_gpu
+
+
+def bound_easiest_first(pool: list[Candidate], by_batch: CostsByBatch, balance: str, deadline: float
+                        ) -> tuple[list[tuple[Candidate, Costs, Problem, Bounds]], int]:
+    """Each candidate of ``pool`` with its costs, Problem and bounds, in :func:`ease`'s order, until
+    ``deadline`` (after at least one); the candidates left unbounded ([Note: easy candidates first])."""
+    entries: list[tuple[Candidate, Costs, Problem, Bounds]] = []
+    for n, cand in enumerate(sorted(pool, key=ease)):
+        if time.perf_counter() > deadline and entries:
+            return entries, len(pool) - n
+        cc, problem = candidate_problem(by_batch, cand, balance)
+        try:
+            entries.append((cand, cc, problem, candidate_bounds(cc, cand, problem, cand.micro_batch_size)))
+        except InfeasibleError:  # pins and tileability allow no split
+            continue
+    return entries, 0
