@@ -218,6 +218,13 @@ def test_sub_packages_import_one_way() -> None:
                                    ("nowdl.runtime.launch.group", "nowdl.runtime.pipeline.engine")}
 
 
+def test_partitioner_docstring_names_the_order() -> None:
+    """The partitioner's ``__init__`` tells readers SUBLAYERS' order, so it cannot drift from it."""
+    doc = " ".join((ast.get_docstring(ast.parse((PKG / "partitioner" / "__init__.py").read_text())) or "").split())
+    order = ", ".join(SUBLAYERS["nowdl.partitioner"])
+    assert order in doc, f"nowdl/partitioner/__init__.py should name the sub-package order: {order}"
+
+
 def test_every_module_has_a_layer() -> None:
     unplaced = sorted(m for m in modules() if layer(m) is None)
     assert not unplaced, f"place these modules in LAYERS or LEAVES of {__name__}: {unplaced}"

@@ -2,10 +2,15 @@
 
 ``solve`` is the entry point for one configuration: it coarsens the graph, splits exactly where
 that is cheap (``exact``) and otherwise solves the MILP (``milp``), with GEMS-MASTER pairing in
-``master``. ``costs`` turns a profile into the Problem every solver reads; ``search`` tries
-configurations and assembles the Plan; ``spatial`` says which nodes may run on tiles;
-``placement`` puts the plan's parts on a cluster's ranks; ``baselines`` holds torchgpipe's
-block partition and other simple splits to compare against.
+``master``; the DPs, the pairing and the MILP share the min-max chain DP in ``chain``.
+``config`` holds the vocabulary every layer reads (``PlanRequest``, ``Candidate``, tile grids,
+lever settings); ``costs`` turns a profile and a candidate into the Problem every solver reads;
+``search`` tries configurations, chooses halo fusion and assembles the Plan; ``spatial`` says
+which nodes may run on tiles; ``placement`` puts the plan's parts on a cluster's ranks;
+``baselines`` holds torchgpipe's block partition and other simple splits to compare against.
+
+Sub-packages import one way, lowest first (``SUBLAYERS`` in tests/test_layering.py checks it):
+spatial, config, placement, chain, costs, master, exact, milp, baselines, solver, search.
 """
 
 from typing import TYPE_CHECKING

@@ -302,7 +302,7 @@ def batch_splits(req: PlanRequest, rep: int, dp: int, micro_batch: int, mbs: Seq
     sizes = [b for b in range(1, per + 1) if per % b == 0]
     if req.micro_batch_size is not None:
         sizes = [b for b in sizes if b == req.micro_batch_size]
-    elif not req.micro_batches:  # [Note: micro-batch size] in batch_split.py: the example's size
+    elif not req.micro_batches:  # [Note: micro-batch size] in search/batch_split.py: the example's size
         sizes = [max(b for b in sizes if b <= micro_batch)]
     return [(per // b, b) for b in sizes if not req.micro_batches or per // b == req.micro_batches]
 

@@ -1,7 +1,7 @@
 """What sequential tiles cost: a spatial stage whose GPUs each run T tiles one after another.
 
 [Note: sequential tiles cost] With ``tiles_per_gpu`` T a stage of P parts runs the P x T grid
-(``search.grids.sub_grid``), each GPU its T tiles in turn. A tile's forward runs over the whole
+(``config.grids.sub_grid``), each GPU its T tiles in turn. A tile's forward runs over the whole
 stage on the tile widened by a margin that covers what the rest of the stage reads around it
 (a fused halo), keeping nothing; the backward recomputes it, saving, and runs its backward.
 Only the stage's input and output tiles (all T of them) are kept between forward and backward.

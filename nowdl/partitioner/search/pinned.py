@@ -25,7 +25,7 @@ def _image_text(image: Sequence[int] | None) -> str:
 
 def check_tiles_per_gpu(req: PlanRequest, image: Sequence[int] | None, tileable_front: bool) -> None:
     """Refuse a pinned ``tiles_per_gpu`` > 1 that no allowed spatial part count can cut ``image``
-    into ([Note: search grids] in grids.py), or a model whose first op cannot run on tiles.
+    into ([Note: search grids] in config/grids.py), or a model whose first op cannot run on tiles.
 
     Raises:
         NowdlError: naming the value and the counts that work.
