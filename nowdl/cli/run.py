@@ -85,7 +85,7 @@ from nowdl.cli.runspec import (
     run_source,
     step_batches,
 )
-from nowdl.errors import NowdlError
+from nowdl.errors import NonFiniteError, NowdlError
 from nowdl.runtime.data.feed import Feed, check_data_spec, label_loss, make_feed
 from nowdl.runtime.launch.failure import open_channel
 from nowdl.runtime.launch.lost import report_failure
@@ -294,6 +294,7 @@ def _start(job: _Job, model: nn.Module, feed: Feed, optimizer: Any, compile_para
         Path(plan_path).write_text(text)
     cm = nowdl.compile(model, plan=plan_path, optimizer=optimizer, loss_fn=label_loss(make_loss(args.loss, args.loss_args)),
                        progress=progress, timeout_s=args.timeout, **extra)
+    cm.skip_nonfinite = bool(getattr(args, "skip_nonfinite", False))
     run_plan = nowdl.Plan.load(plan_path)
     feed.start(job.start, job.batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=job.total)
     log_dir = getattr(args, "log_dir", None)
@@ -340,7 +341,11 @@ def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_
         run_step = (functools.partial(validation.eval_batch, cm, x, y, job.rank, labelled) if args.eval
                     else functools.partial(cm.train_step, x, y))
         result: Any
-        result, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
+        before = 0 if args.eval else cm.skipped_steps
+        try:
+            result, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
+        except NonFiniteError as e:  # [Note: non-finite steps]: say where the input came from
+            raise NonFiniteError(f"{e}{feed.nonfinite_samples(step, x)}") from None
         loss, scores = result if args.eval else (float(result), None)
         loss_text = "" if loss is None else f"  loss {loss:.4f}" + "".join(f"  {k} {v:.4f}" for k, v in (scores or {}).items())
         dt = time.perf_counter() - t0 + (setup_s if step == start else 0.0)
@@ -352,7 +357,9 @@ def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_
         times.append(dt)
         if step == start:
             emit(plan_line(cm, cm.eval_plan(x) if args.eval else None))
-        emit(f"step {step + 1}/{job.total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s")
+        skipped = "" if args.eval or not cm.skipped_steps or cm.skipped_steps == before else (
+            f"  skipped: not finite ({cm.skipped_steps} so far)")  # [Note: non-finite steps]
+        emit(f"step {step + 1}/{job.total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s{skipped}")
         if bar is not None:
             bar.update(1)
         if job.val is not None and validation.val_due(args, step + 1, start, job.total):

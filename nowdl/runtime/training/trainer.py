@@ -217,6 +217,7 @@ class Trainer:
         if self._inputs is not None:  # every step, before any communication [Note: input check]
             self._inputs = with_target(self._inputs, y)
             check_step_inputs(self._inputs, x, y)
+        eng.runner.skip_nonfinite = bool(getattr(self.cm, "skip_nonfinite", False))
         loss, _ = eng.run(x, y, train=True)
         self.steps += 1
         self.weights_version += 1
