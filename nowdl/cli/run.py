@@ -74,7 +74,7 @@ from torch import nn
 from nowdl.cli import validation
 from nowdl.cli.losses import make_loss
 from nowdl.cli.resume import StopSignal, finished_text, reusable_plan, run_state
-from nowdl.cli.runguard import check_outputs, run_end
+from nowdl.cli.runguard import check_outputs, checked_step, run_end
 from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
 from nowdl.cli.runspec import (
     RunSource,
@@ -85,7 +85,7 @@ from nowdl.cli.runspec import (
     run_source,
     step_batches,
 )
-from nowdl.errors import NonFiniteError, NowdlError
+from nowdl.errors import NowdlError
 from nowdl.runtime.data.feed import Feed, check_data_spec, label_loss, make_feed
 from nowdl.runtime.launch.failure import open_channel
 from nowdl.runtime.launch.lost import report_failure
@@ -341,11 +341,8 @@ def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_
         run_step = (functools.partial(validation.eval_batch, cm, x, y, job.rank, labelled) if args.eval
                     else functools.partial(cm.train_step, x, y))
         result: Any
-        before = 0 if args.eval else cm.skipped_steps
-        try:
-            result, peak = meter.run(run_step) if metrics is not None else (run_step(), 0)
-        except NonFiniteError as e:  # [Note: non-finite steps]: say where the input came from
-            raise NonFiniteError(f"{e}{feed.nonfinite_samples(step, x)}") from None
+        result, peak, skipped = checked_step(cm, run_step, meter if metrics is not None else None, feed, step, x,
+                                             args.eval)
         loss, scores = result if args.eval else (float(result), None)
         loss_text = "" if loss is None else f"  loss {loss:.4f}" + "".join(f"  {k} {v:.4f}" for k, v in (scores or {}).items())
         dt = time.perf_counter() - t0 + (setup_s if step == start else 0.0)
@@ -357,8 +354,6 @@ def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_
         times.append(dt)
         if step == start:
             emit(plan_line(cm, cm.eval_plan(x) if args.eval else None))
-        skipped = "" if args.eval or not cm.skipped_steps or cm.skipped_steps == before else (
-            f"  skipped: not finite ({cm.skipped_steps} so far)")  # [Note: non-finite steps]
         emit(f"step {step + 1}/{job.total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s{skipped}")
         if bar is not None:
             bar.update(1)
