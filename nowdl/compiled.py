@@ -276,7 +276,9 @@ class CompiledModel:
             costs, prof = result.costs, result.costs.profile
         plan.config["halo_fusion"] = fusion
         if cap is not None:
-            plan.config.update(gpu_memory=cap, reserve=reserve)
+            plan.config["gpu_memory"] = cap
+        if reserve:
+            plan.config["reserve"] = reserve
         plan.config["precision"] = self.precision
         if not train:
             mark_inference(plan)
