@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from nowdl.codegen.chain import StageChain, chain_stages
-from nowdl.errors import NowdlError
+from nowdl.errors import InfeasibleError, NowdlError
 from nowdl.gcpause import gc_paused
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
@@ -28,10 +28,10 @@ from nowdl.partitioner.search.best_plan import build_plan, timed_search
 from nowdl.partitioner.search.halo_fusion import fusion as halo_fusion
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.partitioner.spatial.whole_image import whole_image_ops
-from nowdl.plan.plan import Plan
+from nowdl.plan.plan import Plan, format_bytes
 from nowdl.plan.purpose import is_inference, require_inference, require_training
 from nowdl.profiler.cost import Profile
-from nowdl.profiler.devices import DeviceSpec
+from nowdl.profiler.devices import DeviceSpec, memory_reserve
 from nowdl.profiler.loss_cost import loss_cost_for, with_loss
 from nowdl.progress import Progress, status
 from nowdl.trace.check import stand_in
@@ -238,7 +238,9 @@ class CompiledModel:
         spec = self._spec()
         req = request if train else inference_request(request)
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
-        costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=cap,
+        reserve = memory_reserve(spec, req.gpus) if cap is not None and isinstance(spec, DeviceSpec) else {}
+        budget = None if cap is None else cap - sum(reserve.values())  # [Note: memory reserve]
+        costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=budget,
                       tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
                       host_memory=host_share(spec, self._spec_arg()), host_link_bw=getattr(spec, "host_link_bw", None),
                       tile_op_s=getattr(spec, "tile_op_s", None), tile_op_bwd_s=getattr(spec, "tile_op_bwd_s", None),
@@ -249,6 +251,12 @@ class CompiledModel:
         bar = Progress("planning", enabled=self.options.progress)
         try:
             result, secs = timed_search(costs, dataclasses.replace(req, time_limit=left), progress=bar.update)
+        except InfeasibleError as e:
+            if not reserve:
+                raise
+            raise InfeasibleError(f"{e} (each GPU's {format_bytes(cap or 0)} less {format_bytes(sum(reserve.values()))} "
+                                  "kept for the CUDA context, NCCL and the allocator's slack: docs/memory.md, "
+                                  "[Note: memory reserve])") from None
         finally:
             bar.close()
         from nowdl import __version__
@@ -276,6 +284,10 @@ class CompiledModel:
         if result.costs is not None:  # planned at another micro-batch size than the example's
             costs, prof = result.costs, result.costs.profile
         plan.config["halo_fusion"] = fusion
+        if cap is not None:
+            plan.config["gpu_memory"] = cap
+        if reserve:
+            plan.config["reserve"] = reserve
         plan.config["precision"] = self.precision
         if not train:
             mark_inference(plan)

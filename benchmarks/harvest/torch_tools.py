@@ -20,7 +20,7 @@ from torch import nn
 from .records import Records, log
 from .steps import Row, batch, build_model
 
-__all__ = ["torch_tools_section"]
+__all__ = ["torch_tools_section", "mem_tracker_peak"]
 
 
 def _eager(row: Row, device: torch.device, timed: int) -> dict[str, Any]:
@@ -75,6 +75,11 @@ def _fake_step(row: Row, device: torch.device, wrap: Any) -> Any:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
         return tool
+
+
+def mem_tracker_peak(row: Row, device: torch.device) -> int:
+    """torch's MemTracker's peak for one eager step of ``row`` on fake tensors of ``device``."""
+    return int(_mem_tracker(row, device)["peak"])
 
 
 def _mem_tracker(row: Row, device: torch.device) -> dict[str, Any]:

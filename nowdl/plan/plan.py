@@ -1,8 +1,7 @@
 """The Plan: a versioned, fingerprinted JSON description of how a model runs on N GPUs.
 
-[Note: plan format] See docs/plan-format.md. A plan is pure data: the runtime needs only the
-plan and the model. ``version`` changes whenever a field changes meaning; a plan from a newer
-nowdl is refused rather than misread.
+[Note: plan format] See docs/plan-format.md. A plan is pure data: the runtime needs only the plan
+and the model. ``version`` changes whenever a field changes meaning; a newer plan is refused.
 """
 
 from __future__ import annotations
@@ -316,7 +315,8 @@ class Plan:
             + (f"; spatial stages {sp.get('stages')} x {'/'.join(map(str, sp.get('stage_parts') or [sp.get('parts')]))} "
                f"parts ({sp.get('slice')})" if sp.get("stages") else "")
             + (f", {sp['tiles_per_gpu']} tiles per GPU in turn" if sp.get("tiles_per_gpu", 1) > 1 else "")
-            + (f"; cap {format_bytes(c['gpu_memory'])}/GPU" if c.get("gpu_memory") else ""),
+            + (f"; cap {format_bytes(c['gpu_memory'])}/GPU" if c.get("gpu_memory") else "")
+            + (f", of which {format_bytes(sum(c['reserve'].values()))} reserved ({', '.join(k.removesuffix('_bytes') + ' ' + format_bytes(v) for k, v in c['reserve'].items())}): the plan fits the rest" if c.get("reserve") else ""),
         ]
         hdr = f"{'stage':>5} {'ranks':<12} {'nodes':>5}  {'first .. last':<34} {'params':>9} {'peak mem':>10} {'time/mb':>9} {'in':>9} {'out':>9}"
         lines.append(hdr)

@@ -148,6 +148,10 @@ def draw_memory(ax: Any, plan: Plan) -> list[RankMemory]:
         if shown_cap:
             handles.append(ax.axhline(cap / scale, color="#d62728", linestyle="--", linewidth=1.2,
                                       label=f"cap {format_bytes(cap)}/GPU"))
+            kept = sum((plan.config.get("reserve") or {}).values())
+            if kept:  # [Note: memory reserve]: what the plan leaves for what it does not model
+                handles.append(ax.axhspan((cap - kept) / scale, cap / scale, color="#d62728", alpha=0.12,
+                                          label=f"reserved {format_bytes(kept)}: CUDA context,\nNCCL, allocator slack"))
         else:
             handles.append(Line2D([], [], color="#d62728", linestyle="--", linewidth=1.2,
                                   label=f"cap {format_bytes(cap)}/GPU: off the\nchart, at most {top / cap:.0%} used"))

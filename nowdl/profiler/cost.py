@@ -8,7 +8,7 @@ from typing import Any
 
 __all__ = ["NodeCost", "Profile", "PROFILE_FORMAT_VERSION"]
 
-PROFILE_FORMAT_VERSION = 1
+PROFILE_FORMAT_VERSION = 2  # 2: NodeCost.fwd_workspace_bytes
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class NodeCost:
     grad_bytes: int = 0
     optim_bytes: int = 0  # optimizer state for the given optimizer
     workspace_bytes: int = 0  # largest transient memory above inputs+outputs, fwd or bwd
+    fwd_workspace_bytes: int = 0  # the forward's transient alone (what an inference holds)
 
     @property
     def static_bytes(self) -> int:

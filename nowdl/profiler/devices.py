@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -14,23 +15,27 @@ from typing import Any
 import torch
 
 from nowdl.errors import NowdlError
+from nowdl.profiler.specs import (
+    HOST_FIELDS,
+    OP_CLASSES,
+    OPTIONAL_FIELDS,
+    TILE_OP_KINDS,
+    check_efficiency,
+    check_op_throughput,
+    check_tile_op,
+    opt_float,
+)
 
-__all__ = ["DeviceSpec", "BUILTIN_SPECS", "HOST_FIELDS", "get_device_spec", "measure_cpu_spec", "OP_CLASSES",
-           "TILE_OP_KINDS"]
+__all__ = ["DeviceSpec", "BUILTIN_SPECS", "DATASHEET_SPECS", "FITTED_PATH", "HOST_FIELDS", "get_device_spec",
+           "measure_cpu_spec", "OP_CLASSES", "TILE_OP_KINDS", "CONTEXT_BYTES", "memory_reserve", "fitted_specs",
+           "nominal_specs"]
 
 log = logging.getLogger(__name__)
 
 _GIB = 2**30
 _MIB = 2**20
 
-#: op classes of ``DeviceSpec.op_throughput``: FLOP/s for conv2d/conv3d/matmul, bytes/s for the rest
-OP_CLASSES = {"conv2d": "flops", "conv3d": "flops", "matmul": "flops", "elementwise": "bytes", "norm": "bytes"}
-HOST_FIELDS = ("host_memory", "host_link_bw")  # host offload: not part of a profile's cache key
-_OPTIONAL = ("link_latency_s", "allreduce_bw", "allreduce_latency_s", "op_throughput", "calibration",
-             "host_memory", "host_link_bw", "tile_op_s", "tile_op_bwd_s", "recompute_tensor_s")
-_DTYPES = ("float32", "bfloat16", "float16")
-TILE_OP_KINDS = ("conv", "pool", "upsample", "norm")
-"""Op kinds the spatial runtime runs through its own tiled implementation (``runtime/spatial/dispatch.py``)."""
+
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,14 @@ class DeviceSpec:
     runtime overhead] in partitioner/costs/tile_overhead.py); None or a kind left out: not charged.
     ``recompute_tensor_s``: seconds a recomputed stage's hooks spend per tensor autograd saves
     ([Note: recompute hooks] in partitioner/costs/levers.py); None: not charged.
+
+    Optional, fitted from a GPU's records (``benchmarks/fit_specs.py``; None: not fitted):
+    ``op_floor_s`` (seconds every aten op that does work costs at least: launch and small-kernel
+    overhead), ``op_efficiency`` (``{op class or "other": [top, half]}``: the fraction of the peak an
+    op reaches, ``top x work / (work + half)``, [Note: op efficiency]), ``conv_workspace`` (bytes of
+    cuDNN workspace per byte of a convolution's operands, [Note: convolution workspace] in
+    profiler/memory.py) and ``context_bytes`` (what the CUDA context and the libraries' handles take
+    of ``memory_bytes`` before the first tensor: a plan reserves it).
 
     Optional, for host offload (None or 0: no host memory to offload to): ``host_memory`` (bytes of
     host RAM of one node, shared by the node's GPUs: the spec's ``"node"`` or the built-in DGX
@@ -79,6 +92,20 @@ class DeviceSpec:
     tile_op_s: dict[str, float] | None = field(default=None, hash=False)
     tile_op_bwd_s: dict[str, float] | None = field(default=None, hash=False)
     recompute_tensor_s: float | None = None
+    op_floor_s: float | None = None
+    op_efficiency: dict[str, tuple[float, float]] | None = field(default=None, hash=False)
+    conv_workspace: float | None = None
+    context_bytes: int | None = None
+
+    def efficiency(self, op_class: str | None, work: float) -> float:
+        """The fraction of the rate an op of ``op_class`` doing ``work`` (FLOPs, or bytes for the
+        byte classes) reaches ([Note: op efficiency]); 1 when the spec has no fit."""
+        table = self.op_efficiency or {}
+        e = table.get(op_class or "other") or table.get("other")
+        if e is None:
+            return 1.0
+        top, half = e
+        return top * work / (work + half) if half > 0 else top
 
     def achieved(self, op_class: str, dtype: torch.dtype | str) -> float | None:
         """The calibrated rate of ``op_class`` in ``dtype`` (FLOP/s or bytes/s), None if not measured."""
@@ -104,7 +131,7 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         """Plain-dict form (JSON-ready); optional calibrated fields only when set."""
         d = asdict(self)
-        return {k: v for k, v in d.items() if not (k in _OPTIONAL and v is None)}
+        return {k: v for k, v in d.items() if not (k in OPTIONAL_FIELDS and v is None)}
 
     def to_json(self) -> str:
         """JSON text of this spec (what :meth:`from_json` reads back)."""
@@ -147,6 +174,10 @@ class DeviceSpec:
                                   or v < 0 or (v == 0 and k == "host_link_bw")):
                 raise NowdlError(f"device spec field {k!r} must be a positive number{' or 0' if k == 'host_memory' else ''} "
                                  f"(or absent), got {v!r}")
+        for k in ("op_floor_s", "conv_workspace", "context_bytes"):
+            v = d.get(k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+                raise NowdlError(f"device spec field {k!r} must be a non-negative number (or absent), got {v!r}")
         calib = d.get("calibration")
         if calib is not None and not isinstance(calib, dict):
             raise NowdlError(f"device spec field 'calibration' must be a JSON object (or absent), got {calib!r}")
@@ -159,16 +190,20 @@ class DeviceSpec:
             link_bw=float(d["link_bw"]),
             memory_bytes=int(d["memory_bytes"]),
             tf32_flops=None if d.get("tf32_flops") is None else float(d["tf32_flops"]),
-            link_latency_s=_opt_float(d.get("link_latency_s")),
-            allreduce_bw=_opt_float(d.get("allreduce_bw")),
-            allreduce_latency_s=_opt_float(d.get("allreduce_latency_s")),
-            op_throughput=_op_throughput(d.get("op_throughput")),
+            link_latency_s=opt_float(d.get("link_latency_s")),
+            allreduce_bw=opt_float(d.get("allreduce_bw")),
+            allreduce_latency_s=opt_float(d.get("allreduce_latency_s")),
+            op_throughput=check_op_throughput(d.get("op_throughput")),
             calibration=calib,
             host_memory=None if d.get("host_memory") is None else int(d["host_memory"]),
-            host_link_bw=_opt_float(d.get("host_link_bw")),
-            tile_op_s=_tile_op(d.get("tile_op_s"), "tile_op_s"),
-            tile_op_bwd_s=_tile_op(d.get("tile_op_bwd_s"), "tile_op_bwd_s"),
-            recompute_tensor_s=_opt_float(d.get("recompute_tensor_s")),
+            host_link_bw=opt_float(d.get("host_link_bw")),
+            tile_op_s=check_tile_op(d.get("tile_op_s"), "tile_op_s"),
+            tile_op_bwd_s=check_tile_op(d.get("tile_op_bwd_s"), "tile_op_bwd_s"),
+            recompute_tensor_s=opt_float(d.get("recompute_tensor_s")),
+            op_floor_s=opt_float(d.get("op_floor_s")),
+            op_efficiency=check_efficiency(d.get("op_efficiency")),
+            conv_workspace=opt_float(d.get("conv_workspace")),
+            context_bytes=None if d.get("context_bytes") is None else int(d["context_bytes"]),
         )
 
     @classmethod
@@ -198,45 +233,10 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _opt_float(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
-def _tile_op(v: Any, key: str) -> dict[str, float] | None:
-    """Validate ``tile_op_s``/``tile_op_bwd_s``: ``{kind: non-negative seconds}`` (errors name the entry)."""
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise NowdlError(f"device spec field {key!r} must be an object {{kind: seconds}} with kinds "
-                         f"{list(TILE_OP_KINDS)}, got {v!r}")
-    for kind, sec in v.items():
-        if kind not in TILE_OP_KINDS or isinstance(sec, bool) or not isinstance(sec, (int, float)) \
-                or not math.isfinite(sec) or sec < 0:
-            raise NowdlError(f"device spec field {key!r} has entry {kind!r}: {sec!r}; kinds are {list(TILE_OP_KINDS)} "
-                             f"and seconds a non-negative number")
-    return {str(k): float(x) for k, x in v.items()}
-
-
-def _op_throughput(v: Any) -> dict[str, dict[str, float]] | None:
-    """Validate ``op_throughput``: ``{dtype: {op class: positive rate}}`` (errors name the entry)."""
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise NowdlError(f"device spec field 'op_throughput' must be an object {{dtype: {{op class: rate}}}}, got {v!r}")
-    out: dict[str, dict[str, float]] = {}
-    for dt, rates in v.items():
-        if dt not in _DTYPES or not isinstance(rates, dict):
-            raise NowdlError(f"device spec field 'op_throughput' has entry {dt!r}: keys must be dtypes {list(_DTYPES)} "
-                             "mapping to objects {op class: rate}")
-        for cls_, r in rates.items():
-            if cls_ not in OP_CLASSES:
-                raise NowdlError(f"device spec field 'op_throughput.{dt}' has unknown op class {cls_!r}; "
-                                 f"valid classes: {sorted(OP_CLASSES)}")
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
-                raise NowdlError(f"device spec field 'op_throughput.{dt}.{cls_}' must be a positive number, got {r!r}")
-        out[dt] = {c: float(r) for c, r in rates.items()}
-    return out
-
+#: What the CUDA context and the cuDNN/cuBLAS handles of one process take of a GPU's memory
+#: before its first tensor (torch's caching allocator never sees it). Assumed, not measured here
+#: yet: ``benchmarks/gpu_check.py`` records it (``device.context_bytes``) for the next fit.
+CONTEXT_BYTES = 768 * _MIB
 
 # Public datasheet numbers, dense. link_bw = NVLink bandwidth per GPU, one direction.
 # host_memory: system RAM of the vendor's 8-GPU server (DGX-1 V100: 512 GiB; DGX A100 640GB:
@@ -245,7 +245,7 @@ def _op_throughput(v: Any) -> dict[str, dict[str, float]] | None:
 # (Gen3 16 GB/s -> 12e9, Gen4 32 GB/s -> 25e9, Gen5 64 GB/s -> 55e9; NVIDIA's bandwidthTest on
 # H100 SXM reports 55 GB/s).
 _TIB = 2**40
-BUILTIN_SPECS: dict[str, DeviceSpec] = {
+DATASHEET_SPECS: dict[str, DeviceSpec] = {
     # V100 SXM2: 15.7 TF fp32, 125 TF fp16 tensor; no bf16 (taken as fp32), 900 GB/s HBM2,
     # NVLink2 300 GB/s total (150 GB/s per direction). DGX-1: 512 GiB host, PCIe Gen3.
     "v100": DeviceSpec("v100", 15.7e12, 15.7e12, 125e12, 900e9, 150e9, 32 * _GIB,
@@ -257,13 +257,59 @@ BUILTIN_SPECS: dict[str, DeviceSpec] = {
     "a100": DeviceSpec("a100", 19.5e12, 312e12, 312e12, 2039e9, 300e9, 80 * _GIB, 156e12,
                        host_memory=2 * _TIB, host_link_bw=25e9),
     # H100 SXM5 80GB: 67 TF fp32, 494.5 TF tf32, 989.4 TF bf16/fp16, 3.35 TB/s HBM3,
-    # NVLink4 900 GB/s total. DGX H100: 2 TiB host, PCIe Gen5.
-    "h100": DeviceSpec("h100", 67e12, 989.4e12, 989.4e12, 3.35e12, 450e9, 80 * _GIB, 494.5e12,
-                       host_memory=2 * _TIB, host_link_bw=55e9),
+    # NVLink4 900 GB/s total. DGX H100: 2 TiB host, PCIe Gen5. Memory: what the driver reports
+    # (81,559 MiB, nvidia-smi), not the nominal 80 GiB.
+    "h100": DeviceSpec("h100", 67e12, 989.4e12, 989.4e12, 3.35e12, 450e9, 81559 * _MIB, 494.5e12,
+                       host_memory=2 * _TIB, host_link_bw=55e9, context_bytes=CONTEXT_BYTES),
     # H200 SXM 141GB: H100 compute, 4.8 TB/s HBM3e, NVLink4 900 GB/s total. DGX H200: 2 TiB host.
+    # Memory: what the driver reports (143,771 MiB, seen on an H200 of this project).
     "h200": DeviceSpec("h200", 67e12, 989.4e12, 989.4e12, 4.8e12, 450e9, 143771 * _MIB,
-                       494.5e12, host_memory=2 * _TIB, host_link_bw=55e9),
+                       494.5e12, host_memory=2 * _TIB, host_link_bw=55e9, context_bytes=CONTEXT_BYTES),
 }
+
+
+FITTED_PATH = Path(__file__).resolve().parent / "specs" / "fitted.json"
+"""The fields ``benchmarks/fit_specs.py`` fitted to the GPU records (benchmarks/records/)."""
+
+
+def _with_fit(specs: dict[str, DeviceSpec]) -> dict[str, DeviceSpec]:
+    """The datasheet specs with the fitted fields of :data:`FITTED_PATH` ([Note: op efficiency])."""
+    try:
+        fitted = json.loads(FITTED_PATH.read_text())
+    except (OSError, ValueError):
+        return dict(specs)
+    out = dict(specs)
+    for name, f in fitted.items():
+        if name not in out:
+            continue
+        t = f.get("time", {})
+        out[name] = dataclasses.replace(
+            out[name], op_floor_s=t.get("floor_s"), conv_workspace=f.get("conv_workspace") or None,
+            op_efficiency={"other": (float(t["top"]), float(t["half"]))} if "top" in t else None,
+            calibration={"fitted_by": f.get("fitted_by"), "records": f.get("records"), "torch": f.get("torch")})
+    return out
+
+
+def fitted_specs() -> dict[str, DeviceSpec]:
+    """The datasheet specs with their GPU records' fit: what ``BUILTIN_SPECS`` holds by default."""
+    return _with_fit(DATASHEET_SPECS)
+
+
+def nominal_specs() -> dict[str, DeviceSpec]:
+    """The datasheet's peaks alone: an H100's nominal 80 GiB, no fitted efficiency, floor or
+    convolution workspace, no reserve (``NOWDL_SPECS=nominal``): pure rooflines, for comparing
+    with them or for tests of the planner's logic that a device's quirks would blur."""
+    keep = dict(context_bytes=None)
+    return {k: dataclasses.replace(v, **keep, memory_bytes=80 * _GIB if k == "h100" else v.memory_bytes)
+            for k, v in DATASHEET_SPECS.items()}
+
+
+BUILTIN_SPECS: dict[str, DeviceSpec] = (nominal_specs() if os.environ.get("NOWDL_SPECS", "").strip() == "nominal"
+                                         else fitted_specs())
+"""The built-in specs: the datasheet's peaks, the driver's capacities, the memory reserve, and for
+the GPUs with records the fitted efficiency, per-op floor and convolution workspace
+([Note: op efficiency]); ``NOWDL_SPECS=nominal`` plans with :func:`nominal_specs` instead."""
+
 
 
 def _time_best(fn: Any, repeats: int = 5) -> float:
@@ -342,3 +388,28 @@ def get_device_spec(
         f"unknown device spec {name_or_path!r}; built-in names are {names}, "
         f"or pass the path of a JSON file with the DeviceSpec fields"
     )
+
+
+NCCL_BYTES = 256 * _MIB
+SLACK = 0.02
+
+
+def memory_reserve(spec: DeviceSpec, gpus: int) -> dict[str, int]:
+    """What a plan keeps of each GPU's memory for what it does not model, by term ([Note: memory reserve]).
+
+    [Note: memory reserve] A GPU process holds memory that torch's caching allocator never
+    hands out to tensors: the CUDA context and the cuDNN and cuBLAS handles (``context_bytes``
+    of the spec), NCCL's buffers when several GPUs talk (``NCCL_BYTES``), and the allocator's
+    own slack, the free parts of its cached segments that a request of another size cannot use
+    (``SLACK`` of the memory). A plan caps each rank at ``memory_bytes`` less this reserve and
+    shows the reserve as a line of its own (``nowdl plan``, ``nowdl show``, the memory picture).
+    The context and slack figures are assumed until a GPU's records measure them
+    (``benchmarks/gpu_check.py`` records the context and the allocator's reserved bytes); a spec
+    without ``context_bytes`` (the CPU) reserves nothing.
+    """
+    if not spec.context_bytes:
+        return {}
+    out = {"context_bytes": int(spec.context_bytes), "slack_bytes": int(SLACK * spec.memory_bytes)}
+    if gpus > 1:
+        out["nccl_bytes"] = NCCL_BYTES
+    return out

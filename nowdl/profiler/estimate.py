@@ -14,9 +14,9 @@ from torch.func import functional_call
 from nowdl.profiler.backend import Backend, PhaseResult
 from nowdl.profiler.devices import DeviceSpec
 from nowdl.profiler.flops import OpCostMode
-from nowdl.profiler.memory import AllocTracker
+from nowdl.profiler.memory import AllocTracker, conv_workspace
 
-__all__ = ["EstimateBackend"]
+__all__ = ["EstimateBackend", "recording"]
 
 
 class EstimateBackend(Backend):
@@ -27,7 +27,6 @@ class EstimateBackend(Backend):
     ``torch.func.functional_call``, so the real model is never touched.
     """
 
-    memoise = True  # fake tensors: identical nodes cost the same (see [Note: node memo])
 
     def __init__(self, gm: torch.nn.Module, spec: DeviceSpec) -> None:
         self.gm = gm
@@ -100,14 +99,38 @@ class EstimateBackend(Backend):
     def params_of(self, mod: torch.nn.Module) -> list[torch.Tensor]:
         return [self._to_fake(p) for p in mod.parameters()]
 
+    @property
+    def memoise(self) -> bool:  # type: ignore[override]
+        return _RECORD[0] is None  # a recording sees every op, so every node runs
+
     @contextmanager
-    def _phase(self) -> Iterator[PhaseResult]:
+    def _phase(self, name: str) -> Iterator[PhaseResult]:
         res = PhaseResult()
-        with OpCostMode(self.spec) as counter, AllocTracker() as tracker:
+        ws = conv_workspace(self.spec.conv_workspace) if self.spec.conv_workspace else None
+        rec = _RECORD[0]
+        with OpCostMode(self.spec, record=rec is not None) as counter, AllocTracker(ws) as tracker:
             yield res
         res.seconds = counter.seconds
         res.flops = counter.flops
         res.workspace = tracker.workspace
+        if rec is not None and counter.record is not None:
+            rec.setdefault(name, []).extend(counter.record)
 
     def phase(self, name: str, accounting: bool) -> AbstractContextManager[PhaseResult]:
-        return self._phase()
+        return self._phase(name)
+
+
+_RECORD: list[dict[str, list[tuple[str, float, float, float]]] | None] = [None]
+
+
+@contextmanager
+def recording() -> Iterator[dict[str, list[tuple[str, float, float, float]]]]:
+    """Every op the estimate-mode profiles inside the block count, by phase ("fwd", "bwd"): what
+    ``benchmarks/fit_specs.py`` fits a spec's efficiency to, so that the fit and the plan count the
+    same ops ([Note: op efficiency]). Nodes are not memoised while recording."""
+    ops: dict[str, list[tuple[str, float, float, float]]] = {}
+    _RECORD[0] = ops
+    try:
+        yield ops
+    finally:
+        _RECORD[0] = None

@@ -205,14 +205,26 @@ class OpCostMode(TorchDispatchMode):
     calibrated rate for the op's class and dtype (``op_throughput``, from ``nowdl calibrate``),
     that rate replaces the peak: FLOP/s for conv2d/conv3d/matmul, bytes/s (in place of
     ``mem_bw``) for elementwise and norm ops.
+
+    [Note: op efficiency] A GPU reaches a fraction of its peak that grows with an op's size: a
+    3x3 convolution of 64 channels at 2048² runs at about half the TF32 peak on an H200, a
+    BatchNorm on 16 MiB far below the memory bandwidth, and every kernel launch costs a few
+    microseconds. A spec fitted from a GPU's records (``benchmarks/fit_specs.py``) holds both:
+    the roofline time of each op is divided by ``efficiency(class, work) = top x work / (work +
+    half)`` (work: FLOPs for the FLOP classes, bytes for the others; ``DeviceSpec.op_efficiency``),
+    and every op that does work adds ``op_floor_s``. Without a fit both are neutral (1 and 0).
     """
 
-    def __init__(self, spec: DeviceSpec | None = None) -> None:
+    def __init__(self, spec: DeviceSpec | None = None, *, record: bool = False) -> None:
         super().__init__()
         self.spec = spec
+        self.record: list[tuple[str, float, float, float]] | None = [] if record else None
+        """With ``record``: per op that did work, (class or "other", work, roofline seconds at the
+        peaks, FLOPs): what ``benchmarks/fit_specs.py`` fits efficiencies and the floor to."""
         self.flops = 0
         self.bytes = 0
         self.seconds = 0.0
+        self.ops = 0  # aten ops that did work (FLOPs or bytes), each charged the spec's floor
 
     def __torch_dispatch__(
         self,
@@ -239,11 +251,18 @@ class OpCostMode(TorchDispatchMode):
             op_class = _op_class(func, args)
             rate = self.spec.achieved(op_class, dtype) if op_class is not None else None
             if rate is not None and op_class is not None and OP_CLASSES[op_class] == "flops":
-                self.seconds += max(f / rate, b / self.spec.mem_bw)
+                secs = max(f / rate, b / self.spec.mem_bw)
             elif rate is not None:
-                self.seconds += max(f / self.spec.fp32_flops, b / rate)
+                secs = max(f / self.spec.fp32_flops, b / rate)
             else:
-                self.seconds += max(f / peak, b / self.spec.mem_bw)
+                secs = max(f / peak, b / self.spec.mem_bw)
+            # [Note: op efficiency]
+            by_flops = op_class is not None and OP_CLASSES[op_class] == "flops" or (op_class is None and f > 0)
+            if self.record is not None:
+                self.record.append((op_class or "other", float(f if by_flops else b), secs, float(f)))
+            secs /= self.spec.efficiency(op_class, f if by_flops else b)
+            self.seconds += secs + (self.spec.op_floor_s or 0.0)
+            self.ops += 1
         return out
 
 

@@ -47,6 +47,7 @@ class Entry:
     leaves: tuple[Any, ...]  # _Layout for a tensor output, else the constant
     saved: tuple[tuple[str, int], ...]  # ("in", i), ("out", j) or ("own", nbytes)
     requires_grad: bool
+    fwd_workspace: int = 0  # the forward's share of ``workspace``
 
 
 def _hashable(x: Any) -> Hashable:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +20,8 @@ __all__ = [
     "tensor_bytes",
     "capture_saved",
     "AllocTracker",
+    "conv_workspace",
+    "host_memory",
     "StorageLedger",
     "StaticCost",
     "static_costs",
@@ -66,14 +68,17 @@ class AllocTracker(TorchDispatchMode):
     memory above the op's inputs and outputs. Only allocations visible at the aten level are
     seen (a library's internal scratch, e.g. oneDNN or cuDNN workspaces, is not), so on CPU
     this is a lower bound; a storage is new when no argument of the op shares it, and a
-    storage freed inside one aten op is noticed at the next op.
+    storage freed inside one aten op is noticed at the next op. ``library_workspace(func, args,
+    out)``, when given, adds what a library holds during the op on top of everything live then
+    (:func:`conv_workspace`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, library_workspace: Callable[[Any, tuple[Any, ...], Any], int] | None = None) -> None:
         super().__init__()
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
         self.peak = 0
+        self.library_workspace = library_workspace  # (func, args, out) -> bytes held during the op
 
     def poll(self) -> None:
         """Forget storages that have been freed."""
@@ -90,6 +95,8 @@ class AllocTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.poll()
+        if _HOST[0]:
+            return out
         in_keys = {storage_key(t) for t in tree_flatten((args, kwargs))[0]
                    if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
@@ -105,7 +112,8 @@ class AllocTracker(TorchDispatchMode):
             nb = int(st.nbytes())
             self._live[key] = (StorageWeakRef(st), nb)
             self.current += nb
-        self.peak = max(self.peak, self.current)
+        extra = self.library_workspace(func, args, out) if self.library_workspace is not None else 0
+        self.peak = max(self.peak, self.current + extra)
         return out
 
     @property
@@ -113,6 +121,62 @@ class AllocTracker(TorchDispatchMode):
         """Transient bytes: peak of new allocations above what is still live now."""
         self.poll()
         return max(0, self.peak - self.current)
+
+
+_HOST = [0]  # > 0 while host-memory copies are made on a CPU rank ([Note: host copies on CPU])
+
+
+@contextmanager
+def host_memory() -> Iterator[None]:
+    """Allocations made inside are host memory, not the device's: :class:`AllocTracker` leaves them out.
+
+    [Note: host copies on CPU] On a CPU rank the device and the host are the same memory, and an
+    offloaded stage's host copies (runtime/pipeline/offload.py) are CPU tensors like every other.
+    The offload path makes them inside this block, so the tracker measures what a GPU would hold on
+    the device; on CUDA the copies are pinned host buffers the allocator never sees anyway.
+    """
+    _HOST[0] += 1
+    try:
+        yield
+    finally:
+        _HOST[0] -= 1
+
+
+_CONV = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
+
+
+def conv_workspace(ratio: float) -> Callable[[Any, tuple[Any, ...], Any], int]:
+    """The cuDNN workspace of a convolution: ``ratio`` x the bytes of its tensor operands.
+
+    [Note: convolution workspace] On a GPU a convolution's library (cuDNN) allocates a workspace
+    through PyTorch's caching allocator for the length of the call, on top of the tensors live
+    then; ``torch.cuda.max_memory_allocated`` counts it, an aten-level tracker cannot see it. Its
+    size depends on the algorithm cuDNN picks; on one H200 (torch 2.11, cuDNN's heuristics,
+    NCHW float32 with TF32) the peaks of a UNet's training and inference steps at 1024² and 2048²
+    exceeded the aten-level peaks by about 1.2x the bytes of the convolution running at the peak
+    (forward: input, weight and output; backward: output gradient, input, weight and the
+    gradients), consistent with cuDNN converting each NCHW operand to NHWC for Hopper's tensor
+    cores. The ratio is a device spec's ``conv_workspace`` (fitted by benchmarks/fit_specs.py from
+    benchmarks/records/); a spec without it charges none.
+    """
+
+    def bytes_of(func: Any, args: tuple[Any, ...], out: Any) -> int:
+        if func not in _CONV:
+            return 0
+        import os
+        rule = os.environ.get("WSRULE", "sum")
+        tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+        if rule == "max":
+            return int(ratio * max(tensor_bytes(t) for t in tensors))
+        if rule == "out":
+            o = out[0] if isinstance(out, (tuple, list)) else out
+            return int(ratio * (tensor_bytes(o) if isinstance(o, torch.Tensor) else 0))
+        if rule == "in":
+            a = args[1] if func is torch.ops.aten.convolution_backward.default else args[0]
+            return int(ratio * tensor_bytes(a))
+        return int(ratio * sum(tensor_bytes(t) for t in tensors))
+
+    return bytes_of
 
 
 class StorageLedger:

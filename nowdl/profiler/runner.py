@@ -98,6 +98,7 @@ class _Rec:
     saved_tensors: int = 0
     self_saved: bool = False
     workspace_bytes: int = 0
+    fwd_workspace_bytes: int = 0
 
 
 class _Walker:
@@ -240,7 +241,7 @@ class _Walker:
                 fwd_times.append(pf.seconds)
             if accounting:
                 rec.flops = pf.flops or 0
-                rec.workspace_bytes = pf.workspace or 0
+                rec.workspace_bytes = rec.fwd_workspace_bytes = pf.workspace or 0
                 for c, orig in clones:
                     self.ledger.alias(c, orig)
                 value = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
@@ -272,7 +273,7 @@ class _Walker:
             rec.bwd_s = backend.summarise(bwd_times)
         if key is not None and entry is not None:
             self.memo[key] = dataclasses.replace(entry, fwd_s=rec.fwd_s, bwd_s=rec.bwd_s,
-                                                 workspace=rec.workspace_bytes)
+                                                 workspace=rec.workspace_bytes, fwd_workspace=rec.fwd_workspace_bytes)
         return rec
 
     def _replay(self, node: Node, rec: _Rec, e: Entry) -> _Rec:
@@ -285,6 +286,7 @@ class _Walker:
         rec.saved_bytes, rec.self_saved = self.ledger.account(node.name, saved, out_keys)
         rec.saved_tensors = len(saved)
         rec.fwd_s, rec.bwd_s, rec.flops, rec.workspace_bytes = e.fwd_s, e.bwd_s, e.flops, e.workspace
+        rec.fwd_workspace_bytes = e.fwd_workspace
         return rec
 
 
@@ -358,6 +360,7 @@ def walk(
             grad_bytes=st.grad_bytes,
             optim_bytes=st.optim_bytes,
             workspace_bytes=rec.workspace_bytes,
+            fwd_workspace_bytes=rec.fwd_workspace_bytes,
         ))
     edges = [(inp.name, node.name) for node in nodes for inp in node.all_input_nodes]
     return costs, edges

@@ -8,7 +8,8 @@ stages run drops each value after its last use). :func:`inference_profile` turns
 profile into one whose nodes say exactly that: no backward time, no gradient or optimizer
 bytes, nothing saved (``act_bytes`` 0), and as workspace the bytes live while the node runs
 (:func:`live_bytes`: its inputs, its output and everything made earlier that a later node
-still reads) plus the node's own transient. The cost model charges a stage its largest
+still reads) plus the node's own forward transient (``fwd_workspace_bytes``: a convolution's
+library workspace, [Note: convolution workspace] in profiler/memory.py; the backward's is not run). The cost model charges a stage its largest
 workspace, so a one-stage plan's figure is the forward's peak.
 
 Across pipeline stages the live set is an upper bound: a node's live set counts values made on
@@ -33,7 +34,7 @@ from nowdl.profiler.cost import NodeCost, Profile
 from nowdl.schedule.actions import FORWARD_ONLY
 from nowdl.schedule.orders import RECV_LOOKAHEAD
 
-__all__ = ["live_bytes", "inference_profile", "inference_stages", "inference_request", "mark_inference"]
+__all__ = ["live_bytes", "grad_live_bytes", "inference_profile", "inference_stages", "inference_request", "mark_inference"]
 
 _NOT_ACTIVATIONS = ("get_attr", "output")
 
@@ -74,13 +75,48 @@ def live_bytes(nodes: Sequence[NodeCost], edges: Sequence[tuple[str, str]]) -> l
     return out
 
 
+def grad_live_bytes(nodes: Sequence[NodeCost], edges: Sequence[tuple[str, str]]) -> list[int]:
+    """Per node, in graph order: bytes of the activation gradients alive during its backward.
+
+    The backward runs the nodes in reverse. The gradient of a node's output exists from the
+    backward of its latest reader (which makes it) until its own backward (which consumes it), so
+    during the backward of node ``v`` every node ``u <= v`` with a reader ``w >= v`` holds its
+    output's gradient: ``v``'s own, the ones ``v``'s backward is making, and long skips' gradients
+    made by far readers and waiting for their producer (a UNet's encoder). Inputs (placeholders)
+    and parameters hold none.
+
+    >>> from nowdl.profiler.cost import NodeCost as N
+    >>> grad_live_bytes([N("x", "placeholder", "", out_bytes=4), N("a", "call_module", "", out_bytes=8),
+    ...                  N("b", "call_module", "", out_bytes=2), N("c", "call_function", "", out_bytes=8),
+    ...                  N("output", "output", "")],
+    ...                 [("x", "a"), ("a", "b"), ("a", "c"), ("b", "c"), ("c", "output")])
+    [0, 8, 10, 18, 8]
+    """
+    index = {n.name: i for i, n in enumerate(nodes)}
+    latest = list(range(len(nodes)))  # the latest reader of each node's output
+    for u, v in edges:
+        if u in index and v in index:
+            latest[index[u]] = max(latest[index[u]], index[v])
+    delta = [0] * (len(nodes) + 1)
+    for i, n in enumerate(nodes):
+        if n.op in ("placeholder", "get_attr", "output") or n.out_bytes <= 0 or latest[i] == i:
+            continue
+        delta[i] += n.out_bytes  # alive for the backwards of nodes i .. latest[i] (counted from the end)
+        delta[latest[i] + 1] -= n.out_bytes
+    out, alive = [], 0
+    for i in range(len(nodes)):
+        alive += delta[i]
+        out.append(alive)
+    return out
+
+
 def inference_profile(prof: Profile) -> Profile:
     """``prof`` as a forward-only run costs it ([Note: inference memory]): no backward, no
     gradients, no optimizer state, nothing saved; each node's workspace is the bytes live while
     it runs plus its own transient. Parameters and buffers keep their bytes."""
     live = live_bytes(prof.nodes, prof.edges)
     nodes = [dataclasses.replace(n, bwd_s=0.0, saved_bytes=0, act_bytes=0, self_saved=False, grad_bytes=0,
-                                 optim_bytes=0, workspace_bytes=int(w + n.workspace_bytes))
+                                 optim_bytes=0, workspace_bytes=int(w + n.fwd_workspace_bytes))
              for n, w in zip(prof.nodes, live, strict=True)]
     return dataclasses.replace(prof, nodes=nodes, optimizer="none")
 

@@ -40,9 +40,14 @@ added to the backward's workspace); the plan's figure takes the larger of the tw
 host memory on a side stream as the forward makes it and brings it back ahead of the backward
 that needs it. On the GPU it holds, during node v's forward, the values live there (every output
 made whose last reader has not run: a UNet's skips, ``live_bytes`` of costs/inference.py), and
-during v's backward v's saved bytes and those of the node before it in graph order (the next
-backward's, coming back), each on top of v's workspace: the Problem's workspace of v grows by the
-larger of the two, and its saved bytes (placeholders excepted) leave it. Per micro-batch the stage moves its saved bytes ``A`` out and back
+during v's backward v's saved bytes, the window the runtime fetches back ahead of autograd (at
+most ``WINDOW_TENSORS`` of the stage's largest saved tensors, the runtime's ``WINDOW``) and the
+activation gradients alive then (``grad_live_bytes`` of costs/inference.py: every output whose
+gradient a later node's backward has made and its own backward has not consumed yet, a UNet's
+skip gradients waiting for the encoder), each on top of v's workspace: the Problem's workspace of
+v grows by the larger of the two, and its saved bytes (placeholders excepted) leave it. On CPU
+ranks the host copies are left out of the measured peak ([Note: host copies on CPU] in
+profiler/memory.py), so ``benchmarks/bench_out_of_core.py`` and the tests compare like with like. Per micro-batch the stage moves its saved bytes ``A`` out and back
 at ``host_link_bw`` (DeviceSpec, one direction per GPU). The copy out overlaps with the
 forward and the copy back with the backward; with several micro-batches in flight the link is
 full duplex and each direction overlaps with a whole forward + backward slot. So the exposed
@@ -62,7 +67,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nowdl.partitioner.config.candidate import Candidate
-from nowdl.partitioner.costs.inference import live_bytes
+from nowdl.partitioner.costs.inference import grad_live_bytes, live_bytes
 from nowdl.partitioner.costs.problem import NodeVectors, Problem, StageSpec
 from nowdl.partitioner.costs.segments import segment_variant
 from nowdl.plan.topology import node_spec_for
@@ -73,6 +78,7 @@ __all__ = ["HOST_USABLE", "RECOMPUTE_TAG", "OFFLOAD_TAG", "host_share", "apply_l
            "offload_vectors", "offload_time_s", "host_bytes", "lever_figures", "LEVER_KEYS"]
 
 HOST_USABLE = 0.8  # of a GPU's share of host memory, what offloaded activations may take (the rest: OS, data)
+WINDOW_TENSORS = 2  # runtime/pipeline/offload.py's WINDOW: largest saved tensors' worth fetched back ahead
 RECOMPUTE_TAG = "+rc"
 OFFLOAD_TAG = "+off"
 LEVER_KEYS = ("recompute_s", "offload_s", "recomputed_bytes", "offloaded_bytes", "saved_held")
@@ -122,7 +128,9 @@ def offload_vectors(prof: Profile, base: NodeVectors) -> NodeVectors:
     sized = [dataclasses.replace(n, out_bytes=0 if k else int(o))
              for n, k, o in zip(prof.nodes, keep, base.out, strict=True)]
     live = live_bytes(sized, prof.edges)
-    ws = [w + max(live[v], a + (off[v - 1] if v else 0.0))
+    grads = grad_live_bytes(sized, prof.edges)
+    window = WINDOW_TENSORS * max(off, default=0.0)  # fetched back ahead of autograd (runtime's WINDOW)
+    ws = [w + max(live[v], grads[v] + a + window)
           for v, (w, a) in enumerate(zip(base.workspace, off, strict=True))]
     return NodeVectors(act=act, time=base.time, workspace=ws, out=base.out)
 

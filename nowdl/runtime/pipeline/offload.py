@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nowdl.profiler.memory import host_memory
+
 __all__ = ["Offload", "WINDOW"]
 
 _Key = tuple[int, int, int]  # replica, stage, micro-batch
@@ -151,7 +153,8 @@ class Offload:
             self._inflight.append((done, t))  # the device tensor lives until its copy has ended
             self._inflight_bytes += nbytes
         else:
-            host = t.detach().clone()
+            with host_memory():  # [Note: host copies on CPU]: not the device's memory
+                host = t.detach().clone()
         self.bytes_out += nbytes
         self.step_bytes += nbytes
         self.host_bytes += nbytes
