@@ -19,6 +19,7 @@ from nowdl.gcpause import gc_paused
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
 from nowdl.partitioner.config.candidate import PlanRequest
+from nowdl.partitioner.config.reserve import memory_reserve
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference
 from nowdl.partitioner.costs.levers import host_share
@@ -31,7 +32,7 @@ from nowdl.partitioner.spatial.whole_image import whole_image_ops
 from nowdl.plan.plan import Plan, format_bytes
 from nowdl.plan.purpose import is_inference, require_inference, require_training
 from nowdl.profiler.cost import Profile
-from nowdl.profiler.devices import DeviceSpec, memory_reserve
+from nowdl.profiler.devices import DeviceSpec, local_gpu_spec
 from nowdl.profiler.loss_cost import loss_cost_for, with_loss
 from nowdl.progress import Progress, status
 from nowdl.trace.check import stand_in
@@ -155,7 +156,7 @@ class CompiledModel:
 
         spec = self._spec_arg()
         if spec is None:
-            spec = _spec_for_local_gpu()
+            spec = local_gpu_spec()
         return spec if not isinstance(spec, (str, os.PathLike)) else get_device_spec(spec)
 
     def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None, train: bool = True,
@@ -395,13 +396,3 @@ class CompiledModel:
             self._chains[key] = chain_stages(self.trace(*inputs).gm, self.plan(*inputs))
         return self._chains[key](*inputs)
 
-
-def _spec_for_local_gpu() -> DeviceSpec:
-    from nowdl.profiler import get_device_spec
-
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().lower()
-        for key in ("h200", "h100", "a100", "v100"):
-            if key in name:
-                return get_device_spec(key)
-    return get_device_spec("h100")

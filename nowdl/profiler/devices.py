@@ -27,8 +27,8 @@ from nowdl.profiler.specs import (
 )
 
 __all__ = ["DeviceSpec", "BUILTIN_SPECS", "DATASHEET_SPECS", "FITTED_PATH", "HOST_FIELDS", "get_device_spec",
-           "measure_cpu_spec", "OP_CLASSES", "TILE_OP_KINDS", "CONTEXT_BYTES", "memory_reserve", "fitted_specs",
-           "nominal_specs"]
+           "measure_cpu_spec", "OP_CLASSES", "TILE_OP_KINDS", "CONTEXT_BYTES", "fitted_specs",
+           "nominal_specs", "local_gpu_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +299,8 @@ def nominal_specs() -> dict[str, DeviceSpec]:
     """The datasheet's peaks alone: an H100's nominal 80 GiB, no fitted efficiency, floor or
     convolution workspace, no reserve (``NOWDL_SPECS=nominal``): pure rooflines, for comparing
     with them or for tests of the planner's logic that a device's quirks would blur."""
-    keep = dict(context_bytes=None)
-    return {k: dataclasses.replace(v, **keep, memory_bytes=80 * _GIB if k == "h100" else v.memory_bytes)
+    return {k: dataclasses.replace(v, context_bytes=None,
+                                   memory_bytes=80 * _GIB if k == "h100" else v.memory_bytes)
             for k, v in DATASHEET_SPECS.items()}
 
 
@@ -390,26 +390,11 @@ def get_device_spec(
     )
 
 
-NCCL_BYTES = 256 * _MIB
-SLACK = 0.02
-
-
-def memory_reserve(spec: DeviceSpec, gpus: int) -> dict[str, int]:
-    """What a plan keeps of each GPU's memory for what it does not model, by term ([Note: memory reserve]).
-
-    [Note: memory reserve] A GPU process holds memory that torch's caching allocator never
-    hands out to tensors: the CUDA context and the cuDNN and cuBLAS handles (``context_bytes``
-    of the spec), NCCL's buffers when several GPUs talk (``NCCL_BYTES``), and the allocator's
-    own slack, the free parts of its cached segments that a request of another size cannot use
-    (``SLACK`` of the memory). A plan caps each rank at ``memory_bytes`` less this reserve and
-    shows the reserve as a line of its own (``nowdl plan``, ``nowdl show``, the memory picture).
-    The context and slack figures are assumed until a GPU's records measure them
-    (``benchmarks/gpu_check.py`` records the context and the allocator's reserved bytes); a spec
-    without ``context_bytes`` (the CPU) reserves nothing.
-    """
-    if not spec.context_bytes:
-        return {}
-    out = {"context_bytes": int(spec.context_bytes), "slack_bytes": int(SLACK * spec.memory_bytes)}
-    if gpus > 1:
-        out["nccl_bytes"] = NCCL_BYTES
-    return out
+def local_gpu_spec() -> DeviceSpec:
+    """The built-in spec of this machine's GPU (by its CUDA name), else the H100's."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for key in ("h200", "h100", "a100", "v100"):
+            if key in name:
+                return BUILTIN_SPECS[key]
+    return BUILTIN_SPECS["h100"]

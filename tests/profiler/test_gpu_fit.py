@@ -20,9 +20,16 @@ from torch import nn
 
 import nowdl
 from nowdl.errors import NowdlError
+from nowdl.partitioner.config.reserve import memory_reserve
 from nowdl.profiler.calibrate.fit import Sample, fit_time, predict
 from nowdl.profiler.calibrate.records import load_records
-from nowdl.profiler.devices import BUILTIN_SPECS, DATASHEET_SPECS, FITTED_PATH, DeviceSpec, fitted_specs, memory_reserve
+from nowdl.profiler.devices import (
+    BUILTIN_SPECS,
+    DATASHEET_SPECS,
+    FITTED_PATH,
+    DeviceSpec,
+    fitted_specs,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 FITTED = fitted_specs()  # the default specs (the tests plan with the nominal ones: tests/conftest.py)
