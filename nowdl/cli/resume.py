@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nowdl.cli.runspec import pin_conflicts
+from nowdl.runtime.launch import comm
 from nowdl.runtime.training.checkpoint import Checkpoint, CheckpointError
 
 __all__ = ["StopSignal", "run_state", "reusable_plan", "finished_text"]
@@ -48,7 +49,7 @@ class StopSignal:
         if world == 1:
             return self.signum
         t = torch.tensor([self.signum], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        comm.all_reduce(t, dist.ReduceOp.MAX)  # a host tensor: staged through the GPU on NCCL
         return int(t.item())
 
 

@@ -77,6 +77,25 @@ def _process_groups(place: Placement, rank: int, dp_index: int
     return groups, tile_groups
 
 
+def _lanes(place: Placement, stages: Sequence[StageModule], rank: int) -> dict[tuple[int, int, int], Any]:
+    """(sender, receiver, replica) -> the process group of that lane, for every pair of ranks that
+    exchange stage values of a replica and include ``rank`` ([Note: p2p lanes] in
+    runtime/pipeline/transfers.py). Every rank creates every group, in the same order."""
+    lanes: set[tuple[int, int, int]] = set()
+    for c, st in enumerate(stages):
+        for p in {p for p in st.producers.values() if 0 <= p < place.k and p != c}:
+            for (d, rep, s), consumers in place.where.items():
+                if s == c and (d, rep, p) in place.where:
+                    for a in place.where[(d, rep, p)]:
+                        lanes.update((x, y, rep) for b in consumers for x, y in ((a, b), (b, a)) if x != y)
+    mine: dict[tuple[int, int, int], Any] = {}
+    for lane in sorted(lanes):
+        g = dist.new_group(sorted(lane[:2]))
+        if rank in lane[:2]:
+            mine[lane] = g
+    return mine
+
+
 class PipelineEngine:
     """Runs this rank's part of a plan: forward/backward actions, p2p, gradient sync, step.
 
@@ -142,7 +161,7 @@ class PipelineEngine:
                                                   tiles_per_gpu=st.tiles_per_gpu)
         data = {n for st in stages for n, p in st.producers.items() if p < 0}
         self._check_spatial_values()
-        self.transfers = Transfers(view, timeout_s)
+        self.transfers = Transfers(view, timeout_s, _lanes(self.place, stages, rank) if distributed else {})
         has_w = any(a.kind == "W" for a in self.actions)  # zero bubble: W computes the weight gradients
         self.deferred = {s for rep, s in self.held if has_w and (rep, s) not in self.tiled
                          and s not in self.checkpointed and enable(self.stages[s].module)}

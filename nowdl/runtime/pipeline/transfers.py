@@ -8,6 +8,17 @@ to have posted the receive (``release_done``: their tensors are freed then), the
 of the step. Every float value sent forward gets exactly one gradient back (zeros when the
 consumer did not need it), so both sides agree on the messages without asking. Tags are unique
 per (value, direction, replica, micro-batch).
+
+[Note: p2p lanes] Messages between two ranks go over a process group of their own per direction
+and replica (a "lane": sender -> receiver, of one MASTER replica). Gloo matches messages by tag
+and needs none. NCCL ignores tags, matches the messages between two ranks of a group in the order
+they are posted, and runs them on one CUDA stream in that order. Over one group, a receive posted
+ahead (``post_upto``) would hold up this rank's later sends to that peer while the peer's send it
+waits for sits behind the peer's own receive: a deadlock at the first step of GPipe on two GPUs.
+On a lane only one direction of one replica's pipeline flows, and the sender posts its sends in
+the order the receiver posts its receives (the plan fixes both programs;
+tests/runtime/test_p2p_order.py checks every lane); a MASTER rank holding stages of both replicas
+posts their messages in its own program order, hence a lane per replica.
 """
 
 from __future__ import annotations
@@ -49,9 +60,10 @@ class StepReceives:
 class Transfers:
     """The messages of one rank: what it expects, its receive buffers, its sends, the tiles' boxes."""
 
-    def __init__(self, view: RankView, timeout_s: float) -> None:
+    def __init__(self, view: RankView, timeout_s: float, lanes: dict[tuple[int, int, int], Any] | None = None) -> None:
         self.view = view
         self.timeout_s = timeout_s
+        self.lanes = lanes or {}  # (sender, receiver, replica) -> its group ([Note: p2p lanes]); absent: the world
         self._programs: dict[int, dict[tuple[str, int, int, int], int]] = {}
         self._sent_at: dict[tuple[Any, ...], int] = {}  # receive key -> sender's action index
         self._boxes: dict[tuple[str, int, int], Window] = {}
@@ -197,7 +209,8 @@ class Transfers:
         while rx.next_action < len(rx.per_action) and rx.next_action <= idx + LOOKAHEAD:
             for key, peer, tag, name, shape in rx.per_action[rx.next_action]:
                 buf = self._alloc(name, shape)
-                rx.posted[key] = (comm.irecv(buf, src=peer, tag=tag), peer, buf)
+                lane = self.lanes.get((peer, self.view.rank, key[2] if key[0] == "F" else key[3]))  # the key's replica
+                rx.posted[key] = (comm.irecv(buf, src=peer, group=lane, tag=tag), peer, buf)
             rx.next_action += 1
 
     def take(self, rx: StepReceives, key: tuple[Any, ...], what: str) -> torch.Tensor:
@@ -221,7 +234,8 @@ class Transfers:
                 continue
             piece = msg[self.rel(box, self.box(name, act.stage, part))].contiguous()
             q = self.peer(act.replica, c, j)
-            w = comm.isend(piece, dst=q, tag=self.tag(name, False, act.replica, act.microbatch))
+            w = comm.isend(piece, dst=q, group=self.lanes.get((self.view.rank, q, act.replica)),
+                           tag=self.tag(name, False, act.replica, act.microbatch))
             sends.append((w, f"{name} to stage {c}", piece, q, self.index(q, "F", c, act.microbatch, act.replica)))
         return sends
 
@@ -240,7 +254,8 @@ class Transfers:
                 if piece.untyped_storage().nbytes() > piece.numel() * piece.element_size():
                     piece = piece.clone()  # a view (a cat's slice) would hold the whole gradient until sent
                 q = self.peer(act.replica, p, i)
-                w = comm.isend(piece, dst=q, tag=self.tag(name, True, act.replica, act.microbatch))
+                w = comm.isend(piece, dst=q, group=self.lanes.get((self.view.rank, q, act.replica)),
+                               tag=self.tag(name, True, act.replica, act.microbatch))
                 sends.append((w, f"gradient of {name} to stage {p}", piece, q,
                               self.index(q, "B", p, act.microbatch, act.replica)))
             t.grad = None  # sent: the pieces cut from it live until their sends complete
