@@ -17,10 +17,10 @@ __all__ = ["plan_job", "probe_job_links", "job_nodes", "current_plan", "plan_lin
 
 
 def plan_job(model: nn.Module, args: argparse.Namespace, rank: int, world: int, batch: int,
-             micro_batch: int, src: RunSource, optimizer: Any, progress: bool) -> str:
+             micro_batch: int, src: RunSource, optimizer: Any, progress: bool, *, pin_micro_batch: bool = False) -> str:
     """Rank 0 plans a ``batch``-sample step from a ``micro_batch``-sample example (the micro-batch
-    size when ``--input`` gives it, else the planner chooses it); every rank gets the plan JSON
-    (or rank 0's error), through the trainer's ``plan_on_rank0``."""
+    size when ``--input`` gives it or ``pin_micro_batch``, else the planner chooses it); every rank
+    gets the plan JSON (or rank 0's error), through the trainer's ``plan_on_rank0``."""
     import dataclasses
 
     import nowdl
@@ -37,7 +37,7 @@ def plan_job(model: nn.Module, args: argparse.Namespace, rank: int, world: int, 
                                 optimizer=optimizer, progress=progress, nodes=nodes, gpus_per_node=per_node,
                                 global_batch=batch, tiles_per_gpu=getattr(args, "tiles_per_gpu", "auto"),
                                 **lever_kwargs(args))
-        if planner.request is not None and src.input_text is not None:  # --input is one micro-batch
+        if planner.request is not None and (src.input_text is not None or pin_micro_batch):  # one micro-batch
             planner.request = dataclasses.replace(planner.request, micro_batch_size=micro_batch)
         plan = planner.plan(torch.empty((micro_batch, *src.sample_shape), device="meta"))
         plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
