@@ -8,26 +8,26 @@ pin and the micro-batch size kept (so BatchNorm sees the same micro-batches and 
 exact), with the budget per rank charged ([Note: memory charge]); every rank then rebuilds its
 engine on the new plan from the current weights and optimizer state ([Note: in-memory
 reshard] in runtime/training/reshard.py) and the run goes on from the next step. Rank 0 says so
-in one line. A plan that was re-planned once is not re-planned again: a second excess (or a
-re-plan that finds nothing that fits) stops the job in one paragraph, exit status 2. There is no
-loop.
-
-A step that raises out-of-memory cannot be recovered in the process (its peers wait inside the
-step's exchanges); :meth:`MemoryGuard.out_of_memory` turns it into the job's error with the
-figures and what a restart does ([Note: restart on memory] in runrecord.py).
+in one line. A plan that was re-planned once is not re-planned again: a second excess, or a
+re-plan that finds nothing that fits, stops the job in one paragraph (exit status 2). A step
+that raises out-of-memory stops the job for its next attempt to re-plan ([Note: restart on
+memory] in runrecord.py). There is no loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from nowdl.cli.runjob import Job, compile_job
 from nowdl.cli.runplan import current_plan, plan_job, plan_line
+from nowdl.cli.runrecord import MemoryRecord, advice, stop_text, write_record
 from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
 from nowdl.runtime.data.feed import Feed
@@ -35,7 +35,7 @@ from nowdl.runtime.training.memory_cap import Use, charged_budget, gather_use, m
 from nowdl.runtime.training.reshard import HeldState, gather_state
 from nowdl.units import format_bytes
 
-__all__ = ["MemoryGuard", "WATCH_STEPS", "levers_text", "advice", "replanner", "Replan"]
+__all__ = ["MemoryGuard", "WATCH_STEPS", "Replan", "replanner", "replanned_line"]
 
 #: The steps of each plan whose peaks are checked against the cap.
 WATCH_STEPS = 3
@@ -44,20 +44,25 @@ WATCH_STEPS = 3
 Replan = Callable[[int, Plan, int], tuple[str, Callable[[HeldState], Any]]]
 
 
-def levers_text(plan: Plan) -> str:
-    """``; stage 0 offloads, stage 1 recomputes`` (empty: no stage does)."""
-    parts = [f"stage {s.index} {'recomputes' if s.recompute else 'offloads'}" for s in plan.stages
-             if s.recompute or s.offload]
-    return "; " + ", ".join(parts) if parts else ""
+def replanned_line(said: str, budget: int, plan: Plan, goes_on: str) -> str:
+    """Rank 0's line when a job re-planned: who needed what, the budget, where it goes on, the new plan."""
+    levers = [f"stage {s.index} {'recomputes' if s.recompute else 'offloads'}" for s in plan.stages
+              if s.recompute or s.offload]
+    return (f"memory: {said}; re-planned for {format_bytes(budget)} per rank (the cap x planned/measured) and "
+            f"{goes_on}: {plan_line(None, plan)}" + ("; " + ", ".join(levers) if levers else ""))
 
 
-def advice(gpu_memory: int | None) -> str:
-    """What a user can do when no plan holds in the memory there is."""
-    lower = f" (below {format_bytes(gpu_memory)})" if gpu_memory else ""
-    return ("Give each rank less to hold: more GPUs (torchrun --nproc-per-node), a smaller --input or --batch-size, "
-            f"a lower --gpu-memory{lower} so the planner keeps more room, or the memory levers (--recompute on, "
-            "--offload on, --tiles-per-gpu); --log-dir's metrics.jsonl has every rank's measured and planned peak "
-            "per step.")
+def _said(over: list[Use], cap: int, step: int) -> tuple[str, Use]:
+    worst = min(over, key=lambda u: max(u.planned, 1) / max(u.measured, 1))
+    return (f"rank {worst.rank} used {format_bytes(worst.measured)} in step {step}, above its cap of "
+            f"{format_bytes(cap)} (planned {format_bytes(worst.planned)})"
+            + "".join(f", as did rank {u.rank}" for u in over if u is not worst)), worst
+
+
+def _fits(e: BaseException) -> str:
+    """The planner's count of GPUs that would fit, from its refusal ("" if it names none)."""
+    m = re.search(r"(\d+) GPUs would fit it", str(e))
+    return f"{m.group(1)} would fit it" if m else ""
 
 
 class MemoryGuard:
@@ -66,19 +71,17 @@ class MemoryGuard:
     Args:
         rank, world: this process and the job size.
         emit: prints rank 0's lines.
-        replan: ``replan(gpu_memory, old_plan, step)`` -> the new plan's path, planned on rank 0
-            and shared, and ``build(state)``, which compiles it and loads ``state`` with step
-            ``step``'s batch (0-based; both collective).
-        replanned: the plan this run starts on is already a re-plan (a restarted attempt's).
+        replan: see :data:`Replan` (both calls collective).
+        records: the ``--checkpoint`` folder, where an out-of-memory is recorded (None: not).
+        budget: the budget per rank of the plan the run starts on when it is already a re-plan
+            (a restarted attempt's, [Note: restart on memory]).
     """
 
-    def __init__(self, rank: int, world: int, emit: Callable[[str], None],
-                 replan: Replan,
-                 *, replanned: bool = False) -> None:
-        self.rank, self.world, self.emit, self.replan = rank, world, emit, replan
-        self.replanned = replanned
+    def __init__(self, rank: int, world: int, emit: Callable[[str], None], replan: Replan, *,
+                 records: Path | None = None, budget: int | None = None) -> None:
+        self.rank, self.world, self.emit, self.replan, self.records = rank, world, emit, replan, records
+        self.budget = budget  # the budget per rank of the re-plan, once there was one
         self.seen = 0  # steps of this plan checked so far
-        self.budget: int | None = None  # the budget of the re-plan
 
     @property
     def watching(self) -> bool:
@@ -94,22 +97,21 @@ class MemoryGuard:
             self.seen = WATCH_STEPS
             return cm
         self.seen += 1
-        uses = gather_use(peak, plan.ranks[self.rank].predicted_peak_bytes, self.rank, self.world)
-        over = [u for u in uses if u.measured > cap]
+        over = [u for u in gather_use(peak, plan.ranks[self.rank].predicted_peak_bytes, self.rank, self.world)
+                if u.measured > cap]
         if not over:
             return cm
-        worst = min(over, key=lambda u: max(u.planned, 1) / max(u.measured, 1))
-        said = f"{worst.text(cap)} in step {step}" + (f" (and {len(over) - 1} other rank(s))" if len(over) > 1 else "")
-        if self.replanned:
-            raise NowdlError(self._again(said, cap))
+        said, _ = _said(over, cap, step)
+        if self.budget is not None:
+            raise NowdlError(stop_text(said, self.budget))
         budget = charged_budget(cap, over)
-        reserve = int(sum((plan.config.get("reserve") or {}).values()))
         try:
-            path, build = self.replan(budget + reserve, plan, step)
+            path, build = self.replan(budget + int(sum((plan.config.get("reserve") or {}).values())), plan, step)
         except NowdlError as e:
-            raise NowdlError(f"{said}; re-planning for {format_bytes(budget)} per rank ([Note: memory charge]) found "
-                             f"nothing that fits: {e}. The job stops (exit status 2). {advice(plan.config.get('gpu_memory'))}"
-                             ) from None
+            first = str(e).split(". ")[0]
+            raise NowdlError(f"{said}: no plan fits {format_bytes(budget)} per rank, the cap charged for what was "
+                             f"measured (the cap x planned/measured) [{first}]: the job stops (exit status 2). "
+                             f"{advice(_fits(e))}") from None
         state = gather_state(cm._train())
         del cm
         gc.collect()
@@ -117,31 +119,36 @@ class MemoryGuard:
             torch.cuda.empty_cache()
         new = build(state)
         del state
-        self.replanned, self.seen, self.budget = True, 0, budget
-        new_plan = Plan.load(path)
-        self.emit(f"memory: {said}; re-planned for {format_bytes(budget)} per rank (the cap x planned/measured) and "
-                  f"went on from step {step + 1} with the same weights: {plan_line(new, new_plan)}"
-                  f"{levers_text(new_plan)}")
+        self.budget, self.seen = budget, 0
+        self.emit(replanned_line(said, budget, Plan.load(path), f"went on from step {step + 1} with the same weights"))
         return new
 
-    def _again(self, said: str, cap: int) -> str:
-        how = f"{format_bytes(self.budget)} per rank" if self.budget is not None else "the memory measured before"
-        return (f"{said}, on a plan already re-planned for {how} after a rank needed more memory than planned: the job "
-                f"stops (exit status 2) rather than re-plan again. {advice(None)}")
-
     def out_of_memory(self, e: BaseException, cm: Any, step: int) -> NowdlError:
-        """The job's error for the out-of-memory ``e`` this rank raised in step ``step`` (1-based)."""
+        """The job's error for the out-of-memory ``e`` this rank raised in step ``step`` (1-based),
+        recorded for the next attempt ([Note: restart on memory])."""
         plan = current_plan(cm)
-        needed = oom_bytes(e, torch.cuda.is_available())
-        planned = int(plan.ranks[self.rank].predicted_peak_bytes) if plan is not None else 0
         cap = memory_cap(plan) if plan is not None else None
-        said = (f"rank {self.rank} ran out of memory in step {step}: it needed at least {format_bytes(needed)}"
-                + (f", above its cap of {format_bytes(cap)}" if cap else "") + f" (planned {format_bytes(planned)})")
-        if self.replanned:
-            return NowdlError(self._again(said, cap or 0))
-        budget = charged_budget(cap, [Use(self.rank, needed, planned)]) if cap else None
-        fix = f"; or run again with --gpu-memory {format_bytes(budget)} more than the reserve" if budget else ""
-        return NowdlError(f"{said}: the job stops (exit status 2){fix}.")
+        if plan is None or cap is None:
+            return NowdlError(f"rank {self.rank} ran out of memory in step {step} ({str(e).splitlines()[0][:200]}): "
+                              f"the job stops (exit status 2). {advice()}")
+        reserve = int(sum((plan.config.get("reserve") or {}).values()))
+        rec = MemoryRecord(rank=self.rank, step=step, measured=oom_bytes(e, torch.cuda.is_available()),
+                           planned=int(plan.ranks[self.rank].predicted_peak_bytes), cap=cap, reserve=reserve,
+                           micro_batch=int(plan.model["inputs"][0][0]), replanned=self.budget is not None,
+                           budget=self.budget)
+        if self.records is not None:
+            write_record(self.records, rec)
+        if rec.replanned:
+            return NowdlError(stop_text(rec.said(), self.budget))
+        budget = charged_budget(cap, [Use(rec.rank, rec.measured, rec.planned)])
+        if self.records is not None:
+            then = (f"a restart (torchrun --max-restarts N, a Slurm requeue) re-plans for {format_bytes(budget)} per "
+                    f"rank, the cap x planned/measured, and resumes from the latest checkpoint in {self.records}")
+        else:
+            then = (f"run it again with --gpu-memory {budget + rec.reserve} (bytes: {format_bytes(budget)} per rank after "
+                    "the reserve, the cap x planned/measured), or with --checkpoint DIR under torchrun --max-restarts "
+                    "N, which re-plans by itself")
+        return NowdlError(f"{rec.said()}: the job stops (exit status 2); {then}.")
 
 
 def replanner(job: Job, feed: Feed, optimizer: Any, compile_params: Any) -> Replan:

@@ -70,11 +70,12 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.cli import validation
-from nowdl.cli.replan import MemoryGuard, replanner
+from nowdl.cli.replan import MemoryGuard, replanned_line, replanner
 from nowdl.cli.resume import StopSignal, finished_text, reusable_plan, run_state
 from nowdl.cli.runguard import check_outputs, run_end
 from nowdl.cli.runjob import Job, compile_job
 from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
+from nowdl.cli.runrecord import restart_charge
 from nowdl.cli.runspec import (
     check_model_input,
     check_options,
@@ -159,7 +160,8 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         bar = tqdm(total=job.total - job.start, desc="eval" if args.eval else "train", unit="step", file=sys.stderr,
                    leave=False)
     emit = _Printer(job.say, bar)
-    guard = None if args.eval else MemoryGuard(rank, world, emit, replanner(job, feed, optimizer, compile_params))
+    guard = None if args.eval else MemoryGuard(rank, world, emit, replanner(job, feed, optimizer, compile_params),
+                                               records=job.ckpt, budget=job.charge.budget if job.charge else None)
     with StopSignal() as stop:
         try:
             times, stopped, cm = _steps(job, cm, feed, metrics, setup_s, emit, bar, stop, guard)
@@ -188,8 +190,9 @@ def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tup
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     ck = open_checkpoint(ckpt) if ckpt is not None else None  # every rank gets the same answer or error
     saved_run = run_state(ck, args) if ck is not None else None
+    charge = restart_charge(ckpt, rank, world) if ckpt is not None and not args.eval else None
     ckpt_plan = None
-    if ck is not None and reusable_plan(ck, args, world):
+    if ck is not None and charge is None and reusable_plan(ck, args, world):
         ckpt_plan = tmp / "checkpoint-plan.json"
         ckpt_plan.write_text(json.dumps(ck.record["plan"]))
     src = run_source(args, str(ckpt_plan) if ckpt_plan is not None else None)
@@ -206,7 +209,7 @@ def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tup
     batch, micro_batch = step_batches(args, src, saved_run)
     start = ck.step if ck is not None and not args.eval else 0
     total = run_end(saved_run, start, args.steps) if not args.eval else args.steps
-    return Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start, total), model, name
+    return Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start, total, charge=charge), model, name
 
 
 def _feed(job: Job, model: nn.Module, name: str) -> Feed:
@@ -226,11 +229,18 @@ def _start(job: Job, model: nn.Module, feed: Feed, optimizer: Any, compile_param
     args, src, rank, world = job.args, job.src, job.rank, job.world
     t_plan = time.perf_counter()
     plan_path = src.plan_path
-    if plan_path is None:  # rank 0 plans, every rank runs what it planned
+    if plan_path is None or job.charge is not None:  # rank 0 plans, every rank runs what it planned
         plan_path = str(job.tmp / PLAN_FILE)
         probe_job_links(args, world, job.tmp, job.say)
-        text = plan_job(model, args, rank, world, job.batch, job.micro_batch, src, optimizer, progress)
+        charge = job.charge  # a restart after an out-of-memory [Note: restart on memory]
+        asked = args if charge is None else argparse.Namespace(**{**vars(args), "gpu_memory": charge.gpu_memory})
+        text = plan_job(model, asked, rank, world, job.batch, job.micro_batch if charge is None else charge.micro_batch,
+                        src, optimizer, progress, pin_micro_batch=charge is not None)
         Path(plan_path).write_text(text)
+        if charge is not None and job.say:
+            print(replanned_line(charge.said, charge.budget, nowdl.Plan.from_json(text), f"goes on from step {job.start + 1}"
+                                 + (" with the latest checkpoint's weights" if job.ck else " (no checkpoint was saved)")),
+                  flush=True)
     cm = compile_job(job, model, plan_path, optimizer, compile_params, progress)
     run_plan = nowdl.Plan.load(plan_path)
     feed.start(job.start, job.batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=job.total)

@@ -11,6 +11,7 @@ from torch import nn
 
 from nowdl.cli import validation
 from nowdl.cli.losses import make_loss
+from nowdl.cli.runrecord import Charge
 from nowdl.cli.runspec import RunSource
 from nowdl.runtime.data.feed import label_loss
 from nowdl.runtime.training.checkpoint import Checkpoint
@@ -35,6 +36,7 @@ class Job:
     start: int  # steps done before this run
     total: int  # the step this run ends at (runguard.run_end)
     val: validation.ValidationSet | None = None  # --val-data
+    charge: Charge | None = None  # a restart after an out-of-memory re-plans with it (runrecord.py)
 
     @property
     def say(self) -> bool:
