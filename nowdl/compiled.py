@@ -73,6 +73,15 @@ class CompiledModel:
         self._chains: dict[tuple[tuple[int, ...], ...], StageChain] = {}  # what cm(x) runs, per input shapes
         self._trainer: Trainer | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # built by compile() over model.parameters()
+        #: a step whose loss or a gradient is NaN or infinite: stop (False: NonFiniteError) or skip it
+        #: (True; ``skipped_steps`` counts them) ([Note: non-finite steps] in runtime/pipeline/grad_sync.py)
+        self.skip_nonfinite = False
+
+    @property
+    def skipped_steps(self) -> int:
+        """Training steps skipped for a non-finite loss or gradient (``skip_nonfinite``)."""
+        eng = self._trainer.engine if self._trainer is not None else None
+        return int(eng.runner.skipped) if eng is not None else 0
 
     # ---- the runtime options the trainer reads; setting one checks it again ------------------
     @property
@@ -276,7 +285,9 @@ class CompiledModel:
             costs, prof = result.costs, result.costs.profile
         plan.config["halo_fusion"] = fusion
         if cap is not None:
-            plan.config.update(gpu_memory=cap, reserve=reserve)
+            plan.config["gpu_memory"] = cap
+        if reserve:
+            plan.config["reserve"] = reserve
         plan.config["precision"] = self.precision
         if not train:
             mark_inference(plan)

@@ -45,3 +45,7 @@ def error_text(e: BaseException) -> str:
         return (text + ". This rank needed more memory than it has: re-plan with a smaller --gpu-memory (the "
                 "planner keeps every rank under it) or more GPUs, or pass activation_checkpointing")
     return text + " (unexpected: run again with -v for the traceback, and please report it)"
+
+
+class NonFiniteError(NowdlError):
+    """A step's loss or a gradient is NaN or infinite: the optimizer step did not run."""

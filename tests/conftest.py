@@ -1,6 +1,16 @@
-"""Shared fixtures: an isolated profile cache for every test."""
+"""Shared fixtures: an isolated profile cache for every test; the nominal device specs.
+
+The planner's tests check its logic against the datasheet's rooflines (``NOWDL_SPECS=nominal``,
+set before nowdl is imported, so subprocesses plan the same way); the GPU-faithful default specs
+(fitted to benchmarks/records/, with the memory reserve) are tested by name in
+tests/profiler/test_gpu_fit.py (``fitted_specs()``).
+"""
 
 from __future__ import annotations
+
+import os
+
+os.environ["NOWDL_SPECS"] = "nominal"
 
 from collections.abc import Iterator
 from pathlib import Path

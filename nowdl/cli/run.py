@@ -72,7 +72,7 @@ from torch import nn
 from nowdl.cli import validation
 from nowdl.cli.replan import MemoryGuard, replanned_line, replanner
 from nowdl.cli.resume import StopSignal, finished_text, reusable_plan, run_state
-from nowdl.cli.runguard import check_outputs, run_end
+from nowdl.cli.runguard import check_outputs, checked_step, run_end
 from nowdl.cli.runjob import Job, compile_job
 from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
 from nowdl.cli.runrecord import restart_charge
@@ -290,9 +290,9 @@ def _steps(job: Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_s
         run_step = (functools.partial(validation.eval_batch, cm, x, y, job.rank, labelled) if args.eval
                     else functools.partial(cm.train_step, x, y))
         result: Any
+        measured = metrics is not None or meter.watch or meter.oom_cap is not None
         try:
-            measured = metrics is not None or meter.watch or meter.oom_cap is not None
-            result, peak = meter.run(run_step) if measured else (run_step(), 0)
+            result, peak, skipped = checked_step(cm, run_step, meter if measured else None, feed, step, x, args.eval)
         except torch.OutOfMemoryError as e:
             if guard is None:
                 raise
@@ -308,7 +308,7 @@ def _steps(job: Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_s
         times.append(dt)
         if step == start:
             emit(plan_line(cm, cm.eval_plan(x) if args.eval else None))
-        emit(f"step {step + 1}/{job.total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s")
+        emit(f"step {step + 1}/{job.total}{loss_text}  {dt:.2f} s  {_rate(batch, dt)} images/s{skipped}")
         if bar is not None:
             bar.update(1)
         if job.val is not None and validation.val_due(args, step + 1, start, job.total):

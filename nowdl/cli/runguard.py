@@ -17,13 +17,14 @@ import argparse
 import errno
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nowdl.errors import NowdlError
+from nowdl.errors import NonFiniteError, NowdlError
 from nowdl.runtime.launch.attempt import restart_count
 
-__all__ = ["check_outputs", "run_end"]
+__all__ = ["check_outputs", "run_end", "checked_step"]
 
 
 def _writable(folder: Path, option: str) -> None:
@@ -67,3 +68,17 @@ def run_end(saved_run: dict[str, Any] | None, start: int, steps: int) -> int:
     if restart_count() > 0 and isinstance(total, int) and total >= start:
         return total
     return steps
+
+
+def checked_step(cm: Any, run_step: Callable[[], Any], meter: Any, feed: Any, step: int, x: Any, evaluating: bool
+                 ) -> tuple[Any, int, str]:
+    """Run one step (through ``meter`` when metrics are kept): its result, the peak bytes, and the
+    step line's note when the step was skipped for a non-finite loss or gradient. A step that stops
+    for one says which samples of the batch hold NaN ([Note: non-finite steps])."""
+    before = 0 if evaluating else cm.skipped_steps
+    try:
+        result, peak = meter.run(run_step) if meter is not None else (run_step(), 0)
+    except NonFiniteError as e:
+        raise NonFiniteError(f"{e}{feed.nonfinite_samples(step, x)}") from None
+    skipped = not evaluating and cm.skipped_steps != before
+    return result, peak, f"  skipped: not finite ({cm.skipped_steps} so far)" if skipped else ""

@@ -55,5 +55,7 @@ def compile_job(job: Job, model: nn.Module, plan_path: str, optimizer: Any, comp
 
     args = job.args
     extra: dict[str, Any] = {"precision": args.precision} if "precision" in compile_params else {}
-    return nowdl.compile(model, plan=plan_path, optimizer=optimizer, loss_fn=label_loss(make_loss(args.loss, args.loss_args)),
-                         progress=progress, timeout_s=args.timeout, **extra)
+    cm = nowdl.compile(model, plan=plan_path, optimizer=optimizer, loss_fn=label_loss(make_loss(args.loss, args.loss_args)),
+                       progress=progress, timeout_s=args.timeout, **extra)
+    cm.skip_nonfinite = bool(getattr(args, "skip_nonfinite", False))
+    return cm

@@ -80,6 +80,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "other GPUs or pins); save there after the last step, every --save-every steps, and on "
                    "SIGTERM/SIGINT")
     p.add_argument("--save-every", type=int, metavar="N", help="also save the checkpoint every N steps")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or a gradient is NaN or infinite, and count it (default: stop the run "
+                   "at once, naming the step, the rank and the input, with no new checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds any rank waits for a peer before failing, naming it (default 300)")

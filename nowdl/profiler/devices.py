@@ -27,7 +27,8 @@ from nowdl.profiler.specs import (
 )
 
 __all__ = ["DeviceSpec", "BUILTIN_SPECS", "DATASHEET_SPECS", "FITTED_PATH", "HOST_FIELDS", "get_device_spec",
-           "measure_cpu_spec", "OP_CLASSES", "TILE_OP_KINDS", "CONTEXT_BYTES", "memory_reserve"]
+           "measure_cpu_spec", "OP_CLASSES", "TILE_OP_KINDS", "CONTEXT_BYTES", "memory_reserve", "fitted_specs",
+           "nominal_specs"]
 
 log = logging.getLogger(__name__)
 
@@ -289,9 +290,25 @@ def _with_fit(specs: dict[str, DeviceSpec]) -> dict[str, DeviceSpec]:
     return out
 
 
-BUILTIN_SPECS: dict[str, DeviceSpec] = _with_fit(DATASHEET_SPECS)
-"""The built-in specs: the datasheet's peaks, and for the GPUs with records the fitted efficiency,
-per-op floor and convolution workspace."""
+def fitted_specs() -> dict[str, DeviceSpec]:
+    """The datasheet specs with their GPU records' fit: what ``BUILTIN_SPECS`` holds by default."""
+    return _with_fit(DATASHEET_SPECS)
+
+
+def nominal_specs() -> dict[str, DeviceSpec]:
+    """The datasheet's peaks alone: an H100's nominal 80 GiB, no fitted efficiency, floor or
+    convolution workspace, no reserve (``NOWDL_SPECS=nominal``): pure rooflines, for comparing
+    with them or for tests of the planner's logic that a device's quirks would blur."""
+    keep = dict(context_bytes=None)
+    return {k: dataclasses.replace(v, **keep, memory_bytes=80 * _GIB if k == "h100" else v.memory_bytes)
+            for k, v in DATASHEET_SPECS.items()}
+
+
+BUILTIN_SPECS: dict[str, DeviceSpec] = (nominal_specs() if os.environ.get("NOWDL_SPECS", "").strip() == "nominal"
+                                         else fitted_specs())
+"""The built-in specs: the datasheet's peaks, the driver's capacities, the memory reserve, and for
+the GPUs with records the fitted efficiency, per-op floor and convolution workspace
+([Note: op efficiency]); ``NOWDL_SPECS=nominal`` plans with :func:`nominal_specs` instead."""
 
 
 

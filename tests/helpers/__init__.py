@@ -11,6 +11,7 @@ folder (``pythonpath = ["tests"]`` in pyproject.toml).
 - ``monai_zoo``: the MONAI networks nowdl is checked against.
 - ``multinode_worker``: one rank of a multi-node job, run as a script.
 - ``dying_data``: a seeded Dataset whose rank SIGKILLs itself at a chosen read (restart tests).
+- ``nan_data``: a seeded Dataset one of whose samples is NaN (non-finite steps).
 """
 
 __all__: list[str] = []

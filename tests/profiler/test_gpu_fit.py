@@ -22,9 +22,10 @@ import nowdl
 from nowdl.errors import NowdlError
 from nowdl.profiler.calibrate.fit import Sample, fit_time, predict
 from nowdl.profiler.calibrate.records import load_records
-from nowdl.profiler.devices import BUILTIN_SPECS, DATASHEET_SPECS, FITTED_PATH, DeviceSpec
+from nowdl.profiler.devices import BUILTIN_SPECS, DATASHEET_SPECS, FITTED_PATH, DeviceSpec, fitted_specs, memory_reserve
 
 ROOT = Path(__file__).resolve().parents[2]
+FITTED = fitted_specs()  # the default specs (the tests plan with the nominal ones: tests/conftest.py)
 RECORDS = sorted(p for p in (ROOT / "benchmarks" / "records").glob("*.json") if not p.name.endswith(".history.json"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -50,7 +51,7 @@ def _rows() -> list[tuple[str, dict[str, Any]]]:
 def test_every_recorded_step_is_predicted(name: str, row: dict[str, Any]) -> None:
     """Peak memory within ±10% of ``max_memory_allocated`` (within the records' own rounding), and
     step time within ±25% where the step was timed; the datasheet spec misses the memory by far."""
-    spec = BUILTIN_SPECS["h200"] if "h200" in name else BUILTIN_SPECS["h100"]
+    spec = FITTED["h200"] if "h200" in name else FITTED["h100"]
     peak, step = _planned(row, spec)
     measured = row["max_allocated"]
     assert abs(math.log(measured / peak)) <= math.log(1.10), (row["label"], measured / peak)
@@ -68,7 +69,7 @@ def test_the_shipped_fit_is_the_records_fit() -> None:
     for spec in ("h200", "h100"):
         f = fitted[spec]
         assert sorted(f["records"]) == names, "records changed: run `python benchmarks/fit_specs.py --write`"
-        s = BUILTIN_SPECS[spec]
+        s = FITTED[spec]
         assert s.op_efficiency == {"other": (f["time"]["top"], f["time"]["half"])}
         assert s.op_floor_s == f["time"]["floor_s"] and s.conv_workspace == f["conv_workspace"]
         assert f["time"]["worst_log_error"] <= math.log(1.25) and f["memory_worst_log_error"] <= math.log(1.10)
@@ -104,8 +105,26 @@ def test_op_efficiency_and_floor_time_an_op() -> None:
 
 
 def test_capacities_are_what_the_driver_reports() -> None:
-    assert BUILTIN_SPECS["h100"].memory_bytes == 81559 * 2**20 and BUILTIN_SPECS["h200"].memory_bytes == 143771 * 2**20
-    assert all(BUILTIN_SPECS[k].context_bytes for k in ("h100", "h200"))
+    assert FITTED["h100"].memory_bytes == 81559 * 2**20 and FITTED["h200"].memory_bytes == 143771 * 2**20
+    assert all(FITTED[k].context_bytes for k in ("h100", "h200"))
+    assert BUILTIN_SPECS["h100"].memory_bytes == 80 * 2**30  # the tests' nominal specs (tests/conftest.py)
+
+
+def test_a_plan_keeps_the_reserve_and_says_so() -> None:
+    """[Note: memory reserve]: the plan caps each rank at the capacity less the reserve, records both,
+    and prints the reserve; refusing, it names it."""
+    spec = FITTED["h100"]
+    kept = memory_reserve(spec, 2)
+    assert set(kept) == {"context_bytes", "slack_bytes", "nccl_bytes"} and not memory_reserve(FITTED["h100"], 1).get("nccl_bytes")
+    model = nowdl.models.unet(3, 2, depth=2, base_width=8)
+    plan = nowdl.compile(model, gpus=2, mode="estimate", device_spec=spec, cache=False, progress=False).plan(
+        torch.empty(1, 3, 256, 256, device="meta"))
+    assert plan.config["gpu_memory"] == spec.memory_bytes and plan.config["reserve"] == kept
+    assert "reserved (context 768.0 MiB, slack" in str(plan) and "nccl 256.0 MiB" in str(plan)
+    tight = nowdl.compile(model, gpus=1, mode="estimate", device_spec=spec, gpu_memory=sum(memory_reserve(spec, 1).values()) + 2**20,
+                          cache=False, progress=False)
+    with pytest.raises(nowdl.InfeasibleError, match=r"less .* kept for the CUDA context, NCCL and the allocator's slack"):
+        tight.plan(torch.empty(1, 3, 256, 256, device="meta"))
 
 
 def test_records_of_another_torch_are_used_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

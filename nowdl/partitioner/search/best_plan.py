@@ -77,6 +77,8 @@ from nowdl.partitioner.search.model_space import uncapped as _uncapped
 from nowdl.partitioner.search.segments import shorten_recompute
 from nowdl.partitioner.solver import SolveCache, final_split, proven, solve
 
+LOOSE_BOUND = 0.5  # a throughput bound more than 50% above the choice is not worth a figure
+
 __all__ = ["search", "SearchResult", "FINALISTS", "FINALIST_RESERVE_S", "SCREEN_MILP_S", "build_plan", "timed_search"]
 
 log = logging.getLogger(__name__)
@@ -251,9 +253,11 @@ def search(
     doubt = [e for e in fitting if not e.exact and e is not best and not e.idle
              and e.bounds.throughput_ub > best.pred["throughput"] * (1 + _REL)]
     choice = "proven"
-    if doubt:
+    if doubt:  # a bound that allows more than LOOSE_BOUND says nothing: no figure then
         edge = max(e.bounds.throughput_ub for e in doubt) / best.pred["throughput"] - 1
-        choice = f"{len(doubt)} candidate(s) not proven could be up to {edge:.1%} faster by their bounds"
+        many = f"{len(doubt)} other configuration{'s' if len(doubt) > 1 else ''} not solved to optimality"
+        choice = (f"{many} might be up to {edge:.0%} faster, by their bounds" if edge <= LOOSE_BOUND else
+                  f"{many}: their bounds are too loose to say whether one is faster (nowdl plan --exact solves them)")
     stats: dict[str, object] = {
         "enumerated": len(cands), "evaluated": len(evals), "pruned_by_bound": pruned, "over_cap_by_bound": over,
         "proven": sum(1 for e in results if e.exact), "milp": sum(1 for e in results if e.part.solver in ("highs", "cbc")),

@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from nowdl.errors import NowdlError
 from nowdl.runtime.data.batches import ImageFolderData, SyntheticData
 from nowdl.runtime.data.datasets import CropDataset, check_sample, dataset_from_callable, label_loss
@@ -114,6 +116,22 @@ class Feed:
                 raise NowdlError(f"loading step {step + 1} from {self.name} failed: {last.strip()}") from None
         self._held = (step, x, y)
         return x, y, time.perf_counter() - t0
+
+    def nonfinite_samples(self, step: int, x: Any) -> str:
+        """'': the batch of ``step`` is finite; else which of its samples hold NaN or infinity, with
+        their file and region where the data says so (``describe``), for a non-finite step's message."""
+        if not isinstance(x, torch.Tensor) or bool(torch.isfinite(x).all()):
+            return "; its input batch is finite"
+        rows = [i for i in range(x.shape[0]) if not bool(torch.isfinite(x[i]).all())]
+        describe = getattr(self.dataset, "describe", None)
+        if self.dataset is not None and not self.lazy and self.synthetic is None:
+            order = StepSampler(len(self.dataset), self._batch, seed=self.seed).indices(step)
+            where = [f"sample {order[i]} of {self.name or 'the data'}" + (f" ({describe(order[i])})" if describe else "")
+                     for i in rows[:3] if i < len(order)]
+        else:
+            where = [f"sample {i} of step {step + 1}'s batch" for i in rows[:3]]
+        more = f" and {len(rows) - 3} more" if len(rows) > 3 else ""
+        return f"; NaN or infinity in the input: {', '.join(where)}{more}"
 
     def close(self) -> None:
         """Stop the read-ahead thread (loader workers stop with their iterator)."""

@@ -12,6 +12,7 @@ once every bucket has arrived.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -19,8 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.codegen.stage import StageModule
+from nowdl.errors import NonFiniteError
 from nowdl.runtime.launch import comm, faults
 from nowdl.runtime.launch.group import wait
+from nowdl.runtime.launch.where import current_step
 from nowdl.runtime.pipeline.ranks import Placement
 
 __all__ = ["GradSync", "Buckets", "Bucket", "BUCKET_BYTES"]
@@ -176,11 +179,43 @@ class GradSync:
 
     def mean_loss(self, local_sum: float) -> float:
         """The mean loss over the global batch from this rank's sum (NaN without a loss)."""
-        if not self.has_loss:
-            return float("nan")
+        return self._agree(local_sum, 0.0)[0]
+
+    def _agree(self, local_sum: float, bad: float) -> tuple[float, float]:
+        """(mean loss over the global batch, ranks with a non-finite loss or gradient): one all-reduce."""
         total = self.place.dp * self.place.replicas * self.m
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return local_sum / total
-        t = torch.tensor([local_sum], dtype=torch.float64, device=self.device)
-        comm.all_reduce(t, op=dist.ReduceOp.SUM)
-        return float(t.item()) / total
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([local_sum if self.has_loss else 0.0, bad], dtype=torch.float64, device=self.device)
+            comm.all_reduce(t, op=dist.ReduceOp.SUM)
+            local_sum, bad = float(t[0].item()), float(t[1].item())
+        return (local_sum / total if self.has_loss else float("nan")), bad
+
+    def check_and_step(self, local_sum: float, *, skip_nonfinite: bool = False) -> tuple[float, bool]:
+        """[Note: non-finite steps] Step only when every rank's loss and gradients are finite.
+
+        One all-reduce carries the loss sum (for the mean every rank returns) and the count of
+        ranks whose loss or gradients hold a NaN or an infinity, before the optimizer steps: a bad
+        step never changes the weights. Then every rank raises :class:`NonFiniteError` (naming the
+        step and, on the ranks that saw it, what was not finite), or with ``skip_nonfinite`` skips
+        the step on every rank and says so. fp16 loss scaling keeps its own overflow skip. The
+        mean loss and whether the step ran."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        bad_grad = bool(grads) and not self.scaling and not bool(
+            torch.stack(torch._foreach_norm(grads)).isfinite().all())  # one host sync for every gradient
+        bad_loss = self.has_loss and not math.isfinite(local_sum)
+        mean, bad = self._agree(local_sum, float(bad_grad or bad_loss))
+        if bad:
+            self.zero_grad()
+            at = current_step()
+            me = dist.get_rank() if dist.is_initialized() else 0
+            what = f" (rank {me}: {'its loss' if bad_loss else 'a gradient'} is not finite)" if bad_grad or bad_loss else ""
+            msg = (f"step {at if at is not None else '?'}: the loss or a gradient is NaN or infinite on {int(bad)} "
+                   f"rank(s){what}; the optimizer did not step, so the weights are those of the step before")
+            if not skip_nonfinite:
+                raise NonFiniteError(msg + ": the run stops and saves no checkpoint; look for NaN or nodata in the "
+                                     "input or a learning rate too high, or pass --skip-nonfinite to skip such batches "
+                                     "and count them")
+            log.warning("%s: skipped (--skip-nonfinite)", msg)
+            return mean, False
+        self.step()
+        return mean, True

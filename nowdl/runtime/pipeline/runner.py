@@ -102,6 +102,9 @@ class ScheduleRunner:
         self.final_left = Counter(a.stage for a in view.actions if a.kind == self.final_kind)
         # None: the model's output is gathered whole; a dict: an inference step keeps a spatial
         # stage's model output as this rank's tile and records id(tile) -> (grid, group) here
+        self.skip_nonfinite = False  # [Note: non-finite steps]: skip them instead of stopping
+        self.skipped = 0  # steps skipped for a non-finite loss or gradient
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers before a step that may be skipped
         self.kept_tiles: dict[int, tuple[TileGrid, Any]] | None = None
 
     def begin(self, x: Any, y: Any, train: bool) -> Step:
@@ -109,6 +112,9 @@ class ScheduleRunner:
         xs, ys = self._local_chunks(x), self._local_chunks(y)
         if train:
             self.sync.zero_grad()
+            if self.skip_nonfinite:  # a skipped step leaves the buffers (BatchNorm's statistics) as they were
+                self._buffers = [(b, b.detach().clone()) for _, s in self.view.held
+                                 for b in self.view.stages[s].module.buffers()]
         for _, s in self.view.held:
             self.view.stages[s].module.train(train)
         place = self.view.place
@@ -123,7 +129,14 @@ class ScheduleRunner:
             wait(w, timeout_s=self.transfers.timeout_s, what=what, peer=q)
         if step.train:
             self.sync.finish(step.pending)
-            self.sync.step()
+            mean, stepped = self.sync.check_and_step(step.loss_sum, skip_nonfinite=self.skip_nonfinite)
+            if not stepped:
+                self.skipped += 1
+                with torch.no_grad():
+                    for b, old in self._buffers:
+                        b.copy_(old)
+            self._buffers = []
+            return mean, step.final
         return self.sync.mean_loss(step.loss_sum), step.final
 
     def _local_chunks(self, batch: Any) -> dict[tuple[int, int], Any]:

@@ -217,6 +217,7 @@ class Trainer:
         if self._inputs is not None:  # every step, before any communication [Note: input check]
             self._inputs = with_target(self._inputs, y)
             check_step_inputs(self._inputs, x, y)
+        eng.runner.skip_nonfinite = bool(getattr(self.cm, "skip_nonfinite", False))
         loss, _ = eng.run(x, y, train=True)
         self.steps += 1
         self.weights_version += 1
@@ -329,8 +330,7 @@ class Trainer:
                 tensors[f"model/{orig}"] = t.detach()
         if self.rank == 0 and eng.dp_index == 0:
             tensors.update({f"model/{k}": v for k, v in self._unused.items()})
-        opt, groups = self.optimizer, None
-        scalars: list[str] = []
+        opt, groups, scalars = self.optimizer, None, list[str]()
         if opt is not None:
             owned = {orig for st in self._owner_stages() for orig, _, p in stage_tensors(st) if p}
             more, scalars, groups = optimizer_snapshot(opt, self.cm.model, self._named_held(), owned)
