@@ -70,12 +70,17 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.cli import validation
-from nowdl.cli.replan import MemoryGuard, replanned_line, replanner
 from nowdl.cli.resume import StopSignal, finished_text, reusable_plan, run_state
 from nowdl.cli.runguard import check_outputs, checked_step, run_end
-from nowdl.cli.runjob import Job, compile_job
-from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
-from nowdl.cli.runrecord import restart_charge
+from nowdl.cli.runplan import (
+    Job,
+    compile_job,
+    current_plan,
+    plan_job,
+    plan_line,
+    probe_job_links,
+    replanner,
+)
 from nowdl.cli.runspec import (
     check_model_input,
     check_options,
@@ -89,6 +94,7 @@ from nowdl.runtime.data.feed import Feed, make_feed
 from nowdl.runtime.launch.failure import open_channel
 from nowdl.runtime.launch.lost import report_failure
 from nowdl.runtime.training.checkpoint import open_checkpoint
+from nowdl.runtime.training.memory_guard import MemoryGuard, replanned_line, restart_charge
 from nowdl.runtime.training.metrics import MetricsWriter, PeakMeter
 
 __all__ = ["run_main", "PLAN_FILE"]
@@ -161,7 +167,8 @@ def _run(args: argparse.Namespace, rank: int, world: int,
                    leave=False)
     emit = _Printer(job.say, bar)
     guard = None if args.eval else MemoryGuard(rank, world, emit, replanner(job, feed, optimizer, compile_params),
-                                               records=job.ckpt, budget=job.charge.budget if job.charge else None)
+                                               functools.partial(plan_line, None), records=job.ckpt,
+                                               budget=job.charge.budget if job.charge else None)
     with StopSignal() as stop:
         try:
             times, stopped, cm = _steps(job, cm, feed, metrics, setup_s, emit, bar, stop, guard)
@@ -239,8 +246,8 @@ def _start(job: Job, model: nn.Module, feed: Feed, optimizer: Any, compile_param
         Path(plan_path).write_text(text)
         if charge is not None and job.say:
             print(replanned_line(charge.said, charge.budget, nowdl.Plan.from_json(text), f"goes on from step {job.start + 1}"
-                                 + (" with the latest checkpoint's weights" if job.ck else " (no checkpoint was saved)")),
-                  flush=True)
+                                 + (" with the latest checkpoint's weights" if job.ck else " (no checkpoint was saved)"),
+                                 functools.partial(plan_line, None)), flush=True)
     cm = compile_job(job, model, plan_path, optimizer, compile_params, progress)
     run_plan = nowdl.Plan.load(plan_path)
     feed.start(job.start, job.batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=job.total)

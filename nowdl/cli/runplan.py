@@ -1,19 +1,30 @@
-"""How ``nowdl run`` gets a plan: rank 0 plans with the job's measured links and every rank gets it."""
+"""How ``nowdl run`` gets a plan: rank 0 plans with the job's measured links and every rank gets it;
+what the phases of a run share (:class:`Job`), how it compiles a plan, and how it re-plans when a
+rank needs more memory than planned ([Note: re-plan on memory] in runtime/training/memory_guard.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from nowdl.cli import validation
 from nowdl.cli.levers import lever_kwargs
+from nowdl.cli.losses import make_loss
 from nowdl.cli.runspec import RunSource
+from nowdl.plan.plan import Plan
+from nowdl.runtime.data.feed import Feed, label_loss
+from nowdl.runtime.training.checkpoint import Checkpoint
+from nowdl.runtime.training.memory_guard import Charge, Replan
+from nowdl.runtime.training.reshard import HeldState
 
-__all__ = ["plan_job", "probe_job_links", "job_nodes", "current_plan", "plan_line"]
+__all__ = ["plan_job", "probe_job_links", "job_nodes", "current_plan", "plan_line", "Job", "compile_job", "replanner"]
 
 
 def plan_job(model: nn.Module, args: argparse.Namespace, rank: int, world: int, batch: int,
@@ -88,3 +99,74 @@ def plan_line(cm: Any, plan: Any = None) -> str:
             f"replicas {c.get('replicas')}, dp {c.get('dp')}, {c.get('gpus')} rank(s)"
             + "".join(f"; {s.tiles()}" + (f", {len(s.fused)} fused halo run(s)" if s.fused else "")
                       for s in plan.stages if s.parts > 1))
+
+
+@dataclass
+class Job:
+    """What the phases of one ``nowdl run`` share: the options, this rank, the source and batch."""
+
+    args: argparse.Namespace
+    rank: int
+    world: int
+    tmp: Path
+    src: RunSource
+    batch: int  # samples per step (global)
+    micro_batch: int  # samples per micro-batch when rank 0 plans
+    ckpt: Path | None  # --checkpoint DIR
+    ck: Checkpoint | None  # the checkpoint found there
+    ckpt_plan: Path | None  # the checkpoint's plan, when this job can run it as is
+    start: int  # steps done before this run
+    total: int  # the step this run ends at (runguard.run_end)
+    val: validation.ValidationSet | None = None  # --val-data
+    charge: Charge | None = None  # a restart after an out-of-memory re-plans with it ([Note: restart on memory])
+
+    @property
+    def say(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def training(self) -> bool:
+        """Training with a checkpoint folder: saves at the end and every ``--save-every`` steps."""
+        return self.ckpt is not None and not self.args.eval
+
+
+def compile_job(job: Job, model: nn.Module, plan_path: str, optimizer: Any, compile_params: Any, progress: bool) -> Any:
+    """``nowdl.compile`` of ``model`` on the plan at ``plan_path`` with the run's optimizer and loss
+    (``compile_params``: ``nowdl.compile``'s parameters)."""
+    import nowdl
+
+    args = job.args
+    extra: dict[str, Any] = {"precision": args.precision} if "precision" in compile_params else {}
+    cm = nowdl.compile(model, plan=plan_path, optimizer=optimizer, loss_fn=label_loss(make_loss(args.loss, args.loss_args)),
+                       progress=progress, timeout_s=args.timeout, **extra)
+    cm.skip_nonfinite = bool(getattr(args, "skip_nonfinite", False))
+    return cm
+
+
+def replanner(job: Job, feed: Feed, optimizer: Any, compile_params: Any) -> Replan:
+    """The guard's re-plan ([Note: re-plan on memory]): ``replan(gpu_memory, plan, step)`` plans
+    the run again with ``gpu_memory``, the micro-batch size of ``plan`` kept, on a new copy of the
+    model, and returns the plan's path and how to build it with the job's state before ``step``."""
+    from nowdl.models.resolve import resolve_model
+
+    def replan(gpu_memory: int, old: Plan, step: int) -> tuple[str, Callable[[HeldState], Any]]:
+        rng = torch.get_rng_state()  # the run's RNG goes on as it would have
+        torch.manual_seed(job.args.seed)
+        fresh, _, _ = resolve_model(job.src.spec, job.src.model_args)
+        torch.set_rng_state(rng)
+        args = argparse.Namespace(**{**vars(job.args), "gpu_memory": gpu_memory})
+        text = plan_job(fresh, args, job.rank, job.world, job.batch, int(old.model["inputs"][0][0]), job.src,
+                        optimizer, False, pin_micro_batch=True)
+        path = job.tmp / "replan.json"
+        path.write_text(text)
+
+        def build(state: HeldState) -> Any:
+            cm = compile_job(job, fresh, str(path), optimizer, compile_params, False)
+            feed.relayout(step, lazy=any(st.parts > 1 for st in Plan.load(path).stages))  # tiles read lazily
+            x, _, _ = feed.next(step)
+            cm._train().restore(state, x)
+            return cm
+
+        return str(path), build
+
+    return replan
