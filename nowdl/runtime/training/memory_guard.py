@@ -14,19 +14,21 @@ fits, stops the job in one paragraph (exit status 2). There is no loop.
 [Note: restart on memory] A step that raises out-of-memory (``torch.OutOfMemoryError``) on one
 rank cannot be repaired in the process: its peers wait inside the step's exchanges. The rank
 writes ``DIR/memory-rank-R.json`` in the ``--checkpoint`` folder (the step; what it needed at
-least, which is the peak up to the failed allocation plus its size, a lower bound; its plan's
-figure; its cap; the micro-batch size; whether its plan was already a re-plan) and the job stops
-with exit status 2 ([Note: error contract] in runtime/launch/failure.py). Under ``torchrun
---max-restarts N`` or a Slurm requeue the same command starts again ([Note: restarts] in
-runtime/launch/attempt.py): its rank 0 reads the records, re-plans with the charge, says so in
-one line, and the run resumes from the latest checkpoint (from the start when none was saved
-yet), as exact as any resume. A record of a plan that was already a re-plan stops every later
-attempt at once with one paragraph. A job's first attempt (not a restart) removes the records
-an earlier job left.
+least: the peak up to the failed allocation plus its size, a lower bound; its plan's figure; its
+cap; the micro-batch size) and the job stops with exit status 2 ([Note: error contract] in
+runtime/launch/failure.py). Under ``torchrun --max-restarts N`` or a Slurm requeue the same
+command starts again ([Note: restarts] in runtime/launch/attempt.py): its rank 0 reads the
+records, re-plans with the charge, says so in one line, and the run resumes from the latest
+checkpoint (from the start when none was saved yet), as exact as any resume. The in-process
+re-plan and a stop write their records too, so that a restart (after any failure) runs the
+re-plan again, and a job that stopped stops every later attempt at once with its paragraph
+instead of trying again. A job's first attempt (not a restart) removes the records an earlier
+job left.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -43,7 +45,7 @@ from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
 from nowdl.runtime.launch.attempt import restart_count
 from nowdl.runtime.training.memory_cap import Use, charged_budget, gather_use, memory_cap, oom_bytes
-from nowdl.runtime.training.reshard import HeldState, gather_state
+from nowdl.runtime.training.reshard import HeldState, gather_state, release
 from nowdl.units import format_bytes
 
 __all__ = ["MemoryGuard", "WATCH_STEPS", "Replan", "replanned_line", "MemoryRecord", "Charge", "write_record",
@@ -79,32 +81,31 @@ def advice(fit: str = "") -> str:
             "more room; --log-dir's metrics.jsonl has each rank's measured and planned peak per step.")
 
 
-def stop_text(said: str, budget: int | None) -> str:
-    """The paragraph that stops a job whose re-planned plan needed more memory than its cap too."""
-    how = f" for {format_bytes(budget)} per rank" if budget else ""
-    return (f"{said}, on a plan already re-planned{how} because a rank needed more memory than planned: the job "
-            f"stops (exit status 2) rather than re-plan again. {advice()}")
-
-
 @dataclass(frozen=True)
 class MemoryRecord:
-    """One rank's out-of-memory, as the next attempt reads it ([Note: restart on memory])."""
+    """One rank's excess, as the job's next attempt reads it ([Note: restart on memory])."""
 
     rank: int
     step: int  # 1-based
-    measured: int  # at least what the step needed
+    measured: int  # the step's peak; with ``oom``, at least what the step needed
     planned: int  # the plan's figure for the rank
     cap: int  # what the rank was held to ([Note: memory cap])
     reserve: int  # the plan's reserve (its GPU memory less its budget)
     micro_batch: int  # samples per micro-batch of the plan
-    replanned: bool  # the plan was already a re-plan
-    budget: int | None = None  # the budget of that re-plan
+    oom: bool = False  # the step raised out-of-memory
+    stopped: str = ""  # the paragraph that stopped the job
 
     def said(self, when: str = "") -> str:
-        """``rank 1 ran out of memory in step 2{when}: it needed at least ..., above its cap of ... (planned ...)``."""
-        return (f"rank {self.rank} ran out of memory in step {self.step}{when}: it needed at least "
-                f"{format_bytes(self.measured)}, above its cap of {format_bytes(self.cap)} (planned "
-                f"{format_bytes(self.planned)})")
+        """``rank 1 used ... in step 2{when}, above its cap of ... (planned ...)`` (or ran out of memory)."""
+        need = (f"ran out of memory in step {self.step}{when}: it needed at least {format_bytes(self.measured)}"
+                if self.oom else f"used {format_bytes(self.measured)} in step {self.step}{when}")
+        return f"rank {self.rank} {need}, above its cap of {format_bytes(self.cap)} (planned {format_bytes(self.planned)})"
+
+
+def _said(records: list[MemoryRecord], when: str = "") -> str:
+    """The worst record's words (the largest factor above its plan) and the other ranks named."""
+    worst = min(records, key=lambda r: max(r.planned, 1) / max(r.measured, 1))
+    return worst.said(when) + "".join(f", as did rank {r.rank}" for r in records if r is not worst)
 
 
 def write_record(folder: Path, rec: MemoryRecord) -> None:
@@ -123,7 +124,7 @@ def write_record(folder: Path, rec: MemoryRecord) -> None:
 @dataclass(frozen=True)
 class Charge:
     """What a restarted attempt re-plans with: the GPU memory to plan for, the micro-batch size
-    kept, the budget per rank, and the line that says why."""
+    kept, the budget per rank, and the words that say why."""
 
     gpu_memory: int
     micro_batch: int
@@ -131,54 +132,39 @@ class Charge:
     said: str
 
 
-def _read(folder: Path) -> list[dict[str, Any]]:
-    out = []
-    for f in sorted(folder.glob(_PATTERN)):
-        try:
-            out.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            continue
-    return out
-
-
 def restart_charge(folder: Path, rank: int, world: int) -> Charge | None:
-    """The charge a restarted attempt re-plans with (None: no rank ran out of memory in an earlier
-    attempt). Collective: rank 0 reads the records (a first attempt removes them) and every rank
-    gets the same answer.
+    """The charge a restarted attempt re-plans with (None: no record of an earlier attempt).
+    Collective: rank 0 reads the records (a job's first attempt removes them) and every rank gets
+    the same answer.
 
     Raises:
-        NowdlError: a record of a plan that was already re-planned (the job stops).
+        NowdlError: an earlier attempt of the job stopped for memory (its paragraph).
     """
     box: list[Any] = [[]]
     if rank == 0:
-        if restart_count() > 0:
-            box[0] = _read(folder)
-        else:
-            for f in folder.glob(_PATTERN):
-                f.unlink(missing_ok=True)
+        for f in sorted(folder.glob(_PATTERN)):
+            try:
+                if restart_count() > 0:
+                    box[0].append(json.loads(f.read_text()))
+                else:
+                    f.unlink()
+            except (OSError, ValueError):
+                continue
     if world > 1:
         dist.broadcast_object_list(box, src=0)
     try:
         records = [MemoryRecord(**r) for r in box[0]]
-    except TypeError:
+    except TypeError:  # another version's records
         records = []
     if not records:
         return None
-    again = [r for r in records if r.replanned]
-    if again:
-        raise NowdlError(stop_text(again[0].said(" of an earlier attempt"), again[0].budget))
-    worst = min(records, key=lambda r: max(r.planned, 1) / max(r.measured, 1))
-    said = worst.said(" of the previous attempt") + "".join(f", as did rank {r.rank}" for r in records if r is not worst)
+    stopped = [r.stopped for r in records if r.stopped]
+    if stopped:
+        raise NowdlError(f"{stopped[0]} (an earlier attempt of this job stopped so: a restart does not try again)")
     cap = min(r.cap for r in records)
     budget = charged_budget(cap, [Use(r.rank, r.measured, r.planned) for r in records])
-    return Charge(gpu_memory=budget + worst.reserve, micro_batch=worst.micro_batch, budget=budget, said=said)
-
-
-def _said(over: list[Use], cap: int, step: int) -> tuple[str, Use]:
-    worst = min(over, key=lambda u: max(u.planned, 1) / max(u.measured, 1))
-    return (f"rank {worst.rank} used {format_bytes(worst.measured)} in step {step}, above its cap of "
-            f"{format_bytes(cap)} (planned {format_bytes(worst.planned)})"
-            + "".join(f", as did rank {u.rank}" for u in over if u is not worst)), worst
+    return Charge(gpu_memory=budget + records[0].reserve, micro_batch=records[0].micro_batch, budget=budget,
+                  said=_said(records, " of an earlier attempt"))
 
 
 def _fits(e: BaseException) -> str:
@@ -195,7 +181,7 @@ class MemoryGuard:
         emit: prints rank 0's lines.
         replan: see :data:`Replan` (both calls collective).
         describe: the plan's description in rank 0's line.
-        records: the ``--checkpoint`` folder, where an out-of-memory is recorded (None: not).
+        records: the ``--checkpoint`` folder, where excesses are recorded (None: not).
         budget: the budget per rank of the plan the run starts on when it is already a re-plan
             (a restarted attempt's, [Note: restart on memory]).
     """
@@ -212,6 +198,18 @@ class MemoryGuard:
         """Whether the next step is checked."""
         return self.seen < WATCH_STEPS
 
+    def _records(self, plan: Plan, cap: int, uses: list[Use], step: int, *, oom: bool = False) -> list[MemoryRecord]:
+        reserve = int(sum((plan.config.get("reserve") or {}).values()))
+        return [MemoryRecord(rank=u.rank, step=step, measured=u.measured, planned=u.planned, cap=cap, reserve=reserve,
+                             micro_batch=int(plan.model["inputs"][0][0]), oom=oom) for u in uses]
+
+    def _keep(self, records: list[MemoryRecord], stopped: str = "", *, agreed: bool = True) -> None:
+        """Write ``records`` when there is a folder: rank 0 writes what every rank agreed on, a rank
+        its own out-of-memory."""
+        if self.records is not None and (self.rank == 0 or not agreed):
+            for rec in records:
+                write_record(self.records, dataclasses.replace(rec, stopped=stopped))
+
     def check(self, cm: Any, peak: int, step: int) -> Any:
         """After step ``step`` (1-based) ran with this rank's ``peak`` bytes: the compiled model
         to go on with, re-planned when a rank was above its cap (collective)."""
@@ -225,18 +223,21 @@ class MemoryGuard:
                 if u.measured > cap]
         if not over:
             return cm
-        said, _ = _said(over, cap, step)
+        records = self._records(plan, cap, over, step)
+        said = _said(records)
         if self.budget is not None:
-            raise NowdlError(stop_text(said, self.budget))
+            raise self._stop(records, stop_text(said, self.budget))
         budget = charged_budget(cap, over)
         try:
-            path, build = self.replan(budget + int(sum((plan.config.get("reserve") or {}).values())), plan, step)
+            path, build = self.replan(budget + records[0].reserve, plan, step)
         except NowdlError as e:
             first = str(e).split(". ")[0]
-            raise NowdlError(f"{said}: no plan fits {format_bytes(budget)} per rank, the cap charged for what was "
-                             f"measured (the cap x planned/measured) [{first}]: the job stops (exit status 2). "
-                             f"{advice(_fits(e))}") from None
+            raise self._stop(records, f"{said}: no plan fits {format_bytes(budget)} per rank, the cap charged for "
+                                      f"what was measured (the cap x planned/measured) [{first}]: the job stops "
+                                      f"(exit status 2). {advice(_fits(e))}") from None
+        self._keep(records)
         state = gather_state(cm._train())
+        release(cm)
         del cm
         gc.collect()
         if torch.cuda.is_available():
@@ -248,6 +249,10 @@ class MemoryGuard:
                                  self.describe))
         return new
 
+    def _stop(self, records: list[MemoryRecord], text: str, *, agreed: bool = True) -> NowdlError:
+        self._keep(records, text, agreed=agreed)
+        return NowdlError(text)
+
     def out_of_memory(self, e: BaseException, cm: Any, step: int) -> NowdlError:
         """The job's error for the out-of-memory ``e`` this rank raised in step ``step`` (1-based),
         recorded for the next attempt ([Note: restart on memory])."""
@@ -256,21 +261,24 @@ class MemoryGuard:
         if plan is None or cap is None:
             return NowdlError(f"rank {self.rank} ran out of memory in step {step} ({str(e).splitlines()[0][:200]}): "
                               f"the job stops (exit status 2). {advice()}")
-        reserve = int(sum((plan.config.get("reserve") or {}).values()))
-        rec = MemoryRecord(rank=self.rank, step=step, measured=oom_bytes(e, torch.cuda.is_available()),
-                           planned=int(plan.ranks[self.rank].predicted_peak_bytes), cap=cap, reserve=reserve,
-                           micro_batch=int(plan.model["inputs"][0][0]), replanned=self.budget is not None,
-                           budget=self.budget)
-        if self.records is not None:
-            write_record(self.records, rec)
-        if rec.replanned:
-            return NowdlError(stop_text(rec.said(), self.budget))
-        budget = charged_budget(cap, [Use(rec.rank, rec.measured, rec.planned)])
+        use = Use(self.rank, oom_bytes(e, torch.cuda.is_available()), int(plan.ranks[self.rank].predicted_peak_bytes))
+        rec = self._records(plan, cap, [use], step, oom=True)
+        if self.budget is not None:
+            return self._stop(rec, stop_text(rec[0].said(), self.budget), agreed=False)
+        self._keep(rec, agreed=False)
+        budget = charged_budget(cap, [use])
         if self.records is not None:
             then = (f"a restart (torchrun --max-restarts N, a Slurm requeue) re-plans for {format_bytes(budget)} per "
                     f"rank, the cap x planned/measured, and resumes from the latest checkpoint in {self.records}")
         else:
-            then = (f"run it again with --gpu-memory {budget + rec.reserve} (bytes: {format_bytes(budget)} per rank after "
-                    "the reserve, the cap x planned/measured), or with --checkpoint DIR under torchrun --max-restarts "
-                    "N, which re-plans by itself")
-        return NowdlError(f"{rec.said()}: the job stops (exit status 2); {then}.")
+            then = (f"run it again with --gpu-memory {budget + rec[0].reserve} (bytes: {format_bytes(budget)} per rank "
+                    "after the reserve, the cap x planned/measured), or with --checkpoint DIR under torchrun "
+                    "--max-restarts N, which re-plans by itself")
+        return NowdlError(f"{rec[0].said()}: the job stops (exit status 2); {then}.")
+
+
+def stop_text(said: str, budget: int | None) -> str:
+    """The paragraph that stops a job whose re-planned plan needed more memory than its cap too."""
+    how = f" for {format_bytes(budget)} per rank" if budget else ""
+    return (f"{said}, on a plan already re-planned{how} because a rank needed more memory than planned: the job "
+            f"stops (exit status 2) rather than re-plan again. {advice()}")

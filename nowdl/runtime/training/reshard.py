@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from nowdl.runtime.training.checkpoint import CheckpointError
 
-__all__ = ["HeldState", "gather_state"]
+__all__ = ["HeldState", "gather_state", "release"]
 
 
 class HeldState:
@@ -68,3 +68,17 @@ def gather_state(trainer: Any) -> HeldState:
     for part in box:
         merged.update(part)
     return HeldState(merged, record, world)
+
+
+def release(cm: Any) -> None:
+    """Free what a compiled model's old plan holds on its device once its state was gathered: the
+    engine, the optimizer's state, and the model's tensors off the host (the model is not used
+    again; the new plan runs a fresh copy)."""
+    trainer = getattr(cm, "_trainer", None)
+    if trainer is not None:
+        if trainer.optimizer is not None:
+            trainer.optimizer.state.clear()
+        trainer.engine = trainer._evaluator = None
+    for t in [*cm.model.parameters(), *cm.model.buffers()]:
+        if t.device.type != "cpu":
+            t.data = torch.empty(0, dtype=t.dtype)
