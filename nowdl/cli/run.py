@@ -167,8 +167,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
                    leave=False)
     emit = _Printer(job.say, bar)
     guard = None if args.eval else MemoryGuard(rank, world, emit, replanner(job, feed, optimizer, compile_params),
-                                               functools.partial(plan_line, None), records=job.ckpt,
-                                               budget=job.charge.budget if job.charge else None)
+                                               records=job.ckpt, budget=job.charge.budget if job.charge else None)
     with StopSignal() as stop:
         try:
             times, stopped, cm = _steps(job, cm, feed, metrics, setup_s, emit, bar, stop, guard)
@@ -246,8 +245,8 @@ def _start(job: Job, model: nn.Module, feed: Feed, optimizer: Any, compile_param
         Path(plan_path).write_text(text)
         if charge is not None and job.say:
             print(replanned_line(charge.said, charge.budget, nowdl.Plan.from_json(text), f"goes on from step {job.start + 1}"
-                                 + (" with the latest checkpoint's weights" if job.ck else " (no checkpoint was saved)"),
-                                 functools.partial(plan_line, None)), flush=True)
+                                 + (" with the latest checkpoint's weights" if job.ck else " (no checkpoint was saved)")),
+                  flush=True)
     cm = compile_job(job, model, plan_path, optimizer, compile_params, progress)
     run_plan = nowdl.Plan.load(plan_path)
     feed.start(job.start, job.batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=job.total)

@@ -21,7 +21,7 @@ from nowdl.cli.runspec import RunSource
 from nowdl.plan.plan import Plan
 from nowdl.runtime.data.feed import Feed, label_loss
 from nowdl.runtime.training.checkpoint import Checkpoint
-from nowdl.runtime.training.memory_guard import Charge, Replan
+from nowdl.runtime.training.memory_guard import Charge, Replan, plan_text
 from nowdl.runtime.training.reshard import HeldState
 
 __all__ = ["plan_job", "probe_job_links", "job_nodes", "current_plan", "plan_line", "Job", "compile_job", "replanner"]
@@ -92,13 +92,7 @@ def plan_line(cm: Any, plan: Any = None) -> str:
     """The ``plan: ...`` line ``nowdl run`` prints after the first step (``plan``: the one the
     step ran on, default the training plan)."""
     plan = plan if plan is not None else current_plan(cm)
-    if plan is None:
-        return "plan: ?"
-    c = plan.config
-    return (f"{'inference plan' if c.get('inference') else 'plan'}: {c.get('stages')} stage(s) x {c.get('micro_batches')} micro-batch(es) ({c.get('schedule')}), "
-            f"replicas {c.get('replicas')}, dp {c.get('dp')}, {c.get('gpus')} rank(s)"
-            + "".join(f"; {s.tiles()}" + (f", {len(s.fused)} fused halo run(s)" if s.fused else "")
-                      for s in plan.stages if s.parts > 1))
+    return "plan: ?" if plan is None else plan_text(plan)
 
 
 @dataclass

@@ -6,7 +6,8 @@ case as torchrun would run ``nowdl ARGV`` with ``--max-restarts R``: torch's own
 on a local port) starts the ranks, restarts them all when one dies, and numbers the attempts.
 The workers are forked from this process, which has imported torch and nowdl once, so a case pays
 no imports. Each case's ``NOWDL_FAULT`` ([Note: kill points] in nowdl/runtime/launch/faults.py)
-makes a rank SIGKILL itself at a point. A case is ``{"name", "argv", "world", "restarts", "fault"}``;
+makes a rank SIGKILL itself at a point; its ``env`` (optional) sets more variables for its workers.
+A case is ``{"name", "argv", "world", "restarts", "fault", "env"}``;
 its result ``{"name", "ok", "error", "attempts", "logs": {"<attempt>/<rank>": stdout + stderr}}``.
 """
 
@@ -81,6 +82,7 @@ def run_case(case: dict[str, Any], log_root: Path) -> dict[str, Any]:
                        max_restarts=case["restarts"], monitor_interval=0.1, start_method="fork", shutdown_timeout=5,
                        logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL))
     os.environ["NOWDL_FAULT"] = case.get("fault", "")
+    os.environ.update(case.get("env", {}))
     t = time.perf_counter()
     ok, error = True, ""
     try:
@@ -90,7 +92,8 @@ def run_case(case: dict[str, Any], log_root: Path) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - the agent's own failure is this case's result
         ok, error = False, traceback.format_exc()[-3000:]
     finally:
-        os.environ.pop("NOWDL_FAULT", None)
+        for var in ("NOWDL_FAULT", *case.get("env", {})):
+            os.environ.pop(var, None)
     out = _logs(logs)
     return {"name": case["name"], "ok": ok, "error": error, "wall_s": time.perf_counter() - t,
             "attempts": len({k.split("/")[0] for k in out}), "logs": out}

@@ -48,7 +48,7 @@ from nowdl.runtime.training.memory_cap import Use, charged_budget, gather_use, m
 from nowdl.runtime.training.reshard import HeldState, gather_state, release
 from nowdl.units import format_bytes
 
-__all__ = ["MemoryGuard", "WATCH_STEPS", "Replan", "replanned_line", "MemoryRecord", "Charge", "write_record",
+__all__ = ["MemoryGuard", "WATCH_STEPS", "Replan", "plan_text", "replanned_line", "MemoryRecord", "Charge", "write_record",
            "restart_charge", "advice", "stop_text"]
 
 #: The steps of each plan whose peaks are checked against the cap.
@@ -64,13 +64,24 @@ def _plan_of(cm: Any) -> Plan | None:
     return getattr(getattr(cm, "_trainer", None), "plan", None)
 
 
-def replanned_line(said: str, budget: int, plan: Plan, goes_on: str, describe: Callable[[Plan], str]) -> str:
+def plan_text(plan: Plan) -> str:
+    """``plan: 2 stage(s) x 4 micro-batch(es) (1f1b), replicas 1, dp 1, 2 rank(s)``, and the spatial
+    stages' tiles (``nowdl run`` prints it after the first step)."""
+    c = plan.config
+    return (f"{'inference plan' if c.get('inference') else 'plan'}: {c.get('stages')} stage(s) x "
+            f"{c.get('micro_batches')} micro-batch(es) ({c.get('schedule')}), replicas {c.get('replicas')}, dp "
+            f"{c.get('dp')}, {c.get('gpus')} rank(s)"
+            + "".join(f"; {s.tiles()}" + (f", {len(s.fused)} fused halo run(s)" if s.fused else "")
+                      for s in plan.stages if s.parts > 1))
+
+
+def replanned_line(said: str, budget: int, plan: Plan, goes_on: str) -> str:
     """Rank 0's line when a job re-planned: who needed what, the budget, where it goes on, the new
-    plan (``describe(plan)``) and the stages that recompute or offload."""
+    plan and the stages that recompute or offload."""
     levers = [f"stage {s.index} {'recomputes' if s.recompute else 'offloads'}" for s in plan.stages
               if s.recompute or s.offload]
     return (f"memory: {said}; re-planned for {format_bytes(budget)} per rank (the cap x planned/measured) and "
-            f"{goes_on}: {describe(plan)}" + ("; " + ", ".join(levers) if levers else ""))
+            f"{goes_on}: {plan_text(plan)}" + ("; " + ", ".join(levers) if levers else ""))
 
 
 def advice(fit: str = "") -> str:
@@ -180,16 +191,14 @@ class MemoryGuard:
         rank, world: this process and the job size.
         emit: prints rank 0's lines.
         replan: see :data:`Replan` (both calls collective).
-        describe: the plan's description in rank 0's line.
         records: the ``--checkpoint`` folder, where excesses are recorded (None: not).
         budget: the budget per rank of the plan the run starts on when it is already a re-plan
             (a restarted attempt's, [Note: restart on memory]).
     """
 
-    def __init__(self, rank: int, world: int, emit: Callable[[str], None], replan: Replan,
-                 describe: Callable[[Plan], str], *, records: Path | None = None, budget: int | None = None) -> None:
+    def __init__(self, rank: int, world: int, emit: Callable[[str], None], replan: Replan, *,
+                 records: Path | None = None, budget: int | None = None) -> None:
         self.rank, self.world, self.emit, self.replan, self.records = rank, world, emit, replan, records
-        self.describe = describe
         self.budget = budget  # the budget per rank of the re-plan, once there was one
         self.seen = 0  # steps of this plan checked so far
 
@@ -245,8 +254,7 @@ class MemoryGuard:
         new = build(state)
         del state
         self.budget, self.seen = budget, 0
-        self.emit(replanned_line(said, budget, Plan.load(path), f"went on from step {step + 1} with the same weights",
-                                 self.describe))
+        self.emit(replanned_line(said, budget, Plan.load(path), f"went on from step {step + 1} with the same weights"))
         return new
 
     def _stop(self, records: list[MemoryRecord], text: str, *, agreed: bool = True) -> NowdlError:
