@@ -93,6 +93,6 @@ class WindowGuard:
                              f"stops (exit status 2). {advice()}") from None
         self.budget, self.runner, self.seen = budget, runner, 0
         line = replanned_line(said, budget, runner.plan, f"went on from window {window + 1}")
-        log.warning("%s", line)
+        log.info("%s", line)
         self.notes.append(line)
         return True
