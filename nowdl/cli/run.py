@@ -94,6 +94,7 @@ from nowdl.runtime.data.feed import Feed, make_feed
 from nowdl.runtime.launch.failure import open_channel
 from nowdl.runtime.launch.lost import report_failure
 from nowdl.runtime.training.checkpoint import open_checkpoint
+from nowdl.runtime.training.memory_cap import injected_cap
 from nowdl.runtime.training.memory_guard import MemoryGuard, replanned_line, restart_charge
 from nowdl.runtime.training.metrics import MetricsWriter, PeakMeter
 
@@ -167,7 +168,8 @@ def _run(args: argparse.Namespace, rank: int, world: int,
                    leave=False)
     emit = _Printer(job.say, bar)
     guard = None if args.eval else MemoryGuard(rank, world, emit, replanner(job, feed, optimizer, compile_params),
-                                               records=job.ckpt, budget=job.charge.budget if job.charge else None)
+                                               records=job.ckpt, budget=job.charge.budget if job.charge else None,
+                                               watch=torch.cuda.is_available() or injected_cap()[0] is not None)
     with StopSignal() as stop:
         try:
             times, stopped, cm = _steps(job, cm, feed, metrics, setup_s, emit, bar, stop, guard)
@@ -287,7 +289,7 @@ def _steps(job: Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_s
     compiled model they ended on)`` (``guard`` may re-plan: [Note: re-plan on memory])."""
     args, batch, start = job.args, job.batch, job.start
     meter = PeakMeter(cm, cuda=torch.cuda.is_available(), evaluation=args.eval)
-    meter.watch = guard is not None
+    meter.watch = guard is not None and guard.watching
     labelled = args.labels is not None or feed.kind in ("dataset", "imagefolder")
     times: list[float] = []
     for step in range(start, job.total):

@@ -3,7 +3,8 @@
 [Note: re-plan on memory] After each of the first :data:`WATCH_STEPS` training steps of a plan,
 every rank's measured peak (``metrics.PeakMeter``: CUDA's allocator, the aten allocation
 tracker on a CPU) is gathered and compared with the cap it is held to ([Note: memory cap] in
-memory_cap.py). When one is above, rank 0 re-plans: the same request, every pin and the
+memory_cap.py); CPU ranks only under ``NOWDL_MEMORY_CAP``, since the budget of a plan is a GPU's
+and the tracker slows a CPU step. When one is above, rank 0 re-plans: the same request, every pin and the
 micro-batch size kept (so BatchNorm sees the same micro-batches and the run stays exact), with
 the budget per rank charged ([Note: memory charge]); every rank then rebuilds its engine on the
 new plan from the current weights and optimizer state ([Note: in-memory reshard] in
@@ -194,13 +195,14 @@ class MemoryGuard:
         records: the ``--checkpoint`` folder, where excesses are recorded (None: not).
         budget: the budget per rank of the plan the run starts on when it is already a re-plan
             (a restarted attempt's, [Note: restart on memory]).
+        watch: check the first steps (False: only report out-of-memory).
     """
 
     def __init__(self, rank: int, world: int, emit: Callable[[str], None], replan: Replan, *,
-                 records: Path | None = None, budget: int | None = None) -> None:
+                 records: Path | None = None, budget: int | None = None, watch: bool = True) -> None:
         self.rank, self.world, self.emit, self.replan, self.records = rank, world, emit, replan, records
         self.budget = budget  # the budget per rank of the re-plan, once there was one
-        self.seen = 0  # steps of this plan checked so far
+        self.seen = 0 if watch else WATCH_STEPS  # steps of this plan checked so far
 
     @property
     def watching(self) -> bool:
@@ -277,7 +279,8 @@ class MemoryGuard:
         budget = charged_budget(cap, [use])
         if self.records is not None:
             then = (f"a restart (torchrun --max-restarts N, a Slurm requeue) re-plans for {format_bytes(budget)} per "
-                    f"rank, the cap x planned/measured, and resumes from the latest checkpoint in {self.records}")
+                    f"rank, the cap x planned/measured, and resumes from the latest checkpoint in {self.records} (from "
+                    "the start when none was saved)")
         else:
             then = (f"run it again with --gpu-memory {budget + rec[0].reserve} (bytes: {format_bytes(budget)} per rank "
                     "after the reserve, the cap x planned/measured), or with --checkpoint DIR under torchrun "

@@ -330,11 +330,11 @@ class Trainer:
                 tensors[f"model/{orig}"] = t.detach()
         if self.rank == 0 and eng.dp_index == 0:
             tensors.update({f"model/{k}": v for k, v in self._unused.items()})
-        opt, groups, scalars = self.optimizer, None, list[str]()
-        if opt is not None:
-            owned = {orig for st in self._owner_stages() for orig, _, p in stage_tensors(st) if p}
-            more, scalars, groups = optimizer_snapshot(opt, self.cm.model, self._named_held(), owned)
-            tensors.update(more)
+        opt = self.optimizer
+        owned = {orig for st in self._owner_stages() for orig, _, p in stage_tensors(st) if p}
+        more, scalars, groups = ({}, [], None) if opt is None else optimizer_snapshot(opt, self.cm.model,
+                                                                                       self._named_held(), owned)
+        tensors.update(more)
         tensors[f"rng/{self.rank}"] = torch.get_rng_state()
         gathered: list[Any] = [None] * self.world if self.world > 1 else [scalars]
         if self.world > 1:
