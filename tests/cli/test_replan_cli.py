@@ -6,18 +6,16 @@ paragraph, once, with no loop; `nowdl predict` re-plans its windows and writes t
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers.kill_matrix import run_in_shards
 from helpers.predict_models import reference, seg_net, write_slide
-from helpers.run_cli import ROOT, STEP, step_losses
+from helpers.run_cli import STEP, step_losses
 
 from nowdl.cli.commands import main
 from nowdl.runtime.training.checkpoint import open_checkpoint
@@ -81,26 +79,6 @@ def _train(name: str, tmp: Path, cap: str, restarts: int = 0) -> dict[str, Any]:
     return {"name": name, "world": 2, "restarts": restarts, "env": env, "argv": [*PIPE, "--checkpoint", str(tmp / name)]}
 
 
-def _run_cases(cases: list[dict[str, Any]], tmp: Path, shards: int = 2) -> dict[str, dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "NOWDL_FAULT", "NOWDL_MEMORY_CAP")
-           and not k.startswith(("SLURM_", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    procs = []
-    for i in range(shards):
-        shard = tmp / f"shard{i}"
-        shard.mkdir()
-        (shard / "cases.json").write_text(json.dumps(cases[i::shards]))
-        procs.append((shard, subprocess.Popen([sys.executable, "-m", "helpers.kill_matrix", str(shard / "cases.json"),
-                                               str(shard / "results.json")], cwd=ROOT, env=env,
-                                              stdout=subprocess.DEVNULL, stderr=open(shard / "launcher.log", "w"))))
-    results: dict[str, dict[str, Any]] = {}
-    for shard, p in procs:
-        assert p.wait(timeout=900) == 0, (shard / "launcher.log").read_text()[-3000:]
-        results.update({r["name"]: r for r in json.loads((shard / "results.json").read_text())})
-    return results
-
-
 def _errors(logs: dict[str, str], attempt: int) -> list[str]:
     """The error paragraphs the ranks of ``attempt`` printed."""
     return [line for key, text in logs.items() if key.startswith(f"{attempt}/") for line in text.splitlines()
@@ -108,7 +86,7 @@ def _errors(logs: dict[str, str], attempt: int) -> list[str]:
 
 
 def test_torchrun_re_plan_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
-    res = _run_cases([_train("whole", tmp_path, ""), _train("replan", tmp_path, str(FITS))], tmp_path)
+    res = run_in_shards([_train("whole", tmp_path, ""), _train("replan", tmp_path, str(FITS))], tmp_path, 2)
     for r in res.values():
         assert r["ok"], (r["name"], r["error"], r["logs"])
     ref = step_losses(res["whole"]["logs"]["0/0"])
@@ -136,7 +114,7 @@ def test_torchrun_jobs_stop_once_restart_after_oom_and_predict(tmp_path: Path) -
              {"name": "predict whole", "world": 2, "restarts": 0, "argv": [*predict, "--out", str(tmp_path / "p0.zarr")]},
              {"name": "predict replan", "world": 2, "restarts": 0, "env": {"NOWDL_MEMORY_CAP": "200000"},
               "argv": [*predict, "--out", str(tmp_path / "p1.zarr")]}]
-    res = _run_cases(cases, tmp_path)
+    res = run_in_shards(cases, tmp_path, 2)
     for name in ("whole", "oom", "predict whole", "predict replan"):
         assert res[name]["ok"], (name, res[name]["error"], res[name]["logs"])
     ref = step_losses(res["whole"]["logs"]["0/0"])

@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_cases"]
+__all__ = ["run_cases", "run_in_shards"]
 
 
 def _entry(argv: list[str]) -> int:
@@ -101,6 +101,33 @@ def run_case(case: dict[str, Any], log_root: Path) -> dict[str, Any]:
 
 def run_cases(cases: list[dict[str, Any]], log_root: Path) -> list[dict[str, Any]]:
     return [run_case(c, log_root) for c in cases]
+
+
+def run_in_shards(cases: list[dict[str, Any]], tmp: Path, shards: int) -> dict[str, dict[str, Any]]:
+    """Run ``cases`` in ``shards`` launcher processes at once (``python -m helpers.kill_matrix``,
+    their waits overlap); the results by case name."""
+    import subprocess
+
+    from helpers.run_cli import ROOT
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "NOWDL_FAULT", "NOWDL_MEMORY_CAP")
+           and not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    procs = []
+    for i in range(shards):
+        shard = tmp / f"shard{i}"
+        shard.mkdir()
+        (shard / "cases.json").write_text(json.dumps(cases[i::shards]))
+        with open(shard / "launcher.log", "w") as log:
+            procs.append((shard, subprocess.Popen([sys.executable, "-m", "helpers.kill_matrix", str(shard / "cases.json"),
+                                                   str(shard / "results.json")], cwd=ROOT, env=env,
+                                                  stdout=subprocess.DEVNULL, stderr=log)))
+    results: dict[str, dict[str, Any]] = {}
+    for shard, p in procs:
+        assert p.wait(timeout=900) == 0, (shard / "launcher.log").read_text()[-3000:]
+        results.update({r["name"]: r for r in json.loads((shard / "results.json").read_text())})
+    return results
 
 
 def main() -> None:

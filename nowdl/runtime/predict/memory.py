@@ -21,7 +21,7 @@ from typing import Any
 from nowdl.errors import NowdlError
 from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.plan.plan import Plan
-from nowdl.runtime.training.memory_cap import charged_budget, gather_use, memory_cap
+from nowdl.runtime.training.memory_cap import charged_budget, over_cap
 from nowdl.runtime.training.memory_guard import advice, replanned_line, stop_text
 from nowdl.units import format_bytes
 
@@ -68,14 +68,9 @@ class WindowGuard:
         bytes: re-plan ``runner`` with ``next_x``, the next window, when a rank was above its cap
         (collective); whether it did."""
         plan = runner.plan
-        cap = memory_cap(plan) if plan is not None else None
-        if plan is None or cap is None:
-            self.seen = WATCH_WINDOWS
-            return False
-        self.seen += 1
-        over = [u for u in gather_use(peak, plan.ranks[self.rank].predicted_peak_bytes, self.rank, self.world)
-                if u.measured > cap]
-        if not over:
+        cap, over = over_cap(plan, peak, self.rank, self.world)
+        self.seen = WATCH_WINDOWS if cap is None else self.seen + 1
+        if cap is None or not over:
             return False
         worst = min(over, key=lambda u: max(u.planned, 1) / max(u.measured, 1))
         said = (f"rank {worst.rank} used {format_bytes(worst.measured)} in window {window}, above its cap of "

@@ -36,7 +36,7 @@ from nowdl.plan.plan import Plan
 from nowdl.profiler.memory import AllocTracker
 from nowdl.units import format_bytes, parse_bytes
 
-__all__ = ["CAP_ENV", "injected_cap", "memory_cap", "Use", "gather_use", "charged_budget", "CapTracker",
+__all__ = ["CAP_ENV", "injected_cap", "memory_cap", "Use", "gather_use", "over_cap", "charged_budget", "CapTracker",
            "oom_bytes"]
 
 #: The environment variable of [Note: memory cap].
@@ -89,6 +89,15 @@ def gather_use(measured: int, planned: float, rank: int, world: int) -> list[Use
         box = [None] * world
         dist.all_gather_object(box, mine)
     return [Use(r if world > 1 else rank, int(m), int(p)) for r, (m, p) in enumerate(box)]
+
+
+def over_cap(plan: Plan | None, peak: int, rank: int, world: int) -> tuple[int | None, list[Use]]:
+    """``(the cap, the uses above it)`` after a step or window that peaked at ``peak`` bytes on this
+    rank (collective when the plan has a cap; ``(None, [])`` when it has none)."""
+    cap = memory_cap(plan) if plan is not None else None
+    if plan is None or cap is None:
+        return None, []
+    return cap, [u for u in gather_use(peak, plan.ranks[rank].predicted_peak_bytes, rank, world) if u.measured > cap]
 
 
 def charged_budget(cap: int, over: list[Use]) -> int:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
 from nowdl.runtime.launch.attempt import restart_count
-from nowdl.runtime.training.memory_cap import Use, charged_budget, gather_use, memory_cap, oom_bytes
+from nowdl.runtime.training.memory_cap import Use, charged_budget, memory_cap, oom_bytes, over_cap
 from nowdl.runtime.training.reshard import HeldState, gather_state, release
 from nowdl.units import format_bytes
 
@@ -225,14 +225,9 @@ class MemoryGuard:
         """After step ``step`` (1-based) ran with this rank's ``peak`` bytes: the compiled model
         to go on with, re-planned when a rank was above its cap (collective)."""
         plan = _plan_of(cm)
-        cap = memory_cap(plan) if plan is not None else None
-        if plan is None or cap is None:
-            self.seen = WATCH_STEPS
-            return cm
-        self.seen += 1
-        over = [u for u in gather_use(peak, plan.ranks[self.rank].predicted_peak_bytes, self.rank, self.world)
-                if u.measured > cap]
-        if not over:
+        cap, over = over_cap(plan, peak, self.rank, self.world)
+        self.seen = WATCH_STEPS if cap is None else self.seen + 1
+        if plan is None or cap is None or not over:
             return cm
         records = self._records(plan, cap, over, step)
         said = _said(records)
