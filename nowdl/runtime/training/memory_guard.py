@@ -3,14 +3,14 @@
 [Note: re-plan on memory] After each of the first :data:`WATCH_STEPS` training steps of a plan,
 every rank's measured peak (``metrics.PeakMeter``: CUDA's allocator, the aten allocation
 tracker on a CPU) is gathered and compared with the cap it is held to ([Note: memory cap] in
-memory_cap.py); CPU ranks only under ``NOWDL_MEMORY_CAP``, since the budget of a plan is a GPU's
-and the tracker slows a CPU step. When one is above, rank 0 re-plans: the same request, every pin and the
-micro-batch size kept (so BatchNorm sees the same micro-batches and the run stays exact), with
-the budget per rank charged ([Note: memory charge]); every rank then rebuilds its engine on the
-new plan from the current weights and optimizer state ([Note: in-memory reshard] in
-reshard.py) and the run goes on from the next step. Rank 0 says so in one line. A plan that was
-re-planned once is not re-planned again: a second excess, or a re-plan that finds nothing that
-fits, stops the job in one paragraph (exit status 2). There is no loop.
+memory_cap.py); CPU ranks only under ``NOWDL_MEMORY_CAP``, since a plan's budget is a GPU's and
+the tracker slows a CPU step. When one is above, rank 0 re-plans: the same request, every pin
+and the micro-batch size kept (so BatchNorm sees the same micro-batches and the run stays
+exact), with the budget per rank charged ([Note: memory charge]); every rank then rebuilds its
+engine on the new plan from the current weights and optimizer state ([Note: in-memory
+reshard] in reshard.py) and the run goes on from the next step. Rank 0 says so in one line. A
+plan that was re-planned once is not re-planned again: a second excess, or a re-plan that finds
+nothing that fits, stops the job in one paragraph (exit status 2). There is no loop.
 
 [Note: restart on memory] A step that raises out-of-memory (``torch.OutOfMemoryError``) on one
 rank cannot be repaired in the process: its peers wait inside the step's exchanges. The rank
