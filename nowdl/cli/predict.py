@@ -164,6 +164,8 @@ def _predict(args: argparse.Namespace, rank: int, world: int) -> None:
     finally:
         bar.close()
     if rank == 0:
+        for note in summary.notes:
+            print(note)
         print(summary.line())
         print(f"wrote {args.out}")
         sys.stdout.flush()

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import json
 import shutil
 import signal
@@ -63,7 +62,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,24 +70,32 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.cli import validation
-from nowdl.cli.losses import make_loss
 from nowdl.cli.resume import StopSignal, finished_text, reusable_plan, run_state
 from nowdl.cli.runguard import check_outputs, checked_step, run_end
-from nowdl.cli.runplan import current_plan, plan_job, plan_line, probe_job_links
+from nowdl.cli.runplan import (
+    Job,
+    compile_job,
+    current_plan,
+    plan_job,
+    plan_line,
+    probe_job_links,
+    replanner,
+)
 from nowdl.cli.runspec import (
-    RunSource,
     check_model_input,
+    check_options,
     check_pins,
-    make_optimizer,
     output_shape,
     run_source,
     step_batches,
 )
 from nowdl.errors import NowdlError
-from nowdl.runtime.data.feed import Feed, check_data_spec, label_loss, make_feed
+from nowdl.runtime.data.feed import Feed, make_feed
 from nowdl.runtime.launch.failure import open_channel
 from nowdl.runtime.launch.lost import report_failure
-from nowdl.runtime.training.checkpoint import Checkpoint, open_checkpoint
+from nowdl.runtime.training.checkpoint import open_checkpoint
+from nowdl.runtime.training.memory_cap import injected_cap
+from nowdl.runtime.training.memory_guard import MemoryGuard, replanned_line, restart_charge
 from nowdl.runtime.training.metrics import MetricsWriter, PeakMeter
 
 __all__ = ["run_main", "PLAN_FILE"]
@@ -108,7 +114,7 @@ def run_main(args: argparse.Namespace) -> int:
     from nowdl.runtime.launch.group import init_distributed, launch_env
 
     env = launch_env()
-    compile_params, optimizer = _check_options(args)
+    compile_params, optimizer = check_options(args)
     world, rank = env.world_size, env.rank
     initialized_here = False
     if world > 1 and not dist.is_initialized():
@@ -138,65 +144,6 @@ def run_main(args: argparse.Namespace) -> int:
                 pass
 
 
-@dataclass
-class _Job:
-    """What the phases of one ``nowdl run`` share: the options, this rank, the source and batch."""
-
-    args: argparse.Namespace
-    rank: int
-    world: int
-    tmp: Path
-    src: RunSource
-    batch: int  # samples per step (global)
-    micro_batch: int  # samples per micro-batch when rank 0 plans
-    ckpt: Path | None  # --checkpoint DIR
-    ck: Checkpoint | None  # the checkpoint found there
-    ckpt_plan: Path | None  # the checkpoint's plan, when this job can run it as is
-    start: int  # steps done before this run
-    total: int  # the step this run ends at (runguard.run_end)
-    val: validation.ValidationSet | None = None  # --val-data
-
-    @property
-    def say(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def training(self) -> bool:
-        """Training with a checkpoint folder: saves at the end and every ``--save-every`` steps."""
-        return self.ckpt is not None and not self.args.eval
-
-
-def _check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]]:
-    """Refuse bad options before anything starts: ``(nowdl.compile's parameters, the optimizer factory)``."""
-    if args.steps is None or args.steps < 1:
-        raise NowdlError(f"--steps must be a positive integer, got {args.steps}")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise NowdlError(f"--batch-size must be a positive integer, got {args.batch_size}")
-    if args.num_classes is not None and args.num_classes < 1:
-        raise NowdlError(f"--num-classes must be a positive integer, got {args.num_classes}")
-    if args.save_every is not None and args.save_every < 1:
-        raise NowdlError(f"--save-every must be a positive number of steps, got {args.save_every}")
-    if args.save_every is not None and not args.checkpoint:
-        raise NowdlError("--save-every needs --checkpoint DIR (where to save)")
-    if not args.timeout > 0:
-        raise NowdlError(f"--timeout must be positive seconds, got {args.timeout}")
-    if args.device_spec is not None and str(args.device_spec).strip().lower() != "cpu":
-        from nowdl.profiler.devices import get_device_spec
-
-        get_device_spec(args.device_spec)  # a bad name or file is refused before anything runs
-    import nowdl
-
-    compile_params = inspect.signature(nowdl.compile).parameters
-    if args.precision != "fp32" and "precision" not in compile_params:
-        raise NowdlError(f"--precision {args.precision} is not supported yet: nowdl trains in fp32 for now "
-                         "(use --precision fp32)")
-    check_data_spec(str(args.data))
-    validation.check_validation(args)
-    make_loss(args.loss, args.loss_args)  # a bad --loss is refused before anything runs
-    return compile_params, make_optimizer(args.optimizer, args.lr)
-
-
-
 def _run(args: argparse.Namespace, rank: int, world: int,
          optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], compile_params: Any, tmp: Path) -> int:
     job, model, name = _open_job(args, rank, world, tmp)
@@ -220,9 +167,12 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         bar = tqdm(total=job.total - job.start, desc="eval" if args.eval else "train", unit="step", file=sys.stderr,
                    leave=False)
     emit = _Printer(job.say, bar)
+    guard = None if args.eval else MemoryGuard(rank, world, emit, replanner(job, feed, optimizer, compile_params),
+                                               records=job.ckpt, budget=job.charge.budget if job.charge else None,
+                                               watch=torch.cuda.is_available() or injected_cap()[0] is not None)
     with StopSignal() as stop:
         try:
-            times, stopped = _steps(job, cm, feed, metrics, setup_s, emit, bar, stop)
+            times, stopped, cm = _steps(job, cm, feed, metrics, setup_s, emit, bar, stop, guard)
         finally:
             if bar is not None:
                 bar.close()
@@ -240,7 +190,7 @@ def _run(args: argparse.Namespace, rank: int, world: int,
     return 0
 
 
-def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tuple[_Job, nn.Module, str]:
+def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tuple[Job, nn.Module, str]:
     """Open ``--checkpoint``, find the plan to run, build the model (seeded: the same weights on
     every rank) and find the batch of a step: ``(job, model, model's name)``."""
     from nowdl.models.resolve import resolve_model
@@ -248,8 +198,9 @@ def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tup
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     ck = open_checkpoint(ckpt) if ckpt is not None else None  # every rank gets the same answer or error
     saved_run = run_state(ck, args) if ck is not None else None
+    charge = restart_charge(ckpt, rank, world) if ckpt is not None and not args.eval else None
     ckpt_plan = None
-    if ck is not None and reusable_plan(ck, args, world):
+    if ck is not None and charge is None and reusable_plan(ck, args, world):
         ckpt_plan = tmp / "checkpoint-plan.json"
         ckpt_plan.write_text(json.dumps(ck.record["plan"]))
     src = run_source(args, str(ckpt_plan) if ckpt_plan is not None else None)
@@ -266,10 +217,10 @@ def _open_job(args: argparse.Namespace, rank: int, world: int, tmp: Path) -> tup
     batch, micro_batch = step_batches(args, src, saved_run)
     start = ck.step if ck is not None and not args.eval else 0
     total = run_end(saved_run, start, args.steps) if not args.eval else args.steps
-    return _Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start, total), model, name
+    return Job(args, rank, world, tmp, src, batch, micro_batch, ckpt, ck, ckpt_plan, start, total, charge=charge), model, name
 
 
-def _feed(job: _Job, model: nn.Module, name: str) -> Feed:
+def _feed(job: Job, model: nn.Module, name: str) -> Feed:
     """The data feed the model trains on, checked against the model's output shape."""
     out = output_shape(model, job.src.sample_shape)
     if len(out) < 2:
@@ -277,24 +228,28 @@ def _feed(job: _Job, model: nn.Module, name: str) -> Feed:
     return make_feed(job.args, job.src.sample_shape, out, name)  # checks the data before anything is written
 
 
-def _start(job: _Job, model: nn.Module, feed: Feed, optimizer: Any, compile_params: Any,
+def _start(job: Job, model: nn.Module, feed: Feed, optimizer: Any, compile_params: Any,
            progress: bool) -> tuple[Any, MetricsWriter | None, float]:
     """Plan (rank 0) or load the plan, compile, start the feed and the metrics, load the checkpoint:
     ``(compiled model, metrics writer, seconds taken)``."""
     import nowdl
 
     args, src, rank, world = job.args, job.src, job.rank, job.world
-    extra: dict[str, Any] = {"precision": args.precision} if "precision" in compile_params else {}
     t_plan = time.perf_counter()
     plan_path = src.plan_path
-    if plan_path is None:  # rank 0 plans, every rank runs what it planned
+    if plan_path is None or job.charge is not None:  # rank 0 plans, every rank runs what it planned
         plan_path = str(job.tmp / PLAN_FILE)
         probe_job_links(args, world, job.tmp, job.say)
-        text = plan_job(model, args, rank, world, job.batch, job.micro_batch, src, optimizer, progress)
+        charge = job.charge  # a restart after an out-of-memory [Note: restart on memory]
+        asked = args if charge is None else argparse.Namespace(**{**vars(args), "gpu_memory": charge.gpu_memory})
+        text = plan_job(model, asked, rank, world, job.batch, job.micro_batch if charge is None else charge.micro_batch,
+                        src, optimizer, progress, pin_micro_batch=charge is not None)
         Path(plan_path).write_text(text)
-    cm = nowdl.compile(model, plan=plan_path, optimizer=optimizer, loss_fn=label_loss(make_loss(args.loss, args.loss_args)),
-                       progress=progress, timeout_s=args.timeout, **extra)
-    cm.skip_nonfinite = bool(getattr(args, "skip_nonfinite", False))
+        if charge is not None and job.say:
+            print(replanned_line(charge.said, charge.budget, nowdl.Plan.from_json(text), f"goes on from step {job.start + 1}"
+                                 + (" with the latest checkpoint's weights" if job.ck else " (no checkpoint was saved)")),
+                  flush=True)
+    cm = compile_job(job, model, plan_path, optimizer, compile_params, progress)
     run_plan = nowdl.Plan.load(plan_path)
     feed.start(job.start, job.batch, lazy=any(st.parts > 1 for st in run_plan.stages), stop=job.total)
     log_dir = getattr(args, "log_dir", None)
@@ -328,11 +283,13 @@ class _Printer:
             print(line, flush=True)
 
 
-def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_s: float, emit: _Printer,
-           bar: Any, stop: StopSignal) -> tuple[list[float], int]:
-    """Run the steps: ``(seconds of each step run, the signal that stopped the run or 0)``."""
+def _steps(job: Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_s: float, emit: _Printer,
+           bar: Any, stop: StopSignal, guard: MemoryGuard | None) -> tuple[list[float], int, Any]:
+    """Run the steps: ``(seconds of each step run, the signal that stopped the run or 0, the
+    compiled model they ended on)`` (``guard`` may re-plan: [Note: re-plan on memory])."""
     args, batch, start = job.args, job.batch, job.start
     meter = PeakMeter(cm, cuda=torch.cuda.is_available(), evaluation=args.eval)
+    meter.watch = guard is not None and guard.watching
     labelled = args.labels is not None or feed.kind in ("dataset", "imagefolder")
     times: list[float] = []
     for step in range(start, job.total):
@@ -341,8 +298,13 @@ def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_
         run_step = (functools.partial(validation.eval_batch, cm, x, y, job.rank, labelled) if args.eval
                     else functools.partial(cm.train_step, x, y))
         result: Any
-        result, peak, skipped = checked_step(cm, run_step, meter if metrics is not None else None, feed, step, x,
-                                             args.eval)
+        measured = metrics is not None or meter.watch or meter.oom_cap is not None
+        try:
+            result, peak, skipped = checked_step(cm, run_step, meter if measured else None, feed, step, x, args.eval)
+        except torch.OutOfMemoryError as e:
+            if guard is None:
+                raise
+            raise guard.out_of_memory(e, cm, step + 1) from None
         loss, scores = result if args.eval else (float(result), None)
         loss_text = "" if loss is None else f"  loss {loss:.4f}" + "".join(f"  {k} {v:.4f}" for k, v in (scores or {}).items())
         dt = time.perf_counter() - t0 + (setup_s if step == start else 0.0)
@@ -364,13 +326,18 @@ def _steps(job: _Job, cm: Any, feed: Feed, metrics: MetricsWriter | None, setup_
                 metrics.validation(step + 1, res)
         stopped = stop.agreed(job.world)
         if stopped or step + 1 == job.total:
-            return times, stopped
+            return times, stopped, cm
+        if guard is not None and meter.watch:  # after the step's peak, before the next step
+            cm = meter.cm = guard.check(cm, peak, step + 1)
+            meter.watch = guard.watching
+            if metrics is not None:
+                metrics.predicted = int(current_plan(cm).ranks[job.rank].predicted_peak_bytes)
         if job.training and args.save_every and (step + 1 - start) % args.save_every == 0:
             _save(job, cm, step + 1, emit)
-    return times, 0
+    return times, 0, cm
 
 
-def _summary(job: _Job, times: list[float], emit: _Printer) -> int:
+def _summary(job: Job, times: list[float], emit: _Printer) -> int:
     """Print the mean rate; return the number of the last step run."""
     done = job.start + len(times)
     if len(times) > 1:
@@ -382,7 +349,7 @@ def _summary(job: _Job, times: list[float], emit: _Printer) -> int:
     return done
 
 
-def _save(job: _Job, cm: Any, step: int, emit: _Printer) -> None:
+def _save(job: Job, cm: Any, step: int, emit: _Printer) -> None:
     """Save the checkpoint after ``step`` (and, from rank 0, a copy of its plan)."""
     assert job.ckpt is not None
     src = job.src

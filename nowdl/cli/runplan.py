@@ -1,26 +1,37 @@
-"""How ``nowdl run`` gets a plan: rank 0 plans with the job's measured links and every rank gets it."""
+"""How ``nowdl run`` gets a plan: rank 0 plans with the job's measured links and every rank gets it;
+what the phases of a run share (:class:`Job`), how it compiles a plan, and how it re-plans when a
+rank needs more memory than planned ([Note: re-plan on memory] in runtime/training/memory_guard.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from nowdl.cli import validation
 from nowdl.cli.levers import lever_kwargs
+from nowdl.cli.losses import make_loss
 from nowdl.cli.runspec import RunSource
+from nowdl.plan.plan import Plan
+from nowdl.runtime.data.feed import Feed, label_loss
+from nowdl.runtime.training.checkpoint import Checkpoint
+from nowdl.runtime.training.memory_guard import Charge, Replan, plan_text
+from nowdl.runtime.training.reshard import HeldState
 
-__all__ = ["plan_job", "probe_job_links", "job_nodes", "current_plan", "plan_line"]
+__all__ = ["plan_job", "probe_job_links", "job_nodes", "current_plan", "plan_line", "Job", "compile_job", "replanner"]
 
 
 def plan_job(model: nn.Module, args: argparse.Namespace, rank: int, world: int, batch: int,
-             micro_batch: int, src: RunSource, optimizer: Any, progress: bool) -> str:
+             micro_batch: int, src: RunSource, optimizer: Any, progress: bool, *, pin_micro_batch: bool = False) -> str:
     """Rank 0 plans a ``batch``-sample step from a ``micro_batch``-sample example (the micro-batch
-    size when ``--input`` gives it, else the planner chooses it); every rank gets the plan JSON
-    (or rank 0's error), through the trainer's ``plan_on_rank0``."""
+    size when ``--input`` gives it or ``pin_micro_batch``, else the planner chooses it); every rank
+    gets the plan JSON (or rank 0's error), through the trainer's ``plan_on_rank0``."""
     import dataclasses
 
     import nowdl
@@ -37,7 +48,7 @@ def plan_job(model: nn.Module, args: argparse.Namespace, rank: int, world: int, 
                                 optimizer=optimizer, progress=progress, nodes=nodes, gpus_per_node=per_node,
                                 global_batch=batch, tiles_per_gpu=getattr(args, "tiles_per_gpu", "auto"),
                                 **lever_kwargs(args))
-        if planner.request is not None and src.input_text is not None:  # --input is one micro-batch
+        if planner.request is not None and (src.input_text is not None or pin_micro_batch):  # one micro-batch
             planner.request = dataclasses.replace(planner.request, micro_batch_size=micro_batch)
         plan = planner.plan(torch.empty((micro_batch, *src.sample_shape), device="meta"))
         plan.model["source"] = {"spec": src.spec, "args": json.loads(src.model_args or "{}")}
@@ -81,10 +92,75 @@ def plan_line(cm: Any, plan: Any = None) -> str:
     """The ``plan: ...`` line ``nowdl run`` prints after the first step (``plan``: the one the
     step ran on, default the training plan)."""
     plan = plan if plan is not None else current_plan(cm)
-    if plan is None:
-        return "plan: ?"
-    c = plan.config
-    return (f"{'inference plan' if c.get('inference') else 'plan'}: {c.get('stages')} stage(s) x {c.get('micro_batches')} micro-batch(es) ({c.get('schedule')}), "
-            f"replicas {c.get('replicas')}, dp {c.get('dp')}, {c.get('gpus')} rank(s)"
-            + "".join(f"; {s.tiles()}" + (f", {len(s.fused)} fused halo run(s)" if s.fused else "")
-                      for s in plan.stages if s.parts > 1))
+    return "plan: ?" if plan is None else plan_text(plan)
+
+
+@dataclass
+class Job:
+    """What the phases of one ``nowdl run`` share: the options, this rank, the source and batch."""
+
+    args: argparse.Namespace
+    rank: int
+    world: int
+    tmp: Path
+    src: RunSource
+    batch: int  # samples per step (global)
+    micro_batch: int  # samples per micro-batch when rank 0 plans
+    ckpt: Path | None  # --checkpoint DIR
+    ck: Checkpoint | None  # the checkpoint found there
+    ckpt_plan: Path | None  # the checkpoint's plan, when this job can run it as is
+    start: int  # steps done before this run
+    total: int  # the step this run ends at (runguard.run_end)
+    val: validation.ValidationSet | None = None  # --val-data
+    charge: Charge | None = None  # a restart after an out-of-memory re-plans with it ([Note: restart on memory])
+
+    @property
+    def say(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def training(self) -> bool:
+        """Training with a checkpoint folder: saves at the end and every ``--save-every`` steps."""
+        return self.ckpt is not None and not self.args.eval
+
+
+def compile_job(job: Job, model: nn.Module, plan_path: str, optimizer: Any, compile_params: Any, progress: bool) -> Any:
+    """``nowdl.compile`` of ``model`` on the plan at ``plan_path`` with the run's optimizer and loss
+    (``compile_params``: ``nowdl.compile``'s parameters)."""
+    import nowdl
+
+    args = job.args
+    extra: dict[str, Any] = {"precision": args.precision} if "precision" in compile_params else {}
+    cm = nowdl.compile(model, plan=plan_path, optimizer=optimizer, loss_fn=label_loss(make_loss(args.loss, args.loss_args)),
+                       progress=progress, timeout_s=args.timeout, **extra)
+    cm.skip_nonfinite = bool(getattr(args, "skip_nonfinite", False))
+    return cm
+
+
+def replanner(job: Job, feed: Feed, optimizer: Any, compile_params: Any) -> Replan:
+    """The guard's re-plan ([Note: re-plan on memory]): ``replan(gpu_memory, plan, step)`` plans
+    the run again with ``gpu_memory``, the micro-batch size of ``plan`` kept, on a new copy of the
+    model, and returns the plan's path and how to build it with the job's state before ``step``."""
+    from nowdl.models.resolve import resolve_model
+
+    def replan(gpu_memory: int, old: Plan, step: int) -> tuple[str, Callable[[HeldState], Any]]:
+        rng = torch.get_rng_state()  # the run's RNG goes on as it would have
+        torch.manual_seed(job.args.seed)
+        fresh, _, _ = resolve_model(job.src.spec, job.src.model_args)
+        torch.set_rng_state(rng)
+        args = argparse.Namespace(**{**vars(job.args), "gpu_memory": gpu_memory})
+        text = plan_job(fresh, args, job.rank, job.world, job.batch, int(old.model["inputs"][0][0]), job.src,
+                        optimizer, False, pin_micro_batch=True)
+        path = job.tmp / "replan.json"
+        path.write_text(text)
+
+        def build(state: HeldState) -> Any:
+            cm = compile_job(job, fresh, str(path), optimizer, compile_params, False)
+            feed.relayout(step, lazy=any(st.parts > 1 for st in Plan.load(path).stages))  # tiles read lazily
+            x, _, _ = feed.next(step)
+            cm._train().restore(state, x)
+            return cm
+
+        return str(path), build
+
+    return replan

@@ -22,7 +22,7 @@ from nowdl.cli.validation import add_validation_arguments
 from nowdl.errors import NowdlError
 from nowdl.units import parse_parts
 
-__all__ = ["add_run_arguments", "RunSource", "output_shape", "run_source", "check_model_input", "step_batches",
+__all__ = ["add_run_arguments", "check_options", "RunSource", "output_shape", "run_source", "check_model_input", "step_batches",
            "check_pins", "pin_conflicts", "make_optimizer"]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
@@ -306,3 +306,37 @@ def make_optimizer(name: str, lr: float) -> Callable[[Iterable[nn.Parameter]], t
 
     return make
 
+
+def check_options(args: argparse.Namespace) -> tuple[Any, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]]:
+    """Refuse bad ``nowdl run`` options before anything starts: ``(nowdl.compile's parameters, the
+    optimizer factory)``."""
+    from nowdl.cli import validation
+    from nowdl.cli.losses import make_loss
+    from nowdl.runtime.data.feed import check_data_spec
+
+    if args.steps is None or args.steps < 1:
+        raise NowdlError(f"--steps must be a positive integer, got {args.steps}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise NowdlError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.num_classes is not None and args.num_classes < 1:
+        raise NowdlError(f"--num-classes must be a positive integer, got {args.num_classes}")
+    if args.save_every is not None and args.save_every < 1:
+        raise NowdlError(f"--save-every must be a positive number of steps, got {args.save_every}")
+    if args.save_every is not None and not args.checkpoint:
+        raise NowdlError("--save-every needs --checkpoint DIR (where to save)")
+    if not args.timeout > 0:
+        raise NowdlError(f"--timeout must be positive seconds, got {args.timeout}")
+    if args.device_spec is not None and str(args.device_spec).strip().lower() != "cpu":
+        from nowdl.profiler.devices import get_device_spec
+
+        get_device_spec(args.device_spec)  # a bad name or file is refused before anything runs
+    import nowdl
+
+    compile_params = inspect.signature(nowdl.compile).parameters
+    if args.precision != "fp32" and "precision" not in compile_params:
+        raise NowdlError(f"--precision {args.precision} is not supported yet: nowdl trains in fp32 for now "
+                         "(use --precision fp32)")
+    check_data_spec(str(args.data))
+    validation.check_validation(args)
+    make_loss(args.loss, args.loss_args)  # a bad --loss is refused before anything runs
+    return compile_params, make_optimizer(args.optimizer, args.lr)

@@ -6,7 +6,8 @@ case as torchrun would run ``nowdl ARGV`` with ``--max-restarts R``: torch's own
 on a local port) starts the ranks, restarts them all when one dies, and numbers the attempts.
 The workers are forked from this process, which has imported torch and nowdl once, so a case pays
 no imports. Each case's ``NOWDL_FAULT`` ([Note: kill points] in nowdl/runtime/launch/faults.py)
-makes a rank SIGKILL itself at a point. A case is ``{"name", "argv", "world", "restarts", "fault"}``;
+makes a rank SIGKILL itself at a point; its ``env`` (optional) sets more variables for its workers.
+A case is ``{"name", "argv", "world", "restarts", "fault", "env"}``;
 its result ``{"name", "ok", "error", "attempts", "logs": {"<attempt>/<rank>": stdout + stderr}}``.
 """
 
@@ -21,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_cases"]
+__all__ = ["run_cases", "run_in_shards"]
 
 
 def _entry(argv: list[str]) -> int:
@@ -81,6 +82,7 @@ def run_case(case: dict[str, Any], log_root: Path) -> dict[str, Any]:
                        max_restarts=case["restarts"], monitor_interval=0.1, start_method="fork", shutdown_timeout=5,
                        logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL))
     os.environ["NOWDL_FAULT"] = case.get("fault", "")
+    os.environ.update(case.get("env", {}))
     t = time.perf_counter()
     ok, error = True, ""
     try:
@@ -90,7 +92,8 @@ def run_case(case: dict[str, Any], log_root: Path) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - the agent's own failure is this case's result
         ok, error = False, traceback.format_exc()[-3000:]
     finally:
-        os.environ.pop("NOWDL_FAULT", None)
+        for var in ("NOWDL_FAULT", *case.get("env", {})):
+            os.environ.pop(var, None)
     out = _logs(logs)
     return {"name": case["name"], "ok": ok, "error": error, "wall_s": time.perf_counter() - t,
             "attempts": len({k.split("/")[0] for k in out}), "logs": out}
@@ -98,6 +101,33 @@ def run_case(case: dict[str, Any], log_root: Path) -> dict[str, Any]:
 
 def run_cases(cases: list[dict[str, Any]], log_root: Path) -> list[dict[str, Any]]:
     return [run_case(c, log_root) for c in cases]
+
+
+def run_in_shards(cases: list[dict[str, Any]], tmp: Path, shards: int) -> dict[str, dict[str, Any]]:
+    """Run ``cases`` in ``shards`` launcher processes at once (``python -m helpers.kill_matrix``,
+    their waits overlap); the results by case name."""
+    import subprocess
+
+    from helpers.run_cli import ROOT
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "NOWDL_FAULT", "NOWDL_MEMORY_CAP")
+           and not k.startswith(("SLURM_", "TORCHELASTIC"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    procs = []
+    for i in range(shards):
+        shard = tmp / f"shard{i}"
+        shard.mkdir()
+        (shard / "cases.json").write_text(json.dumps(cases[i::shards]))
+        with open(shard / "launcher.log", "w") as log:
+            procs.append((shard, subprocess.Popen([sys.executable, "-m", "helpers.kill_matrix", str(shard / "cases.json"),
+                                                   str(shard / "results.json")], cwd=ROOT, env=env,
+                                                  stdout=subprocess.DEVNULL, stderr=log)))
+    results: dict[str, dict[str, Any]] = {}
+    for shard, p in procs:
+        assert p.wait(timeout=900) == 0, (shard / "launcher.log").read_text()[-3000:]
+        results.update({r["name"]: r for r in json.loads((shard / "results.json").read_text())})
+    return results
 
 
 def main() -> None:

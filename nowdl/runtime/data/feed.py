@@ -61,6 +61,7 @@ class Feed:
         self._ahead: TileReadAhead | None = None
         self._held: tuple[int, Any, Any] | None = None
         self._batch = 0
+        self._stop: int | None = None
 
     @property
     def counter(self) -> ReadCounter | None:
@@ -73,7 +74,7 @@ class Feed:
 
     def start(self, step: int, batch: int, *, lazy: bool, stop: int | None = None) -> None:
         """Serve steps ``step, .., stop - 1`` of ``batch`` samples (lazy: TiledInput batches, read ahead)."""
-        self._batch = batch
+        self._batch, self._stop = batch, stop
         self.lazy = lazy and isinstance(self.dataset, CropDataset)
         if self.dataset is None:
             return
@@ -83,6 +84,14 @@ class Feed:
         self._it = iter(loader(self.dataset, batch, seed=self.seed, workers=self.workers, start_step=step,
                                sample_shape=self.sample_shape, label_shape=self.label_shape, name=self.name,
                                classes=self.classes if self.label_shape is not None else None))
+
+    def relayout(self, step: int, *, lazy: bool) -> None:
+        """Serve from ``step`` on as :meth:`start` with ``lazy`` would (a re-planned run whose new plan
+        has or lacks a spatial stage); nothing changes when the batches keep their kind."""
+        if (lazy and isinstance(self.dataset, CropDataset)) != self.lazy:
+            self.close()
+            self._held = None
+            self.start(step, self._batch, lazy=lazy, stop=self._stop)
 
     def next(self, step: int) -> tuple[Any, Any, float]:
         """``(x, y, seconds waited)`` of ``step`` (steps in order; the same step again is cached)."""

@@ -35,6 +35,7 @@ from nowdl.runtime.data.readers import ImageArray, to_tensor
 from nowdl.runtime.launch import faults
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.predict.agreement import Writes, guard, rank_world
+from nowdl.runtime.predict.memory import WindowGuard, with_gpu_memory
 from nowdl.runtime.predict.shares import chunk_share, tile_piece, window_piece
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.windows import Reach, Window, layout_windows, network_reach
@@ -78,15 +79,16 @@ class _Planner:
         self.model, self.plan_path, self.request = cm.model, cm.plan_path, None
         self.precision, self.device = cm.precision, cm.device
         self.activation_checkpointing: bool | list[int] = False
+        self.charged: Any = None  # after a re-plan for memory: ``cm`` planning for less ([Note: re-plan on memory])
 
     def trace(self, *example_inputs: torch.Tensor) -> Any:
         return self.cm.trace(*example_inputs)
 
     def plan(self, *example_inputs: torch.Tensor, target: Any = None) -> Plan:
-        return plan_for(self.cm, example_inputs[0])
+        return plan_for(self.charged or self.cm, example_inputs[0])
 
     def inference_plan(self, *example_inputs: torch.Tensor) -> Plan:
-        return plan_for(self.cm, example_inputs[0])
+        return self.plan(*example_inputs)
 
 
 class _WindowRunner(Trainer):
@@ -99,7 +101,8 @@ class _WindowRunner(Trainer):
         self.group: Any = None  # the process group it was built in
         self.outputs: list[torch.Tensor] = []
         self.grid: tuple[TileGrid, Any] | None = None  # the output's tile grid and group, when kept as a tile
-        super().__init__(_Planner(cm), optimizer=None, loss_fn=self._keep, timeout_s=timeout_s, backend=backend)
+        self.planner = _Planner(cm)
+        super().__init__(self.planner, optimizer=None, loss_fn=self._keep, timeout_s=timeout_s, backend=backend)
 
     def _keep(self, out: Any, _y: Any) -> torch.Tensor:
         from torch.utils._pytree import tree_leaves
@@ -145,6 +148,16 @@ class _WindowRunner(Trainer):
         self.engine = self._eval_engine(plan, (example,))
         copy_state(self.engine, self.weights)  # weights trained or loaded in this process since compile()
         return self.engine
+
+    def replan(self, gpu_memory: int, x: TiledInput) -> None:
+        """Plan windows like ``x`` again for ``gpu_memory`` bytes per GPU and build that engine
+        (collective); the old engine's stages go back to the host."""
+        if self.engine is not None:
+            for _, s in self.engine.held:
+                self.engine.stages[s].module.to("cpu")
+        self.engine = self.plan = None
+        self.planner.charged = with_gpu_memory(self.planner.cm, gpu_memory)
+        self._window_engine(x)
 
     def writer_share(self) -> tuple[int, int]:
         """(this rank's index among the ranks that write each window, how many write)."""
@@ -245,14 +258,15 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
         layouts.append((layout_windows(image.spatial, win, reach), reach, win))
     total = sum(len(w) for w, _, _ in layouts)
     done, t0 = 0, time.perf_counter()
-    writes = Writes()
+    writes, watcher = Writes(), WindowGuard(rank, world)
     try:
         for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
             levels = _create_store(target, image.spatial, reach, output, rank)
             store = LevelStore(target.work, 0)
-            runner = _runner_for(cm, win, timeout_s, backend, weights)
+            runner = _runner_for(cm, win, timeout_s, backend, weights, watcher.gpu_memory)
             for i, w in enumerate(wins):
-                out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2)
+                watch = measure_memory and watcher.watching(runner)  # [Note: re-plan on memory]
+                out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2 or watch)
                 summary.add_peak(peak)
                 core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
                 share, piece = tile_piece(runner.grid, out, core_out, store.chunks[1:], w, reach.scale)
@@ -264,6 +278,9 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
                     piece = window_piece(share, out, w, reach.scale)
                 writes.submit(functools.partial(_write_share, store, share, piece, output), str(target.work))
                 done += 1
+                if watch and peak is not None and i + 1 < len(wins) and watcher.check(
+                        runner, peak, done, _image_input(image, wins[i + 1])):
+                    summary.peak = None  # the summary reports the new plan's peaks
                 if on_window is not None:
                     on_window(done, total)
             writes.wait()
@@ -272,7 +289,7 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
             summary.add_image(image.spatial, len(wins), reach, runner.plan, rank)
     finally:
         writes.close()
-    summary.seconds = time.perf_counter() - t0
+    summary.seconds, summary.notes = time.perf_counter() - t0, watcher.notes
     summary.gather()
     return summary
 
@@ -282,7 +299,7 @@ _RUNNERS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], _WindowRunner]] =
 
 
 def _runner_for(cm: Any, win: tuple[int, ...], timeout_s: float, backend: str | None,
-                weights: dict[str, torch.Tensor] | None) -> _WindowRunner:
+                weights: dict[str, torch.Tensor] | None, gpu_memory: int | None = None) -> _WindowRunner:
     """The window runner of ``cm`` for windows of ``win`` pixels, kept across predict calls in the
     same process group (its engine's stages run the model's own parameters, so weights loaded into
     the model in place reach it); ``weights`` (trained in this process) are copied in each call."""
@@ -295,6 +312,8 @@ def _runner_for(cm: Any, win: tuple[int, ...], timeout_s: float, backend: str | 
     if runner is None or runner.group is not group:
         runner = cache[key] = _WindowRunner(cm, timeout_s, backend, weights)
         runner.group = group
+    if gpu_memory is not None and runner.planner.charged is None and runner.engine is None:  # re-planned for memory
+        runner.planner.charged = with_gpu_memory(cm, gpu_memory)
     elif weights is not None:
         runner.weights = weights
         if runner.engine is not None:

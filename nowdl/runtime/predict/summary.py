@@ -37,6 +37,7 @@ class PredictSummary:
     predicted: int | None = None
     peak_bytes: list[int | None] = field(default_factory=list)
     predicted_bytes: list[int | None] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # a re-plan for memory (runtime/predict/memory.py)
 
     def add_peak(self, peak: int | None) -> None:
         if peak is not None:

@@ -62,15 +62,18 @@ def static_bytes(modules: Sequence[nn.Module], opt: torch.optim.Optimizer | None
     return total
 
 
-def peak_of(step: Callable[[], Any], modules: Sequence[nn.Module], opt: torch.optim.Optimizer | None) -> tuple[Any, int]:
-    """Run ``step()``; returns its result and static bytes before it + the peak of storages it allocates."""
+def peak_of(step: Callable[[], Any], modules: Sequence[nn.Module], opt: torch.optim.Optimizer | None,
+            cap: int | None = None) -> tuple[Any, int]:
+    """Run ``step()``; returns its result and static bytes before it + the peak of storages it
+    allocates (``cap``: raise ``torch.OutOfMemoryError`` above it, [Note: memory cap])."""
     from nowdl.profiler.memory import AllocTracker
+    from nowdl.runtime.training.memory_cap import CapTracker
 
     if opt is not None:
         opt.zero_grad(set_to_none=True)
     gc.collect()
     static = static_bytes(modules, opt)
-    with AllocTracker() as tracker:
+    with AllocTracker() if cap is None else CapTracker(cap, static) as tracker:
         out = step()
     return out, static + tracker.peak
 
@@ -83,14 +86,21 @@ class PeakMeter:
     """This rank's peak bytes per step: CUDA's allocator peak, or on CPU the tracker on sampled steps.
 
     The AllocTracker sees every aten op from Python, which slows a CPU step several-fold on small
-    models; it runs on the second step and every ``TRACK_EVERY``-th step after, and the steps in
-    between report the last measured peak. The first step (which builds the stages) reports the
-    static bytes (parameters, buffers, optimizer state) it ended with.
+    models; it runs on the second step and every ``TRACK_EVERY``-th step after (every step while
+    ``watch`` is set, as ``nowdl run`` checks its first steps against the cap, and under
+    ``NOWDL_MEMORY_CAP=BYTES,oom``), and the steps in between report the last measured peak. The
+    first step (which builds the stages) reports the static bytes (parameters, buffers, optimizer
+    state) it ended with.
     """
 
     def __init__(self, cm: Any, *, cuda: bool, evaluation: bool = False) -> None:
+        from nowdl.runtime.training.memory_cap import injected_cap
+
         self.cm, self.cuda, self.last, self.steps = cm, cuda, 0, 0
         self.evaluation = evaluation  # eval steps run on the inference plans' engines
+        cap, raises = injected_cap()
+        self.oom_cap = cap if raises and not cuda else None  # [Note: memory cap]
+        self.watch = False
 
     def _engine(self) -> Any:
         """The engine the steps run on: the training engine, or the last inference engine used."""
@@ -115,9 +125,9 @@ class PeakMeter:
             eng = self._engine()
             self.last = static_bytes([eng.stages[s].module for _, s in eng.held], eng.optimizer)
             return out, self.last
-        if (self.steps - 2) % TRACK_EVERY:
+        if (self.steps - 2) % TRACK_EVERY and not self.watch and self.oom_cap is None:
             return step(), self.last
-        out, peak = peak_of(step, [eng.stages[s].module for _, s in eng.held], eng.optimizer)
+        out, peak = peak_of(step, [eng.stages[s].module for _, s in eng.held], eng.optimizer, self.oom_cap)
         self.last = peak
         return out, self.last
 

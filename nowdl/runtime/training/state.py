@@ -11,8 +11,9 @@ they cost no optimizer state. Hyperparameters (``lr``, ``initial_lr`` of a sched
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -21,7 +22,22 @@ from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
 
 __all__ = ["state_names", "stage_tensors", "bind_optimizer", "optimizer_tensors", "optimizer_groups",
-           "load_optimizer_state"]
+           "optimizer_snapshot", "load_optimizer_state", "StateSource"]
+
+
+class StateSource(Protocol):
+    """What a trainer restores from (``Trainer.restore``): a checkpoint on disk
+    (``checkpoint.Checkpoint``), or a job's state held in memory (``reshard.HeldState``)."""
+
+    record: dict[str, Any]  # the plan, steps and optimizer fields of a checkpoint's nowdl.json
+    dir: Path
+    step: int
+    world: int
+
+    def index(self) -> Mapping[str, Any]: ...
+
+    def read(self, wanted: Mapping[str, tuple[int, ...] | None], *, optional: frozenset[str] = frozenset()
+             ) -> dict[str, torch.Tensor]: ...
 
 
 def state_names(model: nn.Module, stages: Sequence[StageModule]
@@ -140,6 +156,16 @@ def optimizer_groups(opt: torch.optim.Optimizer, names: dict[int, str]) -> list[
                 entry[k] = v
         groups.append(entry)
     return groups
+
+
+def optimizer_snapshot(opt: torch.optim.Optimizer, model: nn.Module, held: dict[str, nn.Parameter], owned: set[str]
+                       ) -> tuple[dict[str, torch.Tensor], list[str], list[dict[str, Any]]]:
+    """A checkpoint's optimizer part: the ``optim/`` tensors of the ``held`` parameters named in
+    ``owned``, the keys that were numbers, and the groups' hyperparameters by parameter name."""
+    tensors, scalars = optimizer_tensors(opt, {k: v for k, v in held.items() if k in owned})
+    names = {id(p): n for n, p in model.named_parameters()}
+    names.update({id(p): n for n, p in held.items()})
+    return tensors, scalars, optimizer_groups(opt, names)
 
 
 def load_optimizer_state(opt: torch.optim.Optimizer, named: dict[str, nn.Parameter], tensors: dict[str, torch.Tensor],

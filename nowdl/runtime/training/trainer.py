@@ -23,10 +23,10 @@ from nowdl.runtime.training.checkpoint import CheckpointError, open_checkpoint, 
 from nowdl.runtime.training.input_check import InputSpec, check_step_inputs, input_spec, with_target
 from nowdl.runtime.training.plan_share import plan_on_rank0
 from nowdl.runtime.training.state import (
+    StateSource,
     bind_optimizer,
     load_optimizer_state,
-    optimizer_groups,
-    optimizer_tensors,
+    optimizer_snapshot,
     stage_tensors,
     state_names,
 )
@@ -316,6 +316,13 @@ class Trainer:
         """Every rank writes what it owns (weights, optimizer state, its RNG state) under the model's
         original names with torch.distributed.checkpoint; ``extra`` (JSON) is kept beside it.
         Atomic: the previous checkpoint stays valid until this one is complete."""
+        tensors, meta = self.snapshot(extra)
+        save_checkpoint(directory, self.steps, tensors, meta, keep=keep)
+
+    def snapshot(self, extra: dict[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What this rank's share of a checkpoint holds (collective): ``model/<name>``,
+        ``optim/<name>/<key>`` and ``rng/<rank>`` tensors, and the record's fields (the plan, the
+        steps, the optimizer's groups and scalar keys, ``extra``)."""
         eng = self._require()
         tensors: dict[str, torch.Tensor] = {}
         for st in self._owner_stages():
@@ -323,41 +330,39 @@ class Trainer:
                 tensors[f"model/{orig}"] = t.detach()
         if self.rank == 0 and eng.dp_index == 0:
             tensors.update({f"model/{k}": v for k, v in self._unused.items()})
-        scalars: list[str] = []
-        groups = None
         opt = self.optimizer
-        if opt is not None:
-            owned = {orig for st in self._owner_stages() for orig, _, p in stage_tensors(st) if p}
-            named = {k: v for k, v in self._named_held().items() if k in owned}
-            more, scalars = optimizer_tensors(opt, named)
-            tensors.update(more)
-            names = {id(p): n for n, p in self.cm.model.named_parameters()}
-            names.update({id(p): n for n, p in self._named_held().items()})
-            groups = optimizer_groups(opt, names)
+        owned = {orig for st in self._owner_stages() for orig, _, p in stage_tensors(st) if p}
+        more, scalars, groups = ({}, [], None) if opt is None else optimizer_snapshot(opt, self.cm.model,
+                                                                                       self._named_held(), owned)
+        tensors.update(more)
         tensors[f"rng/{self.rank}"] = torch.get_rng_state()
-        gathered: list[Any] = [scalars]
+        gathered: list[Any] = [None] * self.world if self.world > 1 else [scalars]
         if self.world > 1:
-            gathered = [None] * self.world
             dist.all_gather_object(gathered, scalars)
         meta = {"fingerprint": eng.plan.fingerprint, "plan": eng.plan.to_dict(), "steps": self.steps,
                 "optimizer": None if opt is None else {"class": type(opt).__name__, "groups": groups,
                                                        "scalars": sorted({k for g in gathered for k in g})},
                 **(extra or {})}
-        save_checkpoint(directory, self.steps, tensors, meta, keep=keep)
+        return tensors, meta
 
     def load_checkpoint(self, directory: str | os.PathLike[str], x: Any = None) -> dict[str, Any]:
         """Resume from the latest checkpoint in ``directory`` (written by any plan of this model:
         weights and optimizer state are resharded by name). ``x`` (a batch) sets the engine up if no
         step ran yet. Returns the checkpoint's record (``nowdl.json``)."""
+        ck = open_checkpoint(directory)
+        if ck is None:
+            raise CheckpointError(f"no checkpoint in {directory}: save one first (cm.save_checkpoint / nowdl run "
+                                  "--checkpoint), or check the folder")
+        return self.restore(ck, x)
+
+    def restore(self, ck: StateSource, x: Any = None) -> dict[str, Any]:
+        """Load weights, optimizer state (and RNG state, when saved by this plan) from ``ck`` by original
+        name (collective; ``x`` sets the engine up if no step ran yet); returns its record."""
         if self.engine is None:
             if x is None:
                 raise NowdlError("load_checkpoint needs the engine: run a step first or pass a batch as x")
             self._setup(x)
         eng = self._require()
-        ck = open_checkpoint(directory)
-        if ck is None:
-            raise CheckpointError(f"no checkpoint in {directory}: save one first (cm.save_checkpoint / nowdl run "
-                                  "--checkpoint), or check the folder")
         wanted: dict[str, tuple[int, ...] | None] = {}
         for _, s in eng.held:
             for orig, t, _ in stage_tensors(eng.stages[s], self._keys if self._order else None):

@@ -4,19 +4,16 @@ the lost rank named, and no partial checkpoint left to load."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from helpers.kill_matrix import run_in_shards
 from helpers.predict_models import seg_net, write_slide
-from helpers.run_cli import ROOT, step_losses
+from helpers.run_cli import step_losses
 
 from nowdl.runtime.launch.faults import POINTS
 from nowdl.runtime.training.checkpoint import open_checkpoint
@@ -66,25 +63,6 @@ def _cases(tmp: Path, slide: Path, weights: Path) -> tuple[list[dict[str, Any]],
     return cases, expect
 
 
-def _run(cases: list[dict[str, Any]], tmp: Path) -> dict[str, dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "NOWDL_FAULT") and not k.startswith(("SLURM_", "TORCHELASTIC"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
-    procs = []
-    for i in range(SHARDS):
-        shard = tmp / f"shard{i}"
-        shard.mkdir()
-        (shard / "cases.json").write_text(json.dumps(cases[i::SHARDS]))
-        procs.append((shard, subprocess.Popen([sys.executable, "-m", "helpers.kill_matrix", str(shard / "cases.json"),
-                                               str(shard / "results.json")], cwd=ROOT, env=env,
-                                              stdout=subprocess.DEVNULL, stderr=open(shard / "launcher.log", "w"))))
-    results: dict[str, dict[str, Any]] = {}
-    for shard, p in procs:
-        assert p.wait(timeout=900) == 0, (shard / "launcher.log").read_text()[-3000:]
-        results.update({r["name"]: r for r in json.loads((shard / "results.json").read_text())})
-    return results
-
-
 def _tensors(ck: Path) -> dict[str, torch.Tensor]:
     c = open_checkpoint(ck)
     assert c is not None and c.step == STEPS, ck
@@ -106,7 +84,7 @@ def test_every_kill_point_on_either_rank_loses_nothing(tmp_path: Path) -> None:
     torch.save(seg_net(in_ch=3).state_dict(), tmp_path / "w.pt")
     cases, expect = _cases(tmp_path, tmp_path / "slide.tif", tmp_path / "w.pt")
     assert len(expect) == 2 * len(POINTS) + 1
-    res = _run(cases, tmp_path)
+    res = run_in_shards(cases, tmp_path, SHARDS)
     whole = res["whole"]
     assert whole["ok"], whole["error"]
     ref = _tensors(tmp_path / "whole")
