@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,24 @@ def test_a_section_that_fails_is_recorded_and_the_rest_goes_on(tmp_path: Path) -
     assert d["sections"]["broken"]["status"] == "error" and "boom" in d["sections"]["broken"]["error"]
     assert d["sections"]["later"]["status"] == "ok" and d["sections"]["too long"]["status"] == "skipped"
     assert d["rows"] == [{"a": 1}, {"b": None}]  # kept as measured; NaN written as null
+
+
+@pytest.mark.slow
+def test_the_fit_reads_the_cpu_records(cpu_records: tuple[dict, str], tmp_path: Path) -> None:
+    """benchmarks/fit_specs.py takes the samples of a `--cpu` records file and fits a time model to them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fit_specs import time_samples
+
+    from nowdl.profiler.calibrate.fit import fit_time, predict
+    from nowdl.profiler.calibrate.records import load_records
+    from nowdl.profiler.devices import get_device_spec
+
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(cpu_records[0]))
+    samples = time_samples([load_records(path, warn=False)], get_device_spec("cpu"))
+    labels = [s.label for s in samples]
+    assert any(label.endswith("unet 1x3x64x64 train step") for label in labels), labels
+    assert all(s.ops and s.measured_s > 0 for s in samples)
+    fit = fit_time(samples)
+    worst = max(abs(math.log(predict(s, fit.top, fit.half, fit.floor_s) / s.measured_s)) for s in samples)
+    assert fit.top > 0 and math.isfinite(worst) and fit.worst == pytest.approx(worst, rel=1e-6), (fit, worst)
