@@ -34,6 +34,7 @@ from nowdl.runtime.training.state import (
 __all__ = ["Trainer", "Compiled"]
 
 log = logging.getLogger(__name__)
+_NEEDS_ENGINE = "load_checkpoint needs the engine: run a step first or pass a batch as x"
 
 
 class Compiled(Protocol):
@@ -123,7 +124,7 @@ class Trainer:
         stages = build_stages(traced.gm, plan)
         self._aliases, self._unused, self._order = state_names(self.cm.model, stages)
         self._keys = set(self._order)
-        device = self._device()
+        device = self.device()
         self.plan = plan
         opt = self.optimizer
         self.engine = PipelineEngine(plan, stages, self.rank, optimizer=None if opt is None else (lambda _params: opt),
@@ -144,10 +145,6 @@ class Trainer:
             init_distributed(backend=self.backend, timeout_s=self.timeout_s)
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
-    def device(self) -> torch.device:
-        """This rank's device."""
-        return self._device()
-
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state on every rank (collective), or None before the first step (the
         model itself then holds the weights)."""
@@ -166,9 +163,10 @@ class Trainer:
         traced = self.cm.trace(*examples)
         plan.check_model(traced.fingerprint, [list(t.shape) for t in examples])
         return PipelineEngine(plan, build_stages(traced.gm, plan), self.rank, optimizer=None, loss_fn=self.loss_fn,
-                              device=self._device(), timeout_s=self.timeout_s, precision=self.cm.precision)
+                              device=self.device(), timeout_s=self.timeout_s, precision=self.cm.precision)
 
-    def _device(self) -> torch.device:
+    def device(self) -> torch.device:
+        """This rank's device."""
         if self.cm.device is not None:
             dev = torch.device(self.cm.device)
             if dev.type == "cuda" and dev.index is not None and dist.is_initialized() and dist.get_backend() == "nccl":
@@ -349,6 +347,8 @@ class Trainer:
         """Resume from the latest checkpoint in ``directory`` (written by any plan of this model:
         weights and optimizer state are resharded by name). ``x`` (a batch) sets the engine up if no
         step ran yet. Returns the checkpoint's record (``nowdl.json``)."""
+        if self.engine is None and x is None:
+            raise NowdlError(_NEEDS_ENGINE)
         ck = open_checkpoint(directory)
         if ck is None:
             raise CheckpointError(f"no checkpoint in {directory}: save one first (cm.save_checkpoint / nowdl run "
@@ -360,7 +360,7 @@ class Trainer:
         name (collective; ``x`` sets the engine up if no step ran yet); returns its record."""
         if self.engine is None:
             if x is None:
-                raise NowdlError("load_checkpoint needs the engine: run a step first or pass a batch as x")
+                raise NowdlError(_NEEDS_ENGINE)
             self._setup(x)
         eng = self._require()
         wanted: dict[str, tuple[int, ...] | None] = {}
