@@ -376,17 +376,18 @@ class CompiledModel:
 
     def predict(self, source: Any, out: str | os.PathLike[str], *, output: str = "logits",
                 window: Any = None, overwrite: bool = False, format: str | None = None,
-                on_window: Any = None, measure_memory: bool = True) -> PredictSummary:
+                on_window: Any = None, measure_memory: bool = True, normalize: Any = None) -> PredictSummary:
         """Predict ``source`` (a ``--data`` spec such as ``"openslide:slide.svs"``, or opened images)
         into ``out`` (``.zarr``, ``.tif``, ``.nii.gz`` or a folder) on this plan's ranks, in windows
         whose centres are exact; every rank calls it. ``output``: logits, probabilities or argmax;
-        ``measure_memory=False`` skips the peak-memory meter (slow on CPU). See docs/predict.md."""
+        ``measure_memory=False`` skips the peak-memory meter (slow on CPU); ``normalize``: the training
+        data's ``nowdl.data.Normalize`` (or its text). See docs/predict.md."""
         from nowdl.runtime.predict.job import predict
 
         weights = self._train().full_state() if self._ready else None  # trained here: the stages hold them
         return predict(self, source, out, output=output, window=window, overwrite=overwrite, fmt=format,
                        on_window=on_window, timeout_s=self.options.timeout_s, backend=self.options.backend,
-                       measure_memory=measure_memory, weights=weights)
+                       measure_memory=measure_memory, weights=weights, normalize=normalize)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         """Run the plan's stages, the modules training runs (``build_stages``), one after another

@@ -1,7 +1,9 @@
 """``nowdl run --loss package.module:callable --loss-args JSON``, and the scores of a segmentation.
 
 The default loss is ``torch.nn.CrossEntropyLoss()`` on integer labels: ``(N,)`` per sample for
-``(N, C)`` logits, ``(N, *spatial)`` per pixel for dense outputs. A ``--loss`` callable is
+``(N, C)`` logits, ``(N, *spatial)`` per pixel for dense outputs. Nodata pixels carry the label
+``IGNORE_INDEX`` (-100), which it leaves out; a batch with no other label has loss 0 (instead of
+the 0/0 NaN of the mean), and the scores leave those pixels out too. A ``--loss`` callable is
 called with ``--loss-args`` (keyword arguments) and must return ``loss(output, target)``; it
 gets the labels with a channel dim, ``(N, 1, *spatial)``, as MONAI's losses take them
 (``monai.losses:DiceCELoss --loss-args '{"to_onehot_y": true, "softmax": true}'``).
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from nowdl.errors import NowdlError
+from nowdl.runtime.data.pixels import IGNORE_INDEX
 
 __all__ = ["make_loss", "Scores", "add_loss_arguments"]
 
@@ -58,7 +61,7 @@ def make_loss(spec: str | None, args_json: str | None) -> nn.Module:
     if spec is None:
         if args_json is not None:
             raise NowdlError("--loss-args goes with --loss package.module:callable (its keyword arguments)")
-        return nn.CrossEntropyLoss()
+        return _CrossEntropy()
     from nowdl.models.resolve import import_callable
 
     kwargs = _kwargs(args_json, "--loss-args", '{"to_onehot_y": true, "softmax": true}')
@@ -72,6 +75,15 @@ def make_loss(spec: str | None, args_json: str | None) -> nn.Module:
         raise NowdlError(f"--loss {spec}(**{kwargs}) returned a {type(loss).__name__}, not a callable "
                          "loss(output, target)")
     return _ChannelLabels(loss)
+
+
+class _CrossEntropy(nn.CrossEntropyLoss):
+    """``nn.CrossEntropyLoss()``, with loss 0 (and zero gradients) when every label is ignored."""
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(target, torch.Tensor) and target.numel() and not bool((target != self.ignore_index).any()):
+            return input.sum() * 0.0
+        return super().forward(input, target)
 
 
 class _ChannelLabels(nn.Module):
@@ -106,10 +118,11 @@ class Scores:
             y = y[:, 0]
         classes = int(out.shape[1])
         pred = (out[:, 0] > 0).long() if classes == 1 else out.argmax(1)
-        self.right += float((pred == y).sum())
-        self.total += float(y.numel())
+        keep = y != IGNORE_INDEX  # nodata pixels count nowhere
+        self.right += float(((pred == y) & keep).sum())
+        self.total += float(keep.sum())
         for c in range(1, max(2, classes)):
-            p, t = pred == c, y == c
+            p, t = (pred == c) & keep, y == c
             self.inter[c] = self.inter.get(c, 0.0) + float((p & t).sum())
             self.pred[c] = self.pred.get(c, 0.0) + float(p.sum())
             self.true[c] = self.true.get(c, 0.0) + float(t.sum())

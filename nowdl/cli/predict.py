@@ -11,7 +11,8 @@ is a nowdl checkpoint folder (any plan of the model; read by name) or a state_di
 Rank 0 makes an inference plan for the window shape (``nowdl.runtime.predict.runner.plan_for``)
 and broadcasts it; each rank reads only its tile of each window, and the ranks of the last stage write
 their share of it. Rank 0 prints a progress bar on a terminal and one summary line; errors are
-one paragraph and exit status 2, with nothing left under OUT (see docs/predict.md).
+one paragraph and exit status 2, with nothing left under OUT (see docs/predict.md). The pixels are
+normalised as the model was trained: ``--normalize``, else what the ``nowdl run`` checkpoint records.
 """
 
 from __future__ import annotations
@@ -39,13 +40,16 @@ def add_predict_parser(sub: Any) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR|FILE",
                    help="a nowdl checkpoint folder (any plan of this model) or a state_dict file")
     p.add_argument("--data", required=True, metavar="SOURCE",
-                   help="tiff:PATH, zarr:PATH[:ARRAY], h5:PATH:DATASET, openslide:PATH or nifti:PATH (a file or a "
-                   "folder of them)")
+                   help="tiff:PATH, zarr:PATH[:ARRAY], h5:PATH:DATASET, openslide:PATH, nifti:PATH or geotiff:PATH "
+                   "(a file or a folder of them)")
     p.add_argument("--out", required=True, metavar="OUT",
-                   help="OUT.zarr (OME-Zarr), OUT.tif (pyramidal TIFF), OUT.nii.gz (NIfTI), or a folder for several "
-                   "images")
+                   help="OUT.zarr (OME-Zarr), OUT.tif (pyramidal TIFF; a Cloud-Optimized GeoTIFF from geotiff:), "
+                   "OUT.nii.gz (NIfTI), or a folder for several images")
     p.add_argument("--output", choices=("logits", "probabilities", "argmax"), default="logits",
                    help="what to write per pixel (default logits)")
+    p.add_argument("--normalize", metavar="mean=M,..,std=S,..",
+                   help="per-band normalisation the model was trained with (default: the one the --checkpoint "
+                   "of nowdl run records, else none)")
     p.add_argument("--level", type=int, help="pyramid level of a tiff: or openslide: source (0 = full size)")
     p.add_argument("--window", metavar="SIZE", help="window per spatial dim, e.g. 2048 or 1024x1024 (default: the "
                    "plan's input, else the whole image up to 2048 per dim in 2D, 128 in 3D)")
@@ -156,11 +160,12 @@ def _predict(args: argparse.Namespace, rank: int, world: int) -> None:
     spec = _spec(args.data, args.level)
     window = _window(args.window)
     check_out(Path(args.out), args.overwrite)  # before the weights are read
+    normalize = _normalize(args)
     cm = _build(args, world)
     bar = Progress("predicting", enabled=rank == 0, unit="window", min_total=2)
     try:
         summary = cm.predict(spec, args.out, output=args.output, window=window, overwrite=args.overwrite,
-                             format=args.format, on_window=bar.update)
+                             format=args.format, on_window=bar.update, normalize=normalize)
     finally:
         bar.close()
     if rank == 0:
@@ -169,3 +174,23 @@ def _predict(args: argparse.Namespace, rank: int, world: int) -> None:
         print(summary.line())
         print(f"wrote {args.out}")
         sys.stdout.flush()
+
+
+def _normalize(args: argparse.Namespace) -> Any:
+    """``--normalize`` (parsed), else the normalisation the ``nowdl run`` checkpoint records, else None."""
+    from pathlib import Path
+
+    from nowdl.runtime.data.pixels import Normalize, parse_normalize
+    from nowdl.runtime.training.checkpoint import find_checkpoint
+
+    given = parse_normalize(args.normalize)
+    if given == "auto":
+        raise NowdlError("nowdl predict --normalize auto: predict normalises as the model was trained; give the "
+                         "mean=...,std=... that nowdl run printed, or a --checkpoint of nowdl run, which records it")
+    if given is not None or not Path(args.checkpoint).is_dir():
+        return given
+    record = find_checkpoint(args.checkpoint)
+    run = record.get("run") if record is not None else None
+    if isinstance(run, dict) and run.get("normalize") is not None:
+        return Normalize.from_json(run["normalize"], f"--checkpoint {args.checkpoint}")
+    return None

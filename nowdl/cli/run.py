@@ -153,7 +153,13 @@ def _run(args: argparse.Namespace, rank: int, world: int,
             print(f"nowdl run: {finished}", flush=True)
         return 0
     feed = _feed(job, model, name)
-    job.val = validation.ValidationSet(args, job.src.sample_shape) if args.val_data is not None else None
+    job.normalize = feed.normalize
+    job.val = (validation.ValidationSet(args, job.src.sample_shape, feed.normalize) if args.val_data is not None
+               else None)
+    if job.say and feed.normalize is not None:
+        how = f"computed from {feed.auto} crop(s) of the data" if feed.auto else "as given"
+        print(f"nowdl run: --normalize {feed.normalize.text()} ({how}; recorded in the checkpoint for predict)",
+              flush=True)
     progress = job.say and sys.stderr.isatty()
     if job.say:
         what = "inference" if args.eval else f"training ({args.optimizer}, lr {args.lr:g})"
@@ -355,6 +361,8 @@ def _save(job: Job, cm: Any, step: int, emit: _Printer) -> None:
     src = job.src
     run = {"model": src.spec, "model_args": json.loads(src.model_args or "{}"), "batch_size": job.batch,
            "seed": job.args.seed, "data": job.args.data, "step": step, "total": job.total}
+    if job.normalize is not None:
+        run["normalize"] = job.normalize.to_json()
     cm.save_checkpoint(job.ckpt, meta={"run": run})
     if job.rank == 0:
         plan = current_plan(cm)

@@ -113,6 +113,7 @@ class Job:
     total: int  # the step this run ends at (runguard.run_end)
     val: validation.ValidationSet | None = None  # --val-data
     charge: Charge | None = None  # a restart after an out-of-memory re-plans with it ([Note: restart on memory])
+    normalize: Any = None  # the feed's per-band Normalize, recorded in the checkpoint for predict
 
     @property
     def say(self) -> bool:

@@ -61,11 +61,14 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "with it unless --model-args says otherwise)")
     p.add_argument("--data", default="synthetic", metavar="SOURCE",
                    help="synthetic (seeded random, default), imagefolder:PATH (PATH/<class>/<image or .npy>), "
-                   "zarr:PATH[:ARRAY], tiff:PATH[:level=N] (a file or a folder of them), h5:PATH:DATASET "
+                   "zarr:PATH[:ARRAY], tiff:PATH[:level=N] (a file or a folder of them), h5:PATH:DATASET, geotiff:PATH "
                    "(seeded --input crops of large images), or package.module:callable returning a torch Dataset")
     p.add_argument("--data-args", metavar="JSON", help="keyword arguments for --data package.module:callable")
     p.add_argument("--labels", metavar="SOURCE",
                    help="masks for zarr:/tiff:/h5: data, same layout and shape as the images (segmentation)")
+    p.add_argument("--normalize", metavar="mean=M,..,std=S,..|auto",
+                   help="per-band (x - mean) / std of a reader's scaled pixels: one mean and one std per band, or "
+                   "auto (from 16 crops of --data; printed and recorded in the checkpoint for predict)")
     p.add_argument("--workers", type=int, metavar="N",
                    help="DataLoader worker processes per rank (default min(4, CPU cores); 0: load in the loop)")
     p.add_argument("--log-dir", metavar="DIR",

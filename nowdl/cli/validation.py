@@ -70,12 +70,13 @@ def check_plan_purpose(args: argparse.Namespace, plan_path: str) -> None:
 class ValidationSet:
     """The held-out samples, one at a time, as ``(x (1, C, ...), y (1, ...))``."""
 
-    def __init__(self, args: argparse.Namespace, sample_shape: tuple[int, ...]) -> None:
+    def __init__(self, args: argparse.Namespace, sample_shape: tuple[int, ...], normalize: Any = None) -> None:
         from nowdl.runtime.data.feed import check_data_spec
         from nowdl.runtime.data.readers import READERS
 
         spec = str(args.val_data)
         self.spec = spec
+        self.normalize = normalize  # the training data's (reader images only)
         kind = check_data_spec(spec)
         self.images: list[Any] = []
         self.masks: list[Any] | None = None
@@ -114,12 +115,14 @@ class ValidationSet:
                 x, y = self.dataset[i]
                 yield x.unsqueeze(0).float(), torch.as_tensor(y).unsqueeze(0)
             return
-        from nowdl.runtime.data.readers import to_tensor
+        from nowdl.runtime.data.pixels import invalid, labels, pixels
 
         assert self.masks is not None
         for im, mk in zip(self.images, self.masks, strict=True):
             whole = [(0, s) for s in im.spatial]
-            yield to_tensor(im.read(whole))[None], to_tensor(mk.read(whole)[0], label=True)[None]
+            raw = im.read(whole)
+            yield (pixels(raw, im.nodata, self.normalize)[None],
+                   labels(mk.read(whole)[0], mk.nodata, invalid(raw, im.nodata))[None])
 
 
 def validate(cm: Any, vset: ValidationSet, rank: int) -> dict[str, float]:

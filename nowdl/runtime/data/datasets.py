@@ -1,7 +1,9 @@
 """Datasets for training on large images: seeded random crops of image files, with mask crops.
 
 ``CropDataset(images, masks, (C, H, W))[i]`` is crop ``i``: an image and an origin drawn from
-``(seed, i)``, read from disk by region (only that crop). Given a tile of the crop to read
+``(seed, i)``, read from disk by region (only that crop), its pixels made the model's input by
+[Note: input values] (``pixels``: dtype scaling, ``normalize``, nodata as 0 with the ignored
+label ``IGNORE_INDEX``). Given a tile of the crop to read
 (``lazy_batch``), a rank of a spatial stage reads only its tile: the batch is a
 :class:`~nowdl.runtime.spatial.tiles.TiledInput` and the engine asks for this rank's window.
 """
@@ -20,7 +22,15 @@ from torch.utils.data import Dataset
 
 from nowdl.errors import NowdlError
 from nowdl.models.resolve import import_callable
-from nowdl.runtime.data.readers import ImageArray, ReadCounter, to_tensor
+from nowdl.runtime.data.pixels import (
+    IGNORE_INDEX,
+    Normalize,
+    invalid,
+    labels,
+    may_have_nodata,
+    pixels,
+)
+from nowdl.runtime.data.readers import ImageArray, ReadCounter
 from nowdl.runtime.spatial.tiles import TiledInput
 
 __all__ = ["CropDataset", "check_masks", "check_sample", "dataset_from_callable", "label_loss"]
@@ -35,17 +45,22 @@ class CropDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         sample_shape: ``(C, *spatial)`` of one crop (the model's input without the batch).
         seed: crop origins are a function of ``(seed, index)``.
         crops: crops per image per epoch (default: as many as would tile the image).
+        normalize: per-band mean and std applied to the scaled pixels (None: none).
 
     Raises:
-        NowdlError: channels that differ from ``sample_shape``, an image smaller than the crop, a mask
+        NowdlError: channels that differ from ``sample_shape`` (or ``normalize``'s bands), an image smaller than the crop, a mask
             whose shape differs from its image's, or a different number of masks and images.
     """
 
     def __init__(self, images: Sequence[ImageArray], masks: Sequence[ImageArray] | None,
-                 sample_shape: Sequence[int], *, seed: int = 0, crops: int | None = None) -> None:
+                 sample_shape: Sequence[int], *, seed: int = 0, crops: int | None = None,
+                 normalize: Normalize | None = None) -> None:
         self.images, self.masks = list(images), None if masks is None else list(masks)
         self.sample_shape = tuple(int(d) for d in sample_shape)
         self.seed = seed
+        self.normalize = normalize
+        if normalize is not None:
+            normalize.check(self.sample_shape[0], f"the data ({self.images[0].path})")
         self.counter = ReadCounter()
         size = "x".join(map(str, self.sample_shape))
         for im in self.images:
@@ -84,11 +99,40 @@ class CropDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         """Crop ``index`` (or its window ``bounds``, relative to the crop): pixels ``(C, ...)`` or a mask ``(...)``."""
         im, starts = self.origin(index)
         region = self._region(starts, bounds)
+        image = self.images[im]
         if mask:
             if self.masks is None:
                 return torch.zeros([hi - lo for lo, hi in region], dtype=torch.long)
-            return to_tensor(self.masks[im].read(region, self.counter)[0], label=True)
-        return to_tensor(self.images[im].read(region, self.counter))
+            bad = None
+            if may_have_nodata(image.dtype, image.nodata):  # nodata pixels of the image: ignored labels
+                bad = invalid(image.read(region, self.counter), image.nodata)
+            return labels(self.masks[im].read(region, self.counter)[0], self.masks[im].nodata, bad)
+        return pixels(image.read(region, self.counter), image.nodata, self.normalize)
+
+    def band_stats(self, samples: int = 16) -> Normalize:
+        """Per-band mean and std of the dtype-scaled pixels of ``samples`` crops spread evenly over
+        the dataset (nodata pixels left out; float64 sums, so every rank gets the same values).
+
+        Raises:
+            NowdlError: every pixel of the sample is nodata.
+        """
+        n = min(samples, len(self))
+        total = torch.zeros(self.sample_shape[0], dtype=torch.float64)
+        squares, count = total.clone(), 0
+        for i in sorted({k * len(self) // n for k in range(n)}):
+            im, starts = self.origin(i)
+            raw = self.images[im].read(self._region(starts, None), self.counter)
+            x = pixels(raw).double().flatten(1)
+            bad = invalid(raw, self.images[im].nodata) if may_have_nodata(raw.dtype, self.images[im].nodata) else None
+            if bad is not None:
+                x = x[:, ~torch.from_numpy(bad).flatten()]
+            total, squares, count = total + x.sum(1), squares + (x * x).sum(1), count + x.shape[1]
+        if count == 0:
+            raise NowdlError(f"--normalize auto: every pixel of {n} crop(s) of {self.images[0].path} is nodata: give "
+                             "--normalize mean=...,std=... or data with valid pixels")
+        mean = total / count
+        std = (squares / count - mean * mean).clamp_min(0).sqrt()
+        return Normalize(tuple(float(m) for m in mean), tuple(float(v) if v > 0 else 1.0 for v in std))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(index), self.read(index, mask=True)
@@ -218,7 +262,10 @@ def check_sample(item: Any, index: int | str, where: str, sample_shape: Sequence
 
 
 def _check_classes(y: torch.Tensor, head: str, classes: int | None) -> None:
-    """Refuse labels outside ``0 .. classes - 1`` (cross-entropy would fail on the rank computing the loss)."""
+    """Refuse labels outside ``0 .. classes - 1`` but :data:`IGNORE_INDEX` (nodata; cross-entropy
+    would fail on the rank computing the loss)."""
+    if classes is not None and y.numel() and bool((y == IGNORE_INDEX).any()):
+        y = y[y != IGNORE_INDEX]
     if classes is None or y.numel() == 0 or (int(y.min()) >= 0 and int(y.max()) < classes):
         return
     found = torch.unique(y).tolist()

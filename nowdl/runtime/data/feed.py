@@ -1,7 +1,8 @@
 """What ``nowdl run --data`` feeds each step: the source, its checks, and the seconds spent waiting.
 
 ``--data`` kinds: ``synthetic``, ``imagefolder:PATH``, the large-image readers ``zarr:``,
-``tiff:`` and ``h5:`` (seeded crops, masks from ``--labels``), or ``package.module:callable``
+``tiff:``, ``h5:``, ``geotiff:``, ... (seeded crops, masks from ``--labels``, per-band
+``--normalize``: given, or ``auto`` from 16 crops), or ``package.module:callable``
 returning a torch Dataset (``--data-args JSON``). Datasets load through
 ``nowdl.runtime.data.loader.loader`` (seeded, ``--workers`` processes); with a spatial plan the
 large-image readers hand each rank a lazy batch, and a rank reads only the window it runs
@@ -22,12 +23,13 @@ from nowdl.runtime.data.batches import ImageFolderData, SyntheticData
 from nowdl.runtime.data.datasets import CropDataset, check_sample, dataset_from_callable, label_loss
 from nowdl.runtime.data.keyed import KeyedDataset, parse_keys
 from nowdl.runtime.data.loader import StepSampler, default_workers, loader
+from nowdl.runtime.data.pixels import Normalize, parse_normalize
 from nowdl.runtime.data.prefetch import TileReadAhead
 from nowdl.runtime.data.readers import READERS, ReadCounter, is_reader_spec, open_images
 
 __all__ = ["Feed", "make_feed", "check_data_spec", "label_loss"]
 
-_FORMS = ("synthetic, imagefolder:PATH, zarr:PATH[:ARRAY], tiff:PATH[:level=N], h5:PATH:DATASET or "
+_FORMS = ("synthetic, imagefolder:PATH, zarr:PATH[:ARRAY], tiff:PATH[:level=N], h5:PATH:DATASET, geotiff:PATH or "
           "package.module:callable (returning a torch Dataset)")
 
 
@@ -57,6 +59,9 @@ class Feed:
         self.classes = classes  # labels are checked against it (None: not)
         self.sample_shape, self.label_shape, self.seed, self.workers = sample_shape, label_shape, seed, workers
         self.lazy = False
+        #: per-band normalisation of a reader's crops (None: none), ``auto``: whether it was computed here
+        self.normalize: Normalize | None = dataset.normalize if isinstance(dataset, CropDataset) else None
+        self.auto = 0  # crops --normalize auto was computed from (0: given, or none)
         self._it: Iterator[Any] | None = None
         self._ahead: TileReadAhead | None = None
         self._held: tuple[int, Any, Any] | None = None
@@ -155,6 +160,10 @@ def make_feed(args: argparse.Namespace, sample_shape: tuple[int, ...], out: tupl
     labels = getattr(args, "labels", None)
     if labels is not None and kind not in READERS:
         raise NowdlError(f"--labels goes with --data zarr:, tiff: or h5: (masks of the same layout), not --data {spec}")
+    norm = parse_normalize(getattr(args, "normalize", None))
+    if norm is not None and kind not in READERS:
+        raise NowdlError(f"--normalize goes with the large-image readers (--data zarr:, tiff:, h5:, geotiff:, ...), not "
+                         f"--data {spec}: normalise inside your Dataset or transforms")
     if getattr(args, "data_args", None) is not None and kind != "dataset":
         raise NowdlError("--data-args goes with --data package.module:callable (the callable's keyword arguments)")
     common = dict(sample_shape=sample_shape, seed=args.seed, workers=workers)
@@ -199,6 +208,10 @@ def make_feed(args: argparse.Namespace, sample_shape: tuple[int, ...], out: tupl
     images = open_images(spec, sample_shape[0], len(sample_shape) - 1)
     masks = None if labels is None else open_images(labels, 1, len(sample_shape) - 1, label=True,
                                                    stacked=any(im.index is not None for im in images))
-    ds = CropDataset(images, masks, sample_shape, seed=args.seed)
-    return Feed(kind, f"{kind} ({len(images)} image{'s' if len(images) > 1 else ''}, {len(ds)} crops/epoch)",
+    ds = CropDataset(images, masks, sample_shape, seed=args.seed, normalize=norm if isinstance(norm, Normalize) else None)
+    if norm == "auto":
+        ds.normalize = ds.band_stats()
+    feed = Feed(kind, f"{kind} ({len(images)} image{'s' if len(images) > 1 else ''}, {len(ds)} crops/epoch)",
                 dataset=ds, name=spec, label_shape=None if args.eval else label_shape, classes=channels, **common)
+    feed.auto = min(16, len(ds)) if norm == "auto" else 0
+    return feed

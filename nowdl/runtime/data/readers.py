@@ -7,11 +7,14 @@ A spec names the file and what to read of it::
     h5:PATH:DATASET            an HDF5 dataset
     openslide:PATH[:level=N]   a whole slide (or a folder of them) through OpenSlide (``slides``)
     nifti:PATH                 a .nii/.nii.gz volume, or a folder of them, through nibabel (``volumes``)
+    geotiff:PATH               any raster GDAL reads (or a folder of them), with its CRS, transform and
+                               nodata value, through rasterio (``georaster``)
 
 An image is ``(*S)`` (one channel), ``(C, *S)`` or ``(*S, C)`` (channels last, as RGB TIFFs
 are), or ``(N, C, *S)`` (N images); ``S`` has as many dims as the model's input. Only the
 regions asked for are read (a tiled TIFF or a chunked zarr/h5 array reads the tiles that
-cover them). The libraries are optional: ``pip install 'nowdl[data]'``.
+cover them). Pixels become the model's input by one rule for every reader ([Note: input
+values] in ``pixels``). The libraries are optional: ``pip install 'nowdl[data]'``.
 """
 
 from __future__ import annotations
@@ -30,17 +33,18 @@ import numpy as np
 import torch
 
 from nowdl.errors import NowdlError
+from nowdl.runtime.data.pixels import scale
 
 __all__ = ["READERS", "ImageArray", "ReadCounter", "open_images", "is_reader_spec"]
 
 #: ``--data`` / ``--labels`` kinds served by this module.
-READERS = ("zarr", "tiff", "h5", "openslide", "nifti")
+READERS = ("zarr", "tiff", "h5", "openslide", "nifti", "geotiff")
 _LIBS = {"zarr": "zarr", "tiff": "tifffile", "h5": "h5py"}
 _TIFF_EXTS = (".tif", ".tiff")
 
 
 def is_reader_spec(spec: str) -> bool:
-    """True for ``zarr:...``, ``tiff:...`` and ``h5:...``."""
+    """True for ``zarr:...``, ``tiff:...``, ``h5:...`` and the other :data:`READERS`."""
     return spec.partition(":")[0] in READERS and bool(spec.partition(":")[2])
 
 
@@ -75,6 +79,8 @@ class ImageArray:
     Args:
         opener: returns the lazily indexable array (zarr, h5py, tifffile's zarr store); picklable.
         path: file name (and dataset / level) for messages.
+        (``nodata`` and ``geo``: the array's ``nodata`` value and ``georef``, a
+        :class:`~nowdl.runtime.data.georaster.GeoRef`, where it has them: ``geotiff:``; else None.)
         layout: ``"cf"`` channels first, ``"cl"`` channels last, ``"none"`` no channel dim.
         index: the image's position along a leading N dim (None: no such dim).
     """
@@ -90,6 +96,8 @@ class ImageArray:
         else:
             self.shape = shape
         self.dtype = np.dtype(array.dtype)
+        self.nodata: float | None = getattr(array, "nodata", None)
+        self.geo: Any = getattr(array, "georef", None)
 
     @property
     def array(self) -> Any:
@@ -131,15 +139,11 @@ class ImageArray:
 
 
 def to_tensor(arr: np.ndarray, *, label: bool = False) -> torch.Tensor:
-    """Pixels as float32 (uint8 / 255, uint16 / 65535), or labels as int64."""
-    t = torch.from_numpy(np.ascontiguousarray(arr))
+    """Pixels as float32 by the dtype rule ([Note: input values]: integers / their type's maximum,
+    floats as they are), or labels as int64."""
     if label:
-        return t.long()
-    if t.dtype == torch.uint8:
-        return t.float() / 255.0
-    if arr.dtype == np.uint16:
-        return torch.from_numpy(arr.astype(np.float32) / 65535.0)
-    return t.float()
+        return torch.from_numpy(np.ascontiguousarray(arr)).long()
+    return scale(arr)
 
 
 # ---- opening -------------------------------------------------------------------------------------
@@ -150,7 +154,7 @@ def _split_opts(rest: str, kind: str, spec: str) -> tuple[str, dict[str, str], s
     path = rest
     while ":" in path and not Path(path).exists():
         head, _, tail = path.rpartition(":")
-        if re.fullmatch(r"\w+=\w+", tail):
+        if re.fullmatch(r"\w+=[\w.+-]+", tail):
             k, _, v = tail.partition("=")
             opts[k] = v
         elif name is None and kind in ("zarr", "h5"):
@@ -255,7 +259,7 @@ def _layout(shape: tuple[int, ...], channels: int, ndim: int, where: str, label:
 
 def open_images(spec: str, channels: int, ndim: int, *, label: bool = False,
                 stacked: bool = False) -> list[ImageArray]:
-    """The images named by ``spec`` (``zarr:``, ``tiff:``, ``h5:``) as ``(C, *spatial)`` arrays.
+    """The images named by ``spec`` (one of :data:`READERS`) as ``(C, *spatial)`` arrays.
 
     Args:
         spec: the reader spec.
@@ -269,8 +273,8 @@ def open_images(spec: str, channels: int, ndim: int, *, label: bool = False,
     """
     kind, _, rest = spec.partition(":")
     if kind not in READERS or not rest:
-        raise NowdlError(f"{spec}: use zarr:PATH, tiff:PATH[:level=N], h5:PATH:DATASET, openslide:PATH[:level=N] "
-                         "or nifti:PATH")
+        raise NowdlError(f"{spec}: use zarr:PATH, tiff:PATH[:level=N], h5:PATH:DATASET, openslide:PATH[:level=N], "
+                         "nifti:PATH or geotiff:PATH")
     path_text, opts, name = _split_opts(rest, kind, spec)
     path = Path(path_text)
     if not path.exists():
@@ -287,6 +291,13 @@ def open_images(spec: str, channels: int, ndim: int, *, label: bool = False,
         from nowdl.runtime.data.volumes import open_volumes
 
         arrays = open_volumes(path, spec)
+    elif kind == "geotiff":
+        from nowdl.runtime.data.georaster import open_georasters
+
+        if set(opts) - {"nodata"}:
+            raise NowdlError(f"{spec}: unknown option {sorted(set(opts) - {'nodata'})[0]!r}; geotiff takes nodata=V")
+        return [_georaster(where, opener, 1 if label else channels, ndim, label)
+                for where, opener in open_georasters(path, spec, opts.get("nodata"))]
     elif opts:
         raise NowdlError(f"{spec}: {kind} takes no key=value options")
     elif kind == "zarr":
@@ -302,3 +313,17 @@ def open_images(spec: str, channels: int, ndim: int, *, label: bool = False,
         out.extend([ImageArray(opener, where, layout)] if n is None
                    else [ImageArray(opener, f"{where}[{i}]", layout, i) for i in range(n)])
     return out
+
+
+def _georaster(where: str, opener: Callable[[], Any], channels: int, ndim: int, label: bool) -> ImageArray:
+    """A ``geotiff:`` raster, always ``(bands, H, W)``: its band count must be the model's channels."""
+    image = ImageArray(opener, where, "cf")
+    if ndim != 2:
+        raise NowdlError(f"{where} is a 2D raster but the model takes {ndim}D inputs: use a 2D model, or nifti:/zarr: "
+                         "for volumes")
+    if image.shape[0] != channels:
+        what = "a mask must have one band (a class per pixel)" if label else (
+            f"the model takes {channels} input channel(s) (in_channels)")
+        raise NowdlError(f"{where} has {image.shape[0]} band(s) but {what}: select the bands with gdal_translate "
+                         f"-b 1 -b 2 ... (or a .vrt), or build the model with in_channels={image.shape[0]}")
+    return image

@@ -3,7 +3,9 @@
 OUT ending in ``.zarr``, ``.tif``/``.tiff`` or ``.nii.gz``/``.nii`` holds one image's prediction;
 any other OUT is a folder that gets one ``<image name>.<format>`` per image. Nothing appears
 under OUT until every image is written: the outputs are made under ``.OUT.nowdl-partial`` and
-renamed at the end, and a failure (a full disk) removes them (see ``writers``).
+renamed at the end, and a failure (a full disk) removes them (see ``writers``). A ``geotiff:``
+source's CRS, transform and nodata go into its output ([Note: georeferenced outputs] in ``georef``):
+a ``.tif`` is then a Cloud-Optimized GeoTIFF.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from nowdl.errors import NowdlError
+from nowdl.runtime.data.pixels import Normalize, parse_normalize
 from nowdl.runtime.data.readers import ImageArray, open_images
 from nowdl.runtime.predict.agreement import agree, rank_world, write_error
 from nowdl.runtime.predict.runner import Target, discard_targets, predict_images
@@ -68,9 +71,25 @@ def _header(spec: str, image: ImageArray) -> tuple[Any, Any]:
     return nifti_header(image.path)
 
 
+def _geo(targets: list[Target], images: Sequence[ImageArray], out: Path) -> list[Target]:
+    """``targets`` with their image's GeoRef, and nodata masking where the image declares a value."""
+    from nowdl.runtime.predict.georef import check_georef
+
+    for t, im in zip(targets, images, strict=True):
+        check_georef(im, str(out))
+        t.geo, t.nodata = im.geo, im.nodata is not None
+    return targets
+
+
 def _targets(spec: str, images: Sequence[ImageArray], out: Path, fmt: str | None
              ) -> tuple[list[Target], Path, bool]:
     """One Target per image, the partial path that becomes OUT, and whether OUT is a folder."""
+    targets, stage, folder = _named_targets(spec, images, out, fmt)
+    return _geo(targets, images, out), stage, folder
+
+
+def _named_targets(spec: str, images: Sequence[ImageArray], out: Path, fmt: str | None
+                   ) -> tuple[list[Target], Path, bool]:
     stage = partial_path(out)
     if str(out).lower().endswith((".zarr", ".tif", ".tiff", ".nii.gz", ".nii")):
         if len(images) != 1:
@@ -99,14 +118,17 @@ def _targets(spec: str, images: Sequence[ImageArray], out: Path, fmt: str | None
     return targets, stage, True
 
 
-def _convert(targets: Sequence[Target]) -> None:
+def _convert(targets: Sequence[Target], output: str) -> None:
     from nowdl.runtime.predict.export import write_nifti, write_tiff
+    from nowdl.runtime.predict.georef import write_cog
     from nowdl.runtime.predict.writers import LevelStore, pyramid_shapes
 
     for t in targets:
         if t.file is None:
             continue
-        if t.kind == "tiff":
+        if t.kind == "tiff" and t.grid is not None:
+            write_cog(t.work, t.file, t.grid, t.fill, labels=output == "argmax")
+        elif t.kind == "tiff":
             write_tiff(t.work, len(pyramid_shapes(LevelStore(t.work, 0).shape[1:])), t.file)
         else:
             write_nifti(t.work, t.file, t.affine, t.spacing)
@@ -117,14 +139,17 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
             window: Sequence[int] | None = None, overwrite: bool = False, fmt: str | None = None,
             on_window: Callable[[int, int], None] | None = None, timeout_s: float = 300.0,
             backend: str | None = None, measure_memory: bool = True,
-            weights: dict[str, torch.Tensor] | None = None) -> PredictSummary:
+            weights: dict[str, torch.Tensor] | None = None, normalize: Normalize | str | None = None
+            ) -> PredictSummary:
     """Predict ``source`` (a ``--data`` reader spec, or opened images) into ``out`` (collective);
-    ``weights``: the whole model's state to run (default: the model's own).
+    ``weights``: the whole model's state to run (default: the model's own); ``normalize``: the
+    per-band normalisation the model was trained with (a ``Normalize`` or ``mean=...,std=...``).
 
     Raises:
         PlanError: ``cm`` was compiled from a plan file that is a training plan (predict runs inference plans).
         NowdlError: a missing source or level, an existing ``out`` without ``overwrite``, an
-            output suffix predict does not write, a failed write (nothing is left under ``out``).
+            output suffix predict does not write, bands that differ from the model's input channels
+            or ``normalize``'s, a geotiff: source without a CRS, a failed write (nothing is left under ``out``).
     """
     from nowdl.runtime.launch.group import init_distributed, launch_env
 
@@ -139,6 +164,12 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
     channels, ndim = model_input(cm)
     spec = source if isinstance(source, str) else ""
     images = open_images(source, channels, ndim) if isinstance(source, str) else list(source)
+    norm = parse_normalize(normalize) if isinstance(normalize, str) else normalize
+    if not isinstance(norm, Normalize) and norm is not None:
+        raise NowdlError("predict takes the training data's --normalize values (mean=...,std=...; a nowdl run "
+                         "checkpoint records them), not --normalize auto")
+    if norm is not None:
+        norm.check(channels, "the model's input")
     target = Path(out)
     check_out(target, overwrite)
     targets, stage, folder = _targets(spec, images, target, fmt)
@@ -152,11 +183,11 @@ def predict(cm: Any, source: str | Sequence[ImageArray], out: str | os.PathLike[
     try:
         summary = predict_images(cm, images, targets, output=output, window=window, on_window=on_window,
                                  timeout_s=timeout_s, backend=backend, measure_memory=measure_memory,
-                                 weights=weights)
+                                 weights=weights, normalize=norm)
         err = None
         if rank == 0:
             try:
-                _convert(targets)
+                _convert(targets, output)
                 publish(stage, target)
             except OSError as e:
                 err = write_error(e, str(target))

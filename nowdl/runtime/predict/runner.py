@@ -13,7 +13,9 @@ each get the window's output and write their share of its exact core, whole chun
 writes start, the ranks agree that this window's are done (an error on any rank, such as a full
 disk, stops every rank; [Note: predict writes] in ``agreement``). The network's reach is
 computed once per compiled model and window shape. The pyramid levels are built in parallel, rank 0 converts to
-TIFF or NIfTI, and the temporary output is renamed to OUT.
+TIFF or NIfTI, and the temporary output is renamed to OUT. A window's pixels are the model's input by
+[Note: input values] (``pixels``); a georeferenced source's grid and nodata go into the output
+([Note: georeferenced outputs] in ``georef``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 
 from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
-from nowdl.runtime.data.readers import ImageArray, to_tensor
+from nowdl.runtime.data.pixels import Normalize, pixels
+from nowdl.runtime.data.readers import ImageArray
 from nowdl.runtime.launch import faults
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.predict.agreement import Writes, guard, rank_world
@@ -179,13 +182,17 @@ class Target:
     file: Path | None = None
     affine: np.ndarray | None = None
     spacing: tuple[float, ...] | None = None
+    geo: Any = None  # the source's GeoRef (a geotiff: source)
+    nodata: bool = False  # mask the outputs of nodata inputs (the source declares a nodata value)
+    grid: Any = None  # the output's GeoRef (geo at the output's resolution), set when the store is made
+    fill: float | None = None  # the output's nodata value (with ``nodata``)
 
 
 def _finish(out: torch.Tensor, output: str) -> np.ndarray:
     out = out.float()
     if output == "argmax":
         labels = out.argmax(dim=0, keepdim=True) if out.shape[0] > 1 else (out > 0).long()
-        return labels.numpy().astype(np.uint8 if out.shape[0] <= 256 else np.int32)
+        return labels.numpy().astype(np.uint8 if out.shape[0] <= 255 else np.int32)  # 255: nodata (georef)
     if output == "probabilities":
         out = out.softmax(dim=0) if out.shape[0] > 1 else out.sigmoid()
     return out.numpy()
@@ -193,33 +200,43 @@ def _finish(out: torch.Tensor, output: str) -> np.ndarray:
 
 def _create_store(target: Target, spatial: Sequence[int], reach: Reach, output: str, rank: int) -> int:
     """Rank 0 creates the work store's levels (collective); returns how many levels it has."""
+    from nowdl.runtime.predict.georef import output_nodata, zarr_geo_attributes
+
     out_sp = tuple(s // f for s, f in zip(spatial, reach.scale, strict=True))
     levels = pyramid_shapes(out_sp) if target.kind != "nifti" else [out_sp]
     channels = 1 if output == "argmax" else reach.out_channels
-    dtype = np.float32 if output != "argmax" else np.uint8 if reach.out_channels <= 256 else np.int32
+    dtype = np.float32 if output != "argmax" else np.uint8 if reach.out_channels <= 255 else np.int32
     attrs = ngff_attributes(target.name or target.work.name, len(levels), len(out_sp), target.spacing)
+    geo = None if target.geo is None else target.geo.scaled(reach.scale)
+    fill = output_nodata(output, reach.out_channels) if target.nodata else 0
+    target.grid, target.fill = geo, fill if target.nodata else None
+    if geo is not None:
+        attrs.update(zarr_geo_attributes(geo, out_sp, 0))
 
     def create() -> None:
         if rank == 0:
             for k, sp in enumerate(levels):
-                LevelStore.create(target.work, k, (channels, *sp), dtype, attrs if k == 0 else None)
+                more = None if geo is None else zarr_geo_attributes(geo, out_sp, k)
+                LevelStore.create(target.work, k, (channels, *sp), dtype, attrs if k == 0 else None, fill=fill,
+                                  array_attributes=more)
 
     guard(create, str(target.work))
     return len(levels)
 
 
 def _write_share(store: LevelStore, share: tuple[tuple[int, int], ...] | None, piece: torch.Tensor | None,
-                 output: str) -> None:
-    """Write ``piece`` (from :func:`window_piece`) at ``share``."""
+                 output: str, mask: Callable[[Any, np.ndarray], np.ndarray] | None = None) -> None:
+    """Write ``piece`` (from :func:`window_piece`) at ``share`` (``mask``: nodata inputs' outputs masked)."""
     if piece is not None and share is not None:
-        store.write(share, _finish(piece, output))
+        values = _finish(piece, output)
+        store.write(share, values if mask is None else mask(share, values))
         faults.point("predict.write")
 
 
-def _image_input(image: ImageArray, win: Window) -> TiledInput:
+def _image_input(image: ImageArray, win: Window, normalize: Normalize | None = None) -> TiledInput:
     def read(idx: tuple[slice, ...]) -> torch.Tensor:
         region = [(lo + s.start, lo + s.stop) for (lo, _), s in zip(win.read, idx[2:], strict=True)]
-        return to_tensor(image.read(region))[None][:, idx[1]]
+        return pixels(image.read(region), image.nodata, normalize)[None][:, idx[1]]
 
     return TiledInput((1, image.shape[0], *(b - a for a, b in win.read)), read)
 
@@ -227,7 +244,8 @@ def _image_input(image: ImageArray, win: Window) -> TiledInput:
 def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Target], *, output: str = "logits",
                    window: Sequence[int] | None = None, on_window: Callable[[int, int], None] | None = None,
                    timeout_s: float = 300.0, backend: str | None = None, measure_memory: bool = True,
-                   weights: dict[str, torch.Tensor] | None = None) -> PredictSummary:
+                   weights: dict[str, torch.Tensor] | None = None, normalize: Normalize | None = None
+                   ) -> PredictSummary:
     """Predict every image into its target work store (collective: every rank calls it alike).
 
     Args:
@@ -242,6 +260,7 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
             first two windows of each image several times over; CUDA's counter costs nothing).
         weights: the whole model's state (original names) to run instead of the model's own, as
             ``Trainer.full_state`` gives it after training in this process.
+        normalize: the per-band normalisation the model was trained with (None: none).
 
     Raises:
         NowdlError: a window too small for the receptive field, an image the network's stride
@@ -263,10 +282,16 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
         for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
             levels = _create_store(target, image.spatial, reach, output, rank)
             store = LevelStore(target.work, 0)
+            mask = None
+            if target.nodata:
+                from nowdl.runtime.predict.georef import NodataMask, output_nodata
+
+                mask = NodataMask(image, reach.scale, output_nodata(output, reach.out_channels))
             runner = _runner_for(cm, win, timeout_s, backend, weights, watcher.gpu_memory)
             for i, w in enumerate(wins):
                 watch = measure_memory and watcher.watching(runner)  # [Note: re-plan on memory]
-                out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2 or watch)
+                out, peak = runner.run_window(_image_input(image, w, normalize),
+                                              measure=measure_memory and i < 2 or watch)
                 summary.add_peak(peak)
                 core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))
                 share, piece = tile_piece(runner.grid, out, core_out, store.chunks[1:], w, reach.scale)
@@ -276,10 +301,10 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
                     part, parts = runner.writer_share()
                     share = chunk_share(core_out, store.chunks[1:], part, parts) if out is not None else None
                     piece = window_piece(share, out, w, reach.scale)
-                writes.submit(functools.partial(_write_share, store, share, piece, output), str(target.work))
+                writes.submit(functools.partial(_write_share, store, share, piece, output, mask), str(target.work))
                 done += 1
                 if watch and peak is not None and i + 1 < len(wins) and watcher.check(
-                        runner, peak, done, _image_input(image, wins[i + 1])):
+                        runner, peak, done, _image_input(image, wins[i + 1], normalize)):
                     summary.peak = None  # the summary reports the new plan's peaks
                 if on_window is not None:
                     on_window(done, total)

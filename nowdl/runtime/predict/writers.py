@@ -105,10 +105,11 @@ class LevelStore:
         self.array: Any = zarr.open_array(str(self.path), mode="r+")
 
     @staticmethod
-    def create(root: Path, level: int, shape: Sequence[int], dtype: Any, attributes: dict[str, Any] | None = None
-               ) -> None:
-        """Create the group ``root`` (level 0, with ``attributes``) and the empty level array:
-        float levels (logits, probabilities) uncompressed, class labels with zarr's default (zstd)."""
+    def create(root: Path, level: int, shape: Sequence[int], dtype: Any, attributes: dict[str, Any] | None = None,
+               *, fill: float = 0, array_attributes: dict[str, Any] | None = None) -> None:
+        """Create the group ``root`` (level 0, with ``attributes``) and the empty level array (with
+        ``array_attributes`` and ``fill`` as its fill_value): float levels (logits, probabilities)
+        uncompressed, class labels with zarr's default (zstd)."""
         import zarr
 
         if level == 0:
@@ -116,8 +117,8 @@ class LevelStore:
         shape_t = tuple(int(s) for s in shape)
         floats = np.dtype(dtype).kind == "f"  # logits barely compress; zstd took 4x the time of the raw write
         zarr.create_array(str(root), name=str(level), shape=shape_t, dtype=dtype,
-                          chunks=chunk_shape(shape_t[0], shape_t[1:]), zarr_format=3, fill_value=0,
-                          compressors=None if floats else "auto",
+                          chunks=chunk_shape(shape_t[0], shape_t[1:]), zarr_format=3, fill_value=fill,
+                          compressors=None if floats else "auto", attributes=array_attributes or {},
                           dimension_names=["c", *("zyx"[-(len(shape_t) - 1):])])
 
     @property
