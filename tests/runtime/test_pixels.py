@@ -110,3 +110,17 @@ def test_default_loss_and_scores_leave_ignored_labels_out() -> None:
     s = Scores()
     s.add(out.detach(), y)
     assert s.total == 12
+
+
+def test_outputs_of_nodata_inputs_are_masked_at_the_output_scale() -> None:
+    from nowdl.runtime.data.readers import ImageArray
+    from nowdl.runtime.predict.georef import NodataMask
+
+    a = np.ones((1, 6, 6), np.uint8)
+    a[0, :4, :2] = 0  # output pixels (0, 0) and (1, 0) of a 2x smaller output: all their inputs nodata
+    a[0, 4, 2] = 0  # output pixel (2, 1): one of its four inputs only
+    mask = NodataMask(ImageArray(lambda: _Arr(a, nodata=0.0), "img", "cf"), (2, 2), 255.0)
+    got = mask([(0, 3), (0, 3)], np.zeros((1, 3, 3), np.float32))
+    assert got[0, :2, 0].tolist() == [255, 255] and float(got.sum()) == 2 * 255
+    tail = mask([(1, 3), (0, 2)], np.zeros((1, 2, 2), np.float32))  # a share away from the origin
+    assert tail[0, :, 0].tolist() == [255, 0] and float(tail.sum()) == 255
