@@ -19,7 +19,7 @@ from nowdl.cli.runspec import pin_conflicts
 from nowdl.runtime.launch import comm
 from nowdl.runtime.training.checkpoint import Checkpoint, CheckpointError
 
-__all__ = ["StopSignal", "run_state", "reusable_plan", "finished_text"]
+__all__ = ["StopSignal", "run_state", "reusable_plan", "finished_text", "check_normalize"]
 
 
 class StopSignal:
@@ -64,6 +64,26 @@ def run_state(ck: Checkpoint, args: argparse.Namespace) -> dict[str, Any]:
         raise CheckpointError(f"--checkpoint {ck.dir.parent} holds a run of {run.get('model')!r}, not {spec!r}: "
                               "use another folder for this model")
     return run
+
+
+def check_normalize(ck: Checkpoint, normalize: Any) -> None:
+    """Refuse to resume with another per-band normalisation than the checkpoint's run trained with
+    (``normalize``: this run's ``Normalize`` or None)."""
+    from nowdl.runtime.data.pixels import Normalize
+
+    run = ck.record.get("run")
+    saved = run.get("normalize") if isinstance(run, dict) else None
+    before = None if saved is None else Normalize.from_json(saved, f"--checkpoint {ck.dir.parent}")
+    now = None if normalize is None else Normalize(tuple(normalize.mean), tuple(normalize.std))
+    old, new = (None if n is None else n.mean + n.std for n in (before, now))
+    close = old is not None and new is not None and len(old) == len(new) and all(
+        abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(old, new, strict=True))  # printed values: 6 digits
+    if (before is None) != (now is None) or (before is not None and not close):
+        def say(n: Any) -> str:
+            return "none" if n is None else n.text()
+        raise CheckpointError(f"--checkpoint {ck.dir.parent} trained with --normalize {say(before)} but this run "
+                              f"has {say(now)}: resume with the same --normalize"
+                              + (f" ({say(before)})" if before is not None else " (none: drop it)"))
 
 
 def reusable_plan(ck: Checkpoint, args: argparse.Namespace, world: int) -> bool:

@@ -70,7 +70,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nowdl.cli import validation
-from nowdl.cli.resume import StopSignal, finished_text, reusable_plan, run_state
+from nowdl.cli.resume import StopSignal, check_normalize, finished_text, reusable_plan, run_state
 from nowdl.cli.runguard import check_outputs, checked_step, run_end
 from nowdl.cli.runplan import (
     Job,
@@ -154,6 +154,8 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         return 0
     feed = _feed(job, model, name)
     job.normalize = feed.normalize
+    if job.ck is not None and not args.eval:
+        check_normalize(job.ck, feed.normalize)
     job.val = (validation.ValidationSet(args, job.src.sample_shape, feed.normalize) if args.val_data is not None
                else None)
     if job.say and feed.normalize is not None:

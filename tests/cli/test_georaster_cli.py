@@ -90,6 +90,10 @@ def test_normalize_auto_is_recorded_and_reused(scene: dict[str, object], capsys:
     given = line.split("--normalize ")[1].split(" ")[0]
     record = json.loads(next((d / "ck").glob("step-*/nowdl.json")).read_text())
     assert len(record["run"]["normalize"]["mean"]) == 3
+    rc = main(["run", *MODEL, "--input", "1x3x64x64", "--batch-size", "2", "--data", f"geotiff:{scene['src']}",
+               "--labels", f"geotiff:{mask}", "--steps", "2", "--workers", "0", "--checkpoint", str(d / "ck")])
+    err = capsys.readouterr().err  # a resume must normalise as the run did
+    assert rc == 2 and "resume with the same --normalize (mean=" in err, err
     outs = {}
     for name, more in (("ck", []), ("given", ["--normalize", given]), ("none", ["--normalize", "mean=0,0,0,std=1,1,1"])):
         rc, err = _predict(capsys, *MODEL, "--checkpoint", str(d / "ck"), "--data", f"geotiff:{scene['src']}",
