@@ -27,7 +27,7 @@ from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.placement.layout import request_topology
 from nowdl.partitioner.search.best_plan import build_plan, timed_search
 from nowdl.partitioner.search.halo_fusion import fusion as halo_fusion
-from nowdl.partitioner.spatial.tileable import spatial_rules
+from nowdl.partitioner.spatial import pooled_groups, spatial_rules
 from nowdl.partitioner.spatial.whole_image import whole_image_ops
 from nowdl.plan.plan import Plan, format_bytes
 from nowdl.plan.purpose import is_inference, require_inference, require_training
@@ -241,8 +241,9 @@ class CompiledModel:
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         reserve = memory_reserve(spec, req.gpus) if cap is not None and isinstance(spec, DeviceSpec) else {}
         budget = None if cap is None else cap - sum(reserve.values())  # [Note: memory reserve]
-        costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=budget,
-                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
+        rules, ranks = spatial_rules(t.gm, prof.out_ranks()), prof.out_ranks()  # pooled branches share a stage
+        costs = Costs(profile=prof, rules=rules, link_bw=float(spec.link_bw), mem_cap=budget,
+                      tied=tied_nodes(t.gm, pooled_groups(t.gm, rules, ranks)), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
                       host_memory=host_share(spec, self._spec_arg()), host_link_bw=getattr(spec, "host_link_bw", None),
                       tile_op_s=getattr(spec, "tile_op_s", None), tile_op_bwd_s=getattr(spec, "tile_op_bwd_s", None),
                       recompute_tensor_s=getattr(spec, "recompute_tensor_s", None) or 0.0)

@@ -50,6 +50,8 @@ def why_whole(gm: fx.GraphModule, node: fx.Node, rule: SpatialRule) -> str | Non
             return "attention"
         if isinstance(m, _GLOBAL_POOLS):
             return "global pooling"
+    if rule.kind == "pooled":  # exact over tiles, not over windows: [Note: whole values on tiles]
+        return "global pooling"
     if not rule.tileable:
         low = rule.reason.lower()
         if "attention" in low or "softmax" in low or "matmul" in low or "bmm" in low:
