@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from nowdl.codegen.chain import StageChain, chain_stages
-from nowdl.errors import InfeasibleError, NowdlError
+from nowdl.errors import InfeasibleError, NowdlError, OneSampleNormError
 from nowdl.gcpause import gc_paused
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
@@ -36,6 +36,7 @@ from nowdl.profiler.devices import DeviceSpec, local_gpu_spec
 from nowdl.profiler.loss_cost import loss_cost_for, with_loss
 from nowdl.progress import Progress, status
 from nowdl.trace.check import stand_in
+from nowdl.trace.norm_batch import two_samples
 from nowdl.trace.tracer import Traced, trace
 
 if TYPE_CHECKING:
@@ -174,7 +175,18 @@ class CompiledModel:
             TraceError: the model cannot be traced faithfully.
         """
         with gc_paused(self._resolved_mode() == "estimate"):  # [Note: planning without gc]
-            return self._plan(example_inputs, target=target, train=train, single=single)
+            try:
+                return self._plan(example_inputs, target=target, train=train, single=single)
+            except OneSampleNormError as e:  # [Note: one-sample norms]: micro-batches of 2 samples or more
+                two, req = two_samples(example_inputs), self.request
+                if two is None or not train or single or req is None or req.micro_batch_size == 1:
+                    raise
+                log.warning("%s: planning micro-batches of at least 2 samples", str(e).split(". ")[0])
+                self.request = dataclasses.replace(req, min_micro_batch=2)
+                tt = two_samples((target,)) if target is not None else None
+                plan = self._plans[(tuple(tuple(x.shape) for x in example_inputs), train)] = self._plan(
+                    two, target=tt[0] if tt else None, train=train, single=single)
+                return plan
 
     def _plan(self, example_inputs: tuple[torch.Tensor, ...], *, target: torch.Tensor | None, train: bool,
               single: bool) -> Plan:
@@ -241,9 +253,8 @@ class CompiledModel:
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         reserve = memory_reserve(spec, req.gpus) if cap is not None and isinstance(spec, DeviceSpec) else {}
         budget = None if cap is None else cap - sum(reserve.values())  # [Note: memory reserve]
-        rules, ranks = spatial_rules(t.gm, prof.out_ranks()), prof.out_ranks()  # pooled branches share a stage
-        costs = Costs(profile=prof, rules=rules, link_bw=float(spec.link_bw), mem_cap=budget,
-                      tied=tied_nodes(t.gm, pooled_groups(t.gm, rules, ranks)), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
+        costs = Costs(profile=prof, rules=(rules := spatial_rules(t.gm, prof.out_ranks())), link_bw=float(spec.link_bw), mem_cap=budget,
+                      tied=tied_nodes(t.gm, pooled_groups(t.gm, rules, prof.out_ranks())), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
                       host_memory=host_share(spec, self._spec_arg()), host_link_bw=getattr(spec, "host_link_bw", None),
                       tile_op_s=getattr(spec, "tile_op_s", None), tile_op_bwd_s=getattr(spec, "tile_op_bwd_s", None),
                       recompute_tensor_s=getattr(spec, "recompute_tensor_s", None) or 0.0)

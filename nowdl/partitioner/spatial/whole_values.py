@@ -127,7 +127,7 @@ def _branches(gm: fx.GraphModule, pools: set[str], rules: Mapping[str, SpatialRu
             joins[n.name] = from_pools  # up to the image's size: a tile from here on
         elif not tiles:
             whole[n.name] = from_pools
-        elif rules[n.name].tileable and rules[n.name].kind == "elementwise":
+        elif rules[n.name].kind == "elementwise" and all(rules[a.name].tileable for a in [n, *tiles]):
             joins[n.name] = from_pools  # the whole value broadcasts over the tile
         else:
             failed |= from_pools
