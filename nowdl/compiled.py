@@ -184,8 +184,13 @@ class CompiledModel:
                 log.warning("%s: planning micro-batches of at least 2 samples", str(e).split(". ")[0])
                 self.request = dataclasses.replace(req, min_micro_batch=2)
                 tt = two_samples((target,)) if target is not None else None
-                plan = self._plans[(tuple(tuple(x.shape) for x in example_inputs), train)] = self._plan(
-                    two, target=tt[0] if tt else None, train=train, single=single)
+                try:
+                    plan = self._plan(two, target=tt[0] if tt else None, train=train, single=single)
+                except NowdlError as again:  # the pins leave no micro-batch of 2 samples: the first error
+                    self.request = req
+                    e.args = (f"{e} (with 2 samples per micro-batch: {str(again).splitlines()[0]})",)
+                    raise e from again
+                self._plans[(tuple(tuple(x.shape) for x in example_inputs), train)] = plan
                 return plan
 
     def _plan(self, example_inputs: tuple[torch.Tensor, ...], *, target: torch.Tensor | None, train: bool,
