@@ -12,7 +12,14 @@ readers and matplotlib load on first use.
 from typing import TYPE_CHECKING
 
 from nowdl import models
-from nowdl.errors import InfeasibleError, NowdlError, OneSampleNormError, PlanError, ProfileError, TraceError
+from nowdl.errors import (
+    InfeasibleError,
+    NowdlError,
+    OneSampleNormError,
+    PlanError,
+    ProfileError,
+    TraceError,
+)
 from nowdl.lazy import lazy_exports
 
 if TYPE_CHECKING:

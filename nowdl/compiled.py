@@ -36,7 +36,7 @@ from nowdl.profiler.devices import DeviceSpec, local_gpu_spec
 from nowdl.profiler.loss_cost import loss_cost_for, with_loss
 from nowdl.progress import Progress, status
 from nowdl.trace.check import stand_in
-from nowdl.trace.norm_batch import two_samples
+from nowdl.trace.norm_batch import on_two_samples
 from nowdl.trace.tracer import Traced, trace
 
 if TYPE_CHECKING:
@@ -178,18 +178,12 @@ class CompiledModel:
             try:
                 return self._plan(example_inputs, target=target, train=train, single=single)
             except OneSampleNormError as e:  # [Note: one-sample norms]: micro-batches of 2 samples or more
-                two, req = two_samples(example_inputs), self.request
-                if two is None or not train or single or req is None or req.micro_batch_size == 1:
+                req = self.request
+                if not train or single or req is None or req.micro_batch_size == 1:
                     raise
-                log.warning("%s: planning micro-batches of at least 2 samples", str(e).split(". ")[0])
                 self.request = dataclasses.replace(req, min_micro_batch=2)
-                tt = two_samples((target,)) if target is not None else None
-                try:
-                    plan = self._plan(two, target=tt[0] if tt else None, train=train, single=single)
-                except NowdlError as again:  # the pins leave no micro-batch of 2 samples: the first error
-                    self.request = req
-                    e.args = (f"{e} (with 2 samples per micro-batch: {str(again).splitlines()[0]})",)
-                    raise e from again
+                plan = on_two_samples(e, example_inputs, target, lambda xs, t: self._plan(
+                    xs, target=t, train=train, single=single), undo=lambda: setattr(self, "request", req))
                 self._plans[(tuple(tuple(x.shape) for x in example_inputs), train)] = plan
                 return plan
 

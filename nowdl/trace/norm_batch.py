@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from nowdl.errors import OneSampleNormError
+from nowdl.errors import NowdlError, OneSampleNormError
 
-__all__ = ["ONE_VALUE", "one_sample_norm_error", "one_sample_norm", "two_samples"]
+__all__ = ["ONE_VALUE", "one_sample_norm_error", "one_sample_norm", "two_samples", "on_two_samples"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ONE_VALUE = "Expected more than 1 value per channel when training"
 
@@ -95,3 +98,22 @@ def two_samples(examples: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...] | 
         return None
     return tuple(torch.empty((2, *x.shape[1:]), dtype=x.dtype, device="meta") if x.device.type == "meta"
                  else x.repeat(2, *([1] * (x.dim() - 1))) for x in examples)
+
+
+def on_two_samples(error: OneSampleNormError, examples: Sequence[torch.Tensor], target: torch.Tensor | None,
+                   run: Callable[[tuple[torch.Tensor, ...], torch.Tensor | None], T], *, undo: Callable[[], None]) -> T:
+    """``run`` (a plan search) on 2-sample versions of ``examples`` and ``target`` after ``error``
+    ([Note: one-sample norms]); ``error`` again, with why, where there are none or ``run`` fails
+    (``undo`` first: the pins leave no micro-batch of 2 samples, say)."""
+    two = two_samples(examples)
+    if two is None:
+        undo()
+        raise error
+    log.warning("%s: planning micro-batches of at least 2 samples", str(error).split(". ")[0])
+    tt = two_samples((target,)) if target is not None else None
+    try:
+        return run(two, tt[0] if tt else None)
+    except NowdlError as again:
+        undo()
+        error.args = (f"{error} (with 2 samples per micro-batch: {str(again).splitlines()[0]})",)
+        raise error from again

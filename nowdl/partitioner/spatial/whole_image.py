@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
-from nowdl.partitioner.spatial.tileable import SpatialRule, spatial_rules
+from nowdl.partitioner.spatial.tileable import SpatialRule, aten_upsample_scales, spatial_rules
 
 __all__ = ["why_whole", "whole_image_ops", "WINDOWED"]
 
@@ -52,6 +53,8 @@ def why_whole(gm: fx.GraphModule, node: fx.Node, rule: SpatialRule) -> str | Non
             return "global pooling"
     if rule.kind == "pooled":  # exact over tiles, not over windows: [Note: whole values on tiles]
         return "global pooling"
+    if rule.kind == "upsample" and _aligned(gm, node):  # maps pixels by the whole extent
+        return "whole-image op"
     if not rule.tileable:
         low = rule.reason.lower()
         if "attention" in low or "softmax" in low or "matmul" in low or "bmm" in low:
@@ -60,6 +63,16 @@ def why_whole(gm: fx.GraphModule, node: fx.Node, rule: SpatialRule) -> str | Non
             return "global pooling"
         return "whole-image op"
     return None
+
+
+def _aligned(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """An upsampling with align_corners=True, or to a fixed size that is no whole multiple (ATen)."""
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "align_corners", False))
+    if node.target is F.interpolate:
+        return bool(node.kwargs.get("align_corners", node.args[4] if len(node.args) > 4 else False))
+    linear = "nearest" not in str(node.target)
+    return (linear and len(node.args) > 2 and bool(node.args[2])) or aten_upsample_scales(node) is None
 
 
 def _op_name(gm: fx.GraphModule, node: fx.Node) -> str:

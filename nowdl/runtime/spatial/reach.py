@@ -86,6 +86,9 @@ def _why_not(gm: fx.GraphModule, node: fx.Node) -> str | None:
         if node.target is F.interpolate:
             o = bind(node.args[1:], dict(node.kwargs), INTERP_ARGS)
             return _upsample_why(o.get("size"), o.get("scale_factor"), o.get("align_corners"))
+        if node.target in ATEN_UP:  # to the traced size: whole-pixel alignment only for integer scales
+            linear = ATEN_UP[node.target] != "nearest"
+            return _upsample_why(None, aten_upsample_scales(node), linear and len(node.args) > 2 and node.args[2])
     return None
 
 

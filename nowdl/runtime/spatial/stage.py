@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
-from nowdl.partitioner.spatial.tileable import aten_upsample_scales, spatial_rules
+from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.runtime.spatial.dispatch import tile_forward
 from nowdl.runtime.spatial.graph_ops import ATEN_UP as _ATEN_UP
 from nowdl.runtime.spatial.graph_ops import INTERP_ARGS as _INTERP_ARGS
@@ -243,12 +243,11 @@ class TiledStage:
             opts.pop("antialias", None)
             up = nn.Upsample(**opts)
             return tile_forward(up, args[0], _one(tiled, node), self.group)
-        if node.op == "call_function" and target in _ATEN_UP:
-            scales = aten_upsample_scales(node)
-            if scales is None:  # pragma: no cover - spatial_rules refuses these
-                raise NowdlError(f"node {node.name!r} upsamples to a fixed size: it cannot run on tiles")
-            up = nn.Upsample(scale_factor=scales, mode=_ATEN_UP[target], align_corners=False if _ATEN_UP[target] != "nearest" else None)
-            return tile_forward(up, args[0], _one(tiled, node), self.group)
+        if node.op == "call_function" and target in _ATEN_UP:  # to the traced (whole) size, or by its scales
+            aten_up = whole_upsample(self.stage.module, node, args, kwargs)
+            if aten_up is None:  # pragma: no cover - every ATen upsampling is one
+                raise NowdlError(f"node {node.name!r} is not an upsampling nowdl runs on tiles")
+            return tile_forward(aten_up, args[0], _one(tiled, node), self.group)
         if node.op == "call_function" and target in _CAT:
             grids = {(g.shape, g.grid, g.coords) for g in tiled if g is not None}
             if len(grids) > 1:
