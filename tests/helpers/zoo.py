@@ -25,7 +25,8 @@ class ZooNet:
     make: Callable[[], nn.Module]
     shape: tuple[int, ...]  # one micro-batch of the coverage tests
     output: str = "image"  # "image" (dense logits) or "classes"
-    tiles: str = ""  # "" when the whole net runs on tiles, else why not (the node named by the planner)
+    tiles: str = ""  # "" when the whole net runs on tiles, else why not
+    refused: str = ""  # what the planner's refusal to tile it whole says (with the node's name)
     notes: str = ""
     args: dict[str, Any] = field(default_factory=dict)
 
@@ -57,32 +58,35 @@ def _timm(name: str, **kw: Any) -> Callable[[], nn.Module]:
 
 _UNET = {"decoder_channels": (32, 16, 16, 8, 8)}
 _DLV3P = {"decoder_channels": 32, "decoder_aspp_dropout": 0.0, "decoder_atrous_rates": (1, 2, 3)}
-_CONVNEXT = "ConvNeXt's LayerNorm2d permutes to channels-last (aten.permute ends a spatial region)"
+_CONVNEXT = "ConvNeXt's LayerNorm2d permutes to channels-last"
 
 NETS: list[ZooNet] = [
     ZooNet("smp-Unet-resnet34", "smp", _smp("Unet", "resnet34", **_UNET), (2, 3, 64, 64), args=_UNET),
     ZooNet("smp-UnetPlusPlus-resnet34", "smp", _smp("UnetPlusPlus", "resnet34", **_UNET), (2, 3, 64, 64), args=_UNET),
     ZooNet("smp-FPN-resnet34", "smp", _smp("FPN", "resnet34", decoder_dropout=0.0, decoder_pyramid_channels=32,
-                                           decoder_segmentation_channels=32), (2, 3, 64, 64)),
+                                           decoder_segmentation_channels=32), (2, 3, 64, 64),
+           tiles="its merge stacks the pyramid's levels", refused="aten.stack"),
     # ASPP's dilated convs need tiles at least as wide as their rate at 1/16 of the input: rates
     # (1, 2, 3) at 128^2 give 8^2 at the ASPP (the defaults, 12, 24 and 36, need 1152^2 for 2 tiles)
     ZooNet("smp-DeepLabV3Plus-resnet34", "smp", _smp("DeepLabV3Plus", "resnet34", **_DLV3P), (2, 3, 128, 128),
            args=_DLV3P, notes="ASPP pooling branch: BatchNorm over one value per channel at batch 1"),
     ZooNet("smp-Unet-convnext_atto", "smp", _smp("Unet", "tu-convnext_atto", **_UNET), (2, 3, 64, 64),
-           tiles=_CONVNEXT),
+           tiles=_CONVNEXT, refused="permute"),
     ZooNet("smp-UnetPlusPlus-convnext_atto", "smp", _smp("UnetPlusPlus", "tu-convnext_atto", **_UNET), (2, 3, 64, 64),
-           tiles=_CONVNEXT),
+           tiles=_CONVNEXT, refused="permute"),
     ZooNet("smp-FPN-convnext_atto", "smp", _smp("FPN", "tu-convnext_atto", decoder_dropout=0.0,
                                                 decoder_pyramid_channels=32, decoder_segmentation_channels=32),
-           (2, 3, 64, 64), tiles=_CONVNEXT),
+           (2, 3, 64, 64), tiles=_CONVNEXT, refused="permute"),
     ZooNet("smp-DeepLabV3Plus-convnext_atto", "smp", _smp("DeepLabV3Plus", "tu-convnext_atto", **_DLV3P),
-           (2, 3, 128, 128), tiles=_CONVNEXT),
+           (2, 3, 128, 128), tiles=_CONVNEXT, refused="permute"),
     ZooNet("tv-fcn_resnet50", "torchvision", _tv("fcn_resnet50"), (2, 3, 64, 64),
            notes="returns a dict {'out': logits}; its head's Dropout(0.1) is set to p=0"),
     ZooNet("tv-deeplabv3_resnet50", "torchvision", _tv("deeplabv3_resnet50"), (2, 3, 64, 64),
-           notes="returns a dict {'out': logits}; ASPP pooling branch"),
+           notes="returns a dict {'out': logits}; ASPP pooling branch",
+           tiles="not at 64^2: ASPP's dilation-36 convs at 1/8 of the input read 36 pixels past a tile, more "
+           "than a neighbour's 4 (2 tiles need 576^2)"),
     ZooNet("timm-resnet18-classifier", "timm", _timm("resnet18", num_classes=3), (2, 3, 64, 64), output="classes",
-           tiles="the classifier head (global pooling, then a Linear on the pooled features) needs the whole image"),
+           tiles="its head (a Linear on the pooled features) needs the whole image", refused="needs the whole image"),
 ]
 
 

@@ -151,10 +151,11 @@ def _aten_rule(node: fx.Node, op: torch._ops.OpOverload) -> SpatialRule:
     if op is torch.ops.aten.repeat.default:
         return _repeat_rule(node, name)
     if op in _ATEN_UPSAMPLE:
-        sizes = node.args[1] if len(node.args) > 1 else None
-        if aten_upsample_scales(node) is not None or (
-                isinstance(sizes, (list, tuple)) and sizes and all(isinstance(v, int) for v in sizes)):
-            # to the traced size: the whole image's, which each tile's part is cut from (align_corners too)
+        sizes, scales = (list(node.args[1:]) + [None] * 3)[0], node.args[-1] if len(node.args) > 2 else None
+        if aten_upsample_scales(node) is not None or any(
+                isinstance(v, (list, tuple)) and v and all(isinstance(f, (int, float)) and float(f).is_integer() for f in v)
+                for v in (sizes, scales)):
+            # by whole scales or to the traced (whole) size, which each tile's part is cut from, align_corners too
             return SpatialRule(True, "", () if "nearest" in name else (1,), "upsample", UPSAMPLE_REACH)
         return SpatialRule(False, f"{name} to a computed output size is not tiled (a scale factor or a fixed size is)")
     if op is torch.ops.aten._to_copy.default and node.kwargs.get("device") is not None:
