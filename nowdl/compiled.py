@@ -14,12 +14,13 @@ import torch.fx as fx
 from torch import nn
 
 from nowdl.codegen.chain import StageChain, chain_stages
-from nowdl.errors import InfeasibleError, NowdlError, OneSampleNormError
+from nowdl.errors import InfeasibleError, NowdlError
 from nowdl.gcpause import gc_paused
 from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
 from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.config.reserve import memory_reserve
+from nowdl.partitioner.config.two_samples import plans_two_samples
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference
 from nowdl.partitioner.costs.levers import host_share
@@ -36,7 +37,6 @@ from nowdl.profiler.devices import DeviceSpec, local_gpu_spec
 from nowdl.profiler.loss_cost import loss_cost_for, with_loss
 from nowdl.progress import Progress, status
 from nowdl.trace.check import stand_in
-from nowdl.trace.norm_batch import on_two_samples
 from nowdl.trace.tracer import Traced, trace
 
 if TYPE_CHECKING:
@@ -160,6 +160,7 @@ class CompiledModel:
             spec = local_gpu_spec()
         return spec if not isinstance(spec, (str, os.PathLike)) else get_device_spec(spec)
 
+    @plans_two_samples  # [Note: one-sample norms]: micro-batches of 2 samples or more
     def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None, train: bool = True,
              single: bool = False) -> Plan:
         """Plan for one micro-batch shaped like ``example_inputs`` (no process group needed);
@@ -175,17 +176,7 @@ class CompiledModel:
             TraceError: the model cannot be traced faithfully.
         """
         with gc_paused(self._resolved_mode() == "estimate"):  # [Note: planning without gc]
-            try:
-                return self._plan(example_inputs, target=target, train=train, single=single)
-            except OneSampleNormError as e:  # [Note: one-sample norms]: micro-batches of 2 samples or more
-                req = self.request
-                if not train or single or req is None or req.micro_batch_size == 1:
-                    raise
-                self.request = dataclasses.replace(req, min_micro_batch=2)
-                plan = on_two_samples(e, example_inputs, target, lambda xs, t: self._plan(
-                    xs, target=t, train=train, single=single), undo=lambda: setattr(self, "request", req))
-                self._plans[(tuple(tuple(x.shape) for x in example_inputs), train)] = plan
-                return plan
+            return self._plan(example_inputs, target=target, train=train, single=single)
 
     def _plan(self, example_inputs: tuple[torch.Tensor, ...], *, target: torch.Tensor | None, train: bool,
               single: bool) -> Plan:

@@ -7,7 +7,7 @@ channel, and PyTorch refuses ("Expected more than 1 value per channel when train
 the model's own limit, not a tracing failure: :func:`one_sample_norm_error` turns it into an
 :class:`~nowdl.errors.OneSampleNormError` naming the node and its input, with the two fixes (2 or
 more samples per micro-batch, or the norms in eval mode); the planner then plans micro-batches of
-at least 2 samples for such nets (``CompiledModel.plan``).
+at least 2 samples for such nets (:mod:`nowdl.partitioner.config.two_samples`).
 """
 
 from __future__ import annotations
