@@ -48,19 +48,20 @@ def test_inference_plan_records_the_ops_network_reach_names() -> None:
     plan = _plan(net, (1, 1, 64, 64))
     ops = plan.config["whole_image_ops"]
     assert ops and all(o["op"] == "InstanceNorm2d" and o["kind"] == "instance/group norm statistics" for o in ops)
-    assert all("statistics over each window" in o["windowed"] for o in ops)
+    assert [o["pass"] for o in ops] == [1, 2, 3, 4, 5, 6]  # a chain: one statistics pass each
+    assert all(o["windowed"].startswith("exact: whole-image statistics") for o in ops)
     example = torch.empty(1, 1, 64, 64)
     reach = network_reach(nowdl.compile(net.eval(), gpus=1, mode="estimate", cache=False,
                                         progress=False).trace(example).gm, example)
-    assert [o["node"] for o in ops] == [n for n, _ in reach.whole]  # one list, two readers
+    assert [(o["node"], o["pass"]) for o in ops] == [(n, p) for n, _, _, p in reach.whole]  # one list, two readers
     again = Plan.from_json(plan.to_json())
     assert again.config["whole_image_ops"] == ops
 
 
 def test_group_norm_and_global_pooling_named_bounded_networks_empty() -> None:
     ops = _plan(_Pooled(), (1, 1, 32, 32)).config["whole_image_ops"]
-    assert [(o["op"], o["kind"]) for o in ops] == [("GroupNorm", "instance/group norm statistics"),
-                                                  ("AdaptiveAvgPool2d", "global pooling")]
+    assert [(o["op"], o["kind"], o["pass"]) for o in ops] == [("GroupNorm", "instance/group norm statistics", 1),
+                                                             ("AdaptiveAvgPool2d", "global pooling", 2)]
     torch.manual_seed(0)
     plan = _plan(nowdl.models.unet(1, 2, depth=2, base_width=4), (1, 1, 32, 32))  # BatchNorm, eval: running stats
     assert plan.config["whole_image_ops"] == []

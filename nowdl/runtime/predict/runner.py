@@ -35,6 +35,7 @@ from nowdl.runtime.data.readers import ImageArray, to_tensor
 from nowdl.runtime.launch import faults
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.predict.agreement import Writes, guard, rank_world
+from nowdl.runtime.predict.passes import gather_statistics
 from nowdl.runtime.predict.shares import chunk_share, tile_piece, window_piece
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.windows import Reach, Window, layout_windows, network_reach
@@ -243,14 +244,23 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
         win = _window_shape(cm, image, window)
         reach = _reach(cm, image.shape[0], win)
         layouts.append((layout_windows(image.spatial, win, reach), reach, win))
-    total = sum(len(w) for w, _, _ in layouts)
+    total = sum(len(w) * (1 + (r.passes if len(w) > 1 else 0)) for w, r, _ in layouts)
     done, t0 = 0, time.perf_counter()
     writes = Writes()
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if on_window is not None:
+            on_window(done, total)
+
     try:
         for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
             levels = _create_store(target, image.spatial, reach, output, rank)
             store = LevelStore(target.work, 0)
             runner = _runner_for(cm, win, timeout_s, backend, weights)
+            passes = gather_statistics(runner, image.spatial, wins, reach, functools.partial(_image_input, image),
+                                       tick)  # [Note: statistics passes]
             for i, w in enumerate(wins):
                 out, peak = runner.run_window(_image_input(image, w), measure=measure_memory and i < 2)
                 summary.add_peak(peak)
@@ -263,13 +273,11 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
                     share = chunk_share(core_out, store.chunks[1:], part, parts) if out is not None else None
                     piece = window_piece(share, out, w, reach.scale)
                 writes.submit(functools.partial(_write_share, store, share, piece, output), str(target.work))
-                done += 1
-                if on_window is not None:
-                    on_window(done, total)
+                tick()
             writes.wait()
             for k in range(1, levels):
                 guard(functools.partial(build_level, target.work, k, output == "argmax", rank, world), str(target.work))
-            summary.add_image(image.spatial, len(wins), reach, runner.plan, rank)
+            summary.add_image(image.spatial, len(wins), reach, runner.plan, rank, passes)
     finally:
         writes.close()
     summary.seconds = time.perf_counter() - t0

@@ -25,7 +25,7 @@ with the data-parallel and MASTER copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -98,6 +98,9 @@ class TiledStage:
         self._chains: dict[str, list[fx.Node]] = {}
         self._skip: set[str] = set()
         self._check_chains(fused)
+        # per node: run it instead of the tiled op, given (args, kwargs, input grids, the tiled op):
+        # predict's statistics passes ([Note: statistics passes] in runtime/predict/passes.py)
+        self.overrides: dict[str, Callable[..., tuple[Any, TileGrid | None]]] = {}
         self.sequential: Any = None
         if tiles_per_gpu > 1:
             from nowdl.runtime.spatial.sequential import SequentialTiles
@@ -223,6 +226,10 @@ class TiledStage:
             yf, gf = fused_forward(mods, args[0], _one(tiled, node), self.group)
             env[chain[-1].name], grids[chain[-1].name] = yf, gf
             return
+        hook = self.overrides.get(node.name)
+        if hook is not None:
+            env[node.name], grids[node.name] = hook(args, kwargs, tiled, lambda: self._run(node, args, kwargs, tiled))
+            return
         env[node.name], grids[node.name] = self._run(node, args, kwargs, tiled)
 
     def _run(self, node: fx.Node, args: Any, kwargs: dict[str, Any],
@@ -271,7 +278,7 @@ class TiledStage:
         """A node whose value is the same on every tile ([Note: whole values on tiles]): a pooling
         over every tile, a node on whole values only, or an upsampling of a pooled value to this
         rank's tile of the image."""
-        if kind == "pooled":
+        if kind == "pooled" and any(g is not None for g in tiled):  # a pooling of a pooled value runs as it is
             return pool_node(self.stage.module, node, args, kwargs, _one(tiled, node), self.group), None
         up = whole_upsample(self.stage.module, node, args, kwargs)
         if up is not None:
