@@ -22,14 +22,13 @@ from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.config.reserve import memory_reserve
 from nowdl.partitioner.config.two_samples import plans_two_samples
 from nowdl.partitioner.costs.costmodel import Costs
-from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference
+from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference, record_whole_image_ops
 from nowdl.partitioner.costs.levers import host_share
 from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.placement.layout import request_topology
 from nowdl.partitioner.search.best_plan import build_plan, timed_search
 from nowdl.partitioner.search.halo_fusion import fusion as halo_fusion
 from nowdl.partitioner.spatial import pooled_groups, spatial_rules
-from nowdl.partitioner.spatial.whole_image import whole_image_ops
 from nowdl.plan.plan import Plan, format_bytes
 from nowdl.plan.purpose import is_inference, require_inference, require_training
 from nowdl.profiler.cost import Profile
@@ -294,8 +293,7 @@ class CompiledModel:
         plan.config["precision"] = self.precision
         if not train:
             mark_inference(plan)
-            plan.config["whole_image_ops"] = whole_image_ops(  # [Note: whole-image ops]
-                t.gm, {n.name: n.out_shape for n in prof.nodes}, len(key[0]) - 2)
+            record_whole_image_ops(plan, t.gm, prof)  # [Note: whole-image ops], [Note: statistics passes]
         # where plan() spent its time (trace includes the eager check; 0 when cached)
         plan.solver["timing"] = {"trace_s": round(t1 - t0, 3), "profile_s": round(t2 - t1, 3),
                                  "search_s": round(secs, 3), "total_s": round(time.perf_counter() - t0, 3)}

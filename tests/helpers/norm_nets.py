@@ -103,14 +103,18 @@ def norm_net(name: str, seed: int = 0) -> nn.Module:
     return _NETS[name]().eval()  # type: ignore[no-any-return]
 
 
-def stream_worker(rank: int, world: int, name: str, source: str, out: str, pins: dict[str, Any],
-                  window: tuple[int, ...]) -> tuple[str, np.ndarray | None]:
-    """Compile net ``name`` on ``world`` ranks with ``pins`` and predict ``source`` in windows of
-    ``window``: rank 0's summary line and output (None elsewhere)."""
+def stream_worker(rank: int, world: int, names: list[str], source: str, out: str, pins: dict[str, Any],
+                  window: tuple[int, ...]) -> list[tuple[str, np.ndarray | None]]:
+    """Compile each net of ``names`` on ``world`` ranks with ``pins`` and predict ``source`` in
+    windows of ``window`` into ``out/<name>.zarr``: rank 0's summary line and output (None
+    elsewhere), per net."""
     import zarr
 
     import nowdl
 
-    cm = nowdl.compile(norm_net(name), gpus=world, progress=False, cache=False, **pins)
-    line = cm.predict(source, out, window=window).line()
-    return line, np.asarray(zarr.open_array(f"{out}/0")[:]) if rank == 0 else None
+    got = []
+    for name in names:
+        cm = nowdl.compile(norm_net(name), gpus=world, progress=False, cache=False, **pins)
+        line = cm.predict(source, f"{out}/{name}.zarr", window=window).line()
+        got.append((line, np.asarray(zarr.open_array(f"{out}/{name}.zarr/0")[:]) if rank == 0 else None))
+    return got

@@ -79,7 +79,8 @@ def test_show_prints_them_and_an_older_plan_still_loads(tmp_path: Path, capsys: 
     assert main(["show", str(out)]) == 0
     shown = capsys.readouterr().out
     n = len(json.loads(out.read_text())["config"]["whole_image_ops"])
-    assert f"whole-image ops: {n} " in shown and "InstanceNorm2d, instance/group norm statistics" in shown
+    assert f"whole-image ops: {n}, {n} exact when streamed, 0 not" in shown and f"{n} statistics pass(es)" in shown
+    assert "InstanceNorm2d, instance/group norm statistics): exact: whole-image statistics" in shown
     old = json.loads(out.read_text())
     del old["config"]["whole_image_ops"]  # a plan made before the field
     out.write_text(json.dumps(old))

@@ -19,6 +19,12 @@ tensors. :func:`inference_stages` sets what a forward-only schedule holds of bou
 the next micro-batch's receive posted ahead (``RECV_LOOKAHEAD``) and one pending send; no
 long-skip gradient waits. The gradient all-reduce of data-parallel copies costs nothing (the
 ``Costs.inference`` flag, read by ``grad_sync_s``).
+
+An inference plan also records the ops that depend on the whole image
+(:func:`record_whole_image_ops`, [Note: whole-image ops]) and what streaming an image in several
+windows costs on top of the writing pass: ``config.statistics_passes`` = the number of statistics
+passes (the deepest op's pass) times the forward of one window (``predicted.step_s``), per
+window ([Note: statistics passes] in runtime/predict/passes.py).
 """
 
 from __future__ import annotations
@@ -26,15 +32,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import torch.fx as fx
+
 from nowdl.errors import NowdlError
 from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.costs.problem import StageSpec
+from nowdl.partitioner.spatial.whole_image import whole_image_ops
 from nowdl.plan.plan import Plan
 from nowdl.profiler.cost import NodeCost, Profile
 from nowdl.schedule.actions import FORWARD_ONLY
 from nowdl.schedule.orders import RECV_LOOKAHEAD
 
-__all__ = ["live_bytes", "grad_live_bytes", "inference_profile", "inference_stages", "inference_request", "mark_inference"]
+__all__ = ["live_bytes", "grad_live_bytes", "inference_profile", "inference_stages", "inference_request", "mark_inference",
+           "record_whole_image_ops"]
 
 _NOT_ACTIVATIONS = ("get_attr", "output")
 
@@ -156,3 +166,16 @@ def mark_inference(plan: Plan) -> None:
     for st in plan.stages:
         if isinstance(st.predicted, dict) and "inflight" in st.predicted:
             st.predicted["inflight"] = 1.0
+
+
+def record_whole_image_ops(plan: Plan, gm: fx.GraphModule, prof: Profile) -> None:
+    """Record in an inference ``plan`` the ops of ``gm`` that depend on the whole image
+    (``config.whole_image_ops``) and the statistics passes streaming needs
+    (``config.statistics_passes``: ``passes``, ``forward_s`` of one window, ``seconds_per_window``
+    = their product: what each window costs on top of its writing pass)."""
+    nd = len(plan.model["inputs"][0]) - 2
+    ops = whole_image_ops(gm, {n.name: n.out_shape for n in prof.nodes}, nd)
+    passes = max((int(o["pass"]) for o in ops), default=0)
+    forward = float(plan.predicted.get("step_s", 0.0))
+    plan.config["whole_image_ops"] = ops
+    plan.config["statistics_passes"] = {"passes": passes, "forward_s": forward, "seconds_per_window": passes * forward}
