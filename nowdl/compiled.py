@@ -22,7 +22,12 @@ from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.config.reserve import memory_reserve
 from nowdl.partitioner.config.two_samples import plans_two_samples
 from nowdl.partitioner.costs.costmodel import Costs
-from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference, record_whole_image_ops
+from nowdl.partitioner.costs.inference import (
+    inference_profile,
+    inference_request,
+    mark_inference,
+    record_whole_image_ops,
+)
 from nowdl.partitioner.costs.levers import host_share
 from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.placement.layout import request_topology
