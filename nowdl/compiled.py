@@ -22,12 +22,7 @@ from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.config.reserve import memory_reserve
 from nowdl.partitioner.config.two_samples import plans_two_samples
 from nowdl.partitioner.costs.costmodel import Costs
-from nowdl.partitioner.costs.inference import (
-    inference_profile,
-    inference_request,
-    mark_inference,
-    record_whole_image_ops,
-)
+from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference
 from nowdl.partitioner.costs.levers import host_share
 from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.placement.layout import request_topology
@@ -297,8 +292,7 @@ class CompiledModel:
             plan.config["reserve"] = reserve
         plan.config["precision"] = self.precision
         if not train:
-            mark_inference(plan)
-            record_whole_image_ops(plan, t.gm, prof)  # [Note: whole-image ops], [Note: statistics passes]
+            mark_inference(plan, t.gm, prof)  # and its whole-image ops: [Note: whole-image ops]
         # where plan() spent its time (trace includes the eager check; 0 when cached)
         plan.solver["timing"] = {"trace_s": round(t1 - t0, 3), "profile_s": round(t2 - t1, 3),
                                  "search_s": round(secs, 3), "total_s": round(time.perf_counter() - t0, 3)}

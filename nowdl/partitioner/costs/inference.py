@@ -153,8 +153,9 @@ def inference_request(req: PlanRequest) -> PlanRequest:
                                micro_batches=req.micro_batches or 1)
 
 
-def mark_inference(plan: Plan) -> None:
-    """Record in ``plan`` that it is an inference plan with a forward-only schedule."""
+def mark_inference(plan: Plan, gm: fx.GraphModule | None = None, prof: Profile | None = None) -> None:
+    """Record in ``plan`` that it is an inference plan with a forward-only schedule, and, given the
+    graph and profile it was made from, its whole-image ops (:func:`record_whole_image_ops`)."""
     plan.config["inference"] = True
     plan.profile["optimizer"] = "inference"
     plan.config["schedule"] = FORWARD_ONLY
@@ -166,6 +167,8 @@ def mark_inference(plan: Plan) -> None:
     for st in plan.stages:
         if isinstance(st.predicted, dict) and "inflight" in st.predicted:
             st.predicted["inflight"] = 1.0
+    if gm is not None and prof is not None:
+        record_whole_image_ops(plan, gm, prof)
 
 
 def record_whole_image_ops(plan: Plan, gm: fx.GraphModule, prof: Profile) -> None:
