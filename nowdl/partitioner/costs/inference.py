@@ -22,9 +22,9 @@ long-skip gradient waits. The gradient all-reduce of data-parallel copies costs 
 
 An inference plan also records the ops that depend on the whole image
 (:func:`record_whole_image_ops`, [Note: whole-image ops]) and what streaming an image in several
-windows costs on top of the writing pass: ``config.statistics_passes`` = the number of statistics
-passes (the deepest op's pass) times the forward of one window (``predicted.step_s``), per
-window ([Note: statistics passes] in runtime/predict/passes.py).
+windows costs on top of the writing pass: ``config.statistics_passes``, the statistics passes
+(the deepest op's pass), each the prefix of one window's forward (``predicted.step_s``) that its
+ops read, per window ([Note: statistics passes] in runtime/predict/passes.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.fx as fx
 from nowdl.errors import NowdlError
 from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.costs.problem import StageSpec
-from nowdl.partitioner.spatial.whole_image import whole_image_ops
+from nowdl.partitioner.spatial.whole_image import pass_prefixes
 from nowdl.plan.plan import Plan
 from nowdl.profiler.cost import NodeCost, Profile
 from nowdl.schedule.actions import FORWARD_ONLY
@@ -174,11 +174,17 @@ def mark_inference(plan: Plan, gm: fx.GraphModule | None = None, prof: Profile |
 def record_whole_image_ops(plan: Plan, gm: fx.GraphModule, prof: Profile) -> None:
     """Record in an inference ``plan`` the ops of ``gm`` that depend on the whole image
     (``config.whole_image_ops``) and the statistics passes streaming needs
-    (``config.statistics_passes``: ``passes``, ``forward_s`` of one window, ``seconds_per_window``
-    = their product: what each window costs on top of its writing pass)."""
+    (``config.statistics_passes``): ``passes``; ``forward_s``, one window's forward
+    (``predicted.step_s``); ``prefix``, per pass the share of the forward's node time it runs (the
+    convolutions no op of the pass reads give zeros); ``seconds_per_window``, ``forward_s`` times
+    the sum of ``prefix``: what each window costs on top of its writing pass."""
     nd = len(plan.model["inputs"][0]) - 2
-    ops = whole_image_ops(gm, {n.name: n.out_shape for n in prof.nodes}, nd)
+    ops, needed = pass_prefixes(gm, {n.name: n.out_shape for n in prof.nodes}, nd)
     passes = max((int(o["pass"]) for o in ops), default=0)
     forward = float(plan.predicted.get("step_s", 0.0))
+    total = sum(n.fwd_s for n in prof.nodes)
+    prefix = [1.0 - sum(n.fwd_s for n in prof.nodes if n.name in needed and k not in needed[n.name]) / total
+              if total > 0 else 1.0 for k in range(1, passes + 1)]
     plan.config["whole_image_ops"] = ops
-    plan.config["statistics_passes"] = {"passes": passes, "forward_s": forward, "seconds_per_window": passes * forward}
+    plan.config["statistics_passes"] = {"passes": passes, "forward_s": forward, "prefix": [round(p, 4) for p in prefix],
+                                        "seconds_per_window": forward * sum(prefix)}

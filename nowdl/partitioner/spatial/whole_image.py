@@ -41,7 +41,7 @@ from torch import nn
 from nowdl.partitioner.spatial.tileable import SpatialRule, aten_upsample_scales, spatial_rules
 from nowdl.partitioner.spatial.whole_values import mean_dims
 
-__all__ = ["why_whole", "whole_image_ops", "stream_kind", "windowed_text"]
+__all__ = ["why_whole", "whole_image_ops", "stream_kind", "windowed_text", "pass_prefixes"]
 
 _STAT_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm)
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -166,6 +166,13 @@ def whole_image_ops(gm: fx.GraphModule, shapes: Mapping[str, Sequence[int] | Non
     spatial dims) and whose result depends on the whole image. ``pass`` is the statistics pass
     that gathers its whole-image statistics when the image streams in windows ([Note: whole-image
     ops]), 0 for an op that is computed over each window instead."""
+    return _classify(gm, shapes, nd)[0]
+
+
+def _classify(gm: fx.GraphModule, shapes: Mapping[str, Sequence[int] | None], nd: int
+              ) -> tuple[list[dict[str, Any]], set[str], set[str]]:
+    """(:func:`whole_image_ops`, the image values derived from the input, those computed from
+    streamed poolings only)."""
     rules = spatial_rules(gm)
     image: set[str] = set()
     depth: dict[str, int] = {}  # the deepest statistics pass a node's value waits for
@@ -202,4 +209,30 @@ def whole_image_ops(gm: fx.GraphModule, shapes: Mapping[str, Sequence[int] | Non
             pooled.add(node.name)
         if spatial:
             image.add(node.name)
-    return out
+    return out, image, pooled
+
+
+def pass_prefixes(gm: fx.GraphModule, shapes: Mapping[str, Sequence[int] | None], nd: int
+                  ) -> tuple[list[dict[str, Any]], dict[str, frozenset[int]]]:
+    """(:func:`whole_image_ops`, the statistics passes that need each image value of ``gm``). A
+    statistics pass runs only the prefix of the network its ops read: an image value (computed
+    from the input's pixels, not from a pooled value) that no op of the pass reads, directly or
+    through other nodes, is zeros there ([Note: statistics passes])."""
+    ops, image, pooled = _classify(gm, shapes, nd)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    needed: dict[str, set[int]] = {}
+    for op in ops:
+        k = int(op["pass"])
+        if not k:
+            continue
+        stack, seen = [by_name[str(op["node"])]], {str(op["node"])}
+        while stack:
+            n = stack.pop()
+            for a in n.all_input_nodes:
+                if a.name not in seen:
+                    seen.add(a.name)
+                    stack.append(a)
+        for name in seen:
+            needed.setdefault(name, set()).add(k)
+    return ops, {name: frozenset(needed.get(name, ())) for name in image - pooled
+                 if by_name[name].op not in ("placeholder", "get_attr")}

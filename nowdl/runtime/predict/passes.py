@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.predict.statistics import Statistics, StatOp, norm_affine
@@ -74,8 +75,10 @@ class StatisticsPasses:
     the statistics of its ops, earlier ones apply theirs; ``passes + 1``: the writing pass.
     """
 
-    def __init__(self, ops: Sequence[StatOp], device: torch.device) -> None:
+    def __init__(self, ops: Sequence[StatOp], device: torch.device,
+                 prefix: Sequence[tuple[str, Sequence[int], Sequence[int]]] = ()) -> None:
         self.ops = {o.node: o for o in ops}
+        self.skips = {name: (frozenset(ks), tuple(shape)) for name, ks, shape in prefix}
         self.passes = max((o.stat_pass for o in ops), default=0)
         self.device = device
         self.current = 0
@@ -91,7 +94,7 @@ class StatisticsPasses:
         self.unhooked = [n for st in engine.plan.stages if st.tiles_per_gpu > 1 for n in st.nodes if n in self.ops]
         for rep, s in engine.held:
             gm: fx.GraphModule = engine.stages[s].module
-            mine = [n for n in gm.graph.nodes if n.name in self.ops]
+            mine = [n for n in gm.graph.nodes if n.name in self.ops or n.name in self.skips]
             tiled = engine.tiled.get((rep, s))
             if tiled is not None and tiled.sequential is not None:
                 continue
@@ -119,8 +122,16 @@ class StatisticsPasses:
             grid: TileGrid | None, original: Callable[[], Any]) -> Any:
         """One call of op ``name`` on ``args[0]`` (a window, or this rank's tile of it when ``grid``):
         as the window alone computes it, gathering its statistics, or with the whole image's."""
-        op = self.ops[name]
-        if self.current == 0 or op.stat_pass > self.current:
+        skip = self.skips.get(name)
+        if skip is not None and 0 < self.current <= self.passes and self.current not in skip[0]:
+            shape = skip[1]  # a value this statistics pass does not need: zeros
+            like = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
+            if grid is None:
+                return like.new_zeros(shape)
+            out = grid.with_shape(shape[2:])
+            return like.new_zeros((*shape[:2], *out.tile_shape())), out
+        op = self.ops.get(name)
+        if op is None or self.current == 0 or op.stat_pass > self.current:
             return original()
         x = args[0]
         if op.stat_pass == self.current:
@@ -203,7 +214,7 @@ def gather_statistics(runner: Any, spatial: Sequence[int], windows: Sequence[Win
     engine = runner._window_engine(read(windows[0]))
     passes: StatisticsPasses | None = getattr(engine, "statistics", None)
     if passes is None:
-        passes = StatisticsPasses(reach.stat_ops, engine.device)
+        passes = StatisticsPasses(reach.stat_ops, engine.device, reach.prefix)
         passes.install(engine)
         engine.statistics = passes
     t0 = time.perf_counter()

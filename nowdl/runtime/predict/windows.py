@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial.tileable import spatial_rules
-from nowdl.partitioner.spatial.whole_image import whole_image_ops
+from nowdl.partitioner.spatial.whole_image import pass_prefixes
 from nowdl.runtime.predict.statistics import StatOp, stat_op
 
 __all__ = ["Reach", "Window", "network_reach", "layout_windows"]
@@ -46,6 +46,8 @@ class Reach:
             image; pass 0: computed over each window when the image streams in several.
         out_channels: channels of the output (classes of a segmentation).
         stat_ops: what the statistics passes gather, one per op of a pass > 0.
+        prefix: ``(node, passes that need it, its output shape)`` for each image value some
+            statistics pass does not need (it is zeros there).
     """
 
     margin: tuple[int, ...]
@@ -54,6 +56,7 @@ class Reach:
     whole: tuple[tuple[str, str, str, int], ...] = ()
     out_channels: int = 1
     stat_ops: tuple[StatOp, ...] = ()
+    prefix: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
 
     @property
     def passes(self) -> int:
@@ -110,7 +113,7 @@ def network_reach(gm: fx.GraphModule, example: torch.Tensor) -> Reach:
     _shapes(gm, example)
     rules = spatial_rules(gm)
     shapes = {n.name: _shape(n) for n in gm.graph.nodes}
-    ops = whole_image_ops(gm, shapes, nd)
+    ops, needed = pass_prefixes(gm, shapes, nd)
     by_name = {n.name: n for n in gm.graph.nodes}
     pooled = {o["node"] for o in ops if o["kind"] == "global pooling"}  # whole values: no margin
     size_in = tuple(int(s) for s in example.shape[2:])
@@ -157,8 +160,10 @@ def network_reach(gm: fx.GraphModule, example: torch.Tensor) -> Reach:
         if o["pass"]:
             first = by_name[o["node"]].all_input_nodes[0]
             stat.append(stat_op(gm, by_name[o["node"]], o["pass"], shapes[first.name] or ()))
+    passes = max((o["pass"] for o in ops), default=0)
+    prefix = tuple((name, tuple(sorted(ks)), shapes[name] or ()) for name, ks in needed.items() if len(ks) < passes)
     return Reach(margin=marg, align=tuple(align), scale=sc, out_channels=int(shape[1]), stat_ops=tuple(stat),
-                 whole=tuple((o["node"], o["op"], o["kind"], o["pass"]) for o in ops))
+                 prefix=prefix, whole=tuple((o["node"], o["op"], o["kind"], o["pass"]) for o in ops))
 
 
 @dataclass(frozen=True)
