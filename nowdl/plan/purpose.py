@@ -64,7 +64,8 @@ def format_whole_image_ops(plan: Plan) -> str:
     cost = ""
     if passes.get("passes"):
         cost = (f"; streamed in several windows: {passes['passes']} statistics pass(es) before the writing pass, each "
-                f"a forward of every window: +{float(passes.get('seconds_per_window', 0.0)):.3g} s per window (predicted)")
+                f"over every window the part of the forward its ops read: "
+                f"+{float(passes.get('seconds_per_window', 0.0)):.3g} s per window (predicted)")
     lines = [f"whole-image ops: {len(ops)}, {len(ops) - len(inexact)} exact when streamed, {len(inexact)} not "
              f"(exact on one window that covers the image{cost})"]
     for op in ops:

@@ -178,7 +178,7 @@ class StatisticsPasses:
         self._window = (window, tuple(int(s) for s in image))
 
     def finish(self, k: int, image: Sequence[int]) -> None:
-        ops = [o for o in self.ops.values() if o.stat_pass == k]
+        ops = [o for o in self.ops.values() if o.stat_pass == k and o.node not in self.unhooked]
         self.stats.finish(ops, {o.node: self.lengths(o, image) for o in ops}, self.device)
 
 
