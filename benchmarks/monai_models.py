@@ -254,6 +254,14 @@ OUTSIDE = [
     "  whole on 2 tiles; 3 Adam steps in float64 on 4 gloo ranks match one process on a 4-stage",
     "  pipeline (Δloss 0, Δweights 0) and on 2 stages of 2 depth slabs each (Δloss 3e-15, Δweights",
     "  3e-10).",
+    "* **segmentation_models_pytorch, torchvision and timm** (`pip install 'nowdl[zoo]'`): smp's UNet, UNet++,",
+    "  FPN and DeepLabV3+ on a ResNet-34 and on a timm ConvNeXt encoder, torchvision's FCN and DeepLabV3",
+    '  (ResNet-50) and a timm ResNet-18 classifier, with random weights: plans, exact float64 training,',
+    '  whole-net tiling and prediction in `docs/results/zoo_models.md` (`benchmarks/zoo_models.py`, tested by',
+    "  `tests/test_zoo_coverage.py`). Sizes read off a tile are the whole image's and average pooling is",
+    "  reduced over the tiles, so smp's UNet, FPN and DeepLabV3+ and torchvision's FCN run whole on tiles",
+    "  (docs/spatial.md). A BatchNorm that sees one value per channel at batch 1 (DeepLabV3's ASPP",
+    '  pooling branch) is named, and training plans take micro-batches of 2 samples or more for it.',
 ]
 
 

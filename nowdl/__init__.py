@@ -12,7 +12,14 @@ readers and matplotlib load on first use.
 from typing import TYPE_CHECKING
 
 from nowdl import models
-from nowdl.errors import InfeasibleError, NowdlError, PlanError, ProfileError, TraceError
+from nowdl.errors import (
+    InfeasibleError,
+    NowdlError,
+    OneSampleNormError,
+    PlanError,
+    ProfileError,
+    TraceError,
+)
 from nowdl.lazy import lazy_exports
 
 if TYPE_CHECKING:
@@ -28,7 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "compile", "CompiledModel", "PlannerOptions", "Plan", "TiledInput", "profile", "models", "data",
-    "NowdlError", "TraceError", "ProfileError", "PlanError", "InfeasibleError", "__version__",
+    "NowdlError", "TraceError", "OneSampleNormError", "ProfileError", "PlanError", "InfeasibleError", "__version__",
 ]
 
 __getattr__ = lazy_exports(__name__, {

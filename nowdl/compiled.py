@@ -20,6 +20,7 @@ from nowdl.optimizers import optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
 from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.config.reserve import memory_reserve
+from nowdl.partitioner.config.two_samples import plans_two_samples
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.inference import inference_profile, inference_request, mark_inference
 from nowdl.partitioner.costs.levers import host_share
@@ -27,8 +28,7 @@ from nowdl.partitioner.costs.tied import tied_nodes
 from nowdl.partitioner.placement.layout import request_topology
 from nowdl.partitioner.search.best_plan import build_plan, timed_search
 from nowdl.partitioner.search.halo_fusion import fusion as halo_fusion
-from nowdl.partitioner.spatial.tileable import spatial_rules
-from nowdl.partitioner.spatial.whole_image import whole_image_ops
+from nowdl.partitioner.spatial import pooled_groups, spatial_rules
 from nowdl.plan.plan import Plan, format_bytes
 from nowdl.plan.purpose import is_inference, require_inference, require_training
 from nowdl.profiler.cost import Profile
@@ -159,6 +159,7 @@ class CompiledModel:
             spec = local_gpu_spec()
         return spec if not isinstance(spec, (str, os.PathLike)) else get_device_spec(spec)
 
+    @plans_two_samples  # [Note: one-sample norms]: micro-batches of 2 samples or more
     def plan(self, *example_inputs: torch.Tensor, target: torch.Tensor | None = None, train: bool = True,
              single: bool = False) -> Plan:
         """Plan for one micro-batch shaped like ``example_inputs`` (no process group needed);
@@ -241,8 +242,8 @@ class CompiledModel:
         cap = req.gpu_memory if req.gpu_memory is not None else getattr(spec, "memory_bytes", None)
         reserve = memory_reserve(spec, req.gpus) if cap is not None and isinstance(spec, DeviceSpec) else {}
         budget = None if cap is None else cap - sum(reserve.values())  # [Note: memory reserve]
-        costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=float(spec.link_bw), mem_cap=budget,
-                      tied=tied_nodes(t.gm), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
+        costs = Costs(profile=prof, rules=(rules := spatial_rules(t.gm, prof.out_ranks())), link_bw=float(spec.link_bw), mem_cap=budget,
+                      tied=tied_nodes(t.gm, pooled_groups(t.gm, rules, prof.out_ranks())), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
                       host_memory=host_share(spec, self._spec_arg()), host_link_bw=getattr(spec, "host_link_bw", None),
                       tile_op_s=getattr(spec, "tile_op_s", None), tile_op_bwd_s=getattr(spec, "tile_op_bwd_s", None),
                       recompute_tensor_s=getattr(spec, "recompute_tensor_s", None) or 0.0)
@@ -291,9 +292,7 @@ class CompiledModel:
             plan.config["reserve"] = reserve
         plan.config["precision"] = self.precision
         if not train:
-            mark_inference(plan)
-            plan.config["whole_image_ops"] = whole_image_ops(  # [Note: whole-image ops]
-                t.gm, {n.name: n.out_shape for n in prof.nodes}, len(key[0]) - 2)
+            mark_inference(plan, t.gm, prof)  # and its whole-image ops: [Note: whole-image ops]
         # where plan() spent its time (trace includes the eager check; 0 when cached)
         plan.solver["timing"] = {"trace_s": round(t1 - t0, 3), "profile_s": round(t2 - t1, 3),
                                  "search_s": round(secs, 3), "total_s": round(time.perf_counter() - t0, 3)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NowdlError", "TraceError", "PlanError", "InfeasibleError", "ProfileError", "ReportedError", "error_text"]
+__all__ = ["NowdlError", "TraceError", "OneSampleNormError", "PlanError", "InfeasibleError", "ProfileError", "ReportedError", "error_text"]
 
 
 class NowdlError(ValueError):
@@ -16,6 +16,13 @@ class NowdlError(ValueError):
 
 class TraceError(NowdlError):
     """The model could not be traced, or the traced graph disagrees with the model."""
+
+
+class OneSampleNormError(TraceError):
+    """A BatchNorm sees one value per channel in training (a batch of 1 after global pooling):
+    ``node`` names it; the fix is 2 or more samples per micro-batch, or eval-mode norms."""
+
+    node: str = ""
 
 
 class ProfileError(NowdlError):

@@ -8,8 +8,6 @@ that depends on the tensors' data (``x.item()``) is refused with advice.
 
 from __future__ import annotations
 
-import math
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,33 +16,9 @@ import torch.fx as fx
 
 from nowdl.errors import NowdlError
 from nowdl.plan.plan import Plan
+from nowdl.trace.metadata import metadata_nodes
 
 __all__: list[str] = []  # private helpers of nowdl.codegen.stage
-
-
-# Attributes and methods that read a tensor's metadata, never its values.
-_META_ATTRS = frozenset({"shape", "ndim", "dtype", "device", "is_cuda", "layout"})
-_META_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "get_device"})
-_SCALAR_FUNCS: frozenset[Any] = frozenset({
-    operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
-    operator.mod, operator.neg, operator.pow, len, int, float, max, min, math.prod, math.floor, math.ceil,
-})
-
-
-def _from_metadata(node: fx.Node, seen: dict[str, bool]) -> bool:
-    """True when ``node``'s value depends on tensors only through their shape, dtype or device."""
-    if node.name in seen:
-        return seen[node.name]
-    if node.op == "call_function" and node.target is getattr:
-        ok = len(node.args) > 1 and node.args[1] in _META_ATTRS
-    elif node.op == "call_method" and node.target in _META_METHODS:
-        ok = True
-    elif node.op == "call_function" and node.target in _SCALAR_FUNCS:
-        ok = all(_from_metadata(a, seen) for a in node.all_input_nodes)
-    else:
-        ok = False
-    seen[node.name] = ok
-    return ok
 
 
 def _fold_scalars(gm: fx.GraphModule, plan: Plan, crossing: list[fx.Node]) -> dict[str, Any]:
@@ -64,14 +38,14 @@ def _fold_scalars(gm: fx.GraphModule, plan: Plan, crossing: list[fx.Node]) -> di
         return {}
     values = _fake_values(gm, plan, {n.name for n in maybe})
     out: dict[str, Any] = {}
-    seen: dict[str, bool] = {}
+    meta = metadata_nodes(gm)
     for n in maybe:
         v = values.get(n.name)
         if isinstance(v, torch.Tensor):
             continue
         leaves = v if isinstance(v, (tuple, list)) else (v,)
         if (isinstance(v, _DataDependent) or any(isinstance(t, torch.Tensor) for t in leaves)
-                or not _from_metadata(n, seen)):
+                or n.name not in meta):
             what = "a value that depends on the tensors' data" if isinstance(v, _DataDependent) else \
                 f"a {type(v).__name__}, not a tensor,"
             raise NowdlError(

@@ -1,5 +1,6 @@
 """What a plan is for: training (the default) or inference (``config["inference"]: true``), and
-the ops an inference plan records as depending on the whole image (``config["whole_image_ops"]``).
+the ops an inference plan records as depending on the whole image (``config["whole_image_ops"]``,
+with the statistics passes streaming needs: ``config["statistics_passes"]``).
 
 An inference plan counts no gradients, optimizer state or saved activations and its schedule
 has no backward ([Note: inference memory] in partitioner/costs/inference.py), so it cannot
@@ -58,8 +59,15 @@ def format_whole_image_ops(plan: Plan) -> str:
                 "--inference to list them")
     if not ops:
         return "whole-image ops: none (every output pixel depends on a bounded neighbourhood: windows are exact)"
-    lines = [f"whole-image ops: {len(ops)} (exact on one window that covers the image; when predict streams an "
-             "image in several windows:)"]
+    passes = plan.config.get("statistics_passes") or {}
+    inexact = [op for op in ops if not op.get("pass", 0)]
+    cost = ""
+    if passes.get("passes"):
+        cost = (f"; streamed in several windows: {passes['passes']} statistics pass(es) before the writing pass, each "
+                f"over every window the part of the forward its ops read: "
+                f"+{float(passes.get('seconds_per_window', 0.0)):.3g} s per window (predicted)")
+    lines = [f"whole-image ops: {len(ops)}, {len(ops) - len(inexact)} exact when streamed, {len(inexact)} not "
+             f"(exact on one window that covers the image{cost})"]
     for op in ops:
         lines.append(f"  {op.get('node')} ({op.get('op')}, {op.get('kind')}): {op.get('windowed')}")
     return "\n".join(lines)

@@ -37,6 +37,7 @@ from nowdl.trace.check import (
 )
 from nowdl.trace.deadcode import drop_dead_code
 from nowdl.trace.functional import functionalize
+from nowdl.trace.norm_batch import one_sample_norm_error
 from nowdl.trace.sizes import size_refusal
 from nowdl.trace.where import _first_line, _refused_by_model, _user_frame, _where
 
@@ -244,11 +245,30 @@ def trace(
     Raises:
         TraceError: neither tracer gives a graph equal to the model; the message names the
             module, the source line and what to try.
+        OneSampleNormError: a BatchNorm sees one value per channel in training (a batch of 1
+            after global pooling): the message names it and the fixes.
 
     Example:
         >>> t = trace(MyNet(), (torch.randn(1, 3, 64, 64),))
         >>> t.gm.graph.print_tabular()
     """
+    try:
+        return _trace(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
+    except TraceError as e:  # a BatchNorm of one value per channel: say so ([Note: one-sample norms])
+        one = one_sample_norm_error(model, tuple(example_inputs), e)
+        if one is None:
+            raise
+        raise one from e
+
+
+def _trace(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    leaf_modules: Sequence[type | str] = (),
+    tracer: str = "auto",
+) -> Traced:
+    """:func:`trace` itself, before a BatchNorm of one value per channel is named."""
     if tracer not in ("auto", "fx", "export"):
         raise TraceError(f"unknown tracer {tracer!r}: use 'auto', 'fx' or 'export'")
     if not isinstance(model, nn.Module):

@@ -48,19 +48,20 @@ def test_inference_plan_records_the_ops_network_reach_names() -> None:
     plan = _plan(net, (1, 1, 64, 64))
     ops = plan.config["whole_image_ops"]
     assert ops and all(o["op"] == "InstanceNorm2d" and o["kind"] == "instance/group norm statistics" for o in ops)
-    assert all("statistics over each window" in o["windowed"] for o in ops)
+    assert [o["pass"] for o in ops] == [1, 2, 3, 4, 5, 6]  # a chain: one statistics pass each
+    assert all(o["windowed"].startswith("exact: whole-image statistics") for o in ops)
     example = torch.empty(1, 1, 64, 64)
     reach = network_reach(nowdl.compile(net.eval(), gpus=1, mode="estimate", cache=False,
                                         progress=False).trace(example).gm, example)
-    assert [o["node"] for o in ops] == [n for n, _ in reach.whole]  # one list, two readers
+    assert [(o["node"], o["pass"]) for o in ops] == [(n, p) for n, _, _, p in reach.whole]  # one list, two readers
     again = Plan.from_json(plan.to_json())
     assert again.config["whole_image_ops"] == ops
 
 
 def test_group_norm_and_global_pooling_named_bounded_networks_empty() -> None:
     ops = _plan(_Pooled(), (1, 1, 32, 32)).config["whole_image_ops"]
-    assert [(o["op"], o["kind"]) for o in ops] == [("GroupNorm", "instance/group norm statistics"),
-                                                  ("AdaptiveAvgPool2d", "global pooling")]
+    assert [(o["op"], o["kind"], o["pass"]) for o in ops] == [("GroupNorm", "instance/group norm statistics", 1),
+                                                             ("AdaptiveAvgPool2d", "global pooling", 2)]
     torch.manual_seed(0)
     plan = _plan(nowdl.models.unet(1, 2, depth=2, base_width=4), (1, 1, 32, 32))  # BatchNorm, eval: running stats
     assert plan.config["whole_image_ops"] == []
@@ -78,7 +79,8 @@ def test_show_prints_them_and_an_older_plan_still_loads(tmp_path: Path, capsys: 
     assert main(["show", str(out)]) == 0
     shown = capsys.readouterr().out
     n = len(json.loads(out.read_text())["config"]["whole_image_ops"])
-    assert f"whole-image ops: {n} " in shown and "InstanceNorm2d, instance/group norm statistics" in shown
+    assert f"whole-image ops: {n}, {n} exact when streamed, 0 not" in shown and f"{n} statistics pass(es)" in shown
+    assert "InstanceNorm2d, instance/group norm statistics): exact: whole-image statistics" in shown
     old = json.loads(out.read_text())
     del old["config"]["whole_image_ops"]  # a plan made before the field
     out.write_text(json.dumps(old))

@@ -58,13 +58,14 @@ class PlanRequest:
     offload: LeverSetting = "auto"
     tiles_per_gpu: int | None = None  # tiles each GPU of a spatial stage runs in turn (None: searched)
     micro_batch_size: int | None = None  # samples per micro-batch with a global batch (None: searched)
+    min_micro_batch: int = 1  # fewest samples per micro-batch ([Note: one-sample norms]: 2 for such nets)
 
     def __post_init__(self) -> None:
         _pos_int("gpus", self.gpus, allow_none=False)
         if self.balance not in BALANCES:
             raise NowdlError(f"unknown balance {self.balance!r}: use 'memory' (smallest peak memory per GPU) or 'compute' (fastest stage time)")
         for name in ("stages", "micro_batches", "replicas", "dp", "global_batch", "nodes", "gpus_per_node",
-                     "tiles_per_gpu", "micro_batch_size"):
+                     "tiles_per_gpu", "micro_batch_size", "min_micro_batch"):
             _pos_int(name, getattr(self, name))
         if isinstance(self.spatial_parts, (list, tuple)):
             sp = tuple(self.spatial_parts)
@@ -299,11 +300,11 @@ def batch_splits(req: PlanRequest, rep: int, dp: int, micro_batch: int, mbs: Seq
     per, rest = divmod(req.global_batch, rep * dp)
     if rest or per < 1:
         return []
-    sizes = [b for b in range(1, per + 1) if per % b == 0]
+    sizes = [b for b in range(req.min_micro_batch, per + 1) if per % b == 0]
     if req.micro_batch_size is not None:
         sizes = [b for b in sizes if b == req.micro_batch_size]
-    elif not req.micro_batches:  # [Note: micro-batch size] in search/batch_split.py: the example's size
-        sizes = [max(b for b in sizes if b <= micro_batch)]
+    elif not req.micro_batches and sizes:  # [Note: micro-batch size] in search/batch_split.py: the example's size
+        sizes = [max([b for b in sizes if b <= micro_batch] or sizes[:1])]
     return [(per // b, b) for b in sizes if not req.micro_batches or per // b == req.micro_batches]
 
 

@@ -19,6 +19,12 @@ tensors. :func:`inference_stages` sets what a forward-only schedule holds of bou
 the next micro-batch's receive posted ahead (``RECV_LOOKAHEAD``) and one pending send; no
 long-skip gradient waits. The gradient all-reduce of data-parallel copies costs nothing (the
 ``Costs.inference`` flag, read by ``grad_sync_s``).
+
+An inference plan also records the ops that depend on the whole image
+(:func:`record_whole_image_ops`, [Note: whole-image ops]) and what streaming an image in several
+windows costs on top of the writing pass: ``config.statistics_passes``, the statistics passes
+(the deepest op's pass), each the prefix of one window's forward (``predicted.step_s``) that its
+ops read, per window ([Note: statistics passes] in runtime/predict/passes.py).
 """
 
 from __future__ import annotations
@@ -26,15 +32,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import torch.fx as fx
+
 from nowdl.errors import NowdlError
 from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.costs.problem import StageSpec
+from nowdl.partitioner.spatial.whole_image import pass_prefixes
 from nowdl.plan.plan import Plan
 from nowdl.profiler.cost import NodeCost, Profile
 from nowdl.schedule.actions import FORWARD_ONLY
 from nowdl.schedule.orders import RECV_LOOKAHEAD
 
-__all__ = ["live_bytes", "grad_live_bytes", "inference_profile", "inference_stages", "inference_request", "mark_inference"]
+__all__ = ["live_bytes", "grad_live_bytes", "inference_profile", "inference_stages", "inference_request", "mark_inference",
+           "record_whole_image_ops"]
 
 _NOT_ACTIVATIONS = ("get_attr", "output")
 
@@ -143,8 +153,9 @@ def inference_request(req: PlanRequest) -> PlanRequest:
                                micro_batches=req.micro_batches or 1)
 
 
-def mark_inference(plan: Plan) -> None:
-    """Record in ``plan`` that it is an inference plan with a forward-only schedule."""
+def mark_inference(plan: Plan, gm: fx.GraphModule | None = None, prof: Profile | None = None) -> None:
+    """Record in ``plan`` that it is an inference plan with a forward-only schedule, and, given the
+    graph and profile it was made from, its whole-image ops (:func:`record_whole_image_ops`)."""
     plan.config["inference"] = True
     plan.profile["optimizer"] = "inference"
     plan.config["schedule"] = FORWARD_ONLY
@@ -156,3 +167,24 @@ def mark_inference(plan: Plan) -> None:
     for st in plan.stages:
         if isinstance(st.predicted, dict) and "inflight" in st.predicted:
             st.predicted["inflight"] = 1.0
+    if gm is not None and prof is not None:
+        record_whole_image_ops(plan, gm, prof)
+
+
+def record_whole_image_ops(plan: Plan, gm: fx.GraphModule, prof: Profile) -> None:
+    """Record in an inference ``plan`` the ops of ``gm`` that depend on the whole image
+    (``config.whole_image_ops``) and the statistics passes streaming needs
+    (``config.statistics_passes``): ``passes``; ``forward_s``, one window's forward
+    (``predicted.step_s``); ``prefix``, per pass the share of the forward's node time it runs (the
+    convolutions no op of the pass reads give zeros); ``seconds_per_window``, ``forward_s`` times
+    the sum of ``prefix``: what each window costs on top of its writing pass."""
+    nd = len(plan.model["inputs"][0]) - 2
+    ops, needed = pass_prefixes(gm, {n.name: n.out_shape for n in prof.nodes}, nd)
+    passes = max((int(o["pass"]) for o in ops), default=0)
+    forward = float(plan.predicted.get("step_s", 0.0))
+    total = sum(n.fwd_s for n in prof.nodes)
+    prefix = [1.0 - sum(n.fwd_s for n in prof.nodes if n.name in needed and k not in needed[n.name]) / total
+              if total > 0 else 1.0 for k in range(1, passes + 1)]
+    plan.config["whole_image_ops"] = ops
+    plan.config["statistics_passes"] = {"passes": passes, "forward_s": forward, "prefix": [round(p, 4) for p in prefix],
+                                        "seconds_per_window": forward * sum(prefix)}

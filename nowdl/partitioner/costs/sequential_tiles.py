@@ -64,10 +64,10 @@ def _spatial(shape: Sequence[int] | None) -> list[int]:
 
 
 def image_norms(costs: Costs) -> list[int]:
-    """Indices of the nodes whose statistics span the image (norms), which stages with sequential
-    tiles cannot hold."""
+    """Indices of the nodes whose statistics span the image (norms, and average pooling over the
+    whole image: [Note: whole values on tiles]), which stages with sequential tiles cannot hold."""
     return [i for i, n in enumerate(costs.profile.nodes)
-            if (r := costs.rules.get(n.name)) is not None and r.tileable and r.kind == "norm"]
+            if (r := costs.rules.get(n.name)) is not None and r.tileable and r.kind in ("norm", "pooled")]
 
 
 def margins(costs: Costs) -> list[tuple[float, ...]]:

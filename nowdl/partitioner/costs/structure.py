@@ -274,7 +274,7 @@ def _structural_message(
     tied = next((g for g in problem.tied if v in g), None)
     if tied is not None:
         others = ", ".join(problem.names[u] for u in tied if u != v)
-        why.append(f"it uses a weight shared with {others}, and all of them must share a stage")
+        why.append(f"it must share a stage with {others} (they use one weight, or form a pooled branch)")
     late = [problem.names[u] for u in preds if lo[u] == start]
     before = (
         f"its producer {late[0]} cannot be placed before stage {start}" if late and start > 0 else ""

@@ -1,6 +1,8 @@
-"""Nodes that share a parameter or buffer, and so must share a pipeline stage."""
+"""Nodes that must share a pipeline stage: users of one parameter or buffer, and pooled branches."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import fx
@@ -8,10 +10,11 @@ from torch import fx
 __all__ = ["tied_nodes"]
 
 
-def tied_nodes(gm: fx.GraphModule) -> tuple[tuple[str, ...], ...]:
+def tied_nodes(gm: fx.GraphModule, also: Sequence[Sequence[str]] = ()) -> tuple[tuple[str, ...], ...]:
     """Groups of nodes that use one parameter or buffer (a call_module owning it, or a node
     reading it through get_attr): they must share a stage, since the runtime cannot yet sum
-    a shared weight's gradients across stages."""
+    a shared weight's gradients across stages. ``also``: more groups that must share a stage
+    (pooled branches: [Note: whole values on tiles]); groups that share a node are merged."""
     users: dict[int, list[str]] = {}
     for node in gm.graph.nodes:
         tensors: list[torch.Tensor] = []
@@ -29,6 +32,8 @@ def tied_nodes(gm: fx.GraphModule) -> tuple[tuple[str, ...], ...]:
             for name in names:
                 if name not in users.setdefault(id(t), []):
                     users[id(t)].append(name)
+    for i, grp in enumerate(also):
+        users[-1 - i] = list(dict.fromkeys(grp))
     # merge groups that share a node (a module with two tied weights, say)
     parent: dict[str, str] = {}
 

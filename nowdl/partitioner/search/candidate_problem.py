@@ -29,7 +29,8 @@ def stage_grids(costs: Costs, cand: Candidate) -> list[tuple[int, ...]]:
 
 def too_small(costs: Costs, grid: tuple[int, ...]) -> set[int]:
     """Nodes whose output, cut by ``grid``, leaves a tile with fewer pixels along a cut dim than
-    one (or than the halo the node reads): they cannot run on such tiles."""
+    one (or than the halo the node reads): they cannot run on such tiles. Pooled values are not
+    cut."""
     out = set()
     for i, n in enumerate(costs.profile.nodes):
         sp = list(n.out_shape[2:]) if n.out_shape is not None and len(n.out_shape) >= 3 else []
@@ -37,6 +38,8 @@ def too_small(costs: Costs, grid: tuple[int, ...]) -> set[int]:
             continue
         g = [1] * (len(sp) - len(grid)) + list(grid)[-len(sp):]
         rule = costs.rules.get(n.name)
+        if rule is not None and rule.kind in ("pooled", "whole"):
+            continue  # the same whole value on every tile: [Note: whole values on tiles]
         halo = list(rule.halo) if rule is not None and rule.halo else [0]
         halo += [halo[-1]] * len(sp)
         if any(gi > 1 and size // gi < max(1, h) for size, gi, h in zip(sp, g, halo, strict=False)):

@@ -4,8 +4,9 @@
 from a bounded neighbourhood of input pixels (convolutions, pooling with a fixed window,
 upsampling, elementwise ops, channel concatenation), or from statistics that the tiles can
 reduce together exactly (BatchNorm, InstanceNorm, GroupNorm). Anything that needs the whole
-image at once (global/adaptive pooling, flatten, view, linear, attention, reductions over
-spatial dims, reading a tensor's size) ends the region. Unknown ops are refused: planning a
+image at once (flatten, view, linear, attention, reductions over spatial dims) ends the region;
+sizes read off a tile give the whole image's, and average pooling whose branch comes back to the
+image is reduced over the tiles ([Note: whole values on tiles] in ``whole_values``). Unknown ops are refused: planning a
 spatial region through an op nowdl cannot tile would train a different model.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -22,6 +22,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+
+from nowdl.partitioner.spatial.rule import SpatialRule
+from nowdl.partitioner.spatial.whole_values import whole_value_rules
 
 __all__ = ["SpatialRule", "spatial_rules", "slice_grid", "SLICE_METHODS", "tile_shape", "halo_elements", "convt_reach",
            "UPSAMPLE_REACH"]
@@ -40,19 +43,6 @@ def convt_reach(k: int, s: int, d: int, p: int) -> Fraction:
     before = max(Fraction(o, s) - -(-(o + p - d * (k - 1)) // s) for o in range(s))
     after = max((o + p) // s + 1 - Fraction(o + 1, s) for o in range(s))
     return max(before, after, Fraction(0))
-
-
-@dataclass(frozen=True)
-class SpatialRule:
-    """Whether a node can run on tiles, why not, and the halo (per spatial dim) it reads."""
-
-    tileable: bool
-    reason: str = ""
-    halo: tuple[int, ...] = ()  # extra input pixels needed on each side, per spatial dim
-    kind: str = ""  # conv, pool, upsample, norm, elementwise, concat, io
-    # input pixels an output pixel reads beyond its own footprint, per dim, as sequential tiles'
-    # windows count them ([Note: stage reach] in runtime/spatial/reach.py); () where it is the halo
-    reach: tuple[float, ...] = ()
 
 
 _ELEMENTWISE_MODULES: tuple[type, ...] = (
@@ -161,9 +151,13 @@ def _aten_rule(node: fx.Node, op: torch._ops.OpOverload) -> SpatialRule:
     if op is torch.ops.aten.repeat.default:
         return _repeat_rule(node, name)
     if op in _ATEN_UPSAMPLE:
-        if aten_upsample_scales(node) is not None:
+        sizes, scales = (list(node.args[1:]) + [None] * 3)[0], node.args[-1] if len(node.args) > 2 else None
+        if aten_upsample_scales(node) is not None or any(
+                isinstance(v, (list, tuple)) and v and all(isinstance(f, (int, float)) and float(f).is_integer() for f in v)
+                for v in (sizes, scales)):
+            # by whole scales or to the traced (whole) size, which each tile's part is cut from, align_corners too
             return SpatialRule(True, "", () if "nearest" in name else (1,), "upsample", UPSAMPLE_REACH)
-        return SpatialRule(False, f"{name} to a fixed output size is not tiled (a scale factor is)")
+        return SpatialRule(False, f"{name} to a computed output size is not tiled (a scale factor or a fixed size is)")
     if op is torch.ops.aten._to_copy.default and node.kwargs.get("device") is not None:
         return SpatialRule(False, f"{name} to another device is not tiled")
     if torch.Tag.pointwise in op.tags or op in _ATEN_COPIES:
@@ -289,6 +283,7 @@ def spatial_rules(gm: fx.GraphModule, ranks: Mapping[str, int] | None = None) ->
                 out[node.name] = SpatialRule(False, f"tensor.{node.target}() needs the whole tensor (it ends a spatial region)")
         else:  # pragma: no cover - fx has no other ops
             out[node.name] = SpatialRule(False, f"fx op {node.op}")
+    out.update(whole_value_rules(gm, out, ranks))  # sizes and pooled branches: [Note: whole values on tiles]
     return out
 
 

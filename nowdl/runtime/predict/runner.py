@@ -39,6 +39,7 @@ from nowdl.runtime.launch import faults
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.predict.agreement import Writes, guard, rank_world
 from nowdl.runtime.predict.memory import WindowGuard, with_gpu_memory
+from nowdl.runtime.predict.passes import gather_statistics
 from nowdl.runtime.predict.shares import chunk_share, tile_piece, window_piece
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.windows import Reach, Window, layout_windows, network_reach
@@ -275,9 +276,16 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
         win = _window_shape(cm, image, window)
         reach = _reach(cm, image.shape[0], win)
         layouts.append((layout_windows(image.spatial, win, reach), reach, win))
-    total = sum(len(w) for w, _, _ in layouts)
+    total = sum(len(w) * (1 + (r.passes if len(w) > 1 else 0)) for w, r, _ in layouts)
     done, t0 = 0, time.perf_counter()
     writes, watcher = Writes(), WindowGuard(rank, world)
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if on_window is not None:
+            on_window(done, total)
+
     try:
         for image, target, (wins, reach, win) in zip(images, targets, layouts, strict=True):
             levels = _create_store(target, image.spatial, reach, output, rank)
@@ -288,6 +296,8 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
 
                 mask = NodataMask(image, reach.scale, output_nodata(output, reach.out_channels))
             runner = _runner_for(cm, win, timeout_s, backend, weights, watcher.gpu_memory)
+            read = functools.partial(_image_input, image, normalize=normalize)
+            passes = gather_statistics(runner, image.spatial, wins, reach, read, tick)  # [Note: statistics passes]
             for i, w in enumerate(wins):
                 watch = measure_memory and watcher.watching(runner)  # [Note: re-plan on memory]
                 out, peak = runner.run_window(_image_input(image, w, normalize),
@@ -302,16 +312,16 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
                     share = chunk_share(core_out, store.chunks[1:], part, parts) if out is not None else None
                     piece = window_piece(share, out, w, reach.scale)
                 writes.submit(functools.partial(_write_share, store, share, piece, output, mask), str(target.work))
-                done += 1
+                tick()
                 if watch and peak is not None and i + 1 < len(wins) and watcher.check(
                         runner, peak, done, _image_input(image, wins[i + 1], normalize)):
                     summary.peak = None  # the summary reports the new plan's peaks
-                if on_window is not None:
-                    on_window(done, total)
+                    # the new plan's engine gathers the image's statistics again before it writes on
+                    passes = gather_statistics(runner, image.spatial, wins, reach, read) or passes
             writes.wait()
             for k in range(1, levels):
                 guard(functools.partial(build_level, target.work, k, output == "argmax", rank, world), str(target.work))
-            summary.add_image(image.spatial, len(wins), reach, runner.plan, rank)
+            summary.add_image(image.spatial, len(wins), reach, runner.plan, rank, passes)
     finally:
         writes.close()
     summary.seconds, summary.notes = time.perf_counter() - t0, watcher.notes

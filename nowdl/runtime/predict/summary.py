@@ -33,6 +33,9 @@ class PredictSummary:
     seconds: float = 0.0
     margin: tuple[int, ...] = ()
     approximate: str = ""
+    streamed: str = ""
+    passes: int = 0
+    pass_seconds: float = 0.0
     peak: int | None = None
     predicted: int | None = None
     peak_bytes: list[int | None] = field(default_factory=list)
@@ -43,13 +46,20 @@ class PredictSummary:
         if peak is not None:
             self.peak = max(self.peak or 0, peak)
 
-    def add_image(self, spatial: Sequence[int], windows: int, reach: Reach, plan: Plan | None, rank: int) -> None:
+    def add_image(self, spatial: Sequence[int], windows: int, reach: Reach, plan: Plan | None, rank: int,
+                  passes: Any = None) -> None:
+        """Count one image of ``windows`` windows; ``passes``: its statistics passes (or None)."""
         self.images += 1
         self.pixels += math.prod(spatial)
         self.windows += windows
         self.margin = reach.margin
         if windows > 1 and reach.whole:
-            self.approximate = reach.whole_text()
+            unhooked = passes.unhooked if passes is not None else ()
+            self.approximate = reach.whole_text(also=unhooked) or self.approximate
+            self.streamed = reach.whole_text(exact=True, also=unhooked) or self.streamed
+        if passes is not None:
+            self.passes = max(self.passes, passes.passes)
+            self.pass_seconds += passes.seconds
         if plan is not None and rank < len(plan.ranks):
             self.predicted = max(self.predicted or 0, int(plan.ranks[rank].predicted_peak_bytes))
 
@@ -69,7 +79,9 @@ class PredictSummary:
         mem = ", ".join(f"{format_bytes(p) if p is not None else '?'}"
                         + (f" (plan {format_bytes(q)})" if q is not None else "")
                         for p, q in zip(self.peak_bytes, self.predicted_bytes, strict=True))
-        how = ("exact (margin " + "x".join(map(str, self.margin)) + " px)" if not self.approximate else
-               f"NOT exact: statistics over each window for {self.approximate}")
+        stats = (f"; {self.passes} statistics pass(es) over the windows for {self.streamed}, "
+                 f"{self.pass_seconds:.1f} s" if self.passes else "")
+        how = ("exact (margin " + "x".join(map(str, self.margin)) + f" px{stats})" if not self.approximate else
+               f"NOT exact: computed over each window for {self.approximate}{stats}")
         return (f"predicted {self.images} image(s), {self.pixels / 1e6:.2f} Mpixel in {self.seconds:.1f} s "
                 f"({rate:.2f} Mpixel/s), {self.windows} window(s), {how}; peak memory per rank: {mem}")

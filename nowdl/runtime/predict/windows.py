@@ -9,11 +9,13 @@ exactly as the whole-image forward does. Window starts are multiples of the netw
 stride (``align``), so its pooling grid lines up with the whole image's.
 
 Ops whose result depends on the whole image cannot be made exact by a margin: InstanceNorm and
-GroupNorm (and BatchNorm in training mode) use statistics over the image, global pooling and
-attention read every pixel. :func:`network_reach` names them (``whole``; the same list an
-inference plan records, [Note: whole-image ops]); predict then computes their statistics over
-the window, and says so in its summary line. With one window covering the whole image nothing
-changes.
+GroupNorm (and BatchNorm without running statistics) use statistics over the image, global
+pooling and attention read every pixel. :func:`network_reach` names them (``whole``; the same
+list an inference plan records, [Note: whole-image ops]) with the statistics pass that gathers
+their whole-image statistics when the image streams in several windows ([Note: statistics
+passes] in ``passes``); the others predict computes over each window, and names in its summary
+line. A pooled value is the same for every window once gathered: it adds no margin. With one
+window covering the whole image nothing changes.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch.fx as fx
 
 from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial.tileable import spatial_rules
-from nowdl.partitioner.spatial.whole_image import why_whole
+from nowdl.partitioner.spatial.whole_image import pass_prefixes
+from nowdl.runtime.predict.statistics import StatOp, stat_op
 
 __all__ = ["Reach", "Window", "network_reach", "layout_windows"]
 
@@ -39,22 +42,40 @@ class Reach:
         margin: input pixels per side, per spatial dim, that a window needs around its core.
         align: window starts must be multiples of this, per spatial dim (the total stride).
         scale: input pixels per output pixel, per spatial dim (1 for a same-size segmentation).
-        whole: ``(node, why)`` for each op whose result depends on the whole image.
+        whole: ``(node, op, kind, statistics pass)`` for each op whose result depends on the whole
+            image; pass 0: computed over each window when the image streams in several.
         out_channels: channels of the output (classes of a segmentation).
+        stat_ops: what the statistics passes gather, one per op of a pass > 0.
+        prefix: ``(node, passes that need it, its output shape)`` for each image value some
+            statistics pass does not need (it is zeros there).
     """
 
     margin: tuple[int, ...]
     align: tuple[int, ...]
     scale: tuple[int, ...]
-    whole: tuple[tuple[str, str], ...] = ()
+    whole: tuple[tuple[str, str, str, int], ...] = ()
     out_channels: int = 1
+    stat_ops: tuple[StatOp, ...] = ()
+    prefix: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
 
-    def whole_text(self) -> str:
-        """``"instance/group norm statistics (3), global pooling (1)"`` or ``""``."""
-        counts: dict[str, int] = {}
-        for _, why in self.whole:
-            counts[why] = counts.get(why, 0) + 1
-        return ", ".join(f"{why} ({n})" for why, n in counts.items())
+    @property
+    def passes(self) -> int:
+        """Statistics passes a streamed image needs before the writing pass."""
+        return max((p for *_, p in self.whole), default=0)
+
+    def whole_text(self, exact: bool = False, also: Sequence[str] = ()) -> str:
+        """The ops computed over each window, by kind and with their nodes: ``"whole-image op (1:
+        up)"``; ``exact``: those gathered in statistics passes instead, counted by kind:
+        ``"instance/group norm statistics (6)"``. ``also``: ops of a pass > 0 that are computed
+        over each window all the same."""
+        counts: dict[str, list[str]] = {}
+        for node, _, kind, p in self.whole:
+            if (p > 0 and node not in also) == exact:
+                counts.setdefault(kind, []).append(node)
+        if exact:
+            return ", ".join(f"{kind} ({len(ns)})" for kind, ns in counts.items())
+        return ", ".join(f"{kind} ({len(ns)}: {', '.join(ns[:3])}{', ...' if len(ns) > 3 else ''})"
+                         for kind, ns in counts.items())
 
 
 def _shapes(gm: fx.GraphModule, example: torch.Tensor) -> None:
@@ -66,6 +87,11 @@ def _shapes(gm: fx.GraphModule, example: torch.Tensor) -> None:
     with mode:
         fake = mode.from_tensor(torch.empty(tuple(example.shape), dtype=example.dtype))
     ShapeProp(gm, fake_mode=mode).propagate(fake)
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    shape = getattr(node.meta.get("tensor_meta"), "shape", None)
+    return tuple(int(s) for s in shape) if shape is not None else None
 
 
 def _spatial(node: object, nd: int) -> tuple[int, ...] | None:
@@ -86,11 +112,14 @@ def network_reach(gm: fx.GraphModule, example: torch.Tensor) -> Reach:
     nd = example.dim() - 2
     _shapes(gm, example)
     rules = spatial_rules(gm)
+    shapes = {n.name: _shape(n) for n in gm.graph.nodes}
+    ops, needed = pass_prefixes(gm, shapes, nd)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    pooled = {o["node"] for o in ops if o["kind"] == "global pooling"}  # whole values: no margin
     size_in = tuple(int(s) for s in example.shape[2:])
     margin: dict[str, list[float]] = {}
     scale: dict[str, list[float]] = {}
     align = [1] * nd
-    whole: list[tuple[str, str]] = []
     out_node: fx.Node | None = None
     for node in gm.graph.nodes:
         sp = _spatial(node, nd)
@@ -103,10 +132,7 @@ def network_reach(gm: fx.GraphModule, example: torch.Tensor) -> Reach:
             continue
         ins = [a for a in node.all_input_nodes if a.name in margin]
         rule = rules[node.name]
-        why = why_whole(gm, node, rule)
-        if why is not None and ins:
-            whole.append((node.name, why))
-        if sp is None or not ins:
+        if sp is None or not ins or node.name in pooled:
             continue
         m_in = [max(margin[a.name][d] for a in ins) for d in range(nd)]
         s_in = [max(scale[a.name][d] for a in ins) for d in range(nd)]
@@ -129,7 +155,15 @@ def network_reach(gm: fx.GraphModule, example: torch.Tensor) -> Reach:
     sc = tuple(max(1, int(round(s))) for s in scale[out.name])
     marg = tuple(math.ceil(max(margin[a.name][d] for a in outs) / align[d]) * align[d] for d in range(nd))
     shape = out.meta["tensor_meta"].shape
-    return Reach(margin=marg, align=tuple(align), scale=sc, whole=tuple(whole), out_channels=int(shape[1]))
+    stat = []
+    for o in ops:
+        if o["pass"]:
+            first = by_name[o["node"]].all_input_nodes[0]
+            stat.append(stat_op(gm, by_name[o["node"]], o["pass"], shapes[first.name] or ()))
+    passes = max((o["pass"] for o in ops), default=0)
+    prefix = tuple((name, tuple(sorted(ks)), shapes[name] or ()) for name, ks in needed.items() if len(ks) < passes)
+    return Reach(margin=marg, align=tuple(align), scale=sc, out_channels=int(shape[1]), stat_ops=tuple(stat),
+                 prefix=prefix, whole=tuple((o["node"], o["op"], o["kind"], o["pass"]) for o in ops))
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from torch import nn
 from nowdl.errors import NowdlError
 from nowdl.geometry import conv_pads, ntuple
 from nowdl.partitioner.spatial.tileable import UPSAMPLE_REACH, aten_upsample_scales, convt_reach
+from nowdl.partitioner.spatial.whole_values import is_global_pool
 from nowdl.runtime.spatial.graph_ops import ATEN_UP, INTERP_ARGS, POOL_ARGS, POOL_FN, bind
 
 __all__ = ["Reach", "stage_reach", "refuse_sequential"]
@@ -67,6 +68,9 @@ class Reach:
 
 def _why_not(gm: fx.GraphModule, node: fx.Node) -> str | None:
     """Why ``node`` cannot run in sequential tiles (None: it can)."""
+    if is_global_pool(gm, node):
+        return ("it averages over the whole image, which sequential tiles would need from every tile before any "
+                "tile goes on (no pooling pass is implemented)")
     if node.op == "call_module":
         m = gm.get_submodule(str(node.target))
         if isinstance(m, _NORMS):
@@ -82,6 +86,9 @@ def _why_not(gm: fx.GraphModule, node: fx.Node) -> str | None:
         if node.target is F.interpolate:
             o = bind(node.args[1:], dict(node.kwargs), INTERP_ARGS)
             return _upsample_why(o.get("size"), o.get("scale_factor"), o.get("align_corners"))
+        if node.target in ATEN_UP:  # to the traced size: whole-pixel alignment only for integer scales
+            linear = ATEN_UP[node.target] != "nearest"
+            return _upsample_why(None, aten_upsample_scales(node), linear and len(node.args) > 2 and node.args[2])
     return None
 
 

@@ -25,7 +25,7 @@ with the data-parallel and MASTER copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
-from nowdl.partitioner.spatial.tileable import aten_upsample_scales, spatial_rules
+from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.runtime.spatial.dispatch import tile_forward
 from nowdl.runtime.spatial.graph_ops import ATEN_UP as _ATEN_UP
 from nowdl.runtime.spatial.graph_ops import INTERP_ARGS as _INTERP_ARGS
@@ -44,6 +44,7 @@ from nowdl.runtime.spatial.graph_ops import POOL_ARGS as _POOL_ARGS
 from nowdl.runtime.spatial.graph_ops import POOL_FN as _POOL_FN
 from nowdl.runtime.spatial.graph_ops import bind as _bind
 from nowdl.runtime.spatial.tiles import TileGrid
+from nowdl.runtime.spatial.whole import pool_node, upsample_whole, whole_upsample, whole_view
 
 __all__ = ["TiledStage", "full_grid"]
 
@@ -91,11 +92,15 @@ class TiledStage:
                 "tiles: re-plan so that the spatial region ends before them (fewer spatial stages, or "
                 "spatial_parts=1)"
             )
+        self._kinds = {name: r.kind for name, r in rules.items()}  # shape, pooled, whole: [Note: whole values on tiles]
         # by call target: a module shared by several paths is listed once by named_modules()
         self._mods = {str(n.target): gm.get_submodule(str(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
         self._chains: dict[str, list[fx.Node]] = {}
         self._skip: set[str] = set()
         self._check_chains(fused)
+        # per node: run it instead of the tiled op, given (args, kwargs, input grids, the tiled op):
+        # predict's statistics passes ([Note: statistics passes] in runtime/predict/passes.py)
+        self.overrides: dict[str, Callable[..., tuple[Any, TileGrid | None]]] = {}
         self.sequential: Any = None
         if tiles_per_gpu > 1:
             from nowdl.runtime.spatial.sequential import SequentialTiles
@@ -197,6 +202,15 @@ class TiledStage:
 
     def _run_node(self, node: fx.Node, env: dict[str, Any], grids: dict[str, TileGrid | None]) -> None:
         """Run one node (a fused chain's head: the whole chain) into ``env`` and ``grids``."""
+        if self._kinds.get(node.name) == "shape":  # sizes read off the whole image, not off the tile
+
+            def seen(a: fx.Node) -> Any:
+                g = grids.get(a.name)
+                return env[a.name] if g is None else whole_view(env[a.name], g)
+
+            env[node.name] = _call(node, fx.node.map_arg(node.args, seen), fx.node.map_arg(node.kwargs, seen))
+            grids[node.name] = None
+            return
         args: Any = fx.node.map_arg(node.args, lambda a: env[a.name])
         kwargs: Any = fx.node.map_arg(node.kwargs, lambda a: env[a.name])
         tiled = [grids[a.name] for a in node.all_input_nodes if grids.get(a.name) is not None]
@@ -212,10 +226,17 @@ class TiledStage:
             yf, gf = fused_forward(mods, args[0], _one(tiled, node), self.group)
             env[chain[-1].name], grids[chain[-1].name] = yf, gf
             return
+        hook = self.overrides.get(node.name)
+        if hook is not None:
+            env[node.name], grids[node.name] = hook(args, kwargs, tiled, lambda: self._run(node, args, kwargs, tiled))
+            return
         env[node.name], grids[node.name] = self._run(node, args, kwargs, tiled)
 
     def _run(self, node: fx.Node, args: Any, kwargs: dict[str, Any],
              tiled: list[TileGrid | None]) -> tuple[Any, TileGrid | None]:
+        kind = self._kinds.get(node.name)
+        if kind == "pooled" or not any(g is not None for g in tiled):
+            return self._run_whole(node, args, kwargs, tiled, kind)
         if node.op == "call_module":
             mod = self._mods[str(node.target)]
             return tile_forward(mod, args[0], _one(tiled, node), self.group)
@@ -229,12 +250,11 @@ class TiledStage:
             opts.pop("antialias", None)
             up = nn.Upsample(**opts)
             return tile_forward(up, args[0], _one(tiled, node), self.group)
-        if node.op == "call_function" and target in _ATEN_UP:
-            scales = aten_upsample_scales(node)
-            if scales is None:  # pragma: no cover - spatial_rules refuses these
-                raise NowdlError(f"node {node.name!r} upsamples to a fixed size: it cannot run on tiles")
-            up = nn.Upsample(scale_factor=scales, mode=_ATEN_UP[target], align_corners=False if _ATEN_UP[target] != "nearest" else None)
-            return tile_forward(up, args[0], _one(tiled, node), self.group)
+        if node.op == "call_function" and target in _ATEN_UP:  # to the traced (whole) size, or by its scales
+            aten_up = whole_upsample(self.stage.module, node, args, kwargs)
+            if aten_up is None:  # pragma: no cover - every ATen upsampling is one
+                raise NowdlError(f"node {node.name!r} is not an upsampling nowdl runs on tiles")
+            return tile_forward(aten_up, args[0], _one(tiled, node), self.group)
         if node.op == "call_function" and target in _CAT:
             grids = {(g.shape, g.grid, g.coords) for g in tiled if g is not None}
             if len(grids) > 1:
@@ -244,13 +264,44 @@ class TiledStage:
             if len(shapes) > 1:
                 raise NowdlError(f"node {node.name!r} combines tensors of spatial shapes {sorted(shapes)}; "
                                  "an elementwise op on tiles needs equal shapes")
-        fn: Any = target if node.op == "call_function" else getattr(args[0], str(target))
-        y = fn(*args, **kwargs) if node.op == "call_function" else fn(*args[1:], **kwargs)
         g = next((t for t in tiled if t is not None), None)
+        if g is not None:  # a whole value meets tiles: it must broadcast over them ([Note: whole values on tiles])
+            _check_broadcast(node, [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)], g)
+        y = _call(node, args, kwargs)
         if g is not None and isinstance(y, Tensor) and tuple(y.shape[2:]) != g.tile_shape():
             raise NowdlError(f"node {node.name!r} ({getattr(target, '__name__', target)}) changed the tile's spatial "
                              f"shape {g.tile_shape()} to {tuple(y.shape[2:])}: it cannot run on tiles; re-plan")
         return y, g
+
+    def _run_whole(self, node: fx.Node, args: Any, kwargs: dict[str, Any], tiled: list[TileGrid | None],
+                   kind: str | None) -> tuple[Any, TileGrid | None]:
+        """A node whose value is the same on every tile ([Note: whole values on tiles]): a pooling
+        over every tile, a node on whole values only, or an upsampling of a pooled value to this
+        rank's tile of the image."""
+        if kind == "pooled" and any(g is not None for g in tiled):  # a pooling of a pooled value runs as it is
+            return pool_node(self.stage.module, node, args, kwargs, _one(tiled, node), self.group), None
+        up = whole_upsample(self.stage.module, node, args, kwargs)
+        if up is not None:
+            return upsample_whole(args[0], up, self.grid_of)
+        if node.op == "call_module":
+            return self._mods[str(node.target)](*args, **kwargs), None
+        return _call(node, args, kwargs), None
+
+
+def _call(node: fx.Node, args: Any, kwargs: dict[str, Any]) -> Any:
+    """Run a call_function or call_method node on plain values."""
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+    return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+
+
+def _check_broadcast(node: fx.Node, tensors: list[Tensor], g: TileGrid) -> None:
+    """A whole tensor (not a tile) that meets tiles must be 1 along every spatial dim."""
+    for t in tensors:
+        if t.dim() == len(g.shape) + 2 and tuple(t.shape[2:]) not in (g.tile_shape(), (1,) * len(g.shape)):
+            raise NowdlError(f"node {node.name!r} combines a tile {g.tile_shape()} of a {g.shape} image with a whole "
+                             f"tensor of shape {tuple(t.shape)}: only whole values of spatial size 1 broadcast over "
+                             "tiles; re-plan with the spatial region ending before it")
 
 
 def _one(tiled: list[TileGrid | None], node: fx.Node) -> TileGrid:

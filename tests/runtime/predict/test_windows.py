@@ -33,8 +33,9 @@ def test_reach_of_a_two_level_unet() -> None:
 
 def test_reach_names_whole_image_statistics() -> None:
     r = _reach(seg_net(norm="instance"), (1, 1, 32, 32))
-    assert r.whole and r.whole[0][1] == "instance/group norm statistics"
-    assert "instance/group norm statistics (1)" in r.whole_text()
+    assert r.whole == (("n1", "InstanceNorm2d", "instance/group norm statistics", 1),) and r.passes == 1
+    assert r.whole_text(exact=True) == "instance/group norm statistics (1)" and r.whole_text() == ""
+    assert r.whole_text(also=["n1"]) == "instance/group norm statistics (1: n1)"  # computed per window after all
 
 
 @pytest.mark.parametrize("size,window", [(96, 40), (100, 100), (128, 64), (64, 200), (1000, 256)])
@@ -73,14 +74,17 @@ def test_streamed_windows_are_exact(tmp_path: Path, dims: int, size: tuple[int, 
     np.testing.assert_allclose(got, reference(net, img), atol=1e-5, rtol=0)
 
 
-def test_instance_norm_is_named_not_exact(tmp_path: Path) -> None:
+def test_instance_norm_streams_exactly_in_a_statistics_pass(tmp_path: Path) -> None:
     net = seg_net(norm="instance")
     img = np.random.default_rng(2).random((1, 64, 64)).astype(np.float32)
     zarr.save_array(str(tmp_path / "in.zarr"), img)
     cm = nowdl.compile(net, gpus=1, progress=False, cache=False)
-    windowed = cm.predict(f"zarr:{tmp_path / 'in.zarr'}", tmp_path / "a.zarr", window=(32, 64))
-    assert "NOT exact: statistics over each window for instance/group norm statistics (1)" in windowed.line()
-    whole = cm.predict(f"zarr:{tmp_path / 'in.zarr'}", tmp_path / "b.zarr")
-    assert whole.windows == 1 and "exact" in whole.line() and "NOT" not in whole.line()
-    got = np.asarray(zarr.open_array(str(tmp_path / "b.zarr" / "0"))[:])
-    np.testing.assert_allclose(got, reference(net, img), atol=1e-5, rtol=0)
+    ref = reference(net, img)
+    for out, window in (("a.zarr", (32, 64)), ("b.zarr", None)):  # 3 windows, then the image
+        summary = cm.predict(f"zarr:{tmp_path / 'in.zarr'}", tmp_path / out, window=window)
+        got = np.asarray(zarr.open_array(str(tmp_path / out / "0"))[:])
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+        assert "exact (margin" in summary.line() and "NOT" not in summary.line()
+        assert (summary.windows, summary.passes) == ((3, 1) if window else (1, 0))
+    assert "1 statistics pass(es) over the windows for instance/group norm statistics (1)" in \
+        cm.predict(f"zarr:{tmp_path / 'in.zarr'}", tmp_path / "c.zarr", window=(32, 64)).line()

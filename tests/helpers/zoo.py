@@ -1,0 +1,114 @@
+"""Test helper (not a test module): the model-zoo networks of tests/test_zoo_coverage.py.
+
+segmentation_models_pytorch's UNet, UNet++, FPN and DeepLabV3+ on a ResNet-34 encoder and on a
+timm ConvNeXt encoder, torchvision's FCN and DeepLabV3 (ResNet-50) and a timm ResNet as a plain
+classifier: every one with random weights (``encoder_weights=None``, ``weights=None``: nothing
+is downloaded) and without dropout, so that training can match one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ZooNet", "NETS", "by_id", "build", "first_tensor"]
+
+
+@dataclass(frozen=True)
+class ZooNet:
+    id: str
+    library: str  # smp, torchvision, timm
+    make: Callable[[], nn.Module]
+    shape: tuple[int, ...]  # one micro-batch of the coverage tests
+    output: str = "image"  # "image" (dense logits) or "classes"
+    tiles: str = ""  # "" when the whole net runs on tiles, else why not
+    refused: str = ""  # what the planner's refusal to tile it whole says (with the node's name)
+    notes: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+def _smp(arch: str, encoder: str, **kw: Any) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import segmentation_models_pytorch as smp
+
+        return getattr(smp, arch)(encoder_name=encoder, encoder_weights=None, in_channels=3, classes=2, **kw)
+    return make
+
+
+def _tv(name: str) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None, num_classes=2,
+                                                              aux_loss=False)
+    return make
+
+
+def _timm(name: str, **kw: Any) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        import timm
+
+        return timm.create_model(name, pretrained=False, **kw)
+    return make
+
+
+_UNET = {"decoder_channels": (32, 16, 16, 8, 8)}
+_DLV3P = {"decoder_channels": 32, "decoder_aspp_dropout": 0.0, "decoder_atrous_rates": (1, 2, 3)}
+_CONVNEXT = "ConvNeXt's LayerNorm2d permutes to channels-last"
+
+NETS: list[ZooNet] = [
+    ZooNet("smp-Unet-resnet34", "smp", _smp("Unet", "resnet34", **_UNET), (2, 3, 64, 64), args=_UNET),
+    ZooNet("smp-UnetPlusPlus-resnet34", "smp", _smp("UnetPlusPlus", "resnet34", **_UNET), (2, 3, 64, 64), args=_UNET),
+    ZooNet("smp-FPN-resnet34", "smp", _smp("FPN", "resnet34", decoder_dropout=0.0, decoder_pyramid_channels=32,
+                                           decoder_segmentation_channels=32), (2, 3, 64, 64),
+           tiles="its merge stacks the pyramid's levels", refused="aten.stack"),
+    # ASPP's dilated convs need tiles at least as wide as their rate at 1/16 of the input: rates
+    # (1, 2, 3) at 128^2 give 8^2 at the ASPP (the defaults, 12, 24 and 36, need 1152^2 for 2 tiles)
+    ZooNet("smp-DeepLabV3Plus-resnet34", "smp", _smp("DeepLabV3Plus", "resnet34", **_DLV3P), (2, 3, 128, 128),
+           args=_DLV3P, notes="ASPP pooling branch: BatchNorm over one value per channel at batch 1"),
+    ZooNet("smp-Unet-convnext_atto", "smp", _smp("Unet", "tu-convnext_atto", **_UNET), (2, 3, 64, 64),
+           tiles=_CONVNEXT, refused="permute"),
+    ZooNet("smp-UnetPlusPlus-convnext_atto", "smp", _smp("UnetPlusPlus", "tu-convnext_atto", **_UNET), (2, 3, 64, 64),
+           tiles=_CONVNEXT, refused="permute"),
+    ZooNet("smp-FPN-convnext_atto", "smp", _smp("FPN", "tu-convnext_atto", decoder_dropout=0.0,
+                                                decoder_pyramid_channels=32, decoder_segmentation_channels=32),
+           (2, 3, 64, 64), tiles=_CONVNEXT, refused="permute"),
+    ZooNet("smp-DeepLabV3Plus-convnext_atto", "smp", _smp("DeepLabV3Plus", "tu-convnext_atto", **_DLV3P),
+           (2, 3, 128, 128), tiles=_CONVNEXT, refused="permute"),
+    ZooNet("tv-fcn_resnet50", "torchvision", _tv("fcn_resnet50"), (2, 3, 64, 64),
+           notes="returns a dict {'out': logits}; its head's Dropout(0.1) is set to p=0"),
+    ZooNet("tv-deeplabv3_resnet50", "torchvision", _tv("deeplabv3_resnet50"), (2, 3, 64, 64),
+           notes="returns a dict {'out': logits}; ASPP pooling branch",
+           tiles="not at 64^2: ASPP's dilation-36 convs at 1/8 of the input read 36 pixels past a tile, more "
+           "than a neighbour's 4 (2 tiles need 576^2)"),
+    ZooNet("timm-resnet18-classifier", "timm", _timm("resnet18", num_classes=3), (2, 3, 64, 64), output="classes",
+           tiles="its head (a Linear on the pooled features) needs the whole image", refused="needs the whole image"),
+]
+
+
+def by_id(net_id: str) -> ZooNet:
+    return next(n for n in NETS if n.id == net_id)
+
+
+def build(net: ZooNet, seed: int = 0) -> nn.Module:
+    """The seeded network, every Dropout at p=0 (torchvision's FCN head has one)."""
+    torch.manual_seed(seed)
+    m = net.make()
+    for mod in m.modules():
+        if isinstance(mod, nn.modules.dropout._DropoutNd):
+            mod.p = 0.0
+    return m
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The logits of a model's output: a tensor, or torchvision's ``{"out": ...}``."""
+    if isinstance(out, dict):
+        out = out["out"]
+    while isinstance(out, (list, tuple)):
+        out = out[0]
+    assert isinstance(out, torch.Tensor), type(out)
+    return out
