@@ -63,12 +63,8 @@ OUTPUTS = ("logits", "probabilities", "argmax")
 def plan_for(cm: Any, example: torch.Tensor) -> Plan:
     """The inference plan predict runs for one window shaped like ``example`` (batch 1):
     ``cm.plan(example, train=False)``, which counts the forward's live activations and no
-    gradients, optimizer state or saved activations.
-
-    Raises:
-        PlanError: the model was compiled from a plan file that is a training plan (or for
-            another model or shape).
-    """
+    gradients, optimizer state or saved activations. PlanError: the model was compiled from a
+    plan file that is a training plan (or for another model or shape)."""
     req = getattr(cm, "request", None)
     if req is not None and req.global_batch is None:
         cm.request = dataclasses.replace(req, global_batch=int(example.shape[0]))
