@@ -77,9 +77,11 @@ def run_case(case: dict[str, Any], log_root: Path) -> dict[str, Any]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logs = log_root / case["name"].replace(" ", "_")
+    # shutdown_timeout: torchrun's default (30 s) between its SIGTERM and SIGKILL to the survivors;
+    # a survivor naming the lost rank watches the beats for SETTLE_S first, longer on a loaded machine
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=case["world"], run_id=case["name"].replace(" ", "_"),
                        rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{_port()}", rdzv_configs={"rank": 0, "timeout": 60},
-                       max_restarts=case["restarts"], monitor_interval=0.1, start_method="fork", shutdown_timeout=5,
+                       max_restarts=case["restarts"], monitor_interval=0.1, start_method="fork", shutdown_timeout=30,
                        logs_specs=DefaultLogsSpecs(log_dir=str(logs), redirects=Std.ALL))
     os.environ["NOWDL_FAULT"] = case.get("fault", "")
     os.environ.update(case.get("env", {}))
