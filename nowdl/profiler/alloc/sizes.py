@@ -2,7 +2,8 @@
 
 The constants are those of ``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch 2.x):
 ``kMinBlockSize`` 512 B, ``kSmallSize`` 1 MiB, ``kSmallBuffer`` 2 MiB, ``kLargeBuffer`` 20 MiB,
-``kMinLargeAlloc`` 10 MiB, ``kRoundLarge`` 2 MiB.
+``kMinLargeAlloc`` 10 MiB, ``kRoundLarge`` 2 MiB (later releases define most of them in
+``c10/core/AllocatorConfig.h``, with the same values).
 """
 
 from __future__ import annotations
