@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from harvest.steps import build_model  # noqa: E402
 
 
-def _planned(row: dict[str, Any], spec: DeviceSpec) -> tuple[float, float]:
+def _planned(row: dict[str, Any], spec: DeviceSpec) -> tuple[float, float, float]:
     kw = {k: v for k, v in row["compile"].items() if k not in ("mode", "device_spec")}
     cm = nowdl.compile(build_model(row["model"], row["args"]), mode="estimate", device_spec=spec, device="cpu",
                        loss_fn=nn.CrossEntropyLoss(), cache=False, progress=False, **kw)
@@ -47,7 +47,8 @@ def _planned(row: dict[str, Any], spec: DeviceSpec) -> tuple[float, float]:
     y = (torch.zeros(shape[0], dtype=torch.long) if row["model"] == "resnet110v2"
          else torch.zeros(shape[0], *shape[2:], dtype=torch.long))
     plan = cm.plan(torch.empty(*shape, device="meta"), target=y, train=row["kind"] != "inference")
-    return max(r.predicted_peak_bytes for r in plan.ranks), float(plan.predicted.get("step_s", 0.0))
+    return (max(r.predicted_peak_bytes for r in plan.ranks), float(plan.predicted.get("step_s", 0.0)),
+            float(plan.predicted.get("reserved_bytes", 0.0)))
 
 
 def _rows() -> list[tuple[str, dict[str, Any]]]:
@@ -57,15 +58,20 @@ def _rows() -> list[tuple[str, dict[str, Any]]]:
 @pytest.mark.parametrize(("name", "row"), _rows(), ids=[f"{n}:{r['label']}" for n, r in _rows()])
 def test_every_recorded_step_is_predicted(name: str, row: dict[str, Any]) -> None:
     """Peak memory within ±10% of ``max_memory_allocated`` (within the records' own rounding), and
-    step time within ±25% where the step was timed; the datasheet spec misses the memory by far."""
+    step time within ±25% where the step was timed; the datasheet spec misses the memory by far.
+    The predicted ``max_memory_reserved`` ([Note: allocator reserve]) is above the peak, and within
+    ±10% of the measured one where the records hold it (the H200 run's rows do not)."""
     spec = FITTED["h200"] if "h200" in name else FITTED["h100"]
-    peak, step = _planned(row, spec)
+    peak, step, reserved = _planned(row, spec)
     measured = row["max_allocated"]
     assert abs(math.log(measured / peak)) <= math.log(1.10), (row["label"], measured / peak)
+    assert reserved >= peak, (row["label"], reserved, peak)
+    if row.get("max_reserved"):
+        assert abs(math.log(row["max_reserved"] / reserved)) <= math.log(1.10), (row["label"], row["max_reserved"] / reserved)
     if row.get("step_s"):
         assert abs(math.log(row["step_s"] / step)) <= math.log(1.25), (row["label"], row["step_s"] / step)
     if row["kind"] in ("train", "inference"):  # the rows the convolution workspace fixes
-        before, _ = _planned(row, DATASHEET_SPECS["h200"])
+        before, _, _ = _planned(row, DATASHEET_SPECS["h200"])
         assert measured / before > 1.10, (row["label"], measured / before)
 
 
