@@ -37,7 +37,8 @@ def format_allocator(plan: Plan) -> str:
             f"allocator: CUDA caching allocator, {info.get('assumes', '?')} (PYTORCH_CUDA_ALLOC_CONF unset when planned)")
     ranks: dict[str, Any] = info.get("ranks") or {}
     if not ranks:
-        return f"{head}; not simulated ({info.get('simulated', 'no')}): the reserve keeps the assumed slack"
+        why = str(info.get('simulated', 'no')).removeprefix('no: ')
+        return f"{head}; not simulated ({why}): the reserve keeps the assumed slack"
     worst = max(ranks, key=lambda r: ranks[r]["predicted_reserved_bytes"])
     v = ranks[worst]
     share = int(v["share_bytes"])
