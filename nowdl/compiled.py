@@ -31,6 +31,7 @@ from nowdl.partitioner.search.halo_fusion import fusion as halo_fusion
 from nowdl.partitioner.spatial import pooled_groups, spatial_rules
 from nowdl.plan.plan import Plan, format_bytes
 from nowdl.plan.purpose import is_inference, require_inference, require_training
+from nowdl.profiler.alloc.predict import allocator_reserve
 from nowdl.profiler.cost import Profile
 from nowdl.profiler.devices import DeviceSpec, local_gpu_spec
 from nowdl.profiler.loss_cost import loss_cost_for, with_loss
@@ -288,11 +289,12 @@ class CompiledModel:
         plan.config["halo_fusion"] = fusion
         if cap is not None:
             plan.config["gpu_memory"] = cap
-        if reserve:
-            plan.config["reserve"] = reserve
         plan.config["precision"] = self.precision
         if not train:
             mark_inference(plan, t.gm, prof)  # and its whole-image ops: [Note: whole-image ops]
+        allocator_reserve(plan, prof, reserve, cap)  # [Note: allocator reserve]: the slack becomes the simulated share
+        if reserve:
+            plan.config["reserve"] = reserve
         # where plan() spent its time (trace includes the eager check; 0 when cached)
         plan.solver["timing"] = {"trace_s": round(t1 - t0, 3), "profile_s": round(t2 - t1, 3),
                                  "search_s": round(secs, 3), "total_s": round(time.perf_counter() - t0, 3)}

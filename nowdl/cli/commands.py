@@ -20,6 +20,7 @@ from nowdl.cli.inputs import whole_input
 from nowdl.cli.levers import add_lever_arguments, format_levers, lever_kwargs
 from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.models.resolve import resolve_model
+from nowdl.plan.allocator import format_allocator
 from nowdl.profiler.table import print_profile
 from nowdl.units import parse_bytes, parse_parts, parse_shape
 
@@ -292,6 +293,8 @@ def _run(args: argparse.Namespace) -> int:
             check_plot(args.plot)
         print(plan)
         print(format_levers(plan) or "levers: none (no stage recomputes or offloads)")
+        if alloc := format_allocator(plan):  # [Note: allocator reserve]
+            print(alloc)
         from nowdl.plan.purpose import format_whole_image_ops
 
         if whole := format_whole_image_ops(plan):
@@ -383,7 +386,7 @@ def _run(args: argparse.Namespace) -> int:
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}
     if args.out:
         plan.save(args.out)
-    print(plan.to_json() if args.json else "\n".join(t for t in (str(plan), format_levers(plan)) if t))
+    print(plan.to_json() if args.json else "\n".join(t for t in (str(plan), format_levers(plan), format_allocator(plan)) if t))
     if args.out and not args.json:
         print(f"saved {args.out}")
     if args.plot:

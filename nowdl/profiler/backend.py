@@ -13,9 +13,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from nowdl.profiler.memory import AllocTracker
 
 __all__ = ["Backend", "PhaseResult"]
 
@@ -27,6 +30,7 @@ class PhaseResult:
     seconds: float | None = None  # None: this run is not timed
     flops: int | None = None
     workspace: int | None = None
+    alloc: AllocTracker | None = None  # the phase's allocation log ([Note: allocation log] in profiler/alloc/log.py)
 
 
 class Backend(ABC):

@@ -6,9 +6,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nowdl.profiler.alloc.log import AllocLog
+
 __all__ = ["NodeCost", "Profile", "PROFILE_FORMAT_VERSION"]
 
-PROFILE_FORMAT_VERSION = 2  # 2: NodeCost.fwd_workspace_bytes
+PROFILE_FORMAT_VERSION = 3  # 2: NodeCost.fwd_workspace_bytes; 3: NodeCost.alloc
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class NodeCost:
     optim_bytes: int = 0  # optimizer state for the given optimizer
     workspace_bytes: int = 0  # largest transient memory above inputs+outputs, fwd or bwd
     fwd_workspace_bytes: int = 0  # the forward's transient alone (what an inference holds)
+    alloc: AllocLog | None = None  # the aten allocations of its forward and backward ([Note: allocation log])
 
     @property
     def static_bytes(self) -> int:
@@ -126,6 +129,8 @@ class Profile:
             n = dict(n)
             if n.get("out_shape") is not None:
                 n["out_shape"] = tuple(n["out_shape"])
+            if n.get("alloc") is not None:
+                n["alloc"] = AllocLog.from_dict(n["alloc"])
             nodes.append(NodeCost(**n))
         return cls(
             nodes=nodes,

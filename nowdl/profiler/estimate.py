@@ -108,11 +108,12 @@ class EstimateBackend(Backend):
         res = PhaseResult()
         ws = conv_workspace(self.spec.conv_workspace) if self.spec.conv_workspace else None
         rec = _RECORD[0]
-        with OpCostMode(self.spec, record=rec is not None) as counter, AllocTracker(ws) as tracker:
+        with OpCostMode(self.spec, record=rec is not None) as counter, AllocTracker(ws, log=True) as tracker:
             yield res
         res.seconds = counter.seconds
         res.flops = counter.flops
         res.workspace = tracker.workspace
+        res.alloc = tracker
         if rec is not None and counter.record is not None:
             rec.setdefault(name, []).extend(counter.record)
 

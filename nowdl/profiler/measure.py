@@ -128,10 +128,11 @@ class MeasureBackend(Backend):
                 end = torch.cuda.memory_allocated(self.device)
                 res.workspace = max(0, peak - max(base, end))
             else:
-                tracker = stack.enter_context(AllocTracker())
+                tracker = stack.enter_context(AllocTracker(log=True))
                 yield res
                 stack.close()
                 res.workspace = tracker.workspace
+                res.alloc = tracker
             if counter is not None:
                 res.flops = counter.flops
 

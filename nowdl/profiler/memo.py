@@ -48,6 +48,7 @@ class Entry:
     saved: tuple[tuple[str, int], ...]  # ("in", i), ("out", j) or ("own", nbytes)
     requires_grad: bool
     fwd_workspace: int = 0  # the forward's share of ``workspace``
+    alloc: Any = None  # the run's RawLog ([Note: allocation log] in profiler/alloc/log.py)
 
 
 def _hashable(x: Any) -> Hashable:

@@ -70,20 +70,36 @@ class AllocTracker(TorchDispatchMode):
     this is a lower bound; a storage is new when no argument of the op shares it, and a
     storage freed inside one aten op is noticed at the next op. ``library_workspace(func, args,
     out)``, when given, adds what a library holds during the op on top of everything live then
-    (:func:`conv_workspace`).
+    (:func:`conv_workspace`). With ``log``, ``events`` records each allocation (its bytes; the
+    ``i``-th gets id ``i``) and each free (``-(id + 1)``) in order, a library's workspace as an
+    allocation freed at once ([Note: allocation log] in profiler/alloc/log.py); ``ids`` maps the
+    storages still live to their ids.
     """
 
-    def __init__(self, library_workspace: Callable[[Any, tuple[Any, ...], Any], int] | None = None) -> None:
+    def __init__(self, library_workspace: Callable[[Any, tuple[Any, ...], Any], int] | None = None,
+                 log: bool = False) -> None:
         super().__init__()
+        self.log = log
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
         self.peak = 0
         self.library_workspace = library_workspace  # (func, args, out) -> bytes held during the op
+        self.events: list[int] = []
+        self.ids: dict[int, int] = {}  # storage key -> id in events
+        self._count = 0
+
+    def _logged(self, nbytes: int) -> int:
+        self.events.append(nbytes)
+        self._count += 1
+        return self._count - 1
 
     def poll(self) -> None:
         """Forget storages that have been freed."""
         for key in [k for k, (ref, _) in self._live.items() if ref.expired()]:
             self.current -= self._live.pop(key)[1]
+            i = self.ids.pop(key, None) if self.log else None
+            if i is not None:
+                self.events.append(-(i + 1))
 
     def __torch_dispatch__(
         self,
@@ -93,6 +109,8 @@ class AllocTracker(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if self.log:
+            self.poll()  # what Python freed between ops goes before this op's allocations
         out = func(*args, **kwargs)
         self.poll()
         if _HOST[0]:
@@ -112,7 +130,11 @@ class AllocTracker(TorchDispatchMode):
             nb = int(st.nbytes())
             self._live[key] = (StorageWeakRef(st), nb)
             self.current += nb
+            if self.log and nb > 0:  # an empty storage takes no memory from an allocator
+                self.ids[key] = self._logged(nb)
         extra = self.library_workspace(func, args, out) if self.library_workspace is not None else 0
+        if self.log and extra > 0:
+            self.events.append(-(self._logged(extra) + 1))
         self.peak = max(self.peak, self.current + extra)
         return out
 
@@ -207,6 +229,10 @@ class StorageLedger:
         k = storage_key(t)
         return self.aliases.get(k, k)
 
+    def producers(self, tensors: Iterable[Any]) -> list[str]:
+        """The node that produced each tensor's storage ("" for a parameter, constant or internal tensor)."""
+        return [self.owner.get(self.resolve(t), "") for t in tensors if isinstance(t, torch.Tensor)]
+
     def alias(self, clone: torch.Tensor, original: torch.Tensor) -> None:
         """Treat ``clone``'s storage as ``original``'s (in-place ops run on clones).
 
@@ -279,6 +305,8 @@ class StaticCost:
     grad_bytes: int = 0
     optim_bytes: int = 0
     params: int = 0  # parameter elements (for plan tables)
+    sizes: tuple[int, ...] = ()  # bytes of each parameter that requires grad (one allocation each)
+    fixed: tuple[int, ...] = ()  # bytes of each buffer and frozen parameter
 
 
 def static_costs(gm: torch.fx.GraphModule, optimizer: str) -> dict[str, StaticCost]:
@@ -305,18 +333,22 @@ def static_costs(gm: torch.fx.GraphModule, optimizer: str) -> dict[str, StaticCo
             elif isinstance(obj, torch.Tensor):
                 buffers = [obj]
         p = b = g = count = 0
+        sizes: list[int] = []
+        fixed: list[int] = []
         for t in params:
             if id(t) not in seen:
                 seen.add(id(t))
                 p += tensor_bytes(t)
                 g += tensor_bytes(t) if t.requires_grad else 0
                 count += t.numel()
+                (sizes if t.requires_grad else fixed).append(tensor_bytes(t))
         for t in buffers:
             if id(t) not in seen:
                 seen.add(id(t))
                 b += tensor_bytes(t)
+                fixed.append(tensor_bytes(t))
         if p or b:
-            result[node.name] = StaticCost(p, b, g, states * g, count)
+            result[node.name] = StaticCost(p, b, g, states * g, count, tuple(sizes), tuple(fixed))
     return result
 
 

@@ -19,6 +19,7 @@ from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_map
 
 from nowdl.errors import ProfileError
+from nowdl.profiler.alloc.log import RawLog, node_log, raw_log
 from nowdl.profiler.backend import Backend, PhaseResult
 from nowdl.profiler.cost import NodeCost
 from nowdl.profiler.memo import Entry, input_tensors, make_entry, memo_key, replay
@@ -99,6 +100,8 @@ class _Rec:
     self_saved: bool = False
     workspace_bytes: int = 0
     fwd_workspace_bytes: int = 0
+    raw: RawLog | None = None  # [Note: allocation log]: the run's, and the producers it names
+    names: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())  # inputs', shared, saved
 
 
 class _Walker:
@@ -250,11 +253,13 @@ class _Walker:
                 self._describe(rec, value)
                 rec.saved_bytes, rec.self_saved = self.ledger.account(node.name, saved, out_keys)
                 rec.saved_tensors = len(saved)
+                self._name_producers(rec, node, _tensors((args, kwargs)), out_keys, saved)
                 if key is not None:
                     entry = make_entry(rec.flops, rec.workspace_bytes, out,
                                        input_tensors(node, self.env.__getitem__), saved, self.ledger.static_keys)
             del saved
             outs = [t for t in _tensors(out) if t.requires_grad]
+            pb, grads = PhaseResult(), []
             if outs:
                 grads = [torch.ones_like(t) for t in outs]
                 with backend.phase("bwd", accounting) as pb:
@@ -263,7 +268,9 @@ class _Walker:
                     bwd_times.append(pb.seconds)
                 if accounting:
                     rec.workspace_bytes = max(rec.workspace_bytes, pb.workspace or 0)
-                del grads
+            if accounting:
+                rec.raw = raw_log(pf.alloc, pb.alloc, out, _tensors((args, kwargs)), params, grads)
+            del grads
             del out, outs, args, kwargs, clones
             for p in params:
                 p.grad = None
@@ -272,9 +279,17 @@ class _Walker:
         if bwd_times:
             rec.bwd_s = backend.summarise(bwd_times)
         if key is not None and entry is not None:
-            self.memo[key] = dataclasses.replace(entry, fwd_s=rec.fwd_s, bwd_s=rec.bwd_s,
-                                                 workspace=rec.workspace_bytes, fwd_workspace=rec.fwd_workspace_bytes)
+            self.memo[key] = dataclasses.replace(entry, fwd_s=rec.fwd_s, bwd_s=rec.bwd_s, workspace=rec.workspace_bytes,
+                                                 fwd_workspace=rec.fwd_workspace_bytes, alloc=rec.raw)
         return rec
+
+    def _name_producers(self, rec: _Rec, node: Node, inputs: list[torch.Tensor], out_keys: list[int],
+                        saved: list[torch.Tensor]) -> None:
+        """The producers of the node's inputs, of the storages its output shares and of those it saves."""
+        owner = self.ledger.owner
+        shared = tuple(owner[k] for k in out_keys if owner.get(k, node.name) != node.name)
+        saves = tuple(n for n in self.ledger.producers(saved) if n)
+        rec.names = (tuple(self.ledger.producers(inputs)), shared, saves)
 
     def _replay(self, node: Node, rec: _Rec, e: Entry) -> _Rec:
         """A node identical to one already run: its recorded costs, fresh outputs, and what it
@@ -287,6 +302,8 @@ class _Walker:
         rec.saved_tensors = len(saved)
         rec.fwd_s, rec.bwd_s, rec.flops, rec.workspace_bytes = e.fwd_s, e.bwd_s, e.flops, e.workspace
         rec.fwd_workspace_bytes = e.fwd_workspace
+        rec.raw = e.alloc
+        self._name_producers(rec, node, input_tensors(node, self.env.__getitem__), out_keys, saved)
         return rec
 
 
@@ -361,6 +378,7 @@ def walk(
             optim_bytes=st.optim_bytes,
             workspace_bytes=rec.workspace_bytes,
             fwd_workspace_bytes=rec.fwd_workspace_bytes,
+            alloc=node_log(rec.raw, *rec.names, st.sizes, st.fixed),
         ))
     edges = [(inp.name, node.name) for node in nodes for inp in node.all_input_nodes]
     return costs, edges

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from harvest.steps import build_model  # noqa: E402
 
 
-def _planned(row: dict[str, Any], spec: DeviceSpec) -> tuple[float, float]:
+def _planned(row: dict[str, Any], spec: DeviceSpec) -> tuple[float, float, float]:
     kw = {k: v for k, v in row["compile"].items() if k not in ("mode", "device_spec")}
     cm = nowdl.compile(build_model(row["model"], row["args"]), mode="estimate", device_spec=spec, device="cpu",
                        loss_fn=nn.CrossEntropyLoss(), cache=False, progress=False, **kw)
@@ -47,7 +47,8 @@ def _planned(row: dict[str, Any], spec: DeviceSpec) -> tuple[float, float]:
     y = (torch.zeros(shape[0], dtype=torch.long) if row["model"] == "resnet110v2"
          else torch.zeros(shape[0], *shape[2:], dtype=torch.long))
     plan = cm.plan(torch.empty(*shape, device="meta"), target=y, train=row["kind"] != "inference")
-    return max(r.predicted_peak_bytes for r in plan.ranks), float(plan.predicted.get("step_s", 0.0))
+    return (max(r.predicted_peak_bytes for r in plan.ranks), float(plan.predicted.get("step_s", 0.0)),
+            float(plan.predicted.get("reserved_bytes", 0.0)))
 
 
 def _rows() -> list[tuple[str, dict[str, Any]]]:
@@ -57,15 +58,20 @@ def _rows() -> list[tuple[str, dict[str, Any]]]:
 @pytest.mark.parametrize(("name", "row"), _rows(), ids=[f"{n}:{r['label']}" for n, r in _rows()])
 def test_every_recorded_step_is_predicted(name: str, row: dict[str, Any]) -> None:
     """Peak memory within ±10% of ``max_memory_allocated`` (within the records' own rounding), and
-    step time within ±25% where the step was timed; the datasheet spec misses the memory by far."""
+    step time within ±25% where the step was timed; the datasheet spec misses the memory by far.
+    The predicted ``max_memory_reserved`` ([Note: allocator reserve]) is above the peak, and within
+    ±10% of the measured one where the records hold it (the H200 run's rows do not)."""
     spec = FITTED["h200"] if "h200" in name else FITTED["h100"]
-    peak, step = _planned(row, spec)
+    peak, step, reserved = _planned(row, spec)
     measured = row["max_allocated"]
     assert abs(math.log(measured / peak)) <= math.log(1.10), (row["label"], measured / peak)
+    assert reserved >= peak, (row["label"], reserved, peak)
+    if row.get("max_reserved"):
+        assert abs(math.log(row["max_reserved"] / reserved)) <= math.log(1.10), (row["label"], row["max_reserved"] / reserved)
     if row.get("step_s"):
         assert abs(math.log(row["step_s"] / step)) <= math.log(1.25), (row["label"], row["step_s"] / step)
     if row["kind"] in ("train", "inference"):  # the rows the convolution workspace fixes
-        before, _ = _planned(row, DATASHEET_SPECS["h200"])
+        before, _, _ = _planned(row, DATASHEET_SPECS["h200"])
         assert measured / before > 1.10, (row["label"], measured / before)
 
 
@@ -126,8 +132,13 @@ def test_a_plan_keeps_the_reserve_and_says_so() -> None:
     model = nowdl.models.unet(3, 2, depth=2, base_width=8)
     plan = nowdl.compile(model, gpus=2, mode="estimate", device_spec=spec, cache=False, progress=False).plan(
         torch.empty(1, 3, 256, 256, device="meta"))
-    assert plan.config["gpu_memory"] == spec.memory_bytes and plan.config["reserve"] == kept
-    assert "reserved (context 768.0 MiB, slack" in str(plan) and "nccl 256.0 MiB" in str(plan)
+    # [Note: allocator reserve]: the assumed slack gives way to the simulated allocator's share where every rank is simulated
+    simulated = plan.config["allocator"]["simulated"] == "yes"
+    assert plan.config["gpu_memory"] == spec.memory_bytes
+    assert plan.config["reserve"] == ({k: v for k, v in kept.items() if k != "slack_bytes"} | {
+        "allocator_bytes": plan.config["reserve"]["allocator_bytes"]} if simulated else kept)
+    text = str(plan).split("reserved (", 1)[1].split(")", 1)[0]
+    assert text.startswith("context 768.0 MiB, ") and "nccl 256.0 MiB" in text and ("allocator " if simulated else "slack ") in text
     tight = nowdl.compile(model, gpus=1, mode="estimate", device_spec=spec, gpu_memory=sum(memory_reserve(spec, 1).values()) + 2**20,
                           cache=False, progress=False)
     with pytest.raises(nowdl.InfeasibleError, match=r"less .* kept for the CUDA context, NCCL and the allocator's slack"):
