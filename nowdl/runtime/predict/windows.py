@@ -18,9 +18,12 @@ changes.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -28,8 +31,12 @@ import torch.fx as fx
 from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.partitioner.spatial.whole_image import why_whole
+from nowdl.profiler.cache import atomic_write_text, cache_key, graph_digest, resolve_cache_dir
 
-__all__ = ["Reach", "Window", "network_reach", "layout_windows"]
+__all__ = ["Reach", "Window", "network_reach", "cached_reach", "layout_windows"]
+
+#: bump when :func:`network_reach` changes what it returns, so reaches cached by an older nowdl are not read
+REACH_FORMAT = 1
 
 @dataclass(frozen=True)
 class Reach:
@@ -66,6 +73,31 @@ def _shapes(gm: fx.GraphModule, example: torch.Tensor) -> None:
     with mode:
         fake = mode.from_tensor(torch.empty(tuple(example.shape), dtype=example.dtype))
     ShapeProp(gm, fake_mode=mode).propagate(fake)
+
+
+def cached_reach(gm: fx.GraphModule, example: torch.Tensor, cache: Any) -> Reach:
+    """:func:`network_reach`, kept in the profile cache folder (``cache`` as ``nowdl.compile`` takes
+    it) by graph and input shape. A second prediction of the model at this window shape skips the
+    shape propagation, whose fake tensors import torch._dynamo: seconds of a short prediction's start."""
+    folder = resolve_cache_dir(cache)
+    path = None
+    if folder is not None:
+        key = cache_key({"kind": "reach", "reach_format": REACH_FORMAT, "graph": graph_digest(gm),
+                         "input": list(example.shape), "dtype": str(example.dtype)})
+        path = folder / f"reach-{key}.json"
+        try:
+            d = json.loads(path.read_text())
+            return Reach(tuple(d["margin"]), tuple(d["align"]), tuple(d["scale"]),
+                         tuple((str(n), str(w)) for n, w in d["whole"]), int(d["out_channels"]))
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: compute it
+            pass
+    reach = network_reach(gm, example)
+    if path is not None:
+        try:
+            atomic_write_text(path, json.dumps(dataclasses.asdict(reach)))
+        except OSError:  # a read-only cache folder: the next run computes it again
+            pass
+    return reach
 
 
 def _spatial(node: object, nd: int) -> tuple[int, ...] | None:
