@@ -21,8 +21,14 @@ While rank 0 runs a MONAI row the other ranks wait in a barrier.
 * ``nowdl predict, windows``: the same with windows of half the image side: the image streams
   in windows, and InstanceNorm's statistics are then taken over each window (the summary line
   says so), hence a difference.
-* ``sliding_window_inference``: MONAI's, ``mode="gaussian"``, overlap 0.25 and 0.5, on rank 0
-  with R threads (the same cores) and with 1 thread (MONAI has no multi-process form).
+* ``plain net(x)``: the limit, one whole-image forward of the same net on rank 0 with R threads,
+  on the same read and write path (what nowdl's whole-image row computes, in one process).
+* ``sliding_window_inference``: the peer, MONAI's, ``mode="gaussian"``, overlap 0.25 and 0.5, on
+  rank 0 with R threads (the same cores) and with 1 thread (MONAI has no multi-process form).
+* Start-up (``benchmarks/predict_startup.py``): a ``--startup-size``² slide (default 1024²)
+  predicted by a fresh command each time, launch included: ``torchrun ... -m nowdl predict`` with
+  an empty cache and with the cache of a first run, against a ``python`` process running the
+  sliding window or the plain ``net(x)``.
 
 What each time includes, on both sides alike: reading the image (OpenSlide ``read_region`` of
 level 0, or nibabel), the forward, and writing the same OME-Zarr: float32 logits at level 0 in
@@ -31,9 +37,10 @@ nowdl's own writer, ``nowdl.runtime.predict.writers``, on one process). nowdl's 
 includes gathering the tiles' output, the ranks' agreement on every write and the final
 rename; it excludes planning, tracing and building the stages (the first, untimed call).
 
-Columns: wall time (median of ``--repeats``), CPU seconds of all ranks over the same interval
+Columns: wall time (median of ``--repeats`` and their range), CPU seconds of all ranks over the same interval
 (``time.process_time``, median; the sleeping ranks of a MONAI row add next to nothing), the wall
-time over the faster of the two sliding window rows at overlap 0.25 (R threads or 1: on a loaded
+time over the plain ``net(x)`` row (the limit) and over the faster of the two sliding window rows
+at overlap 0.25 (the peer: R threads or 1; on a loaded
 machine torch's R threads can be many times slower than one); peak memory per rank against the inference plan's prediction
 (nowdl: the first call's measurement, weights plus the peak of live tensor storages; MONAI: the
 same meter, ``peak_of``, in an untimed run; it has no plan); and the largest absolute difference
@@ -148,6 +155,18 @@ def sliding_row(case: str, path: str, out: Path, roi: int, overlap: float, net: 
     return run
 
 
+def plain_row(case: str, path: str, out: Path, net: torch.nn.Module) -> Callable[[], None]:
+    """The limit: one whole-image ``net(x)`` on the same read and write path as the other rows."""
+
+    def run() -> None:
+        x = torch.from_numpy(read_input(case, path))[None]
+        with torch.no_grad():
+            y = net(x)
+        write_ome_zarr(out, y[0].numpy())
+
+    return run
+
+
 def _rank0_alone(rank: int, flag: Path, run: Callable[[], None]) -> None:
     """Rank 0 runs ``run`` while the other ranks sleep until it says it is done."""
     if rank == 0:
@@ -175,6 +194,10 @@ def worker(rank: int, world: int, case: str, path: str, d: str, roi: int, window
                                                                    overwrite=True, measure_memory=False)}
     net = make_net(dims, in_ch)
     peak: int | None = None
+    run = plain_row(case, path, out / f"{case}-plain.zarr", net)
+    if rank == 0:
+        _, peak = peak_of(run, [net], None)
+    rows["plain"] = {"threads": world, "peaks": [peak if rank == 0 else None], "run": run}
     for overlap in (0.25, 0.5):
         for threads in sorted({world, 1}, reverse=True):
             label = f"swi-{overlap}-{threads}"
@@ -242,29 +265,31 @@ def whole(case: str, x: np.ndarray) -> np.ndarray:
 def table(case: str, size: int, roi: int, window: int, ranks: int, repeats: int, res: list[dict[str, Any]],
           diffs: dict[str, float]) -> None:
     rows0 = res[0]["rows"]
-    wall = {k: statistics.median(t[0] for t in v) for k, v in res[0]["times"].items()}
+    walls = {k: [t[0] for t in v] for k, v in res[0]["times"].items()}
+    wall = {k: statistics.median(v) for k, v in walls.items()}
     cpu = {k: statistics.median(sum(r["times"][k][i][1] for r in res) for i in range(repeats)) for k in wall}
     sq = "²" if case == "2d" else "³"
     labels = {"nowdl": f"nowdl predict, {ranks} ranks, whole image: " + _how(rows0["nowdl"]["line"]),
               "nowdl-windows": f"nowdl predict, {ranks} ranks, windows of {window}{sq}: "
-                               + _how(rows0["nowdl-windows"]["line"])}
+                               + _how(rows0["nowdl-windows"]["line"]),
+              "plain": f"plain net(x), whole image: rank 0, {ranks} thread(s) (the limit)"}
     for k in rows0:
         if k.startswith("swi-"):
             _, ov, th = k.split("-")
             labels[k] = f"sliding_window_inference {roi}{sq}, overlap {ov}, gaussian: rank 0, {th} thread(s)"
-    best = min(wall[f"swi-0.25-{ranks}"], wall["swi-0.25-1"])  # MONAI's faster form on these cores
+    best = min(wall[f"swi-0.25-{ranks}"], wall["swi-0.25-1"])  # MONAI's faster form on these cores: the peer
     name = "2D pathology slide" if case == "2d" else "3D volume"
     print(f"\n### {name}: MONAI UNet (8, 16, 32), {size}{sq}, {ranks} ranks, median of {repeats}\n")
-    print("| method | wall | CPU s, all ranks | / fastest SWI 0.25 | peak memory per rank / plan | "
-          "max abs diff to whole-image forward |")
-    print("|---|---:|---:|---:|---|---:|")
+    print("| method | wall, median (range) | CPU s, all ranks | / plain net(x) | / fastest SWI 0.25 | "
+          "peak memory per rank / plan | max abs diff to whole-image forward |")
+    print("|---|---:|---:|---:|---:|---|---:|")
     for k, lab in labels.items():
         peaks = rows0[k]["peaks"]
         plan = rows0[k].get("plan") or [None] * len(peaks)
         mem = ", ".join((format_bytes(p) if p is not None else "?") + (f" / plan {format_bytes(q)}" if q else "")
                         for p, q in zip(peaks, plan, strict=True))
-        print(f"| {lab} | {wall[k]:.2f} s | {cpu[k]:.2f} | {wall[k] / best:.2f}x | {mem} | "
-              f"{diffs[k]:.2e} |")
+        print(f"| {lab} | {wall[k]:.2f} s ({min(walls[k]):.2f}–{max(walls[k]):.2f}) | {cpu[k]:.2f} | "
+              f"{wall[k] / wall['plain']:.2f}x | {wall[k] / best:.2f}x | {mem} | {diffs[k]:.2e} |")
 
 
 def _how(line: str) -> str:
@@ -280,7 +305,8 @@ def main() -> None:
     ap.add_argument("--roi3d", type=int, default=64, help="3D sliding window side (default 64)")
     ap.add_argument("--ranks", type=int, default=2, help="ranks = CPU cores used by every row (default 2)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved (default 3)")
-    ap.add_argument("--cases", default="2d,3d", help="which cases (default 2d,3d)")
+    ap.add_argument("--cases", default="2d,3d,startup", help="which cases (default 2d,3d,startup)")
+    ap.add_argument("--startup-size", type=int, default=1024, help="slide side of the start-up table (default 1024)")
     ap.add_argument("--profile", action="store_true", help="instead: where nowdl's 2D time goes (cProfile, rank 0)")
     args = ap.parse_args()
     import zarr
@@ -299,6 +325,13 @@ def main() -> None:
             for label, _, _ in PARTS:
                 print(f"| {label} | {statistics.median(r[2][label] for r in prof):.2f} |")
             return
+        if "startup" in args.cases.split(","):
+            from predict_startup import startup_table
+
+            small = d / "startup"
+            small.mkdir()
+            write_inputs(small, args.startup_size, 16)
+            startup_table(small, args.ranks, args.roi, args.repeats, args.startup_size)
         for case, path, size, roi in (("2d", d / "slide.tif", args.size, args.roi),
                                       ("3d", d / "vol.nii.gz", args.depth, args.roi3d)):
             if case not in args.cases.split(","):

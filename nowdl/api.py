@@ -12,7 +12,7 @@ from torch import nn
 
 from nowdl.compiled import CompiledModel
 from nowdl.errors import NowdlError, PlanError
-from nowdl.optimizers import OptimizerSpec, build_optimizer
+from nowdl.optimizers import OptimizerSpec
 from nowdl.options import CacheSetting, DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
 from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.config.lever_options import check_lever, recompute_setting
@@ -147,7 +147,6 @@ def compile(  # noqa: A001 - the name mirrors torch.compile on purpose
                               recompute=recompute_setting(recompute, options.activation_checkpointing),
                               global_batch=global_batch, tiles_per_gpu=tiles_arg(tiles_per_gpu))
     cm = CompiledModel(model, request=request, plan_path=plan_path, options=options, planner=planner)
-    cm.optimizer = build_optimizer(options.optimizer, model)
     return cm
 
 

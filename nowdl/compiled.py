@@ -16,7 +16,7 @@ from torch import nn
 from nowdl.codegen.chain import StageChain, chain_stages
 from nowdl.errors import InfeasibleError, NowdlError
 from nowdl.gcpause import gc_paused
-from nowdl.optimizers import optimizer_kind
+from nowdl.optimizers import OptimizerSlot, optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
 from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.config.reserve import memory_reserve
@@ -62,6 +62,8 @@ class CompiledModel:
     process (useful to check a plan); the distributed runtime arrives with ``train_step``.
     """
 
+    optimizer = OptimizerSlot()  # over model.parameters(), built on first use (training)
+
     def __init__(self, model: nn.Module, *, request: PlanRequest | None, plan_path: str | None,
                  options: RuntimeOptions, planner: PlannerOptions) -> None:
         self.model = model
@@ -74,7 +76,6 @@ class CompiledModel:
         self._plans: dict[tuple[Any, ...], Plan] = {}  # per input shapes, train (and one sample per step)
         self._chains: dict[tuple[tuple[int, ...], ...], StageChain] = {}  # what cm(x) runs, per input shapes
         self._trainer: Trainer | None = None
-        self.optimizer: torch.optim.Optimizer | None = None  # built by compile() over model.parameters()
         #: a step whose loss or a gradient is NaN or infinite: stop (False: NonFiniteError) or skip it
         #: (True; ``skipped_steps`` counts them) ([Note: non-finite steps] in runtime/pipeline/grad_sync.py)
         self.skip_nonfinite = False
@@ -306,7 +307,7 @@ class CompiledModel:
         if self._trainer is None:  # the runtime loads here, on the first train, eval or checkpoint call
             from nowdl.runtime.training.trainer import Trainer
 
-            self._trainer = Trainer(self, optimizer=self.optimizer, loss_fn=self.loss_fn,
+            self._trainer = Trainer(self, loss_fn=self.loss_fn,
                                     timeout_s=self.options.timeout_s, backend=self.options.backend)
         return self._trainer
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from nowdl.errors import NowdlError
 
-__all__ = ["OptimizerFactory", "OptimizerSpec", "OPTIMIZER_NAMES", "check_optimizer", "optimizer_kind", "build_optimizer"]
+__all__ = ["OptimizerFactory", "OptimizerSpec", "OPTIMIZER_NAMES", "check_optimizer", "optimizer_kind", "build_optimizer",
+           "OptimizerSlot"]
 
 #: ``params -> torch.optim.Optimizer``, called on each rank's parameters
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -72,3 +73,22 @@ def build_optimizer(optimizer: OptimizerSpec, model: nn.Module) -> torch.optim.O
         check_optimizer(optimizer)
         return _NAMED_OPTIMIZERS[optimizer](params)
     return _built(optimizer, params, "the model's parameters")
+
+
+class OptimizerSlot:
+    """``CompiledModel.optimizer``: built from ``options.optimizer`` over ``model.parameters()`` on
+    first read, or whatever was assigned. Building the first optimizer imports torch._dynamo
+    (about a second), which prediction never needs, so ``nowdl.compile`` leaves it to training."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.slot not in obj.__dict__:
+            obj.__dict__[self.slot] = build_optimizer(obj.options.optimizer, obj.model)
+        return obj.__dict__[self.slot]
+
+    def __set__(self, obj: Any, value: torch.optim.Optimizer | None) -> None:
+        obj.__dict__[self.slot] = value

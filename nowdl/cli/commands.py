@@ -274,7 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except ReportedError:  # printed once for the whole job (runtime/launch/failure.py)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before `nowdl run`'s steps (StopSignal handles them), or any other command
+        if _rank() == 0:
+            print(f"nowdl {args.command}: interrupted" + (" before a step finished: nothing saved; run the same command"
+                  " to start again" if args.command == "run" else ""), file=sys.stderr, flush=True)
         return 130
     except Exception as e:
         _say_error(args.command, e, verbose)

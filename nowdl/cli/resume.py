@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
@@ -19,14 +20,22 @@ from nowdl.cli.runspec import pin_conflicts
 from nowdl.runtime.launch import comm
 from nowdl.runtime.training.checkpoint import Checkpoint, CheckpointError
 
-__all__ = ["StopSignal", "run_state", "reusable_plan", "finished_text", "check_normalize"]
+__all__ = ["StopSignal", "SAME_STOP_S", "run_state", "reusable_plan", "finished_text", "check_normalize"]
+
+#: Seconds within which a second SIGINT/SIGTERM counts as the first one delivered again.
+SAME_STOP_S = 1.0
 
 
 class StopSignal:
-    """SIGTERM/SIGINT ask the run to stop after the current step (a second one stops at once)."""
+    """SIGTERM/SIGINT ask the run to stop after the current step (a second one stops at once).
+
+    A second signal within :data:`SAME_STOP_S` of the first is the same request delivered twice
+    and is ignored: Ctrl-C reaches every process of the terminal's group and torchrun forwards
+    it to its workers as well, as Slurm's and torchrun's SIGTERM do."""
 
     def __init__(self) -> None:
         self.signum = 0
+        self._at = 0.0
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignal:
@@ -36,13 +45,19 @@ class StopSignal:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.signum = signum
-        for sig, old in self._old.items():  # the next signal acts as it did before
-            signal.signal(sig, old)
+        now = time.monotonic()
+        if not self.signum:
+            self.signum, self._at = signum, now
+            return
+        if now - self._at < SAME_STOP_S:
+            return
+        self.__exit__()  # a later signal acts as it did before: stop at once
+        signal.raise_signal(signum)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old = {}
 
     def agreed(self, world: int) -> int:
         """The signal any rank got (0: none); every rank gets the same answer."""

@@ -191,9 +191,10 @@ def _run(args: argparse.Namespace, rank: int, world: int,
         if job.training:
             _save(job, cm, done, emit)
     if stopped:
-        emit(f"stopped by {signal.Signals(stopped).name} after step {done} of {job.total}"
-             + (f"; resume with the same command and --checkpoint {job.ckpt}" if job.training else " (no --checkpoint: "
-                "nothing saved)"))
+        name = signal.Signals(stopped).name
+        emit(f"interrupted at step {done}: resume with the same command ({name}; step {done} of {job.total} saved "
+             f"to {job.ckpt})" if job.training else
+             f"interrupted at step {done} of {job.total} ({name}): nothing saved (no --checkpoint)")
         return 128 + stopped
     return 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -57,10 +59,12 @@ def import_callable(spec: str, what: str, not_callable: str) -> Callable[..., An
             (then ``not_callable`` is the message).
     """
     mod_name, _, attr = spec.partition(":")
+    _current_folder_first()
     try:
         fn: Any = importlib.import_module(mod_name)
     except ImportError as e:
-        raise NowdlError(f"cannot import {mod_name!r} for {what}: {e}. Is it installed (or on PYTHONPATH)?") from None
+        raise NowdlError(f"cannot import {mod_name!r} for {what}: {e}. Is it installed, in the current folder "
+                         f"({os.getcwd()}) or on PYTHONPATH?") from None
     for part in attr.split("."):
         if not hasattr(fn, part):
             raise NowdlError(f"{mod_name!r} has no attribute {attr!r} ({what})")
@@ -68,3 +72,11 @@ def import_callable(spec: str, what: str, not_callable: str) -> Callable[..., An
     if not callable(fn):
         raise NowdlError(not_callable)
     return fn  # type: ignore[no-any-return]
+
+
+def _current_folder_first() -> None:
+    """Put the current folder first on ``sys.path``, as ``python -m`` does (the ``nowdl`` script's own
+    folder is there instead), so ``nowdl plan mymodels:net`` finds ``mymodels.py`` beside the user."""
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or ".") == cwd for p in sys.path):
+        sys.path.insert(0, cwd)

@@ -15,6 +15,7 @@ from helpers.exactness import adam, make_batch, make_loss, make_model
 
 import nowdl
 from nowdl.runtime.training import checkpoint as ckmod
+from nowdl.runtime.training import dcp_files
 from nowdl.runtime.training.checkpoint import CheckpointError
 
 NAME = "resnet_bn"
@@ -151,13 +152,13 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatc
     _train(cm, range(1))
     cm.save_checkpoint(tmp_path / "ck")
     _train(cm, range(1, 2))
-    real = ckmod.dcp.save
+    real = dcp_files.dcp.save
 
     def crash(state: Any, **kw: Any) -> Any:
         real(state, **kw)  # the shards are written, then the disk fills up
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckmod.dcp, "save", crash)
+    monkeypatch.setattr(dcp_files.dcp, "save", crash)
     with pytest.raises(CheckpointError, match=r"saving the checkpoint of step 2 to .*ck failed \(OSError: No space left "
                        r"on device\): the previous checkpoint .*step-00000001 is kept intact and a resume starts from "
                        r"it; free space"):
@@ -174,7 +175,7 @@ def test_failed_pointer_write_keeps_the_previous_checkpoint(tmp_path: Path, monk
     cm = _cm(1, ONE)
     _train(cm, range(1))
     with monkeypatch.context() as m:  # the first save of a folder fails: nothing to keep
-        m.setattr(ckmod.dcp, "save", lambda state, **kw: (_ for _ in ()).throw(OSError(errno.EDQUOT, "Disk quota exceeded")))
+        m.setattr(dcp_files.dcp, "save", lambda state, **kw: (_ for _ in ()).throw(OSError(errno.EDQUOT, "Disk quota exceeded")))
         with pytest.raises(CheckpointError, match=r"Disk quota exceeded\): no earlier checkpoint is there"):
             cm.save_checkpoint(tmp_path / "ck")
     assert list((tmp_path / "ck").iterdir()) == []

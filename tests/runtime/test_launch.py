@@ -141,7 +141,7 @@ def test_a_device_other_than_the_one_nccl_bound_is_refused(monkeypatch: pytest.M
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-        tr = Trainer(SimpleNamespace(device=asked), optimizer=None, loss_fn=None)  # type: ignore[arg-type]
+        tr = Trainer(SimpleNamespace(device=asked), loss_fn=None)  # type: ignore[arg-type]
         tr.rank = 1
         return tr.device()
 

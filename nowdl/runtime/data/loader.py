@@ -91,12 +91,14 @@ class _Indexed(Dataset[Any]):
         return (f"{index} ({describe(index)})" if callable(describe) else index), self.dataset[index]
 
 
-def _ignore_sigterm(worker_id: int) -> None:
-    """A loader worker ignores SIGTERM: Slurm (``--signal``, ``scancel``) and torchrun signal every
-    process of the job, and a worker that died of it made its rank fail ("DataLoader worker ...
-    is killed by signal: Terminated") instead of finishing the step and saving. The workers end
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A loader worker ignores SIGTERM and SIGINT: Slurm (``--signal``, ``scancel``) and torchrun
+    signal every process of the job, and Ctrl-C on a terminal signals its whole process group; a
+    worker that died of it made its rank fail ("DataLoader worker ... is killed by signal",
+    or a KeyboardInterrupt traceback) instead of finishing the step and saving. The workers end
     with the iterator, or when their parent is gone."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _collate(batch: list[Any], *, where: str, sample_shape: Sequence[int] | None,
@@ -146,4 +148,4 @@ def loader(dataset: Dataset[Any], batch_size: int, *, seed: int = 0, workers: in
     return DataLoader(dataset if sample_shape is None else _Indexed(dataset), batch_sampler=sampler, num_workers=workers, collate_fn=collate,
                       pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
                       prefetch_factor=2 if workers else None, persistent_workers=False,
-                      worker_init_fn=_ignore_sigterm if workers else None)
+                      worker_init_fn=_ignore_stop_signals if workers else None)

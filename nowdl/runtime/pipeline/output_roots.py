@@ -9,31 +9,32 @@ plan (UNet K = 4 GPipe M = 8 rank 2: 9.54 MiB measured, 1.10x its plan; with edg
 1.06x; ResNet-20 K = 4 GPipe M = 4 rank 1 was 1.10x too). :class:`Root` keeps the
 edge and the output's dtype, shape and device; the output's memory then goes when its send is
 done and nothing in the stage saved it. ``torch.autograd.backward`` takes edges since torch 2.7;
-with an older torch the tensor itself is kept (:data:`EDGES`).
+with an older torch the tensor itself is kept (:func:`edges`: probed on the first output that
+needs a backward, since the probe's backward imports sympy, a second that prediction never needs).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-__all__ = ["Root", "EDGES"]
+__all__ = ["Root", "edges"]
 
 
-def _edges_supported() -> bool:
+@functools.cache
+def edges() -> bool:
+    """Whether this torch's ``autograd.backward`` accepts ``GradientEdge`` roots (2.7 and later)."""
     try:
         from torch.autograd.graph import get_gradient_edge
 
         x = torch.ones(1, requires_grad=True)
-        torch.autograd.backward([get_gradient_edge(x * 2)], [torch.ones(1)])
+        with torch.enable_grad():  # the first Root may be made under no_grad's sibling modes
+            torch.autograd.backward([get_gradient_edge(x * 2)], [torch.ones(1)])
         return x.grad is not None
     except (ImportError, TypeError, RuntimeError, AttributeError):
         return False
-
-
-EDGES = _edges_supported()
-"""Whether this torch's ``autograd.backward`` accepts ``GradientEdge`` roots (2.7 and later)."""
 
 
 class Root:
@@ -46,7 +47,7 @@ class Root:
         self.requires_grad = t.requires_grad
         self.target: Any = None  # nothing to start a backward from
         if t.requires_grad:
-            if EDGES:
+            if edges():
                 from torch.autograd.graph import get_gradient_edge
 
                 self.target = get_gradient_edge(t)

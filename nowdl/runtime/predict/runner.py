@@ -42,7 +42,7 @@ from nowdl.runtime.predict.memory import WindowGuard, with_gpu_memory
 from nowdl.runtime.predict.passes import gather_statistics
 from nowdl.runtime.predict.shares import chunk_share, tile_piece, window_piece
 from nowdl.runtime.predict.summary import PredictSummary
-from nowdl.runtime.predict.windows import Reach, Window, layout_windows, network_reach
+from nowdl.runtime.predict.windows import Reach, Window, cached_reach, layout_windows
 from nowdl.runtime.predict.writers import (
     LevelStore,
     build_level,
@@ -95,6 +95,8 @@ class _WindowRunner(Trainer):
     """A trainer without optimizer that runs windows on an inference plan's engine; its loss
     function hands each window's output (whole, on every rank of the last stage) to predict."""
 
+    optimizer = None
+
     def __init__(self, cm: Any, timeout_s: float, backend: str | None,
                  weights: dict[str, torch.Tensor] | None = None) -> None:
         self.weights = weights
@@ -102,7 +104,7 @@ class _WindowRunner(Trainer):
         self.outputs: list[torch.Tensor] = []
         self.grid: tuple[TileGrid, Any] | None = None  # the output's tile grid and group, when kept as a tile
         self.planner = _Planner(cm)
-        super().__init__(self.planner, optimizer=None, loss_fn=self._keep, timeout_s=timeout_s, backend=backend)
+        super().__init__(self.planner, loss_fn=self._keep, timeout_s=timeout_s, backend=backend)
 
     def _keep(self, out: Any, _y: Any) -> torch.Tensor:
         from torch.utils._pytree import tree_leaves
@@ -353,12 +355,13 @@ def _runner_for(cm: Any, win: tuple[int, ...], timeout_s: float, backend: str | 
 
 
 def _reach(cm: Any, channels: int, win: tuple[int, ...]) -> Reach:
-    """The network's reach for windows of ``win`` pixels, computed once per compiled model and shape."""
+    """The network's reach for windows of ``win`` pixels, computed once per compiled model and shape
+    (and kept on disk: :func:`~nowdl.runtime.predict.windows.cached_reach`)."""
     cache = _REACH.setdefault(cm, {})
     key = (channels, *win)
     if key not in cache:
         example = torch.empty((1, channels, *win), device="meta")
-        cache[key] = network_reach(cm.trace(example).gm, example)
+        cache[key] = cached_reach(cm.trace(example).gm, example, getattr(getattr(cm, "options", None), "cache", False))
     return cache[key]
 
 

@@ -20,9 +20,12 @@ window covering the whole image nothing changes.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -30,9 +33,13 @@ import torch.fx as fx
 from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.partitioner.spatial.whole_image import pass_prefixes
+from nowdl.profiler.cache import atomic_write_text, cache_key, graph_digest, resolve_cache_dir
 from nowdl.runtime.predict.statistics import StatOp, stat_op
 
-__all__ = ["Reach", "Window", "network_reach", "layout_windows"]
+__all__ = ["Reach", "Window", "network_reach", "cached_reach", "layout_windows"]
+
+#: bump when :func:`network_reach` changes what it returns, so reaches cached by an older nowdl are not read
+REACH_FORMAT = 2
 
 @dataclass(frozen=True)
 class Reach:
@@ -92,6 +99,38 @@ def _shapes(gm: fx.GraphModule, example: torch.Tensor) -> None:
 def _shape(node: fx.Node) -> tuple[int, ...] | None:
     shape = getattr(node.meta.get("tensor_meta"), "shape", None)
     return tuple(int(s) for s in shape) if shape is not None else None
+
+
+def cached_reach(gm: fx.GraphModule, example: torch.Tensor, cache: Any) -> Reach:
+    """:func:`network_reach`, kept in the profile cache folder (``cache`` as ``nowdl.compile`` takes
+    it) by graph and input shape. A second prediction of the model at this window shape skips the
+    shape propagation, whose fake tensors import torch._dynamo: seconds of a short prediction's start."""
+    folder = resolve_cache_dir(cache)
+    path = None
+    if folder is not None:
+        key = cache_key({"kind": "reach", "reach_format": REACH_FORMAT, "graph": graph_digest(gm),
+                         "input": list(example.shape), "dtype": str(example.dtype)})
+        path = folder / f"reach-{key}.json"
+        try:
+            return _reach_from(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: compute it
+            pass
+    reach = network_reach(gm, example)
+    if path is not None:
+        try:
+            atomic_write_text(path, json.dumps(dataclasses.asdict(reach)))
+        except OSError:  # a read-only cache folder: the next run computes it again
+            pass
+    return reach
+
+
+def _reach_from(d: dict[str, Any]) -> Reach:
+    """A :class:`Reach` back from its JSON (``dataclasses.asdict``)."""
+    return Reach(tuple(d["margin"]), tuple(d["align"]), tuple(d["scale"]),
+                 tuple((str(n), str(o), str(k), int(p)) for n, o, k, p in d["whole"]), int(d["out_channels"]),
+                 tuple(StatOp(str(o["node"]), int(o["stat_pass"]), str(o["reduce"]), tuple(o["shape"]),
+                              tuple(o["spatial"]), bool(o["keep"])) for o in d["stat_ops"]),
+                 tuple((str(n), tuple(p), tuple(sh)) for n, p, sh in d["prefix"]))
 
 
 def _spatial(node: object, nd: int) -> tuple[int, ...] | None:

@@ -36,16 +36,17 @@ import warnings
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.launch import faults
 from nowdl.runtime.training.durable import fsync_dir, replace_durable, write_durable
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["CheckpointError", "Checkpoint", "FORMAT", "save_checkpoint", "open_checkpoint", "find_checkpoint",
            "latest_step_dir"]
@@ -129,7 +130,9 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: Mappi
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to save in a single process"
-            dcp.save(dict(tensors), storage_writer=_Writer(tmp), no_dist=not _distributed())
+            from nowdl.runtime.training.dcp_files import Writer, dcp
+
+            dcp.save(dict(tensors), storage_writer=Writer(tmp), no_dist=not _distributed())
         faults.point("save.metadata")
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
         mine = {name: [(tmp / name).stat().st_size, _crc(tmp / name)] for name in files[rank::world]}
@@ -168,15 +171,6 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, tensors: Mappi
                 shutil.rmtree(old, ignore_errors=True)
     _agree(error, cleanup=tmp if rank == 0 else None)  # also the barrier: every rank returns once it is complete
     return final
-
-
-class _Writer(dcp.FileSystemWriter):
-    """DCP's writer (fsyncs its files, ``sync_files``), with the kill point between the shards and the metadata."""
-
-    def write_data(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().write_data(*args, **kwargs)  # one thread: the shards are on disk when it returns
-        faults.point("save.shards_half")
-        return out
 
 
 def _aside(final: Path) -> Path:
@@ -279,32 +273,6 @@ def find_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     return record
 
 
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
-_SAFE = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-         ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-         ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata classes and nothing else (no code runs from a foreign file)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _SAFE_MODULES or (module, name) in _SAFE or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(Path(self.path) / ".metadata", "rb") as f:
-            metadata: Metadata = _MetadataUnpickler(f).load()
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
-
-
 class Checkpoint:
     """A complete checkpoint found by :func:`open_checkpoint`; its reads are collective."""
 
@@ -337,8 +305,10 @@ class Checkpoint:
             if error:
                 break
         _agree(error)
+        from nowdl.runtime.training.dcp_files import SafeReader, TensorStorageMetadata
+
         try:
-            metadata = _SafeReader(self.dir).read_metadata()
+            metadata = SafeReader(self.dir).read_metadata()
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
             raise CheckpointError(f"cannot read {self.dir / '.metadata'} ({e}): the checkpoint is damaged") from None
         self._index = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -370,10 +340,12 @@ class Checkpoint:
             out[key] = torch.empty(saved, dtype=md.properties.dtype)
         _agree(error)
         faults.point("load.read")
+        from nowdl.runtime.training.dcp_files import SafeReader, dcp
+
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(out, storage_reader=_SafeReader(self.dir), no_dist=not _distributed())
+                dcp.load(out, storage_reader=SafeReader(self.dir), no_dist=not _distributed())
         except Exception as e:  # CheckpointException carries every rank's failure
             first = (str(e).splitlines() or [""])[0][:300]
             raise CheckpointError(f"cannot read checkpoint {self.dir}: {type(e).__name__}: {first}; restore it or "

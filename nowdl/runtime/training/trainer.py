@@ -69,11 +69,11 @@ def _first_tensor(x: Any) -> torch.Tensor:
 class Trainer:
     """Owns this rank's engine; set up lazily on the first step (plans if needed)."""
 
-    def __init__(self, cm: Compiled, *, optimizer: torch.optim.Optimizer | None,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, timeout_s: float = 300.0,
+    optimizer = property(lambda self: self.cm.optimizer)  # built on first use; bound to the stages' at set-up
+
+    def __init__(self, cm: Compiled, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None, timeout_s: float = 300.0,
                  backend: str | None = None) -> None:
         self.cm = cm
-        self.optimizer = optimizer  # over the model's parameters; bound to the stages' at set-up
         self.steps = 0  # optimizer steps taken (restored by load_checkpoint)
         self.pending_state: dict[str, torch.Tensor] | None = None  # load_state_dict before set-up
         self.loss_fn = loss_fn

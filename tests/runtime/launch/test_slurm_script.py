@@ -115,7 +115,7 @@ def test_script_launch_line_saves_on_sigterm_and_finishes_when_requeued(tmp_path
     out = seen + outs[0][0]
     assert [p.returncode for p in first] == [143, 143], [o[1][-2000:] for o in outs]
     assert not any("node(s)" in o[1] for o in outs), outs  # no "the job runs on 1 node(s)": srun's 2 nodes were read
-    m = re.search(rf"stopped by SIGTERM after step (\d+) of {STEPS}; resume with the same command", out)
+    m = re.search(rf"interrupted at step (\d+): resume with the same command \(SIGTERM; step \d+ of {STEPS}", out)
     assert m is not None and f"saved checkpoint at step {m.group(1)} to {ckpt.relative_to(tmp_path)}" in out, out
     stop = int(m.group(1))
     assert 2 <= stop < STEPS, out  # stopped mid-run, so the requeue has steps to train
@@ -151,15 +151,17 @@ def test_sigterm_to_every_process_of_a_task_saves_with_loader_workers(tmp_path: 
     os.killpg(p.pid, signal.SIGTERM)  # the task and its loader worker
     out, err = p.communicate(timeout=240)
     assert p.returncode == 143 and "error" not in err, err
-    m = re.search(rf"stopped by SIGTERM after step (\d+) of {STEPS}", seen + out)
+    m = re.search(r"interrupted at step (\d+): resume with the same command \(SIGTERM", seen + out)
     assert m is not None and (tmp_path / "ck" / "latest").read_text() == f"step-{int(m.group(1)):08d}", seen + out
 
 
-def test_loader_workers_outlive_sigterm() -> None:
+def test_loader_workers_outlive_sigterm_and_ctrl_c() -> None:
+    """Slurm's SIGTERM and a terminal's Ctrl-C (SIGINT) reach the loader workers too: they live on."""
     ds = torch.utils.data.TensorDataset(torch.arange(64.0).view(16, 4), torch.zeros(16, dtype=torch.long))
     it = iter(loader(ds, 4, workers=1, steps=4))
     next(it)
     worker = it._workers[0]  # type: ignore[attr-defined]
     os.kill(worker.pid, signal.SIGTERM)
+    os.kill(worker.pid, signal.SIGINT)
     time.sleep(0.5)
     assert worker.is_alive() and len(list(it)) == 3

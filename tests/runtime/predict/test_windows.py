@@ -12,7 +12,8 @@ from torch import nn
 
 import nowdl
 from nowdl.errors import NowdlError
-from nowdl.runtime.predict.windows import Reach, layout_windows, network_reach
+from nowdl.runtime.predict import windows
+from nowdl.runtime.predict.windows import Reach, cached_reach, layout_windows, network_reach
 
 zarr = pytest.importorskip("zarr")
 
@@ -36,6 +37,23 @@ def test_reach_names_whole_image_statistics() -> None:
     assert r.whole == (("n1", "InstanceNorm2d", "instance/group norm statistics", 1),) and r.passes == 1
     assert r.whole_text(exact=True) == "instance/group norm statistics (1)" and r.whole_text() == ""
     assert r.whole_text(also=["n1"]) == "instance/group norm statistics (1: n1)"  # computed per window after all
+
+
+def test_reach_is_cached_by_graph_and_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second prediction at the same window shape reads the reach back instead of propagating shapes."""
+    cm = nowdl.compile(seg_net(norm="instance"), gpus=1, progress=False, cache=False)
+    x, y = torch.empty((1, 1, 32, 32), device="meta"), torch.empty((1, 1, 48, 48), device="meta")
+    first = cached_reach(cm.trace(x).gm, x, tmp_path)
+    assert first == network_reach(cm.trace(x).gm, x) and len(list(tmp_path.glob("reach-*.json"))) == 1
+    assert first.stat_ops and first.passes == 1  # the statistics passes are read back too
+
+    def refuse(*_: object) -> Reach:
+        raise AssertionError("propagated shapes again")
+
+    monkeypatch.setattr(windows, "network_reach", refuse)
+    assert cached_reach(cm.trace(x).gm, x, tmp_path) == first  # read back whole (the whole-image ops too)
+    with pytest.raises(AssertionError):  # another shape is another entry
+        cached_reach(cm.trace(y).gm, y, tmp_path)
 
 
 @pytest.mark.parametrize("size,window", [(96, 40), (100, 100), (128, 64), (64, 200), (1000, 256)])
