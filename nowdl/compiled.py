@@ -307,8 +307,7 @@ class CompiledModel:
         if self._trainer is None:  # the runtime loads here, on the first train, eval or checkpoint call
             from nowdl.runtime.training.trainer import Trainer
 
-            self._trainer = Trainer(self, loss_fn=self.loss_fn,
-                                    timeout_s=self.options.timeout_s, backend=self.options.backend)
+            self._trainer = Trainer(self, loss_fn=self.loss_fn, timeout_s=self.options.timeout_s, backend=self.options.backend)
         return self._trainer
 
     @property

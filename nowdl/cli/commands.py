@@ -201,8 +201,7 @@ def _codegen(args: argparse.Namespace) -> int:
     traced = trace(model, xs, tracer=str(plan.model.get("tracer", "auto")))
     plan.check_model(traced.fingerprint)
     paths = write_sources(build_stages(traced.gm, plan), plan, args.out)
-    for p in paths:
-        print(p)
+    print(*paths, sep="\n")
     return 0
 
 
@@ -210,10 +209,9 @@ def _rank() -> int:
     """This process's rank as its launcher describes it (0 when alone or unreadable)."""
     from nowdl.runtime.launch.group import launch_env
 
-    try:
+    with contextlib.suppress(NowdlError):
         return launch_env().rank
-    except NowdlError:
-        return 0
+    return 0
 
 
 #: Seconds a rank other than 0 waits before exiting on an error every rank hit alike.
@@ -261,8 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.print_help()
         return 2
     verbose = bool(getattr(args, "verbose", False))
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format=f"nowdl[rank {_rank()}]: %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=f"nowdl[rank {_rank()}]: %(name)s: %(message)s")
     logging.captureWarnings(_rank() != 0)  # other ranks' Python warnings say which rank printed them
     try:
         rc = _run(args)
@@ -276,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # before `nowdl run`'s steps (StopSignal handles them), or any other command
         if _rank() == 0:
-            print(f"nowdl {args.command}: interrupted" + (" before a step finished: nothing saved; run the same command"
-                  " to start again" if args.command == "run" else ""), file=sys.stderr, flush=True)
+            end = " before a step finished: nothing saved; run the same command to start again" if args.command == "run" else ""
+            print(f"nowdl {args.command}: interrupted{end}", file=sys.stderr, flush=True)
         return 130
     except Exception as e:
         _say_error(args.command, e, verbose)

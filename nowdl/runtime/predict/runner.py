@@ -11,9 +11,8 @@ stage reads only its tile (the halo comes from its neighbours). The ranks of the
 each get the window's output and write their share of its exact core, whole chunks each
 (``writers``) on a background thread while the next window computes; before the next window's
 writes start, the ranks agree that this window's are done (an error on any rank, such as a full
-disk, stops every rank; [Note: predict writes] in ``agreement``). The network's reach is
-computed once per compiled model and window shape. The pyramid levels are built in parallel, rank 0 converts to
-TIFF or NIfTI, and the temporary output is renamed to OUT. A window's pixels are the model's input by
+disk, stops every rank; [Note: predict writes] in ``agreement``). The pyramid levels are built in
+parallel, rank 0 converts to TIFF or NIfTI, and the temporary output is renamed to OUT. A window's pixels are the model's input by
 [Note: input values] (``pixels``); a georeferenced source's grid and nodata go into the output
 ([Note: georeferenced outputs] in ``georef``).
 """
@@ -355,8 +354,7 @@ def _runner_for(cm: Any, win: tuple[int, ...], timeout_s: float, backend: str | 
 
 
 def _reach(cm: Any, channels: int, win: tuple[int, ...]) -> Reach:
-    """The network's reach for windows of ``win`` pixels, computed once per compiled model and shape
-    (and kept on disk: :func:`~nowdl.runtime.predict.windows.cached_reach`)."""
+    """The network's reach for windows of ``win`` pixels, once per compiled model and shape (on disk too)."""
     cache = _REACH.setdefault(cm, {})
     key = (channels, *win)
     if key not in cache:
