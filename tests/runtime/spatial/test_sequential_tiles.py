@@ -23,6 +23,11 @@ from nowdl.runtime.spatial.sequential import sub_grid
 from nowdl.runtime.training.metrics import peak_of
 
 STEPS = 2
+NORMS = ("bn", "in", "gn")  # 3 Adam steps: the running statistics of step 1 feed nothing before step 3
+
+
+def _steps(name: str) -> int:
+    return 3 if name in NORMS else STEPS
 
 
 class Stack(nn.Module):
@@ -60,8 +65,39 @@ class WithNorm(nn.Module):
         return self.bn(self.c(x))
 
 
+class NormNet(nn.Module):
+    """Three norms of one kind in a chain at two resolutions, one fed by a skip around another:
+    forward levels 1, 2, 3 and backward levels 3, 2, 1 ([Note: sequential norms])."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+
+        def norm(c: int) -> nn.Module:
+            if kind == "bn":
+                return nn.BatchNorm2d(c)
+            if kind == "in":
+                return nn.InstanceNorm2d(c, affine=True, track_running_stats=True)
+            return nn.GroupNorm(2, c)
+
+        self.c1, self.n1 = nn.Conv2d(1, 4, 3, padding=1, bias=False), norm(4)  # a bias before a norm: no gradient
+        self.c2, self.n2 = nn.Conv2d(4, 4, 3, stride=2, padding=1, bias=False), norm(4)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.c3, self.n3 = nn.Conv2d(8, 4, 3, padding=1, bias=False), norm(4)
+        self.head = nn.Conv2d(4, 2, 1)
+        for m in (self.n1, self.n2, self.n3):
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.n1(self.c1(x)))
+        b = torch.relu(self.n2(self.c2(a)))
+        return self.head(torch.relu(self.n3(self.c3(torch.cat([a, self.up(b)], 1)))))
+
+
 def _make(name: str) -> tuple[nn.Module, tuple[int, ...]]:
     torch.manual_seed(0)
+    if name in ("bn", "in", "gn"):
+        return NormNet(name).double(), (1, 24, 20)
     if name == "stack2d":
         return Stack(2).double(), (1, 64, 20)
     if name == "stack3d":
@@ -81,6 +117,7 @@ def _data(name: str, step: int, total: int) -> tuple[torch.Tensor, torch.Tensor]
     shape = _make(name)[1]
     g = torch.Generator().manual_seed(10 + step)
     dt = torch.float32 if name.endswith("32") else torch.float64
+    total *= 2 if name == "bn" else 1  # BatchNorm: 2 samples per micro-batch
     x = torch.randn(total, *shape, generator=g, dtype=dt)
     return x, torch.randn(total, 2, *shape[1:], generator=g, dtype=dt)
 
@@ -104,7 +141,7 @@ def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: dict[int
 def _train(name: str, path: str, total: int) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
     cm = nowdl.compile(_make(name)[0], plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
                        progress=False, timeout_s=120)
-    losses = [cm.train_step(*_data(name, step, total)) for step in range(STEPS)]
+    losses = [cm.train_step(*_data(name, step, total)) for step in range(_steps(name))]
     eng = cm._trainer.engine
     seq = [s for (_, s), t in eng.tiled.items() if t.sequential is not None and _windowed(t.sequential)]
     return losses, cm.state_dict(), seq
@@ -127,7 +164,7 @@ def _reference(name: str, total: int) -> tuple[list[float], dict[str, torch.Tens
 
     model = _make(name)[0]
     return train_reference(model, _adam(model.parameters()), nn.MSELoss(), lambda step: _data(name, step, total),
-                           total, STEPS)
+                           total, _steps(name))
 
 
 def _check(got: tuple[list[float], dict[str, torch.Tensor], list[int]], name: str, total: int) -> None:
@@ -172,11 +209,26 @@ def test_sequential_tiles_in_a_pipeline_with_multi_resolution_inputs(tmp_path: P
     _check((results[0][0], {k: v for r in results for k, v in r[1].items()}, results[0][2] or [0]), "unet", 2)
 
 
-def test_sequential_tiles_refuse_batchnorm(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "tiles"), [("bn", 4), ("in", 4), ("gn", 4), ("in", 9)])
+def test_sequential_tiles_with_norms_on_one_rank_are_exact(name: str, tiles: int, tmp_path: Path) -> None:
+    """BatchNorm (2 samples per micro-batch), InstanceNorm (running statistics tracked) and
+    GroupNorm normalise every sub-tile with the whole image's statistics: 3 Adam steps equal one
+    process, every parameter and buffer (running statistics, batches tracked) to 1e-9."""
     path = tmp_path / "plan.json"
-    _plan("norm", path, 1, ONE, {0: 2})
-    with pytest.raises(NowdlError, match=r"stage 0 cannot run 2 sequential tiles per GPU: node 'bn'.*BatchNorm2d"):
-        _train("norm", str(path), 1)
+    _plan(name, path, 1, ONE, {0: tiles})
+    _check(_train(name, str(path), 1), name, 1)
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_sequential_tiles_with_norms_on_two_ranks_are_exact(name: str, tmp_path: Path) -> None:
+    """2 ranks, 2 sub-tiles each, 2 micro-batches in flight (GPipe): statistics and gradient means
+    combine over the sub-tiles and the tile group."""
+    path = tmp_path / "plan.json"
+    _plan(name, path, 2, {**ONE, "spatial_parts": 2, "slice": "horizontal", "micro_batches": 2, "schedule": "gpipe"},
+          {0: 2})
+    results = run_workers(_worker, 2, name, str(path), 2, timeout_s=300)
+    assert results[0][0] == results[1][0]
+    _check(results[0], name, 2)
 
 
 def test_sub_grid_layout() -> None:
