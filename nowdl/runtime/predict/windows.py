@@ -30,7 +30,7 @@ import torch.fx as fx
 from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.partitioner.spatial.whole_image import pass_prefixes
-from nowdl.runtime.spatial.statistics import StatOp, stat_op
+from nowdl.runtime.spatial.statistics.accumulate import StatOp, stat_op
 
 __all__ = ["Reach", "Window", "network_reach", "layout_windows"]
 

@@ -23,7 +23,7 @@ from the same input values as the whole image (its zero padding at a cut edge on
 pixels within ``reach`` of that edge); where the window reaches the image border, the padding
 is the image's own. Norms whose statistics span the image (BatchNorm, InstanceNorm, GroupNorm
 modules) run with statistics passes ([Note: sequential norms] in
-:mod:`nowdl.runtime.spatial.seq_norms`); other ops whose result depends on the whole extent are
+:mod:`nowdl.runtime.spatial.statistics.seq_norms`); other ops whose result depends on the whole extent are
 refused here with the node named: a norm module of another type (a subclass with its own
 forward), global pooling, stochastic dropout
 (each recomputation would draw new numbers), upsampling to a fixed size, by a non-integer factor

@@ -31,7 +31,7 @@ weight gradients are returned once (the engine's per-parameter hooks see one acc
 then summed over the tile group with the other tiles' shares. Autocast is re-entered in the
 recomputation as in the forward. BatchNorm (training), InstanceNorm and GroupNorm normalise every
 sub-tile with the whole image's statistics, gathered in statistics passes over the sub-tiles
-([Note: sequential norms] in :mod:`nowdl.runtime.spatial.seq_norms`). Stochastic dropout, global
+([Note: sequential norms] in :mod:`nowdl.runtime.spatial.statistics.seq_norms`). Stochastic dropout, global
 pooling and norm modules of other types are refused when the stage is built
 (:func:`nowdl.runtime.spatial.reach.refuse_sequential`).
 """
@@ -51,10 +51,10 @@ from torch import Tensor
 from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
 from nowdl.geometry import split_bounds
-from nowdl.runtime.spatial import seq_norms as sn
 from nowdl.runtime.spatial.exchange import Window, fetch_window
 from nowdl.runtime.spatial.precision import autocast_off
 from nowdl.runtime.spatial.reach import node_reach, refuse_sequential, stage_reach
+from nowdl.runtime.spatial.statistics import seq_norms as sn
 from nowdl.runtime.spatial.tiles import TileGrid
 
 __all__ = ["SequentialTiles", "sub_grid"]

@@ -11,7 +11,7 @@ window is widened to make it so), so its values are the whole image's.
 Forward: the norms' *levels* (1 + the most norms on a path before it) order the statistics
 passes. Pass k runs every sub-tile through only the nodes the level-k norms read, the norms of
 lower levels applying the statistics already known, and hands each level-k chunk to
-:class:`~nowdl.runtime.spatial.statistics.Statistics` (float64 shifted sums, Chan's combination,
+:class:`~nowdl.runtime.spatial.statistics.accumulate.Statistics` (float64 shifted sums, Chan's combination,
 one all-reduce of rank slots over the tile group: [Note: statistics accumulation]); running
 statistics are updated then, once per micro-batch, as one device does
 (:func:`~nowdl.runtime.spatial.norms.update_running`). The pass that keeps the outputs applies
@@ -47,7 +47,7 @@ from nowdl.runtime.launch import comm
 from nowdl.runtime.spatial.norms import update_running
 from nowdl.runtime.spatial.precision import opmath
 from nowdl.runtime.spatial.reach import SEQ_NORMS
-from nowdl.runtime.spatial.statistics import Statistics, StatOp, stat_op
+from nowdl.runtime.spatial.statistics.accumulate import Statistics, StatOp, stat_op
 
 __all__ = ["NormLevels", "norm_levels", "image_stats", "NormPasses", "NormRun", "ShapeRun", "seq_norm_nodes"]
 
