@@ -21,6 +21,10 @@ side whose peak stays under a cap (``--cap-mib``, default 64; ``--quick``: 40): 
 sequential tiles (T = 1), stepping the side up by 64 from 128 until the peak exceeds the cap;
 with them (the smallest T of 16 and 64 that fits), stepping up by 256 (``--quick``: 128) from
 twice that side. The step time at each found side is shown. Target: side with / without >= 2.
+
+``--norm`` gives the UNet a BatchNorm after every conv (``unet(..., norm=True)``): the stage of
+sequential tiles then runs statistics passes ([Note: sequential norms]); table 1 shows the plan's
+step time beside the measured one (``predicted step s``, the ``cpu`` device spec).
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ MIB = 1 << 20
 from results import HELP as RESULTS_HELP  # noqa: E402
 from results import recorded  # noqa: E402
 
+NORM = False  # --norm: a BatchNorm after every conv
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nowdl.models.unet(1, 2, depth=3, base_width=8)
+    return nowdl.models.unet(1, 2, depth=3, base_width=8, norm=NORM)
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -68,6 +74,7 @@ def _compiled(side: int, tiles: int, tmp: str) -> tuple[Any, torch.Tensor, torch
     plan.save(path)
     run = nowdl.compile(_model(), plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
                         progress=False)
+    run.predicted_step_s = float(plan.predicted["step_s"])  # type: ignore[attr-defined]
     return run, x, y, float(plan.ranks[0].predicted_peak_bytes)
 
 
@@ -84,7 +91,7 @@ def measure(side: int, tiles: int, tmp: str, *, timed: bool = True) -> dict[str,
         cm.train_step(x, y)
         times.append(time.perf_counter() - t0)
     return {"peak": peak / MIB, "pred": pred / MIB, "time": statistics.median(times) if times else float("nan"),
-            "loss": loss}
+            "loss": loss, "pred_time": cm.predicted_step_s}
 
 
 def largest(cap: float, tiles_choices: list[int], tmp: str, start: int, step: int, limit: int
@@ -116,27 +123,35 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller side and cap (about 5 minutes)")
     ap.add_argument("--side", type=int, default=None)
     ap.add_argument("--cap-mib", type=float, default=None)
+    ap.add_argument("--norm", action="store_true", help="a BatchNorm after every conv (statistics passes)")
+    ap.add_argument("--tiles", default="1,2,4,8", help="table 1's tiles per GPU (default 1,2,4,8)")
+    ap.add_argument("--no-largest", action="store_true", help="skip table 2")
     args = ap.parse_args()
+    global NORM
+    NORM = args.norm
     torch.set_num_threads(1)
     side = args.side or (256 if args.quick else 512)
     cap = args.cap_mib or (40.0 if args.quick else 64.0)
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"### 1. Peak memory and step time vs tiles per GPU (UNet depth 3 width 8, {side}x{side}, batch 1, "
-              "1 CPU rank, 1 thread; target: peak ±10% of the plan)\n")
+        print(f"### 1. Peak memory and step time vs tiles per GPU (UNet depth 3 width 8{', BatchNorm' if NORM else ''}, "
+              f"{side}x{side}, batch 1, 1 CPU rank, 1 thread; target: peak ±10% of the plan)\n")
         print("| T | sub-tiles | predicted peak MiB | measured peak MiB | measured / plan | peak / T=1 | step s "
-              "| step / T=1 |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| step / T=1 | predicted step s |")
+        print("|---|---|---|---|---|---|---|---|---|")
         base: dict[str, float] = {}
         ratios = []
-        for t in (1, 2, 4, 8):
+        for t in [int(v) for v in args.tiles.split(",")]:
             r = measure(side, t, tmp)
             base = base or r
             ratios.append(r["peak"] / r["pred"])
             sub = "x".join(map(str, sub_grid((1, 1), (side, side), t)))
             print(f"| {t} | {sub} | {r['pred']:.1f} | {r['peak']:.1f} | {r['peak'] / r['pred']:.3f} "
-                  f"| {r['peak'] / base['peak']:.2f} | {r['time']:.2f} | {r['time'] / base['time']:.2f} |", flush=True)
+                  f"| {r['peak'] / base['peak']:.2f} | {r['time']:.2f} | {r['time'] / base['time']:.2f} "
+                  f"| {r['pred_time']:.2f} |", flush=True)
         ok = sum(abs(q - 1) <= 0.10 for q in ratios)
         print(f"\nPeak: {ok} of {len(ratios)} rows within ±10%: {'met' if ok == len(ratios) else 'NOT met'}")
+        if args.no_largest:
+            return
         print(f"\n### 2. Largest square side that trains under {cap:g} MiB on 1 rank (target: with / without >= 2)\n")
         print("| tiles per GPU | largest side | T used | predicted peak MiB | measured peak MiB | measured / plan "
               "| step s |")
