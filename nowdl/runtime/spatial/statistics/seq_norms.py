@@ -238,11 +238,12 @@ class NormPasses:
                 continue
             m, op = self.module(node), self.ops[node]
             mean, rstd = self.held(node, x)
-            g = gy.to(_F64)
+            acc = opmath(x.dtype)  # the input's precision (float32 for bf16/fp16); the sums in float64
+            g = gy.to(acc)
             w = m.weight if getattr(m, "affine", True) else None
             if isinstance(w, Tensor):
-                g = g * w.detach().to(_F64).reshape(1, -1, *(1,) * (x.dim() - 2))
-            xhat = (x.detach().to(_F64) - mean) * rstd
+                g = g * w.detach().to(acc).reshape(1, -1, *(1,) * (x.dim() - 2))
+            xhat = (x.detach().to(acc) - mean.to(acc)) * rstd.to(acc)
             a, b = _per_stat(g, op), _per_stat(g * xhat, op)
             old = self._sums.get(node)
             self._sums[node] = [a, b] if old is None else [old[0] + a, old[1] + b]
@@ -281,7 +282,7 @@ class _HeldNorm(torch.autograd.Function):
         acc = opmath(x.dtype)
         view = (1, -1, *(1,) * (x.dim() - 2))
         dims = [0, *range(2, x.dim())]
-        xhat = ((x.to(_F64) - mean) * rstd).to(acc)
+        xhat = (x.to(acc) - mean.to(acc)) * rstd.to(acc)
         gya = gy.to(acc)
         gw = (gya * xhat).sum(dims).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         gb = gya.sum(dims).to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
@@ -296,8 +297,7 @@ class _HeldNorm(torch.autograd.Function):
             op = passes.ops[ctx.node]
             c, nd = x.shape[1], x.dim() - 2
             sl = passes.chunks[ctx.sub][ctx.node]
-            term = (_expand(a, op, c, nd) + xhat[sl].to(_F64) * _expand(b, op, c, nd)) * rstd
-            gx[sl] -= term.to(acc)
+            gx[sl] -= (_expand(a, op, c, nd).to(acc) + xhat[sl] * _expand(b, op, c, nd).to(acc)) * rstd.to(acc)
             gx = gx.to(x.dtype)
         return gx, gw, gb, None, None, None
 
