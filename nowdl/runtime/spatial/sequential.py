@@ -333,6 +333,7 @@ class _Run(torch.autograd.Function):
                     xs = [w[sl].detach().requires_grad_(nd) for w, sl, nd in zip(wins, sub.ins, need_w, strict=True)]
                     roots, seeds = _roots(_sub_run(run, passes, i, xs), gys, sub)
                     passes.add_grads(roots, seeds)  # type: ignore[union-attr]
+                    del roots, seeds  # one sub-tile's recomputed graph lives at a time
                 passes.finish_bwd()  # type: ignore[union-attr]
             if passes is not None:
                 passes.mode = "apply"

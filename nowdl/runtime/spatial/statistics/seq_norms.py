@@ -237,14 +237,16 @@ class NormPasses:
             if gy is None:
                 continue
             m, op = self.module(node), self.ops[node]
-            mean, rstd = self.held(node, x)
             acc = opmath(x.dtype)  # the input's precision (float32 for bf16/fp16); the sums in float64
-            g = gy.to(acc)
             w = m.weight if getattr(m, "affine", True) else None
+            g = gy.to(acc)
             if isinstance(w, Tensor):
                 g = g * w.detach().to(acc).reshape(1, -1, *(1,) * (x.dim() - 2))
-            xhat = (x.detach().to(acc) - mean.to(acc)) * rstd.to(acc)
-            a, b = _per_stat(g, op), _per_stat(g * xhat, op)
+            del gy
+            a = _per_stat(g, op)
+            xhat = _xhat(x.detach(), *self.held(node, x), acc)
+            b = _per_stat(xhat.mul_(g), op)  # g * xhat, in place: two window-sized temporaries at most
+            del g, xhat
             old = self._sums.get(node)
             self._sums[node] = [a, b] if old is None else [old[0] + a, old[1] + b]
 
@@ -257,6 +259,11 @@ class NormPasses:
         for i, n in enumerate(nodes):
             count = float(self.count(n))
             self.grad_means[n] = (done[2 * i] / count, done[2 * i + 1] / count)
+
+
+def _xhat(x: Tensor, mean: Tensor, rstd: Tensor, acc: torch.dtype) -> Tensor:
+    """``(x - mean) * rstd`` in ``acc``, one new window-sized tensor."""
+    return torch.sub(x.to(acc), mean.to(acc)).mul_(rstd.to(acc))
 
 
 class _HeldNorm(torch.autograd.Function):
@@ -282,7 +289,7 @@ class _HeldNorm(torch.autograd.Function):
         acc = opmath(x.dtype)
         view = (1, -1, *(1,) * (x.dim() - 2))
         dims = [0, *range(2, x.dim())]
-        xhat = (x.to(acc) - mean.to(acc)) * rstd.to(acc)
+        xhat = _xhat(x, mean, rstd, acc)
         gya = gy.to(acc)
         gw = (gya * xhat).sum(dims).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         gb = gya.sum(dims).to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
@@ -291,13 +298,16 @@ class _HeldNorm(torch.autograd.Function):
             if ctx.node not in passes.grad_means:
                 raise NowdlError(f"node {ctx.node!r}: its backward ran before its gradient means were gathered; "
                                  "report this")
-            g = gya * weight.to(acc).view(view) if weight is not None else gya
-            gx = g * rstd.to(acc)
+            scale = rstd if weight is None else rstd * weight.detach().to(_F64).view(view)
+            gx = gya * scale.to(acc)  # g * rstd
+            del gya
             a, b = passes.grad_means[ctx.node]
             op = passes.ops[ctx.node]
             c, nd = x.shape[1], x.dim() - 2
             sl = passes.chunks[ctx.sub][ctx.node]
-            gx[sl] -= (_expand(a, op, c, nd).to(acc) + xhat[sl] * _expand(b, op, c, nd).to(acc)) * rstd.to(acc)
+            part = xhat[sl].mul_(_expand(b, op, c, nd).to(acc)).add_(_expand(a, op, c, nd).to(acc))
+            gx[sl] -= part.mul_(rstd.to(acc))  # the mean terms on the chunk only, in place
+            del part, xhat
             gx = gx.to(x.dtype)
         return gx, gw, gb, None, None, None
 
