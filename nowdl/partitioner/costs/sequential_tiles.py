@@ -59,7 +59,11 @@ number of backward levels with a norm before it). So per node the passes add
 ``(fwd_v x (a_v + Kb) + bwd_v x b_v) x infl / P`` (:func:`norm_passes`). The levels are taken over
 the whole graph: a stage that ends before the model's last norm needs fewer backward passes than
 charged (an upper bound); the model wholly on sequential tiles is counted exactly. An inference
-plan runs the forward passes only, and BatchNorm there uses its running statistics.
+plan runs the forward passes only, and BatchNorm there uses its running statistics. Memory: one
+sub-tile's graph lives at a time in every pass, as in the backward without norms; a norm's
+backward holds its normalised input beside its gradients, and a backward statistics pass keeps
+the norm's output to take the gradient at, so a norm's workspace grows by twice its output on
+the sub-tile (:func:`_xhat_bytes`; measured peaks 0.96-1.03x the plan, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from nowdl.geometry import split_bounds
 from nowdl.partitioner.costs.costmodel import Costs
@@ -229,8 +234,16 @@ def sequential_vectors(costs: Costs, base: NodeVectors, parts: int, tiles: int, 
         tf = window_mean if f == window else f
         extra = n.fwd_s * passes.fwd[i] + n.bwd_s * passes.bwd[i]
         time.append(halo_s + (2 * n.fwd_s + n.bwd_s + extra) * tf / parts)
-        ws.append(float(w) if n.op == "output" else w * f / tiles)
+        held_norm = _xhat_bytes(n, base.out[i]) if i in passes.norms else 0.0
+        ws.append(float(w) if n.op == "output" else (w + held_norm) * f / tiles)
     return NodeVectors(act=act, time=time, workspace=ws, out=list(base.out))
+
+
+def _xhat_bytes(node: Any, out: float) -> float:
+    """What a norm's backward holds beside its gradients on a sub-tile ([Note: norm passes cost]):
+    its normalised input (its output's bytes, float32 for a bf16/fp16 output) and, in a backward
+    statistics pass, its output, kept to take the gradient at."""
+    return float(out) * (3.0 if str(node.out_dtype).replace("torch.", "") in ("bfloat16", "float16") else 2.0)
 
 
 def sequential_problem(costs: Costs, problem: Problem, *, stages: Sequence[int], parts: Sequence[int],
@@ -283,6 +296,7 @@ class NormPasses:
     bwd: list[float]
     forward_passes: int
     backward_passes: int
+    norms: frozenset[int] = frozenset()  # the norms that take the image's statistics
 
 
 def _norm_nodes(costs: Costs) -> set[int]:
@@ -339,4 +353,4 @@ def norm_passes(costs: Costs) -> NormPasses:
                 todo.extend(cons[v])
         for v in seen:
             b[v] += 1
-    return NormPasses([float(x + kb) for x in a], [float(x) for x in b], kf, kb)
+    return NormPasses([float(x + kb) for x in a], [float(x) for x in b], kf, kb, frozenset(norms))
