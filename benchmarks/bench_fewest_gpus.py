@@ -13,6 +13,12 @@ memory per 8 GPUs, 55 GB/s each to the host), fp32, Adam, one sample per step
 because the search ran out of its time limit ([Note: search deadline]) is marked, since a plan
 might exist there.
 
+Nets with norms ([Note: norm passes cost]: sequential tiles run statistics passes for them):
+MONAI's ``UNet(spatial_dims=2, in_channels=3, out_channels=2, channels=(32, 64, 128, 256, 512),
+strides=(2, 2, 2, 2), num_res_units=2)`` with its default InstanceNorm and with ``norm="batch"``
+at 16384² and 32768², a 3D UNet shaped like nnU-Net's PlainConvUNet (InstanceNorm) at 512³ and
+MONAI's SegResNet (GroupNorm) at 16384² (``NORM_MODELS``; ``--only`` takes their keys too).
+
     PYTHONPATH=. python benchmarks/bench_fewest_gpus.py [--only unet8k,resnet] [--time-limit 60]
 """
 
@@ -34,6 +40,62 @@ import nowdl
 from nowdl.errors import NowdlError
 
 __all__ = ["fewest", "main"]
+
+def _monai_unet(norm: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        from monai.networks.nets import UNet
+
+        kw = {} if norm == "instance" else {"norm": norm}
+        return UNet(spatial_dims=2, in_channels=3, out_channels=2, channels=(32, 64, 128, 256, 512),
+                    strides=(2, 2, 2, 2), num_res_units=2, **kw)
+    return build
+
+
+def _segresnet() -> nn.Module:
+    from monai.networks.nets import SegResNet
+
+    return SegResNet(spatial_dims=2, in_channels=3, out_channels=2)
+
+
+def _block(cin: int, cout: int, stride: int) -> nn.Module:
+    return nn.Sequential(nn.Conv3d(cin, cout, 3, stride=stride, padding=1), nn.InstanceNorm3d(cout, affine=True),
+                         nn.LeakyReLU(0.01), nn.Conv3d(cout, cout, 3, padding=1),
+                         nn.InstanceNorm3d(cout, affine=True), nn.LeakyReLU(0.01))
+
+
+class PlainConvUNet3d(nn.Module):
+    """nnU-Net's PlainConvUNet for 3D full resolution: 6 levels (32, 64, 128, 256, 320, 320
+    features), two conv-InstanceNorm-LeakyReLU per level, strided convs down, transposed convs up."""
+
+    def __init__(self, features: tuple[int, ...] = (32, 64, 128, 256, 320, 320)) -> None:
+        super().__init__()
+        self.down = nn.ModuleList(_block(1 if i == 0 else features[i - 1], f, 1 if i == 0 else 2)
+                                  for i, f in enumerate(features))
+        self.up = nn.ModuleList(nn.ConvTranspose3d(features[i], features[i - 1], 2, stride=2)
+                                for i in range(len(features) - 1, 0, -1))
+        self.dec = nn.ModuleList(_block(2 * features[i - 1], features[i - 1], 1) for i in range(len(features) - 1, 0, -1))
+        self.head = nn.Conv3d(features[0], 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for block in self.down:
+            x = block(x)
+            skips.append(x)
+        x = skips.pop()
+        for up, dec in zip(self.up, self.dec, strict=True):
+            x = dec(torch.cat([up(x), skips.pop()], 1))
+        return self.head(x)
+
+
+NORM_MODELS: dict[str, tuple[str, Callable[[], nn.Module], tuple[int, ...]]] = {
+    "monai_in16k": ("MONAI UNet (InstanceNorm) @ 16384²", _monai_unet("instance"), (1, 3, 16384, 16384)),
+    "monai_bn16k": ("MONAI UNet (BatchNorm) @ 16384²", _monai_unet("batch"), (1, 3, 16384, 16384)),
+    "monai_in32k": ("MONAI UNet (InstanceNorm) @ 32768²", _monai_unet("instance"), (1, 3, 32768, 32768)),
+    "monai_bn32k": ("MONAI UNet (BatchNorm) @ 32768²", _monai_unet("batch"), (1, 3, 32768, 32768)),
+    "plain3d": ("PlainConvUNet 3D (InstanceNorm) @ 512³", PlainConvUNet3d, (1, 1, 512, 512, 512)),
+    "segresnet": ("SegResNet (GroupNorm) @ 16384²", _segresnet, (1, 3, 16384, 16384)),
+}
+JOBS = {**MODELS, **NORM_MODELS}
 
 AUTO: dict[str, Any] = dict(recompute="auto", offload="auto", tiles_per_gpu="auto")
 OFF: dict[str, Any] = dict(recompute="off", offload="off", tiles_per_gpu=1)
@@ -116,16 +178,16 @@ def row(label: str, auto: Found, same: Any, base: Found | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--results", action="store_true", help=RESULTS_HELP)
-    ap.add_argument("--only", help="comma-separated keys of bench_out_of_core.MODELS: " + ",".join(MODELS))
+    ap.add_argument("--only", help="comma-separated keys of bench_out_of_core.MODELS and NORM_MODELS: " + ",".join(JOBS))
     ap.add_argument("--time-limit", type=float, default=60.0, help="seconds per plan() (default 60)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the fewest GPUs without the levers")
     args = ap.parse_args()
-    keys = args.only.split(",") if args.only else list(MODELS)
+    keys = args.only.split(",") if args.only else list(JOBS)
     lines = ["| job | fewest GPUs (levers auto) | plan | recompute / offload | peak/GPU | step | plan() time | "
              "step without levers, same GPUs | fewest GPUs without levers (powers of two; step) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for key in keys:
-        label, build, shape = MODELS[key]
+        label, build, shape = JOBS[key]
         with tempfile.TemporaryDirectory(prefix="nowdl-fewest-") as cache:
             _say(f"{label}: levers auto")
             auto = fewest(build, shape, AUTO, args.time_limit, cache)

@@ -14,13 +14,19 @@ without sequential tiles (activations saved).
   held before the step, plus the peak of the storages the step allocates: activations,
   windows, gradients; the batch is made before the step), against the plan's
   ``predicted_peak_bytes`` (target ±10%);
-* step s: the median wall time of 3 ``train_step`` calls without the tracker.
+* step s: the median wall time of 3 ``train_step`` calls without the tracker; ``step / T=1``
+  is the cost of sequential tiles in time, set beside the plan's (``predicted step / T=1``, the
+  ``cpu`` device spec; target ±20%: the spec's absolute times are not fitted to this machine).
 
 Table 1: T = 1, 2, 4, 8 at a fixed side (512, ``--quick``: 256). Table 2: the largest square
 side whose peak stays under a cap (``--cap-mib``, default 64; ``--quick``: 40): without
 sequential tiles (T = 1), stepping the side up by 64 from 128 until the peak exceeds the cap;
 with them (the smallest T of 16 and 64 that fits), stepping up by 256 (``--quick``: 128) from
 twice that side. The step time at each found side is shown. Target: side with / without >= 2.
+
+``--norm`` gives the UNet a BatchNorm after every conv (``unet(..., norm=True)``): the stage of
+sequential tiles then runs statistics passes ([Note: sequential norms]); table 1 shows the plan's
+step time beside the measured one (``predicted step s``, the ``cpu`` device spec).
 """
 
 from __future__ import annotations
@@ -47,10 +53,12 @@ MIB = 1 << 20
 from results import HELP as RESULTS_HELP  # noqa: E402
 from results import recorded  # noqa: E402
 
+NORM = False  # --norm: a BatchNorm after every conv
+
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nowdl.models.unet(1, 2, depth=3, base_width=8)
+    return nowdl.models.unet(1, 2, depth=3, base_width=8, norm=NORM)
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -68,6 +76,7 @@ def _compiled(side: int, tiles: int, tmp: str) -> tuple[Any, torch.Tensor, torch
     plan.save(path)
     run = nowdl.compile(_model(), plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
                         progress=False)
+    run.predicted_step_s = float(plan.predicted["step_s"])  # type: ignore[attr-defined]
     return run, x, y, float(plan.ranks[0].predicted_peak_bytes)
 
 
@@ -84,14 +93,15 @@ def measure(side: int, tiles: int, tmp: str, *, timed: bool = True) -> dict[str,
         cm.train_step(x, y)
         times.append(time.perf_counter() - t0)
     return {"peak": peak / MIB, "pred": pred / MIB, "time": statistics.median(times) if times else float("nan"),
-            "loss": loss}
+            "loss": loss, "pred_time": cm.predicted_step_s}
 
 
 def largest(cap: float, tiles_choices: list[int], tmp: str, start: int, step: int, limit: int
             ) -> tuple[int, int, dict[str, float]]:
     """Largest side from ``start`` by ``step`` (until the first that does not fit) whose peak fits
     ``cap`` MiB with the smallest fitting T of ``tiles_choices``; then its step time."""
-    best: tuple[int, int, dict[str, float]] = (0, 0, {"peak": float("nan"), "pred": float("nan"), "time": float("nan")})
+    nan = float("nan")
+    best: tuple[int, int, dict[str, float]] = (0, 0, {"peak": nan, "pred": nan, "time": nan, "pred_time": nan})
     side = start
     while side <= limit:
         fit = None
@@ -116,38 +126,51 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller side and cap (about 5 minutes)")
     ap.add_argument("--side", type=int, default=None)
     ap.add_argument("--cap-mib", type=float, default=None)
+    ap.add_argument("--norm", action="store_true", help="a BatchNorm after every conv (statistics passes)")
+    ap.add_argument("--tiles", default="1,2,4,8", help="table 1's tiles per GPU (default 1,2,4,8)")
+    ap.add_argument("--no-largest", action="store_true", help="skip table 2")
     args = ap.parse_args()
+    global NORM
+    NORM = args.norm
     torch.set_num_threads(1)
     side = args.side or (256 if args.quick else 512)
     cap = args.cap_mib or (40.0 if args.quick else 64.0)
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"### 1. Peak memory and step time vs tiles per GPU (UNet depth 3 width 8, {side}x{side}, batch 1, "
-              "1 CPU rank, 1 thread; target: peak ±10% of the plan)\n")
+        print(f"### 1. Peak memory and step time vs tiles per GPU (UNet depth 3 width 8{', BatchNorm' if NORM else ''}, "
+              f"{side}x{side}, batch 1, 1 CPU rank, 1 thread; target: peak ±10% of the plan)\n")
         print("| T | sub-tiles | predicted peak MiB | measured peak MiB | measured / plan | peak / T=1 | step s "
-              "| step / T=1 |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| step / T=1 | predicted step s | predicted step / T=1 | step cost / plan's |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         base: dict[str, float] = {}
-        ratios = []
-        for t in (1, 2, 4, 8):
+        ratios, costs = [], []
+        for t in [int(v) for v in args.tiles.split(",")]:
             r = measure(side, t, tmp)
             base = base or r
             ratios.append(r["peak"] / r["pred"])
             sub = "x".join(map(str, sub_grid((1, 1), (side, side), t)))
+            cost, plan_cost = r["time"] / base["time"], r["pred_time"] / base["pred_time"]
+            costs.append(cost / plan_cost)
             print(f"| {t} | {sub} | {r['pred']:.1f} | {r['peak']:.1f} | {r['peak'] / r['pred']:.3f} "
-                  f"| {r['peak'] / base['peak']:.2f} | {r['time']:.2f} | {r['time'] / base['time']:.2f} |", flush=True)
+                  f"| {r['peak'] / base['peak']:.2f} | {r['time']:.2f} | {cost:.2f} "
+                  f"| {r['pred_time']:.3g} | {plan_cost:.2f} | {cost / plan_cost:.2f} |", flush=True)
         ok = sum(abs(q - 1) <= 0.10 for q in ratios)
         print(f"\nPeak: {ok} of {len(ratios)} rows within ±10%: {'met' if ok == len(ratios) else 'NOT met'}")
+        ok = sum(abs(q - 1) <= 0.20 for q in costs)
+        print(f"Step cost (step / T=1) against the plan's: {ok} of {len(costs)} rows within ±20%: "
+              f"{'met' if ok == len(costs) else 'NOT met'}")
+        if args.no_largest:
+            return
         print(f"\n### 2. Largest square side that trains under {cap:g} MiB on 1 rank (target: with / without >= 2)\n")
         print("| tiles per GPU | largest side | T used | predicted peak MiB | measured peak MiB | measured / plan "
-              "| step s |")
-        print("|---|---|---|---|---|---|---|")
+              "| step s | predicted step s |")
+        print("|---|---|---|---|---|---|---|---|")
         limit = 4096
         s1, t1, r1 = largest(cap, [1], tmp, 128, 64, limit)
         print(f"| 1 (without) | {s1} | {t1} | {r1['pred']:.1f} | {r1['peak']:.1f} | {r1['peak'] / r1['pred']:.3f} "
-              f"| {r1['time']:.2f} |", flush=True)
+              f"| {r1['time']:.2f} | {r1['pred_time']:.3g} |", flush=True)
         s2, t2, r2 = largest(cap, [16, 64], tmp, 2 * s1, 128 if args.quick else 256, limit)
         print(f"| sequential | {s2} | {t2} | {r2['pred']:.1f} | {r2['peak']:.1f} | {r2['peak'] / r2['pred']:.3f} "
-              f"| {r2['time']:.2f} |")
+              f"| {r2['time']:.2f} | {r2['pred_time']:.3g} |")
         print(f"\nside with / without: {s2 / max(s1, 1):.2f} (target >= 2: {'met' if s2 >= 2 * s1 else 'NOT met'})")
 
 

@@ -79,6 +79,12 @@ def format_levers(plan: Plan) -> str:
             lines.append(f"stage {s.index}: offload (+{_time(m * float(q.get('offload_s', 0.0)))}/step of host "
                          f"copies not hidden by compute, {format_bytes(float(q.get('offloaded_bytes', 0.0)))} per GPU "
                          "in host memory)")
+        if s.tiles_per_gpu > 1:  # [Note: sequential tiles cost]: each term on its own line, none under comm_s
+            lines.append(f"stage {s.index}: {s.tiles_per_gpu} tiles per GPU in turn (+"
+                         f"{_time(m * float(q.get('seq_recompute_s', 0.0)))}/step forward recomputed in the backward, +"
+                         f"{_time(m * float(q.get('seq_margin_s', 0.0)))}/step on the tiles' margins"
+                         + (f", +{_time(m * float(q['norm_passes_s']))}/step statistics passes for its norms"
+                            if q.get("norm_passes_s") else "") + ")")
     if not lines:
         return ""
     host = plan.config.get("host_memory")

@@ -13,7 +13,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GroupNet", "SENet", "FunctionalBN", "AlignedUp", "monai_unet", "norm_net", "stream_worker"]
+__all__ = ["NormNet", "GroupNet", "SENet", "FunctionalBN", "AlignedUp", "monai_unet", "norm_net", "stream_worker"]
+
+
+class NormNet(nn.Module):
+    """Three norms of one kind in a chain at two resolutions, one fed by a skip around another:
+    forward levels 1, 2, 3 and backward levels 3, 2, 1 ([Note: sequential norms])."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+
+        def norm(c: int) -> nn.Module:
+            if kind == "bn":
+                return nn.BatchNorm2d(c)
+            if kind == "in":
+                return nn.InstanceNorm2d(c, affine=True, track_running_stats=True)
+            return nn.GroupNorm(2, c)
+
+        self.c1, self.n1 = nn.Conv2d(1, 4, 3, padding=1, bias=False), norm(4)  # a bias before a norm: no gradient
+        self.c2, self.n2 = nn.Conv2d(4, 4, 3, stride=2, padding=1, bias=False), norm(4)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.c3, self.n3 = nn.Conv2d(8, 4, 3, padding=1, bias=False), norm(4)
+        self.head = nn.Conv2d(4, 2, 1)
+        for m in (self.n1, self.n2, self.n3):
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.n1(self.c1(x)))
+        b = torch.relu(self.n2(self.c2(a)))
+        return self.head(torch.relu(self.n3(self.c3(torch.cat([a, self.up(b)], 1)))))
 
 
 class GroupNet(nn.Module):

@@ -31,9 +31,12 @@ over the tile's, not by the node's own margin (which shrinks towards the stage's
 :func:`window_inflation` computes the largest window of the grid as the runtime does, from the
 reach the runtime computes (:func:`stage_reach_px`). Sized by each node's margin instead,
 training peaks measured 1.12x (T = 2) to 1.75x (T = 8) the plan on nowdl's UNet at 256². Norms whose statistics span the image (BatchNorm in training,
-InstanceNorm, GroupNorm) would need every tile's statistics before any tile is normalised:
-they are not costed as a statistics pass but refused, kept out of stages with T > 1
-(:func:`image_norms`; the runtime refuses them too).
+InstanceNorm, GroupNorm) add statistics passes over the sub-tiles ([Note: norm passes cost]);
+averages over the whole image (global pooling) are kept out of stages with T > 1
+(:func:`image_pools`; the runtime refuses them too). The plan reports a stage's time apart
+(:func:`time_terms`): ``seq_recompute_s`` (each sub-tile's forward again in the backward),
+``seq_margin_s`` (the work on the windows' margins), ``norm_passes_s`` (the statistics passes),
+``comm_s`` only what crosses links.
 
 In an inference plan (``Costs.inference``) each sub-tile's forward runs once, under ``no_grad``:
 nothing is saved or recomputed. The stage holds its whole input (the model input's share,
@@ -43,6 +46,24 @@ per node v: workspace ``(ws_v - I) x infl_v / T + I``, with ``infl_v`` from the 
 node on (:func:`window_margins`: the stage's whole reach, not only what later nodes read); the producers of the model's outputs
 carry their whole output tile as activation bytes (held by the stage that computes them); time
 ``fwd_v x infl_v / P`` plus the halo time.
+
+[Note: norm passes cost] A stage of sequential tiles whose norms take the image's statistics
+(BatchNorm in training, InstanceNorm, GroupNorm) runs extra passes over its T sub-tiles
+([Note: sequential norms] in ``runtime/spatial/statistics/seq_norms.py``). With a norm's *forward
+level* 1 + the most norms on a path before it, and its *backward level* 1 + the most norms on a
+path after it (``Kf``, ``Kb`` the highest): forward pass k runs the nodes the level-k norms read
+(node v runs ``a_v`` more forwards, the number of forward levels whose norms it feeds); backward
+pass k recomputes the whole stage on every sub-tile (``Kb`` more forwards for every node) and runs
+the backward from the outputs to the level-k norms (node v runs ``b_v`` more backwards, the
+number of backward levels with a norm before it). So per node the passes add
+``(fwd_v x (a_v + Kb) + bwd_v x b_v) x infl / P`` (:func:`norm_passes`). The levels are taken over
+the whole graph: a stage that ends before the model's last norm needs fewer backward passes than
+charged (an upper bound); the model wholly on sequential tiles is counted exactly. An inference
+plan runs the forward passes only, and BatchNorm there uses its running statistics. Memory: one
+sub-tile's graph lives at a time in every pass, as in the backward without norms; a norm's
+backward holds its normalised input beside its gradients, and a backward statistics pass keeps
+the norm's output to take the gradient at, so a norm's workspace grows by twice its output on
+the sub-tile (:func:`_xhat_bytes`; measured peaks 0.96-1.03x the plan, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -50,24 +71,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from nowdl.geometry import split_bounds
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.problem import NodeVectors, Problem
 
-__all__ = ["margins", "window_margins", "inflation", "stage_reach_px", "window_inflation", "image_norms", "sequential_vectors",
-           "sequential_problem"]
+__all__ = ["margins", "window_margins", "inflation", "stage_reach_px", "window_inflation", "image_pools", "sequential_vectors",
+           "sequential_problem", "time_terms", "NormPasses", "norm_passes"]
 
 
 def _spatial(shape: Sequence[int] | None) -> list[int]:
     return [int(d) for d in shape[2:]] if shape is not None and len(shape) >= 3 else []
 
 
-def image_norms(costs: Costs) -> list[int]:
-    """Indices of the nodes whose statistics span the image (norms, and average pooling over the
-    whole image: [Note: whole values on tiles]), which stages with sequential tiles cannot hold."""
+def image_pools(costs: Costs) -> list[int]:
+    """Indices of the nodes that average over the whole image ([Note: whole values on tiles]), which
+    stages with sequential tiles cannot hold."""
     return [i for i, n in enumerate(costs.profile.nodes)
-            if (r := costs.rules.get(n.name)) is not None and r.tileable and r.kind in ("norm", "pooled")]
+            if (r := costs.rules.get(n.name)) is not None and r.tileable and r.kind == "pooled"]
 
 
 def margins(costs: Costs) -> list[tuple[float, ...]]:
@@ -194,6 +217,7 @@ def sequential_vectors(costs: Costs, base: NodeVectors, parts: int, tiles: int, 
         held = sum(float(o) for n, o in zip(nodes, base.out, strict=True) if n.op == "placeholder")
         outputs = {u for u, v in costs.edges if nodes[v].op == "output" and nodes[u].op != "placeholder"}
     act, time, ws = [], [], []
+    passes = norm_passes(costs)
     reach = window_margins(costs) if costs.inference else margins(costs)
     window = window_inflation(costs, grid)  # training: every node computes over the runtime's window
     window_mean = window_inflation(costs, grid, mean=True)  # time: all T windows, one after another
@@ -202,22 +226,31 @@ def sequential_vectors(costs: Costs, base: NodeVectors, parts: int, tiles: int, 
         halo_s = max(0.0, t - n.time_s / parts)  # what the P-part stage pays between GPUs
         if costs.inference:
             act.append(float(base.out[i]) if i in outputs else 0.0)
-            time.append(halo_s + n.fwd_s * f / parts)
+            time.append(halo_s + n.fwd_s * (1 + passes.fwd[i]) * f / parts)
             ws.append(max(0.0, w - held) * f / tiles + held)
             continue
         whole = n.op in ("placeholder", "output")  # the input tile; the loss on the whole output
         act.append(float(a) if whole else a * f / tiles / max(1, inflight))
         tf = window_mean if f == window else f
-        time.append(halo_s + (2 * n.fwd_s + n.bwd_s) * tf / parts)
-        ws.append(float(w) if n.op == "output" else w * f / tiles)
+        extra = n.fwd_s * passes.fwd[i] + n.bwd_s * passes.bwd[i]
+        time.append(halo_s + (2 * n.fwd_s + n.bwd_s + extra) * tf / parts)
+        held_norm = _xhat_bytes(n, base.out[i]) if i in passes.norms else 0.0
+        ws.append(float(w) if n.op == "output" else (w + held_norm) * f / tiles)
     return NodeVectors(act=act, time=time, workspace=ws, out=list(base.out))
+
+
+def _xhat_bytes(node: Any, out: float) -> float:
+    """What a norm's backward holds beside its gradients on a sub-tile ([Note: norm passes cost]):
+    its normalised input (its output's bytes, float32 for a bf16/fp16 output) and, in a backward
+    statistics pass, its output, kept to take the gradient at."""
+    return float(out) * (3.0 if str(node.out_dtype).replace("torch.", "") in ("bfloat16", "float16") else 2.0)
 
 
 def sequential_problem(costs: Costs, problem: Problem, *, stages: Sequence[int], parts: Sequence[int],
                        tiles: int, grids: Sequence[Sequence[int]]) -> Problem:
     """``problem`` with ``stages`` running ``tiles`` tiles per GPU: their vectors from
     :func:`sequential_vectors` (``grids[s]``: stage s's whole grid of P x T tiles), each marked
-    spatial, and the image-statistics norms kept out of every spatial stage."""
+    spatial, and the whole-image averages kept out of every spatial stage."""
     if tiles <= 1:
         return problem
     variants = dict(problem.variants)
@@ -230,7 +263,94 @@ def sequential_problem(costs: Costs, problem: Problem, *, stages: Sequence[int],
             variants[name] = sequential_vectors(costs, problem.variants[base_name], parts[s], tiles, grids[s],
                                                 spec.inflight)
         specs[s] = dataclasses.replace(spec, variant=name, spatial=True)
-    norms = set(image_norms(costs))
+    pools = set(image_pools(costs))
     tileable = list(problem.tileable) or [True] * problem.n
-    tileable = [t and i not in norms for i, t in enumerate(tileable)]
+    tileable = [t and i not in pools for i, t in enumerate(tileable)]
     return dataclasses.replace(problem, variants=variants, stages=specs, tileable=tileable)
+
+
+def time_terms(costs: Costs, nodes: Sequence[int], parts: int, grid: Sequence[int]) -> dict[str, float]:
+    """The parts of a sequential-tile stage's time (per micro-batch, per GPU) beyond its nodes'
+    work: ``seq_recompute_s``, ``seq_margin_s``, ``norm_passes_s`` ([Note: sequential tiles cost])."""
+    passes = norm_passes(costs)
+    window = window_inflation(costs, grid, mean=True)
+    reach = window_margins(costs) if costs.inference else []
+    out = {"seq_recompute_s": 0.0, "seq_margin_s": 0.0, "norm_passes_s": 0.0}
+    for i in nodes:
+        n = costs.profile.nodes[i]
+        if not _spatial(n.out_shape):
+            continue
+        f = inflation(n.out_shape, grid, reach[i]) if costs.inference else window
+        if not costs.inference:
+            out["seq_recompute_s"] += n.fwd_s * f / parts
+        out["seq_margin_s"] += (n.fwd_s + (0.0 if costs.inference else n.bwd_s)) * (f - 1) / parts
+        out["norm_passes_s"] += (n.fwd_s * passes.fwd[i] + n.bwd_s * passes.bwd[i]) * f / parts
+    return out
+
+
+@dataclass(frozen=True)
+class NormPasses:
+    """Per node: extra forwards and backwards the statistics passes run it; the pass counts."""
+
+    fwd: list[float]
+    bwd: list[float]
+    forward_passes: int
+    backward_passes: int
+    norms: frozenset[int] = frozenset()  # the norms that take the image's statistics
+
+
+def _norm_nodes(costs: Costs) -> set[int]:
+    out = set()
+    for i, n in enumerate(costs.profile.nodes):
+        r = costs.rules.get(n.name)
+        if r is None or not r.tileable or r.kind != "norm":
+            continue
+        if costs.inference and "BatchNorm" in n.target:  # eval: its running statistics, a pointwise map
+            continue
+        out.add(i)
+    return out
+
+
+def norm_passes(costs: Costs) -> NormPasses:
+    """The :class:`NormPasses` of ``costs``'s graph ([Note: norm passes cost])."""
+    nodes = costs.profile.nodes
+    n = len(nodes)
+    norms = _norm_nodes(costs)
+    if not norms:
+        return NormPasses([0.0] * n, [0.0] * n, 0, 0)
+    prods: list[list[int]] = [[] for _ in range(n)]
+    cons: list[list[int]] = [[] for _ in range(n)]
+    for u, v in costs.edges:
+        prods[v].append(u)
+        cons[u].append(v)
+    depth = [0] * n
+    for v in range(n):  # nodes are in topological order
+        depth[v] = max((depth[u] for u in prods[v]), default=0) + (v in norms)
+    back = [0] * n
+    for v in range(n - 1, -1, -1):
+        back[v] = max((back[c] for c in cons[v]), default=0) + (v in norms)
+    kf = max(depth[v] for v in norms)
+    kb = 0 if costs.inference else max(back[v] for v in norms)
+    a = [0] * n
+    for k in range(1, kf + 1):
+        seen: set[int] = set()
+        todo = [v for v in norms if depth[v] == k]
+        while todo:
+            v = todo.pop()
+            if v not in seen:
+                seen.add(v)
+                todo.extend(prods[v])
+        for v in seen:
+            a[v] += 1
+    b = [0] * n
+    for k in range(1, kb + 1):
+        seen = set()
+        todo = [c for v in norms if back[v] == k for c in cons[v]]
+        while todo:
+            v = todo.pop()
+            if v not in seen:
+                seen.add(v)
+                todo.extend(cons[v])
+        for v in seen:
+            b[v] += 1
+    return NormPasses([float(x + kb) for x in a], [float(x) for x in b], kf, kb, frozenset(norms))

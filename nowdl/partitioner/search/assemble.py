@@ -16,7 +16,9 @@ from nowdl.partitioner.costs.levers import lever_figures
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.segments import segment_figures
+from nowdl.partitioner.costs.sequential_tiles import time_terms
 from nowdl.partitioner.costs.traffic import cross_node_bytes, halo_bytes, together_groups
+from nowdl.partitioner.search.candidate_problem import stage_grids
 from nowdl.partitioner.search.halo_fusion import Fusion
 from nowdl.partitioner.spatial.tileable import slice_grid
 from nowdl.plan.plan import PLAN_VERSION, Plan, RankPlan, StagePlan, TensorPlan
@@ -91,8 +93,12 @@ def build_plan(
     time_s = [part.stage_time[s] + lat[s] + lever[s]["offload_s"] for s in range(k)]
     # [Note: freed by the peak]; the solvers' bound does not hold the fused runs' workspace: added here
     peak = [part.stage_mem[s] + mem[s]["fused_bytes"] - mem[s]["freed_bytes"] for s in range(k)]
+    whole = stage_grids(costs, cand) if seq else []
+    terms = [time_terms(costs, [i for i, st in enumerate(part.stage_of) if st == s], parts[s], whole[s])
+             if s in seq else {} for s in range(k)]  # [Note: sequential tiles cost]
     for s in range(k):
-        comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"] + lever[s]["recompute_s"] + lever[s]["offload_s"])
+        comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"] + lever[s]["recompute_s"] + lever[s]["offload_s"]
+                            + sum(terms[s].values()))
         stages.append(StagePlan(
             index=s, nodes=stage_nodes[s], ranks=[rank_of[(0, s, q)] for q in range(parts[s])],
             parts=parts[s], slice=cand.slice if parts[s] > 1 or s in seq else None, grid=grids[s], fused=fused[s],
@@ -105,7 +111,7 @@ def build_plan(
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],
                 "comm_s": max(0.0, comm), "time_s": time_s[s],
                 "inflight": float(cand.inflight()[s]), "deferred": float(cand.deferred()[s]), "halo_bytes": halo[s],
-                **mem[s], **lever[s],
+                **mem[s], **lever[s], **terms[s],
             },
         ))
     ranks: list[RankPlan] = []

@@ -21,7 +21,7 @@ from nowdl.errors import InfeasibleError, NowdlError
 from nowdl.partitioner.config.candidate import Candidate, PlanRequest, enumerate_candidates
 from nowdl.partitioner.config.grids import part_counts, tile_counts
 from nowdl.partitioner.costs.costmodel import Costs
-from nowdl.partitioner.costs.sequential_tiles import image_norms
+from nowdl.partitioner.costs.sequential_tiles import image_pools
 from nowdl.partitioner.search.batch_split import CostsByBatch
 from nowdl.partitioner.search.bounds import candidate_bounds
 from nowdl.partitioner.search.candidate_problem import candidate_problem
@@ -196,14 +196,14 @@ def searched_space(costs: Costs, req: PlanRequest) -> str:
 
 
 def _norms_text(costs: Costs, req: PlanRequest) -> str:
-    """Why pinned sequential tiles could not cover the model: the first norm with image statistics."""
-    norms = image_norms(costs)
-    if not req.tiles_per_gpu or req.tiles_per_gpu == 1 or not norms:
+    """Why pinned sequential tiles could not cover the model: the first average over the whole image."""
+    pools = image_pools(costs)
+    if not req.tiles_per_gpu or req.tiles_per_gpu == 1 or not pools:
         return ""
-    n = costs.profile.nodes[norms[0]]
-    return (f"tiles_per_gpu={req.tiles_per_gpu}: node {n.name!r} ({n.target.rsplit('.', 1)[-1]}) normalises with "
-            "statistics over the whole image, which tiles run one after another cannot gather before normalising, so "
-            "a stage of sequential tiles ends before it (refused, not costed as a statistics pass). ")
+    n = costs.profile.nodes[pools[0]]
+    return (f"tiles_per_gpu={req.tiles_per_gpu}: node {n.name!r} ({n.target.rsplit('.', 1)[-1]}) averages over the "
+            "whole image, which tiles run one after another cannot gather before going on, so a stage of sequential "
+            "tiles ends before it (no pooling pass in training). ")
 
 
 def _tiles_hint(costs: Costs, req: PlanRequest, cap: float, deadline: float, cache: SolveCache) -> str:

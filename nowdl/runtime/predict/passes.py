@@ -5,7 +5,7 @@ GroupNorm, BatchNorm without running statistics and adaptive pooling (squeeze-an
 one window at a time, but these ops take statistics over the whole image. Before the pass that
 writes the output, predict runs *statistics passes* over the windows: pass k runs the forward of
 every window, and each op of pass k ([Note: whole-image ops]) hands the part of its input inside
-the window's core to :class:`~nowdl.runtime.predict.statistics.Statistics` ([Note: statistics
+the window's core to :class:`~nowdl.runtime.spatial.statistics.accumulate.Statistics` ([Note: statistics
 accumulation]); at the end of the pass the ranks combine them. Ops of earlier passes meanwhile
 apply the whole-image statistics already gathered, so the input of an op of pass k is, inside
 the core, what the whole-image forward computes there: the windows' margins cover the reach of
@@ -35,8 +35,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from nowdl.errors import NowdlError
-from nowdl.runtime.predict.statistics import Statistics, StatOp, norm_affine
 from nowdl.runtime.predict.windows import Reach, Window
+from nowdl.runtime.spatial.statistics.accumulate import Statistics, StatOp, norm_affine
 from nowdl.runtime.spatial.tiles import TileGrid
 
 __all__ = ["StatisticsPasses", "StreamedOp", "gather_statistics"]

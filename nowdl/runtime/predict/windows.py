@@ -34,7 +34,7 @@ from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.partitioner.spatial.whole_image import pass_prefixes
 from nowdl.profiler.cache import atomic_write_text, cache_key, graph_digest, resolve_cache_dir
-from nowdl.runtime.predict.statistics import StatOp, stat_op
+from nowdl.runtime.spatial.statistics.accumulate import StatOp, stat_op
 
 __all__ = ["Reach", "Window", "network_reach", "cached_reach", "layout_windows"]
 

@@ -6,7 +6,7 @@ a tile; ``norms`` runs BatchNorm/GroupNorm/InstanceNorm over the whole image; ``
 picks the tiled form of a module; ``fusion`` exchanges one deeper halo for a run of ops;
 ``stage`` runs a stage's fx graph on tiles; ``sequential`` runs a stage as T sub-tiles one after
 another per rank (``tiles_per_gpu``), each the whole stage on a window whose margin ``reach``
-measures; ``precision`` picks each tiled op's dtype under autocast; ``graph_ops`` maps
+measures, its norms with the whole image's statistics (``statistics``); ``precision`` picks each tiled op's dtype under autocast; ``graph_ops`` maps
 functional pools and interpolation to modules.
 """
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from nowdl.runtime.launch import comm
 from nowdl.runtime.spatial.precision import REDUCED, autocast_off, opmath, probe_dtype
 
-__all__ = ["batchnorm_tile", "groupnorm_tile", "instancenorm_tile"]
+__all__ = ["batchnorm_tile", "groupnorm_tile", "instancenorm_tile", "update_running"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -174,9 +174,26 @@ def _bcast(p: Tensor | None, nd: int) -> Tensor | None:
     return None if p is None else p.view((1, -1) + (1,) * (nd - 2))
 
 
-def _update_running(rm: Tensor, rv: Tensor, mean: Tensor, var: Tensor, count: Tensor, factor: float) -> None:
+def update_running(m: nn.Module, mean: Tensor, var: Tensor, count: Any) -> None:
+    """A training-mode norm's running statistics after one call, as the unsplit module updates them.
+
+    ``mean``, ``var``: the whole input's statistics (biased variance), ``(C,)`` for BatchNorm,
+    ``(N, C)`` for InstanceNorm (whose running values take their mean over the batch); ``count``:
+    the values behind each statistic. BatchNorm with ``momentum=None`` keeps the cumulative
+    average; InstanceNorm with ``momentum=None`` keeps its running values (torch passes 0.0).
+    """
+    rm, rv = getattr(m, "running_mean", None), getattr(m, "running_var", None)
+    if not m.training or not getattr(m, "track_running_stats", False) or rm is None or rv is None:
+        return
     with torch.no_grad():
         unbiased = var * (count / (count - 1)) if float(count) > 1 else var
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            assert m.num_batches_tracked is not None
+            m.num_batches_tracked.add_(1)
+            factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else float(m.momentum)
+        else:
+            factor = float(m.momentum) if m.momentum is not None else 0.0  # type: ignore[arg-type]
+            mean, unbiased = mean.mean(0), unbiased.mean(0)
         rm.mul_(1 - factor).add_(mean.to(rm.dtype), alpha=factor)
         rv.mul_(1 - factor).add_(unbiased.to(rv.dtype), alpha=factor)
 
@@ -199,11 +216,7 @@ def batchnorm_tile(x_tile: Tensor, bn: nn.Module, group: dist.ProcessGroup | Non
     dims = [0] + list(range(2, x_tile.dim()))
     nd = x_tile.dim()
     y, mean, var, count = _tile_norm(x_tile, _bcast(bn.weight, nd), _bcast(bn.bias, nd), dims, group, bn.eps)
-    if bn.training and bn.track_running_stats and bn.running_mean is not None:
-        assert bn.running_var is not None and bn.num_batches_tracked is not None
-        bn.num_batches_tracked.add_(1)
-        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else float(bn.momentum)
-        _update_running(bn.running_mean, bn.running_var, mean.reshape(-1), var.reshape(-1), count, factor)
+    update_running(bn, mean.reshape(-1), var.reshape(-1), count)
     return y
 
 
@@ -237,11 +250,5 @@ def instancenorm_tile(x_tile: Tensor, inorm: nn.Module, group: dist.ProcessGroup
     nd = x_tile.dim()
     w, b = (_bcast(inorm.weight, nd), _bcast(inorm.bias, nd)) if inorm.affine else (None, None)
     y, mean, var, count = _tile_norm(x_tile, w, b, dims, group, inorm.eps)
-    if inorm.training and inorm.track_running_stats and inorm.running_mean is not None:
-        assert inorm.running_var is not None
-        unbiased = var * (count / (count - 1)) if float(count) > 1 else var
-        with torch.no_grad():
-            m = float(inorm.momentum) if inorm.momentum is not None else 0.1
-            inorm.running_mean.mul_(1 - m).add_(mean.reshape(mean.shape[:2]).mean(0), alpha=m)
-            inorm.running_var.mul_(1 - m).add_(unbiased.reshape(var.shape[:2]).mean(0), alpha=m)
+    update_running(inorm, mean.reshape(mean.shape[:2]), var.reshape(var.shape[:2]), count)
     return y

@@ -21,8 +21,11 @@ finest stage input):
 A window whose cut edges lie at least ``reach`` from the kept outputs computes those outputs
 from the same input values as the whole image (its zero padding at a cut edge only spoils
 pixels within ``reach`` of that edge); where the window reaches the image border, the padding
-is the image's own. Ops whose result depends on the whole extent are refused here with the node
-named: BatchNorm/InstanceNorm/GroupNorm (their statistics span the image), stochastic dropout
+is the image's own. Norms whose statistics span the image (BatchNorm, InstanceNorm, GroupNorm
+modules) run with statistics passes ([Note: sequential norms] in
+:mod:`nowdl.runtime.spatial.statistics.seq_norms`); other ops whose result depends on the whole extent are
+refused here with the node named: a norm module of another type (a subclass with its own
+forward), global pooling, stochastic dropout
 (each recomputation would draw new numbers), upsampling to a fixed size, by a non-integer factor
 or with ``align_corners=True``.
 """
@@ -45,9 +48,12 @@ from nowdl.partitioner.spatial.tileable import UPSAMPLE_REACH, aten_upsample_sca
 from nowdl.partitioner.spatial.whole_values import is_global_pool
 from nowdl.runtime.spatial.graph_ops import ATEN_UP, INTERP_ARGS, POOL_ARGS, POOL_FN, bind
 
-__all__ = ["Reach", "stage_reach", "refuse_sequential"]
+__all__ = ["Reach", "stage_reach", "node_reach", "refuse_sequential", "SEQ_NORMS"]
 
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm)
+#: the norm modules sequential tiles normalise with the whole image's statistics (exact types)
+SEQ_NORMS: tuple[type, ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
+                               nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm)
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 _F_DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -73,9 +79,9 @@ def _why_not(gm: fx.GraphModule, node: fx.Node) -> str | None:
                 "tile goes on (no pooling pass is implemented)")
     if node.op == "call_module":
         m = gm.get_submodule(str(node.target))
-        if isinstance(m, _NORMS):
-            return (f"{type(m).__name__} normalises with statistics over the whole image, which sequential tiles "
-                    "would need from every tile before any tile is normalised (no statistics pass is implemented)")
+        if isinstance(m, _NORMS) and type(m) not in SEQ_NORMS:
+            return (f"{type(m).__name__} is a norm module nowdl cannot combine over tiles exactly (its own forward, "
+                    f"not {type(m).__mro__[1].__name__}'s); use {type(m).__mro__[1].__name__} itself")
         if isinstance(m, _DROPOUTS) and m.p > 0:
             return f"{type(m).__name__}(p={m.p}) would draw new random numbers in each tile's recomputation"
         if isinstance(m, nn.Upsample):
@@ -152,6 +158,23 @@ def _node_step(gm: fx.GraphModule, node: fx.Node, n: int) -> tuple[list[Fraction
 def stage_reach(gm: fx.GraphModule, in_scales: Sequence[Scale]) -> Reach:
     """The :class:`Reach` of a stage whose inputs (placeholders, in order) have ``in_scales``."""
     n = len(in_scales[0])
+    scale, reach, outs = node_reach(gm, in_scales)
+    missing = [o for o in outs if o not in scale]
+    if missing:
+        raise NowdlError(f"stage outputs {missing} do not derive from the stage's image inputs: sequential tiles "
+                         "cannot place them; use tiles_per_gpu=1 for this stage")
+    align = [1] * n
+    for sc in scale.values():
+        for i in range(n):
+            align[i] = math.lcm(align[i], sc[i].numerator)
+    r = tuple(math.ceil(max(reach[o][i] for o in outs)) for i in range(n))
+    return Reach(tuple(scale[o] for o in outs), r, tuple(align))
+
+
+def node_reach(gm: fx.GraphModule, in_scales: Sequence[Scale]
+               ) -> tuple[dict[str, Scale], dict[str, tuple[Fraction, ...]], list[str]]:
+    """Per node on the image: its ``scale`` and ``reach`` ([Note: stage reach]); and the stage's outputs."""
+    n = len(in_scales[0])
     scale: dict[str, Scale] = {}
     reach: dict[str, tuple[Fraction, ...]] = {}
     phs = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
@@ -170,13 +193,4 @@ def stage_reach(gm: fx.GraphModule, in_scales: Sequence[Scale]) -> Reach:
         factor, add = _node_step(gm, node, n)
         scale[node.name] = tuple(f_in[i] * factor[i] for i in range(n))
         reach[node.name] = tuple(r_in[i] + add[i] * f_in[i] for i in range(n))
-    missing = [o for o in outs if o not in scale]
-    if missing:
-        raise NowdlError(f"stage outputs {missing} do not derive from the stage's image inputs: sequential tiles "
-                         "cannot place them; use tiles_per_gpu=1 for this stage")
-    align = [1] * n
-    for sc in scale.values():
-        for i in range(n):
-            align[i] = math.lcm(align[i], sc[i].numerator)
-    r = tuple(math.ceil(max(reach[o][i] for o in outs)) for i in range(n))
-    return Reach(tuple(scale[o] for o in outs), r, tuple(align))
+    return scale, reach, outs

@@ -29,8 +29,11 @@ gradients (overlapping margins add up) and the weight gradients over the sub-til
 part of the input gradient goes back to the neighbouring GPUs as any halo gradient does, and the
 weight gradients are returned once (the engine's per-parameter hooks see one accumulation),
 then summed over the tile group with the other tiles' shares. Autocast is re-entered in the
-recomputation as in the forward. Norms with image-wide statistics and stochastic dropout are
-refused when the stage is built (:func:`nowdl.runtime.spatial.reach.refuse_sequential`).
+recomputation as in the forward. BatchNorm (training), InstanceNorm and GroupNorm normalise every
+sub-tile with the whole image's statistics, gathered in statistics passes over the sub-tiles
+([Note: sequential norms] in :mod:`nowdl.runtime.spatial.statistics.seq_norms`). Stochastic dropout, global
+pooling and norm modules of other types are refused when the stage is built
+(:func:`nowdl.runtime.spatial.reach.refuse_sequential`).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ from nowdl.errors import NowdlError
 from nowdl.geometry import split_bounds
 from nowdl.runtime.spatial.exchange import Window, fetch_window
 from nowdl.runtime.spatial.precision import autocast_off
-from nowdl.runtime.spatial.reach import refuse_sequential, stage_reach
+from nowdl.runtime.spatial.reach import node_reach, refuse_sequential, stage_reach
+from nowdl.runtime.spatial.statistics import seq_norms as sn
 from nowdl.runtime.spatial.tiles import TileGrid
 
 __all__ = ["SequentialTiles", "sub_grid"]
@@ -81,6 +85,7 @@ def sub_grid(grid: Sequence[int], shape: Sequence[int], tiles: int) -> tuple[int
 class _Sub:
     ins: tuple[Slices, ...]  # per input: its part of the GPU window
     outs: tuple[tuple[Slices, Slices], ...]  # per output: (crop of the window's output, place in the tile)
+    chunks: dict[str, Slices]  # per norm: its chunk of the norm's input on the window ([Note: sequential norms])
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,7 @@ class _Layout:
     in_windows: tuple[tuple[Window, ...], ...]  # per input: every GPU's window
     out_shapes: tuple[tuple[int, ...], ...]
     subs: tuple[_Sub, ...]
+    norm_sizes: dict[str, tuple[int, ...]]  # per norm: its input's spatial size on the whole image
 
 
 def _box(spans: Sequence[tuple[int, int]]) -> Slices:
@@ -116,6 +122,9 @@ class SequentialTiles:
         self.tiles = tiles_per_gpu
         self.params = [p for p in stage.module.parameters() if p.requires_grad]
         self._layouts: dict[Any, _Layout] = {}
+        self.norms = {n.name: stage.module.get_submodule(str(n.target)) for n in stage.module.graph.nodes
+                      if n.name in set(sn.seq_norm_nodes(stage.module))}
+        self._levels: dict[frozenset[str], Any] = {}  # active norms -> their NormLevels
 
     def _grid(self, n: int) -> tuple[int, ...]:
         return (1,) * (n - len(self.grid)) + self.grid
@@ -139,13 +148,26 @@ class SequentialTiles:
     # ------------------------------------------------------------------------------------------
     # geometry
 
-    def _out_shapes(self, tiles: Sequence[Tensor], shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    def norm_passes(self, lay: _Layout) -> sn.NormPasses | None:
+        """The statistics passes' state for one micro-batch (None: no norm takes image statistics now)."""
+        gm = self.stage.module
+        active = frozenset(n for n, m in self.norms.items() if sn.image_stats(m))
+        if not active:
+            return None
+        if active not in self._levels:
+            self._levels[active] = sn.norm_levels(gm, sorted(active))
+        return sn.NormPasses(gm, self._levels[active], [sub.chunks for sub in lay.subs], lay.norm_sizes, self.group,
+                          len(self.ranks) == 1)
+
+    def _out_shapes(self, tiles: Sequence[Tensor], shapes: Sequence[tuple[int, ...]]
+                    ) -> tuple[list[tuple[int, ...]], dict[str, tuple[int, ...]]]:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with torch.no_grad(), autocast_off(tiles[0]), FakeTensorMode(allow_non_fake_inputs=True):  # shapes only
             fake = [torch.empty((1, t.shape[1]) + s, dtype=t.dtype) for t, s in zip(tiles, shapes, strict=True)]
-            outs = self.stage.module(*fake)
-        return [tuple(int(v) for v in o.shape[2:]) for o in outs]
+            run = sn.ShapeRun(self.stage.module, list(self.norms))
+            outs = run.run(*fake)
+        return [tuple(int(v) for v in o.shape[2:]) for o in outs], run.sizes
 
     def _layout(self, tiles: Sequence[Tensor], shapes: Sequence[tuple[int, ...]]) -> _Layout:
         n = len(shapes[0])
@@ -153,7 +175,8 @@ class SequentialTiles:
         ref = tuple(max(s[d] for s in shapes) for d in range(n))
         in_f = [tuple(self._ratio(r, v, "input") for r, v in zip(ref, s, strict=True)) for s in shapes]
         reach = stage_reach(self.stage.module, [tuple(Fraction(f) for f in fs) for fs in in_f])
-        out_shapes = self._out_shapes(tiles, shapes)
+        n_scale, n_reach, _ = node_reach(self.stage.module, [tuple(Fraction(f) for f in fs) for fs in in_f])
+        out_shapes, norm_sizes = self._out_shapes(tiles, shapes)
         for s, f in zip(out_shapes, reach.out_scale, strict=True):
             if any(abs(Fraction(r) / fd - v) >= 1 for r, fd, v in zip(ref, f, s, strict=True)):
                 raise NowdlError(f"stage {self.stage.index}: an output of spatial shape {s} is not the input {ref} "
@@ -161,22 +184,25 @@ class SequentialTiles:
                                  "cannot place it; use tiles_per_gpu=1 for this stage")
         sub = sub_grid(grid, ref, self.tiles)
         gpu_wins: list[tuple[tuple[int, int], ...]] = []
-        mine: list[tuple[tuple[tuple[int, int], ...], list[list[tuple[int, int]]]]] = []
+        mine: list[tuple[tuple[tuple[int, int], ...], list[list[tuple[int, int]]], dict[str, list[tuple[int, int]]]]] = []
         me = TileGrid.for_rank(ref, grid, self.rank, self.ranks).coords
         for cq in TileGrid.for_rank(ref, grid, self.ranks[0], self.ranks).all_coords():
             boxes = []
             for cj in TileGrid(tuple(sub), tuple(sub), (0,) * n, tuple(range(math.prod(sub)))).all_coords():
                 regions = [[self._region(s[d], grid[d], cq[d], sub[d], cj[d]) for d in range(n)] for s in out_shapes]
-                win = tuple(self._window(d, ref[d], regions, reach) for d in range(n))
+                chunks = {nm: [_chunk(sz[d], grid[d], cq[d], sub[d], cj[d]) for d in range(n)]
+                          for nm, sz in norm_sizes.items()}
+                needs = [(chunks[nm], n_scale[nm], n_reach[nm]) for nm in norm_sizes]
+                win = tuple(self._window(d, ref[d], regions, reach, needs) for d in range(n))
                 boxes.append(win)
                 if cq == me:
-                    mine.append((win, [list(r) for r in regions]))
+                    mine.append((win, [list(r) for r in regions], chunks))
             gpu_wins.append(tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(n)))
         in_windows = tuple(tuple(tuple(self._to_input(w[d], ref[d], f[d], s[d]) for d in range(n)) for w in gpu_wins)
                            for f, s in zip(in_f, shapes, strict=True))
         my_win = [iw[grid_index(me, grid)] for iw in in_windows]
         subs = []
-        for win, regions in mine:
+        for win, regions, chunks in mine:
             ins = tuple(_box([(a - w0, b - w0) for (a, b), (w0, _) in zip(
                 [self._to_input(win[d], ref[d], f[d], s[d]) for d in range(n)], gw, strict=True)])
                 for f, s, gw in zip(in_f, shapes, my_win, strict=True))
@@ -190,8 +216,21 @@ class SequentialTiles:
                 crop = _box([(a - int(st), b - int(st)) for (a, b), st in zip(regions[o], start, strict=True)])
                 place = _box([(a - t0, b - t0) for (a, b), (t0, _) in zip(regions[o], tile, strict=True)])
                 outs.append((crop, place))
-            subs.append(_Sub(ins, tuple(outs)))
-        return _Layout(in_windows, tuple(out_shapes), tuple(subs))
+            subs.append(_Sub(ins, tuple(outs), {nm: self._in_window(nm, ch, win, n_scale[nm])
+                                                for nm, ch in chunks.items()}))
+        return _Layout(in_windows, tuple(out_shapes), tuple(subs), norm_sizes)
+
+    def _in_window(self, node: str, chunk: Sequence[tuple[int, int]], win: Sequence[tuple[int, int]],
+                   scale: Sequence[Fraction]) -> Slices:
+        """A norm's chunk in the pixels of its input on the sub-tile's window."""
+        spans = []
+        for (a, b), (w0, _), f in zip(chunk, win, scale, strict=True):
+            start = Fraction(w0) / f
+            if start.denominator != 1:
+                raise NowdlError(f"stage {self.stage.index}: norm {node!r} runs at a resolution where a window "
+                                 f"starting at {w0} is not on a whole pixel: use tiles_per_gpu=1 for this stage")
+            spans.append((a - int(start), b - int(start)) if a < b else (0, 0))
+        return _box(spans)
 
     def _ratio(self, ref: int, size: int, what: str) -> int:
         q = max(1, round(ref / size))
@@ -209,11 +248,18 @@ class SequentialTiles:
         return t0 + a, t0 + b
 
     @staticmethod
-    def _window(d: int, size: int, regions: Sequence[Sequence[tuple[int, int]]], reach: Any) -> tuple[int, int]:
+    def _window(d: int, size: int, regions: Sequence[Sequence[tuple[int, int]]], reach: Any,
+                needs: Sequence[tuple[Sequence[tuple[int, int]], Sequence[Fraction], Sequence[Fraction]]] = ()
+                ) -> tuple[int, int]:
         """The sub-tile's window along dim ``d`` (reference pixels): every output region plus the
-        reach, its start a multiple of the alignment, its length too unless it ends at the border."""
+        reach, and every norm's chunk plus the norm's reach (``needs``: chunk, scale, reach); its start
+        a multiple of the alignment, its length too unless it ends at the border."""
         lo = min(math.floor(r[d][0] * f[d]) for r, f in zip(regions, reach.out_scale, strict=True)) - reach.reach[d]
         hi = max(math.ceil(r[d][1] * f[d]) for r, f in zip(regions, reach.out_scale, strict=True)) + reach.reach[d]
+        for chunk, f, r in needs:
+            if chunk[d][0] < chunk[d][1]:
+                lo = min(lo, math.floor(chunk[d][0] * f[d] - r[d]))
+                hi = max(hi, math.ceil(chunk[d][1] * f[d] + r[d]))
         a = reach.align[d]
         lo = max(0, lo) // a * a
         hi = lo + -(-(hi - lo) // a) * a
@@ -222,6 +268,13 @@ class SequentialTiles:
     @staticmethod
     def _to_input(w: tuple[int, int], ref: int, f: int, size: int) -> tuple[int, int]:
         return w[0] // f, (size if w[1] >= ref else w[1] // f)
+
+
+def _chunk(size: int, parts: int, c: int, sub: int, j: int) -> tuple[int, int]:
+    """Sub-tile ``j`` of GPU tile ``c``'s part of a ``size``-pixel dim (may be empty)."""
+    t0, t1 = split_bounds(size, parts, c)
+    a, b = split_bounds(t1 - t0, sub, j)
+    return t0 + a, t0 + b
 
 
 def grid_index(coords: Sequence[int], grid: Sequence[int]) -> int:
@@ -238,11 +291,18 @@ class _Run(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: SequentialTiles, lay: _Layout, n_in: int, *flat: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         wins = flat[:n_in]
-        module = run.stage.module
+        passes = run.norm_passes(lay)
         outs: list[Tensor] = []
         with torch.no_grad():
-            for sub in lay.subs:
-                ys = module(*[w[sl] for w, sl in zip(wins, sub.ins, strict=True)])
+            for k in range(1, passes.levels.passes[0] + 1 if passes is not None else 1):  # statistics passes
+                passes.mode, passes.level = "fwd", k  # type: ignore[union-attr]
+                for i, sub in enumerate(lay.subs):
+                    _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)])
+                passes.finish_fwd(wins[0].device)  # type: ignore[union-attr]
+            if passes is not None:
+                passes.mode = "apply"
+            for i, sub in enumerate(lay.subs):
+                ys = _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)])
                 if not outs:
                     outs = [y.new_zeros(tuple(y.shape[:2]) + _extent(lay, o, run)) for o, y in enumerate(ys)]
                 for o, (y, (crop, place)) in enumerate(zip(ys, sub.outs, strict=True)):
@@ -250,7 +310,7 @@ class _Run(torch.autograd.Function):
                 del ys, y  # one sub-tile's outputs live at a time
         dev = wins[0].device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.run, ctx.lay, ctx.n_in = run, lay, n_in
+        ctx.run, ctx.lay, ctx.n_in, ctx.passes = run, lay, n_in, passes
         ctx.save_for_backward(*wins)
         return tuple(outs)
 
@@ -265,15 +325,22 @@ class _Run(torch.autograd.Function):
         gp: list[Tensor | None] = [None] * len(run.params)
         params = [p for p, nd in zip(run.params, need_p, strict=True) if nd]
         dev, on, dtype = ctx.autocast
+        passes: sn.NormPasses | None = ctx.passes
         with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
-            for sub in ctx.lay.subs:
+            for k in range(1, passes.levels.passes[1] + 1 if passes is not None else 1):  # gradient means
+                passes.mode, passes.level = "bwd", k  # type: ignore[union-attr]
+                for i, sub in enumerate(ctx.lay.subs):
+                    xs = [w[sl].detach().requires_grad_(nd) for w, sl, nd in zip(wins, sub.ins, need_w, strict=True)]
+                    roots, seeds = _roots(_sub_run(run, passes, i, xs), gys, sub)
+                    passes.add_grads(roots, seeds)  # type: ignore[union-attr]
+                    del roots, seeds  # one sub-tile's recomputed graph lives at a time
+                passes.finish_bwd()  # type: ignore[union-attr]
+            if passes is not None:
+                passes.mode = "apply"
+            for i, sub in enumerate(ctx.lay.subs):
                 xs = [w[sl].detach().requires_grad_(nd) for w, sl, nd in zip(wins, sub.ins, need_w, strict=True)]
-                ys = run.stage.module(*xs)
-                roots, seeds = [], []
-                for y, g, (crop, place) in zip(ys, gys, sub.outs, strict=True):
-                    if g is not None and y.requires_grad:
-                        roots.append(y[crop])
-                        seeds.append(g[place])
+                ys = _sub_run(run, passes, i, xs)
+                roots, seeds = _roots(ys, gys, sub)
                 if not roots:
                     continue
                 want = [x for x in xs if x.requires_grad] + params
@@ -290,6 +357,23 @@ class _Run(torch.autograd.Function):
                     if g is not None:
                         gp[k] = g if gp[k] is None else gp[k] + g  # type: ignore[operator]
         return (None, None, None, *gw, *gp)
+
+
+def _sub_run(run: SequentialTiles, passes: sn.NormPasses | None, i: int, xs: Sequence[Tensor]) -> Any:
+    """The stage on sub-tile ``i``'s window inputs ``xs`` (its norms as ``passes`` says)."""
+    if passes is None:
+        return run.stage.module(*xs)
+    return sn.NormRun(run.stage.module, passes, i).run(*xs)
+
+
+def _roots(ys: Sequence[Tensor], gys: Sequence[Tensor | None], sub: _Sub) -> tuple[list[Tensor], list[Tensor]]:
+    """The kept part of a sub-tile's outputs and their gradients (those that take one)."""
+    roots, seeds = [], []
+    for y, g, (crop, place) in zip(ys, gys, sub.outs, strict=True):
+        if g is not None and y.requires_grad:
+            roots.append(y[crop])
+            seeds.append(g[place])
+    return roots, seeds
 
 
 def _extent(lay: _Layout, o: int, run: SequentialTiles) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from helpers.predict_models import reference
 
 import nowdl
 from nowdl.plan.purpose import format_whole_image_ops
-from nowdl.runtime.predict.statistics import Statistics, StatOp
+from nowdl.runtime.spatial.statistics.accumulate import Statistics, StatOp
 
 zarr = pytest.importorskip("zarr")
 

@@ -189,10 +189,11 @@ class Statistics:
             else:
                 acc[idx] += part.sum(dim=tuple(range(2, part.dim())), dtype=_F64)
 
-    def finish(self, ops: Sequence[StatOp], lengths: dict[str, tuple[int, ...]], device: torch.device) -> None:
-        """Combine every rank's chunks of ``ops`` (collective over the world: every rank calls it
-        with the same ops) and hold the whole image's statistics; ``lengths[node]``: the image's
-        size at the op's resolution."""
+    def finish(self, ops: Sequence[StatOp], lengths: dict[str, tuple[int, ...]], device: torch.device,
+               group: dist.ProcessGroup | None = None, alone: bool = False) -> None:
+        """Combine every rank's chunks of ``ops`` (collective over ``group``, None: the world; every
+        rank calls it with the same ops; ``alone``: this rank's chunks only, no collective) and hold
+        the whole image's statistics; ``lengths[node]``: the image's size at the op's resolution."""
         sizes = [3 * math.prod(o.shape) if o.is_norm else math.prod(o.shape) for o in ops]
         mine = torch.zeros(sum(sizes), dtype=_F64, device=device)
         at = 0
@@ -204,12 +205,13 @@ class Statistics:
                 mine[at:at + size] = acc.reshape(-1).to(device) if acc is not None else (
                     -math.inf if o.reduce == "max" else 0.0)
             at += size
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = 1 if alone or not (dist.is_available() and dist.is_initialized()) else (
+            dist.get_world_size(group) if group is not None else dist.get_world_size())
         slots = mine[None]
         if world > 1:
             slots = torch.zeros(world, mine.numel(), dtype=_F64, device=device)
-            slots[dist.get_rank()] = mine
-            comm.all_reduce(slots, op=dist.ReduceOp.SUM)
+            slots[group.rank() if group is not None else dist.get_rank()] = mine
+            comm.all_reduce(slots, op=dist.ReduceOp.SUM, group=group)
         at = 0
         for o, size in zip(ops, sizes, strict=True):
             part = slots[:, at:at + size]
