@@ -66,9 +66,8 @@ _UNET = {"decoder_channels": (32, 16, 16, 8, 8)}
 _DLV3P = {"decoder_channels": 32, "decoder_aspp_dropout": 0.0, "decoder_atrous_rates": (1, 2, 3)}
 _CONVNEXT = "ConvNeXt's LayerNorm2d permutes to channels-last"
 _RES = (1, 3, 32, 64)  # one sample; 1x2 values at 1/32
-# trained on 2 tiles: 2x2 values at 1/32. At 32x64 (one value per tile at 1/32, two in all, which
-# a BatchNorm normalises to +-1 whatever they are) the second step's loss is 1e-7 off one process:
-# not explained yet, see docs/limitations.md
+# trained on 2 tiles: 2x2 values at 1/32. At 32x64 (1x2 values at 1/32, one per tile) the second
+# step's loss is 1e-7 off one process: not explained yet, see docs/limitations.md
 _TILED = (1, 3, 64, 64)
 
 NETS: list[ZooNet] = [
