@@ -66,8 +66,9 @@ _UNET = {"decoder_channels": (32, 16, 16, 8, 8)}
 _DLV3P = {"decoder_channels": 32, "decoder_aspp_dropout": 0.0, "decoder_atrous_rates": (1, 2, 3)}
 _CONVNEXT = "ConvNeXt's LayerNorm2d permutes to channels-last"
 _RES = (1, 3, 32, 64)  # one sample; 1x2 values at 1/32
-# trained on 2 tiles: 2x2 values at 1/32. At 32x64 (1x2 values at 1/32, one per tile) the second
-# step's loss is 1e-7 off one process: not explained yet, see docs/limitations.md
+# trained on 2 tiles: 2x2 values at 1/32. At 32x64 the BatchNorms of layer4 see 2 values per
+# channel and make training chaotic: one process fed inputs 1e-15 apart ends step 2 with losses
+# 3e-7 and weights 5e-3 apart, as far as 2 tiles end from it
 _TILED = (1, 3, 64, 64)
 
 NETS: list[ZooNet] = [
