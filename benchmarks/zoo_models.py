@@ -124,8 +124,9 @@ def trained(ids: set[str]) -> dict[str, str]:
         dl = max(abs(a - b) for a, b in zip(res.losses, res.ref_losses, strict=True))
         dw = max(float((res.sd[k].double() - v.double()).abs().max()) for k, v in res.ref_sd.items() if v.numel())
         how = " + ".join(f"{p} tiles" if p > 1 else "1 rank" for p, _ in res.layout)
-        ok = dl <= 1e-9 * max(abs(v) for v in res.ref_losses) and dw <= 1e-9
-        out[net] = f"{'yes' if ok else 'NO'}: {how}; Δloss {dl:.0e}, Δweights {dw:.0e}"
+        dp = float((res.pred - res.ref_pred).abs().max())
+        ok = dl <= 1e-9 * max(abs(v) for v in res.ref_losses) and dw <= 1e-9 and dp <= 1e-9
+        out[net] = f"{'yes' if ok else 'NO'}: {how}; Δloss {dl:.0e}, Δweights {dw:.0e}; eval_step Δ {dp:.0e}"
     return out
 
 

@@ -1,14 +1,15 @@
 """Coverage over the model zoos: segmentation_models_pytorch, torchvision and timm (tests/helpers/zoo.py).
 
-For every network: ``nowdl.compile(m, gpus=2, stages=2).plan(x)`` plans, and the plan's stages
-run in turn (``cm(x)``) give ``m(x)`` in eval mode. Training: 2 SGD steps in float64 on 2 gloo
-ranks match one process (losses to 1e-9, every state-dict entry to 1e-9): smp's UNet, UNet++ and
-DeepLabV3+ and torchvision's FCN with the WHOLE net on 2 tiles (sizes read off tiles, the ASPP
-pooling branch reduced over the tiles: [Note: whole values on tiles]), the others on 2 pipeline
-stages. DeepLabV3+ with
-a batch of 1 is planned with micro-batches of 2 samples, and refused naming its BatchNorm when
-one sample is pinned ([Note: one-sample norms]). Prediction: UNet's prediction (one process, and
-2 tiles) equals the whole-image forward; the classifier's ``eval_step`` equals the model's.
+Every network plans and trains: 2 SGD steps in float64 on 2 gloo ranks match one process
+(losses to 1e-9, every state-dict entry to 1e-9), then ``cm.eval_step`` of one sample (an
+inference plan on the 2 ranks, with the trained weights) equals the trained model's forward in
+eval mode (1e-9). smp's UNet, UNet++ and DeepLabV3+ and torchvision's FCN train with the WHOLE
+net on 2 tiles (sizes read off tiles, the ASPP pooling branch reduced over the tiles: [Note:
+whole values on tiles]), the others on 2 pipeline stages; those say which node keeps them off
+tiles. DeepLabV3+ with a batch of 1 is planned with micro-batches of 2 samples, and refused
+naming its BatchNorm when one sample is pinned ([Note: one-sample norms]); its inference plans
+take one sample. UNet's ``predict`` (one process, and 2 tiles) equals the whole-image forward;
+the timm classifier plans at 4096x4096.
 """
 
 from __future__ import annotations
@@ -32,12 +33,6 @@ def _input(net: ZooNet, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(net.shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
 
 
-#: nets whose 2-stage plan takes over 10 s here (torch.export traces of 200-600 nodes)
-_SLOW_PLAN = {"smp-UnetPlusPlus-resnet34", "smp-UnetPlusPlus-convnext_atto", "smp-FPN-convnext_atto",
-              "smp-DeepLabV3Plus-convnext_atto", "tv-deeplabv3_resnet50", "tv-fcn_resnet50"}
-_NET_PARAMS = [pytest.param(n, id=n.id, marks=[pytest.mark.slow] if n.id in _SLOW_PLAN else []) for n in NETS]
-
-
 def test_the_list_covers_what_the_issue_asks() -> None:
     ids = {n.id for n in NETS}
     for arch in ("Unet", "UnetPlusPlus", "FPN", "DeepLabV3Plus"):
@@ -45,18 +40,6 @@ def test_the_list_covers_what_the_issue_asks() -> None:
     assert {"tv-fcn_resnet50", "tv-deeplabv3_resnet50"} <= ids
     assert any(n.library == "timm" and n.output == "classes" for n in NETS)
     assert {p.values[0].net for p in TRAIN} == ids, "every net trains"
-
-
-@pytest.mark.parametrize("net", _NET_PARAMS)
-def test_plans_and_stages_equal_the_model(net: ZooNet) -> None:
-    m = build(net)
-    x = _input(net)
-    cm = nowdl.compile(m, gpus=2, stages=2, progress=False, cache=False, planner=nowdl.PlannerOptions(time_limit=10))
-    plan = cm.plan(x)
-    assert len(plan.stages) == 2 and all(s.nodes for s in plan.stages)
-    m.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(first_tensor(cm(x)), first_tensor(m(x)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("net", [n for n in NETS if n.refused], ids=lambda n: n.id)
@@ -136,6 +119,7 @@ def test_trains_exactly_in_float64(case: Train, trained: dict[str, TrainResult |
     assert list(res.sd) == list(res.ref_sd), set(res.sd) ^ set(res.ref_sd)
     for k, ref in res.ref_sd.items():  # weights, running statistics and num_batches_tracked
         torch.testing.assert_close(res.sd[k], ref, rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
+    torch.testing.assert_close(res.pred, res.ref_pred, rtol=1e-9, atol=1e-9, msg=lambda m: f"eval_step: {m}")
     assert len(res.layout) == case.cfg["stages"]
     if case.cfg["spatial_parts"] > 1:
         assert all(p == case.cfg["spatial_parts"] for p, _ in res.layout), f"not every stage is tiled: {res.layout}"
@@ -166,7 +150,6 @@ def test_unet_predicts_exactly(tmp_path: Path) -> None:
     np.testing.assert_allclose(got, _reference(img), atol=1e-4, rtol=0)
 
 
-@pytest.mark.slow
 def test_unet_predicts_on_two_tiles_exactly(tmp_path: Path) -> None:
     zarr = pytest.importorskip("zarr")
     img = np.random.default_rng(4).random((3, 64, 128)).astype(np.float32)
@@ -178,13 +161,8 @@ def test_unet_predicts_on_two_tiles_exactly(tmp_path: Path) -> None:
     np.testing.assert_allclose(got, _reference(img), atol=1e-4, rtol=0)
 
 
-def test_timm_classifier_plans_at_4096_and_evaluates_exactly() -> None:
+def test_timm_classifier_plans_at_4096() -> None:
     net = by_id("timm-resnet18-classifier")
     cm = nowdl.compile(build(net), gpus=4, progress=False, cache=False, mode="estimate")
     big = cm.plan(torch.empty((1, 3, 4096, 4096), device="meta"))
     assert big.model["inputs"] == [[1, 3, 4096, 4096]] and big.stages
-    m = build(net).eval()
-    x = _input(net)
-    out = nowdl.compile(m, gpus=1, progress=False, cache=False, mode="estimate").eval_step(x)
-    with torch.no_grad():
-        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)

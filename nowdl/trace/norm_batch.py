@@ -8,21 +8,29 @@ the model's own limit, not a tracing failure: :func:`one_sample_norm_error` turn
 :class:`~nowdl.errors.OneSampleNormError` naming the node and its input, with the two fixes (2 or
 more samples per micro-batch, or the norms in eval mode); the planner then plans micro-batches of
 at least 2 samples for such nets (:mod:`nowdl.partitioner.config.two_samples`).
+
+An inference plan of one sample needs no batch statistics: eval mode normalises with the
+running ones. ``nowdl.trace.trace`` therefore traces such a net again with those BatchNorms in
+eval mode (:func:`one_value_norms_in_eval`): the graph calls the same BatchNorm modules, which
+follow ``train()``/``eval()`` ([Note: exported graphs]), and ``Traced.one_sample`` keeps the
+error, which a training plan for that shape raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nowdl.errors import NowdlError, OneSampleNormError
 
-__all__ = ["ONE_VALUE", "one_sample_norm_error", "one_sample_norm", "two_samples", "on_two_samples"]
+__all__ = ["ONE_VALUE", "one_sample_norm_error", "one_sample_norm", "two_samples", "on_two_samples", "one_value_norms_in_eval"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -117,3 +125,25 @@ def on_two_samples(error: OneSampleNormError, examples: Sequence[torch.Tensor], 
         undo()
         error.args = (f"{error} (with 2 samples per micro-batch: {str(again).splitlines()[0]})",)
         raise error from again
+
+
+@contextlib.contextmanager
+def one_value_norms_in_eval() -> Iterator[None]:
+    """Within it, ``F.batch_norm`` in training normalises an input of one value per channel
+    with its running statistics, as eval mode does (PyTorch refuses it, and cannot export it):
+    to trace a graph for inference, whose BatchNorm modules run in eval mode anyway."""
+    batch_norm = F.batch_norm
+
+    def norm(x: torch.Tensor, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+             weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, training: bool = False,
+             momentum: float = 0.1, eps: float = 1e-5) -> torch.Tensor:
+        if training and running_mean is not None and running_var is not None and x.dim() >= 2 \
+                and math.prod(x.shape) == x.shape[1]:
+            training = False
+        return batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps)
+
+    F.batch_norm = norm  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.batch_norm = batch_norm

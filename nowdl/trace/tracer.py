@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import hashlib
 import io
@@ -22,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from nowdl.errors import TraceError
+from nowdl.errors import OneSampleNormError, TraceError
 from nowdl.trace.check import (
     _EXPORT_MAX_ELEMENTS,
     _VALIDATE_MAX_ELEMENTS,
@@ -37,7 +38,7 @@ from nowdl.trace.check import (
 )
 from nowdl.trace.deadcode import drop_dead_code
 from nowdl.trace.functional import functionalize
-from nowdl.trace.norm_batch import one_sample_norm_error
+from nowdl.trace.norm_batch import one_sample_norm_error, one_value_norms_in_eval
 from nowdl.trace.sizes import size_refusal
 from nowdl.trace.where import _first_line, _refused_by_model, _user_frame, _where
 
@@ -58,6 +59,9 @@ class Traced:
     # [Note: training-mode graphs] why the graph equals the model in training only ("": in both
     # modes): a forward that branches on self.training is planned and run as training runs it
     train_only: str = ""
+    # [Note: one-sample norms] the error a training plan on these shapes raises (a graph traced
+    # for inference with PyTorch's batch-size check off), None when there is none
+    one_sample: OneSampleNormError | None = None
 
 
 def _with_hint(message: str, hint: str) -> str:
@@ -240,13 +244,14 @@ def trace(
         tracer: "auto", "fx" or "export".
 
     Returns:
-        Traced(gm, tracer, fingerprint, validated_on).
+        Traced(gm, tracer, fingerprint, validated_on). Where a BatchNorm sees one value per
+        channel in training (a batch of 1 after global pooling), the graph is traced with it in
+        eval mode, for inference only: ``one_sample`` holds the OneSampleNormError (naming it
+        and the fixes) that a training plan raises ([Note: one-sample norms]).
 
     Raises:
         TraceError: neither tracer gives a graph equal to the model; the message names the
             module, the source line and what to try.
-        OneSampleNormError: a BatchNorm sees one value per channel in training (a batch of 1
-            after global pooling): the message names it and the fixes.
 
     Example:
         >>> t = trace(MyNet(), (torch.randn(1, 3, 64, 64),))
@@ -258,7 +263,13 @@ def trace(
         one = one_sample_norm_error(model, tuple(example_inputs), e)
         if one is None:
             raise
-        raise one from e
+        one.__cause__ = e
+    with one_value_norms_in_eval():
+        try:
+            t = _trace(model, example_inputs, leaf_modules=leaf_modules, tracer=tracer)
+        except TraceError as again:
+            raise one from again
+    return dataclasses.replace(t, one_sample=one)
 
 
 def _trace(
