@@ -14,8 +14,8 @@ without sequential tiles (activations saved).
   held before the step, plus the peak of the storages the step allocates: activations,
   windows, gradients; the batch is made before the step), against the plan's
   ``predicted_peak_bytes`` (target ±10%);
-* step s: the fastest of 5 ``train_step`` calls without the tracker (on a loaded machine the
-  fastest is the least disturbed by other work); ``step / T=1``
+* step s: the fastest of 5 ``train_step`` calls without the tracker, the rows' steps taken in
+  turn (on a loaded machine the fastest is the least disturbed by other work); ``step / T=1``
   is the cost of sequential tiles in time, set beside the plan's (``predicted step / T=1``, the
   ``cpu`` device spec; target ±20%: the spec's absolute times are not fitted to this machine).
 
@@ -27,7 +27,8 @@ twice that side. The step time at each found side is shown. Target: side with / 
 
 ``--norm`` gives the UNet a BatchNorm after every conv (``unet(..., norm=True)``): the stage of
 sequential tiles then runs statistics passes ([Note: sequential norms]); table 1 shows the plan's
-step time beside the measured one (``predicted step s``, the ``cpu`` device spec).
+step time beside the measured one (``predicted step s``, the ``cpu`` device spec); ``--results``
+then writes docs/results/bench_sequential_tiles_norms.md.
 """
 
 from __future__ import annotations
@@ -80,28 +81,39 @@ def _compiled(side: int, tiles: int, tmp: str) -> tuple[Any, torch.Tensor, torch
     return run, x, y, float(plan.ranks[0].predicted_peak_bytes)
 
 
-def measure(side: int, tiles: int, tmp: str, *, timed: bool = True) -> dict[str, float]:
+def measure(side: int, tiles: int, tmp: str, *, timed: bool = True) -> dict[str, Any]:
     """Peak bytes of a training step, the plan's prediction and the fastest step time at ``side``
-    with ``tiles`` per GPU."""
+    with ``tiles`` per GPU (``step``: one more step, for :func:`interleaved`)."""
     cm, x, y, pred = _compiled(side, tiles, tmp)
     loss = cm.train_step(x, y)  # builds the engine
     eng = cm._trainer.engine
     _, peak = peak_of(lambda: cm.train_step(x, y), [eng.stages[s].module for _, s in eng.held], eng.optimizer)
-    times = []
-    for _ in range(5 if timed else 0):
-        t0 = time.perf_counter()
-        cm.train_step(x, y)
-        times.append(time.perf_counter() - t0)
-    return {"peak": peak / MIB, "pred": pred / MIB, "time": min(times) if times else float("nan"),
-            "loss": loss, "pred_time": cm.predicted_step_s}
+    out = {"peak": peak / MIB, "pred": pred / MIB, "time": float("nan"), "loss": loss,
+           "pred_time": cm.predicted_step_s, "step": lambda: cm.train_step(x, y)}
+    if timed:
+        interleaved([out])
+    return out
+
+
+def interleaved(rows: list[dict[str, Any]], reps: int = 5) -> None:
+    """Each row's ``time``: the fastest of ``reps`` steps, the rows' steps taken in turn (so a
+    load that comes and goes on a shared machine falls on every row alike)."""
+    times: list[list[float]] = [[] for _ in rows]
+    for _ in range(reps):
+        for r, ts in zip(rows, times, strict=True):
+            t0 = time.perf_counter()
+            r["step"]()
+            ts.append(time.perf_counter() - t0)
+    for r, ts in zip(rows, times, strict=True):
+        r["time"] = min(ts)
 
 
 def largest(cap: float, tiles_choices: list[int], tmp: str, start: int, step: int, limit: int
-            ) -> tuple[int, int, dict[str, float]]:
+            ) -> tuple[int, int, dict[str, Any]]:
     """Largest side from ``start`` by ``step`` (until the first that does not fit) whose peak fits
     ``cap`` MiB with the smallest fitting T of ``tiles_choices``; then its step time."""
     nan = float("nan")
-    best: tuple[int, int, dict[str, float]] = (0, 0, {"peak": nan, "pred": nan, "time": nan, "pred_time": nan})
+    best: tuple[int, int, dict[str, Any]] = (0, 0, {"peak": nan, "pred": nan, "time": nan, "pred_time": nan})
     side = start
     while side <= limit:
         fit = None
@@ -141,11 +153,12 @@ def main() -> None:
         print("| T | sub-tiles | predicted peak MiB | measured peak MiB | measured / plan | peak / T=1 | step s "
               "| step / T=1 | predicted step s | predicted step / T=1 | step cost / plan's |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-        base: dict[str, float] = {}
+        tiles = [int(v) for v in args.tiles.split(",")]
+        rows = [measure(side, t, tmp, timed=False) for t in tiles]
+        interleaved(rows)
+        base = rows[0]
         ratios, costs = [], []
-        for t in [int(v) for v in args.tiles.split(",")]:
-            r = measure(side, t, tmp)
-            base = base or r
+        for t, r in zip(tiles, rows, strict=True):
             ratios.append(r["peak"] / r["pred"])
             sub = "x".join(map(str, sub_grid((1, 1), (side, side), t)))
             cost, plan_cost = r["time"] / base["time"], r["pred_time"] / base["pred_time"]
@@ -175,5 +188,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with recorded("bench_sequential_tiles", "--results" in sys.argv):
+    with recorded("bench_sequential_tiles_norms" if "--norm" in sys.argv else "bench_sequential_tiles",
+                  "--results" in sys.argv):
         main()
