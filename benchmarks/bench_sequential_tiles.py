@@ -4,7 +4,7 @@ What is measured
 ----------------
 The model is nowdl's UNet (``nowdl.models.unet(1, 2, depth=3, base_width=8)``, no norms,
 float32, batch 1, MSE loss, Adam), planned for one GPU by ``nowdl.compile(...).plan``
-(``mode="estimate", device_spec="cpu"``, ``stages=1, spatial_parts=1, tiles_per_gpu=T``: the planner's cost model
+(``mode="estimate"``, the ``cpu`` spec measured once per run, ``stages=1, spatial_parts=1, tiles_per_gpu=T``: the planner's cost model
 for T sequential tiles, [Note: sequential tiles cost]) and trained by
 ``nowdl.compile(model, plan=...)`` in this process (one rank, one thread). T = 1 is the stage
 without sequential tiles (activations saved).
@@ -66,10 +66,22 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
+_SPEC: list[Any] = []
+
+
+def _cpu_spec() -> Any:
+    """This machine's ``cpu`` spec, measured once per run (every plan of a table then prices ops alike)."""
+    if not _SPEC:
+        from nowdl.profiler.devices import measure_cpu_spec
+
+        _SPEC.append(measure_cpu_spec())
+    return _SPEC[0]
+
+
 def _compiled(side: int, tiles: int, tmp: str) -> tuple[Any, torch.Tensor, torch.Tensor, float]:
     x = torch.randn(1, 1, side, side)
     y = torch.randn(1, 2, side, side)
-    cm = nowdl.compile(_model(), gpus=1, mode="estimate", device_spec="cpu", optimizer=_adam, loss_fn=nn.MSELoss(),
+    cm = nowdl.compile(_model(), gpus=1, mode="estimate", device_spec=_cpu_spec(), optimizer=_adam, loss_fn=nn.MSELoss(),
                        cache=False, progress=False, stages=1, spatial_parts=1, micro_batches=1, dp=1, replicas=1,
                        tiles_per_gpu=tiles)  # the cpu spec: labels are not copied to a device
     plan = cm.plan(x, target=y)
