@@ -4,7 +4,7 @@ What is measured
 ----------------
 The model is nowdl's UNet (``nowdl.models.unet(1, 2, depth=3, base_width=8)``, no norms,
 float32, batch 1, MSE loss, Adam), planned for one GPU by ``nowdl.compile(...).plan``
-(``mode="estimate", device_spec="cpu"``, ``stages=1, spatial_parts=1, tiles_per_gpu=T``: the planner's cost model
+(``mode="estimate"``, the ``cpu`` spec measured once per run, ``stages=1, spatial_parts=1, tiles_per_gpu=T``: the planner's cost model
 for T sequential tiles, [Note: sequential tiles cost]) and trained by
 ``nowdl.compile(model, plan=...)`` in this process (one rank, one thread). T = 1 is the stage
 without sequential tiles (activations saved).
@@ -14,7 +14,8 @@ without sequential tiles (activations saved).
   held before the step, plus the peak of the storages the step allocates: activations,
   windows, gradients; the batch is made before the step), against the plan's
   ``predicted_peak_bytes`` (target ±10%);
-* step s: the median wall time of 3 ``train_step`` calls without the tracker; ``step / T=1``
+* step s: the fastest of 5 ``train_step`` calls without the tracker, the rows' steps taken in
+  turn (on a loaded machine the fastest is the least disturbed by other work); ``step / T=1``
   is the cost of sequential tiles in time, set beside the plan's (``predicted step / T=1``, the
   ``cpu`` device spec; target ±20%: the spec's absolute times are not fitted to this machine).
 
@@ -26,14 +27,17 @@ twice that side. The step time at each found side is shown. Target: side with / 
 
 ``--norm`` gives the UNet a BatchNorm after every conv (``unet(..., norm=True)``): the stage of
 sequential tiles then runs statistics passes ([Note: sequential norms]); table 1 shows the plan's
-step time beside the measured one (``predicted step s``, the ``cpu`` device spec).
+step time beside the measured one (``predicted step s``, the ``cpu`` device spec); ``--results``
+then writes docs/results/bench_sequential_tiles_norms.md. ``--measured`` plans from a profile
+timed on this machine (``mode="measure"``: each op's forward and backward run and timed) instead
+of the ``cpu`` roofline, whose per-op times (max pooling, small convolutions) are off by more
+than the passes' structure the step cost checks.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +58,7 @@ from results import HELP as RESULTS_HELP  # noqa: E402
 from results import recorded  # noqa: E402
 
 NORM = False  # --norm: a BatchNorm after every conv
+MODE = "estimate"  # --measured: plans from a profile timed on this machine
 
 
 def _model() -> nn.Module:
@@ -65,10 +70,22 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
+_SPEC: list[Any] = []
+
+
+def _cpu_spec() -> Any:
+    """This machine's ``cpu`` spec, measured once per run (every plan of a table then prices ops alike)."""
+    if not _SPEC:
+        from nowdl.profiler.devices import measure_cpu_spec
+
+        _SPEC.append(measure_cpu_spec())
+    return _SPEC[0]
+
+
 def _compiled(side: int, tiles: int, tmp: str) -> tuple[Any, torch.Tensor, torch.Tensor, float]:
     x = torch.randn(1, 1, side, side)
     y = torch.randn(1, 2, side, side)
-    cm = nowdl.compile(_model(), gpus=1, mode="estimate", device_spec="cpu", optimizer=_adam, loss_fn=nn.MSELoss(),
+    cm = nowdl.compile(_model(), gpus=1, mode=MODE, device_spec=_cpu_spec(), optimizer=_adam, loss_fn=nn.MSELoss(),
                        cache=False, progress=False, stages=1, spatial_parts=1, micro_batches=1, dp=1, replicas=1,
                        tiles_per_gpu=tiles)  # the cpu spec: labels are not copied to a device
     plan = cm.plan(x, target=y)
@@ -80,28 +97,39 @@ def _compiled(side: int, tiles: int, tmp: str) -> tuple[Any, torch.Tensor, torch
     return run, x, y, float(plan.ranks[0].predicted_peak_bytes)
 
 
-def measure(side: int, tiles: int, tmp: str, *, timed: bool = True) -> dict[str, float]:
-    """Peak bytes of a training step, the plan's prediction and the median step time at ``side``
-    with ``tiles`` per GPU."""
+def measure(side: int, tiles: int, tmp: str, *, timed: bool = True) -> dict[str, Any]:
+    """Peak bytes of a training step, the plan's prediction and the fastest step time at ``side``
+    with ``tiles`` per GPU (``step``: one more step, for :func:`interleaved`)."""
     cm, x, y, pred = _compiled(side, tiles, tmp)
     loss = cm.train_step(x, y)  # builds the engine
     eng = cm._trainer.engine
     _, peak = peak_of(lambda: cm.train_step(x, y), [eng.stages[s].module for _, s in eng.held], eng.optimizer)
-    times = []
-    for _ in range(3 if timed else 0):
-        t0 = time.perf_counter()
-        cm.train_step(x, y)
-        times.append(time.perf_counter() - t0)
-    return {"peak": peak / MIB, "pred": pred / MIB, "time": statistics.median(times) if times else float("nan"),
-            "loss": loss, "pred_time": cm.predicted_step_s}
+    out = {"peak": peak / MIB, "pred": pred / MIB, "time": float("nan"), "loss": loss,
+           "pred_time": cm.predicted_step_s, "step": lambda: cm.train_step(x, y)}
+    if timed:
+        interleaved([out])
+    return out
+
+
+def interleaved(rows: list[dict[str, Any]], reps: int = 5) -> None:
+    """Each row's ``time``: the fastest of ``reps`` steps, the rows' steps taken in turn (so a
+    load that comes and goes on a shared machine falls on every row alike)."""
+    times: list[list[float]] = [[] for _ in rows]
+    for _ in range(reps):
+        for r, ts in zip(rows, times, strict=True):
+            t0 = time.perf_counter()
+            r["step"]()
+            ts.append(time.perf_counter() - t0)
+    for r, ts in zip(rows, times, strict=True):
+        r["time"] = min(ts)
 
 
 def largest(cap: float, tiles_choices: list[int], tmp: str, start: int, step: int, limit: int
-            ) -> tuple[int, int, dict[str, float]]:
+            ) -> tuple[int, int, dict[str, Any]]:
     """Largest side from ``start`` by ``step`` (until the first that does not fit) whose peak fits
     ``cap`` MiB with the smallest fitting T of ``tiles_choices``; then its step time."""
     nan = float("nan")
-    best: tuple[int, int, dict[str, float]] = (0, 0, {"peak": nan, "pred": nan, "time": nan, "pred_time": nan})
+    best: tuple[int, int, dict[str, Any]] = (0, 0, {"peak": nan, "pred": nan, "time": nan, "pred_time": nan})
     side = start
     while side <= limit:
         fit = None
@@ -129,9 +157,12 @@ def main() -> None:
     ap.add_argument("--norm", action="store_true", help="a BatchNorm after every conv (statistics passes)")
     ap.add_argument("--tiles", default="1,2,4,8", help="table 1's tiles per GPU (default 1,2,4,8)")
     ap.add_argument("--no-largest", action="store_true", help="skip table 2")
+    ap.add_argument("--measured", action="store_true",
+                    help="plan from a profile timed on this machine (mode='measure'), not the cpu roofline")
     args = ap.parse_args()
-    global NORM
+    global NORM, MODE
     NORM = args.norm
+    MODE = "measure" if args.measured else "estimate"
     torch.set_num_threads(1)
     side = args.side or (256 if args.quick else 512)
     cap = args.cap_mib or (40.0 if args.quick else 64.0)
@@ -141,11 +172,12 @@ def main() -> None:
         print("| T | sub-tiles | predicted peak MiB | measured peak MiB | measured / plan | peak / T=1 | step s "
               "| step / T=1 | predicted step s | predicted step / T=1 | step cost / plan's |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-        base: dict[str, float] = {}
+        tiles = [int(v) for v in args.tiles.split(",")]
+        rows = [measure(side, t, tmp, timed=False) for t in tiles]
+        interleaved(rows)
+        base = rows[0]
         ratios, costs = [], []
-        for t in [int(v) for v in args.tiles.split(",")]:
-            r = measure(side, t, tmp)
-            base = base or r
+        for t, r in zip(tiles, rows, strict=True):
             ratios.append(r["peak"] / r["pred"])
             sub = "x".join(map(str, sub_grid((1, 1), (side, side), t)))
             cost, plan_cost = r["time"] / base["time"], r["pred_time"] / base["pred_time"]
@@ -175,5 +207,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with recorded("bench_sequential_tiles", "--results" in sys.argv):
+    with recorded("bench_sequential_tiles_norms" if "--norm" in sys.argv else "bench_sequential_tiles",
+                  "--results" in sys.argv):
         main()
