@@ -38,9 +38,10 @@ def test_every_section_ran_and_the_records_hold_together(cpu_records: tuple[dict
         r = steps[label]
         assert 0.7 < r["ratio"] < 1.4 and r["step_s"] > 0 and r["predicted_step_s"] > 0, r
         assert r["compile"]["gpus"] == 1 and r["compile"]["stages"] == 1  # the row can be planned again
-    # the cpu spec has no host memory, and sequential tiles refuse instance norm: both rows say why
+    # the cpu spec has no host memory: the row says why; sequential tiles run instance norm
     assert "host memory" in steps["unet 1x3x64x64 offload"]["error"]
-    assert "InstanceNorm" in steps["monai_unet 1x3x64x64 seq_tiles T=4"]["error"]
+    r = steps["monai_unet 1x3x64x64 seq_tiles T=4"]
+    assert "error" not in r and r["step_s"] > 0 and 0.5 < r["ratio"] < 2.0, r
     ranks = {r["config"]: r for r in d["ranks"]}
     for name in ("pipeline 2 stages", "spatial 2 tiles", "data parallel 2", "spatial 4 tiles"):
         r = ranks[name]

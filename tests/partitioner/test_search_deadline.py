@@ -104,13 +104,13 @@ def test_refusal_figures_get_what_is_left_but_a_floor() -> None:
 
 
 def test_leanest_tiles_first_skips_only_what_cannot_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A UNet with BatchNorm on 2 GPUs under 110 MiB: the sequential-tile candidates are solved
+    """A UNet with BatchNorm at 2048² on 2 GPUs under 110 MiB: the sequential-tile candidates are solved
     only after the lever ones fit, and every one whose largest T is proven over the cap is
     skipped; the plan is the one the search makes solving them all."""
     kw: dict[str, Any] = dict(gpus=2, gpu_memory="110MiB", planner=nowdl.PlannerOptions(time_limit=30))
-    pruned = _plan(_unet(norm=True), 1024, **kw)
+    pruned = _plan(_unet(norm=True), 2048, **kw)
     monkeypatch.setattr(TileGroups, "dominated_over", lambda self, cand: False)
-    every = _plan(_unet(norm=True), 1024, **kw)
+    every = _plan(_unet(norm=True), 2048, **kw)
     a, b = pruned.solver["search"], every.solver["search"]
     assert a["over_cap_by_bound"] > b["over_cap_by_bound"] and a["evaluated"] < b["evaluated"]
     assert pruned.predicted == every.predicted
