@@ -208,5 +208,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     with recorded("bench_sequential_tiles_norms" if "--norm" in sys.argv else "bench_sequential_tiles",
-                  "--results" in sys.argv):
+                  "--results" in sys.argv, script="bench_sequential_tiles"):
         main()

@@ -59,8 +59,9 @@ class _Tee(io.TextIOBase):
 
 
 @contextmanager
-def recorded(name: str, on: bool, note: str = "") -> Iterator[None]:
-    """Copy stdout into ``docs/results/<name>.md`` when ``on`` (``--results``), with its header."""
+def recorded(name: str, on: bool, note: str = "", script: str | None = None) -> Iterator[None]:
+    """Copy stdout into ``docs/results/<name>.md`` when ``on`` (``--results``), with its header
+    (``script``: the script's name when it is not ``name``)."""
     if not on:
         yield
         return
@@ -76,7 +77,7 @@ def recorded(name: str, on: bool, note: str = "") -> Iterator[None]:
     finally:
         sys.stdout = real
     cmd = " ".join(shlex.quote(a) for a in ["python", os.path.relpath(sys.argv[0], RESULTS.parent.parent), *sys.argv[1:]])
-    head = [f"# Results: `benchmarks/{name}.py`", "", f"Command: `{cmd}`", "",
+    head = [f"# Results: `benchmarks/{script or name}.py`", "", f"Command: `{cmd}`", "",
             f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))}, {time.time() - t0:.0f} s; "
             f"machine: {machine_line()}.", ""]
     if note:
