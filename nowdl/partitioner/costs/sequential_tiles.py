@@ -331,26 +331,23 @@ def norm_passes(costs: Costs) -> NormPasses:
         back[v] = max((back[c] for c in cons[v]), default=0) + (v in norms)
     kf = max(depth[v] for v in norms)
     kb = 0 if costs.inference else max(back[v] for v in norms)
-    a = [0] * n
+    a, b = [0] * n, [0] * n
     for k in range(1, kf + 1):
-        seen: set[int] = set()
-        todo = [v for v in norms if depth[v] == k]
-        while todo:
-            v = todo.pop()
-            if v not in seen:
-                seen.add(v)
-                todo.extend(prods[v])
-        for v in seen:
-            a[v] += 1
-    b = [0] * n
+        for u in _reached([v for v in norms if depth[v] == k], prods):
+            a[u] += 1
     for k in range(1, kb + 1):
-        seen = set()
-        todo = [c for v in norms if back[v] == k for c in cons[v]]
-        while todo:
-            v = todo.pop()
-            if v not in seen:
-                seen.add(v)
-                todo.extend(cons[v])
-        for v in seen:
-            b[v] += 1
+        for u in _reached([c for v in norms if back[v] == k for c in cons[v]], cons):
+            b[u] += 1
     return NormPasses([float(x + kb) for x in a], [float(x) for x in b], kf, kb, frozenset(norms))
+
+
+def _reached(starts: list[int], edges: Sequence[Sequence[int]]) -> set[int]:
+    """The nodes ``starts`` reach along ``edges`` (``starts`` included)."""
+    seen: set[int] = set()
+    todo = list(starts)
+    while todo:
+        v = todo.pop()
+        if v not in seen:
+            seen.add(v)
+            todo.extend(edges[v])
+    return seen

@@ -73,6 +73,15 @@ class _Block:
         self.rel = 0  # bytes a release would give back while the block is cached
         self.requested = 0
 
+    def split(self, size: int, mapped: bool) -> _Block:
+        """Keep the first ``size`` bytes; return the rest as a new free block linked after this one."""
+        rest = _Block(self.addr + size, self.size - size, self.pool, self.seg, mapped=mapped)
+        rest.prev, rest.next = self, self.next
+        if self.next is not None:
+            self.next.prev = rest
+        self.next, self.size = rest, size
+        return rest
+
     def releasable(self) -> int:
         if self.seg is None:
             return self.size if self.prev is None and self.next is None else 0
@@ -158,13 +167,7 @@ class CachingAllocator:
         else:
             split = (cfg.max_split_size is None or size < cfg.max_split_size) and remaining > K_SMALL_SIZE
         if split:
-            rest = _Block(block.addr + size, remaining, pool, block.seg)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = size
-            self._insert(rest)
+            self._insert(block.split(size, mapped=True))
         block.allocated = True
         block.requested = int(nbytes)
         handle = self._next_handle
@@ -253,13 +256,7 @@ class CachingAllocator:
         self._unmapped_remove(b)
         b.mapped = True
         if nbytes < b.size:
-            rest = _Block(b.addr + nbytes, b.size - nbytes, b.pool, seg, mapped=False)
-            rest.prev, rest.next = b, b.next
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = nbytes
-            self._unmapped_insert(rest)
+            self._unmapped_insert(b.split(nbytes, mapped=False))
         self._merge(b, b.prev)
         self._merge(b, b.next)
         self._insert(b)
