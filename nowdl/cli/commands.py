@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -16,13 +17,13 @@ from typing import NoReturn
 import torch
 
 from nowdl.cli.export import add_export_parser
-from nowdl.cli.inputs import whole_input
+from nowdl.cli.inputs import example_inputs
 from nowdl.cli.levers import add_lever_arguments, format_levers, lever_kwargs
 from nowdl.errors import NowdlError, ReportedError, error_text
 from nowdl.models.resolve import resolve_model
 from nowdl.plan.allocator import format_allocator
 from nowdl.profiler.table import print_profile
-from nowdl.units import parse_bytes, parse_parts, parse_shape
+from nowdl.units import parse_bytes, parse_parts
 
 __all__ = ["main", "resolve_model"]
 
@@ -31,21 +32,6 @@ _EPILOG_MODEL = (
     "called with --model-args, e.g. monai.networks.nets:UNet --model-args "
     "'{\"spatial_dims\": 2, \"in_channels\": 1, \"out_channels\": 2, \"channels\": [16, 32, 64], \"strides\": [2, 2]}'"
 )
-
-
-def _example(shape_texts: list[str] | None, default: list[int] | None, mode: str,
-             model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    """One tensor per ``--input`` (a model whose forward() takes several images gets several)."""
-    if not shape_texts:
-        if default is None:
-            raise NowdlError("give --input SHAPE (e.g. --input 1x3x2048x2048): this model has no default input")
-        shapes = [default]
-    else:
-        shapes = [list(whole_input(shape_texts[0], default=default, model=model)),
-                  *(parse_shape(t) for t in shape_texts[1:])]
-    if mode == "measure":
-        return tuple(torch.randn(s) for s in shapes)
-    return tuple(torch.empty(s, device="meta") for s in shapes)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -187,10 +173,8 @@ def _codegen(args: argparse.Namespace) -> int:
     if spec is None:
         src = plan.model.get("source")
         if not isinstance(src, dict) or not isinstance(src.get("spec"), str):
-            raise NowdlError(
-                f"{args.plan} does not record how to build its model ({plan.model.get('name', '?')}): pass "
-                "--model MODEL [--model-args JSON], the same as given to `nowdl plan`"
-            )
+            raise NowdlError(f"{args.plan} does not record how to build its model ({plan.model.get('name', '?')}): "
+                             "pass --model MODEL [--model-args JSON], the same as given to `nowdl plan`")
         spec, margs = src["spec"], json.dumps(src.get("args") or {})
     elif margs is None:
         src = plan.model.get("source")
@@ -214,8 +198,7 @@ def _rank() -> int:
     return 0
 
 
-#: Seconds a rank other than 0 waits before exiting on an error every rank hit alike.
-_QUIET_EXIT_S = 3.0
+_QUIET_EXIT_S = 3.0  # seconds a rank other than 0 waits before exiting on an error every rank hit alike
 
 
 class _Parser(argparse.ArgumentParser):
@@ -251,6 +234,19 @@ def _let_rank0_speak() -> None:
         time.sleep(_QUIET_EXIT_S)
 
 
+#: the modules each command's ranks import anyway, imported once before ``--nproc`` forks them
+_RANK_MODULES = {"run": ("nowdl.cli.run", "nowdl.runtime.training.trainer", "nowdl.runtime.pipeline", "nowdl.compiled"),
+                 "predict": ("nowdl.runtime.predict.runner", "nowdl.runtime.predict.writers", "nowdl.compiled")}
+
+
+def _launch_here(args: argparse.Namespace, argv: Sequence[str], exit_now: bool) -> int:
+    """``--nproc N``: import what the ranks need once, then fork them ([Note: local launcher])."""
+    from nowdl.runtime.launch.local import fork_ranks, preload, without_nproc
+
+    preload((*_RANK_MODULES.get(args.command, ()), "torch.distributed"), args.model)
+    return fork_ranks(int(args.nproc), functools.partial(main, without_nproc(argv)), exit_now=exit_now)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `nowdl` console script; returns the exit status (2 on any error)."""
     ap = _parser()
@@ -262,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=f"nowdl[rank {_rank()}]: %(name)s: %(message)s")
     logging.captureWarnings(_rank() != 0)  # other ranks' Python warnings say which rank printed them
     try:
+        if getattr(args, "nproc", None) is not None:  # [Note: local launcher]
+            return _launch_here(args, sys.argv[1:] if argv is None else argv, exit_now=argv is None)
         rc = _run(args)
         sys.stdout.flush()  # inside the try: a closed pipe shows here, not at exit
         return rc
@@ -359,7 +357,7 @@ def _run(args: argparse.Namespace) -> int:
     model, default, name = resolve_model(args.model, args.model_args)
     cache = not args.no_cache
     if args.command == "profile":
-        x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate", model)
+        x = example_inputs(args.input, default, "measure" if args.mode == "measure" else "estimate", model)
         prof = nowdl.profile(model, *x, mode=args.mode, device=args.device, device_spec=args.device_spec,
                              optimizer=args.optimizer, cache=cache)
         print_profile(prof, args.top, args.sort)
@@ -371,7 +369,7 @@ def _run(args: argparse.Namespace) -> int:
         from nowdl.cli.pictures import check_plot
 
         check_plot(args.plot)
-    x = _example(args.input, default, "measure" if args.mode == "measure" else "estimate", model)
+    x = example_inputs(args.input, default, "measure" if args.mode == "measure" else "estimate", model)
     cap = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     cm = nowdl.compile(model, gpus=args.gpus, balance=args.balance, stages=args.stages,
                        micro_batches=args.micro_batches, schedule=args.schedule, replicas=args.replicas,

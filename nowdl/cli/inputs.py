@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from nowdl.errors import NowdlError
 from nowdl.units import parse_shape
 
-__all__ = ["first_layer", "whole_input"]
+__all__ = ["example_inputs", "first_layer", "whole_input"]
 
 _SPATIAL = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3, nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2,
             nn.ConvTranspose3d: 3, nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3, nn.AvgPool1d: 1,
@@ -49,3 +50,18 @@ def whole_input(text: str, *, default: Sequence[int] | None = None, model: nn.Mo
                          f"--input 1x{'x'.join(map(str, shape))} (N samples per micro-batch, then one sample's "
                          f"{want[0] - 1} dims)")
     return shape
+
+
+def example_inputs(shape_texts: list[str] | None, default: list[int] | None, mode: str,
+             model: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """The example inputs of `nowdl plan`/`profile`: one tensor per ``--input`` (a model whose forward() takes several images gets several)."""
+    if not shape_texts:
+        if default is None:
+            raise NowdlError("give --input SHAPE (e.g. --input 1x3x2048x2048): this model has no default input")
+        shapes = [default]
+    else:
+        shapes = [list(whole_input(shape_texts[0], default=default, model=model)),
+                  *(parse_shape(t) for t in shape_texts[1:])]
+    if mode == "measure":
+        return tuple(torch.randn(s) for s in shapes)
+    return tuple(torch.empty(s, device="meta") for s in shapes)

@@ -1,7 +1,9 @@
 """``nowdl predict``: predict whole slides and volumes with a trained model, into OME-Zarr, TIFF or NIfTI.
 
-Launched like ``nowdl run`` (one process, or every rank of a torchrun / srun / mpirun job)::
+Launched like ``nowdl run`` (one process, ``--nproc N`` ranks forked here, or every rank of a torchrun /
+srun / mpirun job)::
 
+    nowdl predict unet --nproc 2 --checkpoint ck/ --data openslide:slide.svs --out pred.zarr
     torchrun --nproc-per-node 4 -m nowdl predict unet --checkpoint ck/ --data openslide:slide.svs --out pred.zarr
 
 MODEL is a built-in, ``package.module:callable`` with ``--model-args``, or an inference plan
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from nowdl.errors import NowdlError
+from nowdl.runtime.launch.local import add_nproc_argument
 
 __all__ = ["add_predict_parser", "predict_main"]
 
@@ -63,6 +66,7 @@ def add_predict_parser(sub: Any) -> None:
     p.add_argument("--gpu-memory", help="memory cap per rank for the plan, e.g. 80GiB")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a rank waits for another (default 300)")
     p.add_argument("--seed", type=int, default=0, help="seed before building the model (default 0)")
+    add_nproc_argument(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log what nowdl does")
 
 

@@ -20,6 +20,7 @@ from nowdl.cli.levers import add_lever_arguments
 from nowdl.cli.losses import add_loss_arguments
 from nowdl.cli.validation import add_validation_arguments
 from nowdl.errors import NowdlError
+from nowdl.runtime.launch.local import add_nproc_argument
 from nowdl.units import parse_parts
 
 __all__ = ["add_run_arguments", "check_options", "RunSource", "output_shape", "run_source", "check_model_input", "step_batches",
@@ -38,6 +39,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="the whole input of one micro-batch, batch first, as `nowdl plan` reads it: N samples "
                    "of CxHxW, e.g. 1x3x1024x1024 (default: the built-in model's or the plan's)")
     p.add_argument("--steps", type=int, required=True, help="optimizer (or inference) steps to run")
+    add_nproc_argument(p)
     p.add_argument("--batch-size", type=int, help="GLOBAL batch per step = micro-batch x micro-batches x replicas x "
                    "dp; the planner chooses the split (default with a plan: the plan's)")
     p.add_argument("--micro-batches", type=int, help="pin micro-batches per step")

@@ -105,7 +105,9 @@ def test_bad_inputs(files: dict[str, Path], capsys: pytest.CaptureFixture[str], 
 
 
 @pytest.mark.slow
-def test_predict_under_torchrun(files: dict[str, Path]) -> None:
+@pytest.mark.parametrize("launcher", ["torchrun", "nproc"])
+def test_predict_under_torchrun(files: dict[str, Path], launcher: str) -> None:
+    """Two ranks under torchrun, or forked by ``--nproc 2`` ([Note: local launcher]): the same exact prediction."""
     import os
     import subprocess
     import sys
@@ -115,10 +117,12 @@ def test_predict_under_torchrun(files: dict[str, Path]) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(NOWDL_BACKEND="gloo", OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     out = files["dir"] / "p.tif"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "nowdl", "predict", MODEL, "--model-args", ARGS,
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "-m", "nowdl"] if launcher == "torchrun" else
+              [sys.executable, "-m", "nowdl"])
+    cmd = [*launch, "predict", MODEL, "--model-args", ARGS,
            "--checkpoint", str(files["w"]), "--data", f"openslide:{files['slide']}", "--out", str(out),
-           "--stages", "1", "--spatial-parts", "2", "--window", "64"]
+           "--stages", "1", "--spatial-parts", "2", "--window", "64", *(["--nproc", "2"] if launcher == "nproc" else [])]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("predicted 1 image(s)") == 1 and res.stdout.count("(plan ") == 2

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.run_cli import STEP
+from helpers.run_cli import STEP, run_ranks
 from helpers.run_cli import run_under_torchrun as _torchrun
 from helpers.run_cli import step_losses as _steps
 
@@ -48,13 +48,13 @@ def test_torchrun_train_and_resume(tmp_path: Path) -> None:
     assert re.search(r"^links: point-to-point [\d.]+ GB/s \+ \d+ us, all-reduce", plain.stdout, re.M), plain.stdout
 
     ckpt = tmp_path / "ckpt"
-    first = _torchrun(*PIPE, "--steps", "2", "--checkpoint", str(ckpt))
+    first = run_ranks(*PIPE, "--steps", "2", "--checkpoint", str(ckpt))  # forked by --nproc 2: the same job
     assert first.returncode == 0, first.stderr
     assert "resumed" not in first.stdout and f"saved checkpoint at step 2 to {ckpt}" in first.stdout
     assert _ckpt_step(ckpt) == 2
     assert (ckpt / "plan.json").exists() and (ckpt / "step-00000002" / ".metadata").exists()
 
-    second = _torchrun(*PIPE, "--steps", "3", "--checkpoint", str(ckpt))  # --steps: the run's total
+    second = run_ranks(*PIPE, "--steps", "3", "--checkpoint", str(ckpt))  # --steps: the run's total
     assert second.returncode == 0, second.stderr
     assert f"resumed from {ckpt} at step 2" in second.stdout
     resumed = _steps(second.stdout)
@@ -212,8 +212,8 @@ def test_input_is_the_whole_micro_batch(single: None, capsys: pytest.CaptureFixt
 
 def test_torchrun_spatial_stem_matches_the_plain_pipeline() -> None:
     """`nowdl run` with a 2-tile spatial first stage (3 ranks) trains the same losses as 2 plain stages."""
-    plain = _torchrun(*PIPE, "--steps", "2")
-    spatial = _torchrun(*PIPE, "--spatial-parts", "2", "--spatial-stages", "1", "--slice", "vertical", "--steps", "2",
+    plain = run_ranks(*PIPE, "--steps", "2")
+    spatial = run_ranks(*PIPE, "--spatial-parts", "2", "--spatial-stages", "1", "--slice", "vertical", "--steps", "2",
                         n=3)
     assert plain.returncode == 0, plain.stderr
     assert spatial.returncode == 0, spatial.stderr

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.distributed import run_workers
 from helpers.image_files import make_files, write_tiff
-from helpers.run_cli import run_under_torchrun, step_losses
+from helpers.run_cli import run_ranks, step_losses
 
 import nowdl
 from nowdl.cli.commands import main
@@ -148,17 +148,17 @@ def test_torchrun_tiff_matches_one_process(files: Path, capsys: pytest.CaptureFi
     argv = [*UNET, "--batch-size", "2", "--steps", "3", "--data", f"tiff:{files}/img.tif", "--labels",
             f"tiff:{files}/mask.tif", *PINS]
     one = step_losses(_run([*argv, "--stages", "1"], capsys))
-    pipe = run_under_torchrun(*argv, "--stages", "2", "--workers", "1")
+    pipe = run_ranks(*argv, "--stages", "2", "--workers", "1")
     assert pipe.returncode == 0, pipe.stderr
     assert step_losses(pipe.stdout) == one, (pipe.stdout, one)
     log = files / "log"
-    tiles = run_under_torchrun(*argv, "--stages", "1", "--spatial-parts", "2", "--spatial-stages", "1", "--slice", "vertical",
+    tiles = run_ranks(*argv, "--stages", "1", "--spatial-parts", "2", "--spatial-stages", "1", "--slice", "vertical",
                       "--log-dir", str(log))
     assert tiles.returncode == 0, tiles.stderr
     assert "spatial stage 0: 2 tiles" in tiles.stdout and step_losses(tiles.stdout) == one
     last = json.loads((log / "metrics.jsonl").read_text().splitlines()[-1])
     assert [r["rank"] for r in last["ranks"]] == [0, 1]
-    bad = run_under_torchrun(*argv, "--stages", "2", "--data", f"tiff:{files}/nope.tif")  # every rank fails the same way
+    bad = run_ranks(*argv, "--stages", "2", "--data", f"tiff:{files}/nope.tif")  # every rank fails the same way
     assert bad.returncode != 0 and bad.stderr.count(f"nowdl run: error: {files}/nope.tif does not exist") == 1, \
         bad.stderr  # printed once, by rank 0
 
