@@ -26,9 +26,10 @@ While rank 0 runs a MONAI row the other ranks wait in a barrier.
 * ``sliding_window_inference``: the peer, MONAI's, ``mode="gaussian"``, overlap 0.25 and 0.5, on
   rank 0 with R threads (the same cores) and with 1 thread (MONAI has no multi-process form).
 * Start-up (``benchmarks/predict_startup.py``): a ``--startup-size``² slide (default 1024²)
-  predicted by a fresh command each time, launch included: ``torchrun ... -m nowdl predict`` with
-  an empty cache and with the cache of a first run, against a ``python`` process running the
-  sliding window or the plain ``net(x)``.
+  predicted by a fresh command each time, launch included: ``torchrun ... -m nowdl predict`` and
+  ``nowdl predict --nproc R`` (ranks forked after one import), each with an empty cache and with
+  the cache of a first run, against a ``python`` process running the sliding window or the
+  plain ``net(x)``.
 
 What each time includes, on both sides alike: reading the image (OpenSlide ``read_region`` of
 level 0, or nibabel), the forward, and writing the same OME-Zarr: float32 logits at level 0 in

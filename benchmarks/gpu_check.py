@@ -59,8 +59,8 @@ from results import recorded  # noqa: E402
 
 def TOOL_ROWS(cpu: bool) -> list[Row]:  # noqa: N802
     """torch's estimators run on the first step rows (the H200 rows of docs/benchmarks.md; on CPU,
-    where their FakeTensor runs take minutes, the first two)."""
-    return [r for r in step_rows(cpu) if r.kind in ("train", "inference")][:2 if cpu else 4]
+    where their FakeTensor runs take minutes, the first one)."""
+    return [r for r in step_rows(cpu) if r.kind in ("train", "inference")][:1 if cpu else 4]
 
 SECTIONS = ("bandwidth", "ops", "steps", "ranks", "eager", "sync_debug", "profiles", "ops_variants", "nccl", "ops_wscap",
             "torch_tools", "torch_tools_here")

@@ -2,7 +2,8 @@
 
 Each row is a new process tree timed from launch to exit, as a user's shell runs it:
 
-* ``nowdl predict`` under ``torchrun --nproc-per-node R`` (MONAI's UNet by ``monai.networks.nets:UNet``
+* ``nowdl predict`` under ``torchrun --nproc-per-node R``, and with ``--nproc R`` (the ranks forked
+  after one import: [Note: local launcher]) (MONAI's UNet by ``monai.networks.nets:UNet``
   and ``--model-args``, weights from a state_dict file, OpenSlide in, OME-Zarr out), once with an
   empty cache folder (``NOWDL_CACHE_DIR``: the first prediction of this model at this shape traces,
   profiles, plans and propagates shapes) and once with the cache a first run left (a second one reads
@@ -83,17 +84,22 @@ def startup_table(d: Path, ranks: int, roi: int, repeats: int, size: int) -> Non
     warm = d / "cache-warm"
     from helpers.run_cli import free_port
 
-    def nowdl(out: str) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-                "127.0.0.1", "--master-port", str(free_port()), "-m", "nowdl", "predict", "monai.networks.nets:UNet",
-                "--model-args", json.dumps(UNET), "--checkpoint", "sd.pt", "--data", "openslide:slide.tif",
-                "--overwrite", "--out", out]
+    def nowdl(out: str, forked: bool = False) -> list[str]:
+        launch = ([sys.executable, "-m", "nowdl"] if forked else
+                  [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
+                   "127.0.0.1", "--master-port", str(free_port()), "-m", "nowdl"])
+        return [*launch, "predict", "monai.networks.nets:UNet", "--model-args", json.dumps(UNET), "--checkpoint", "sd.pt",
+                "--data", "openslide:slide.tif", "--overwrite", "--out", out, *(["--nproc", str(ranks)] if forked else [])]
 
     one = [sys.executable, "-c", SCRIPT, "slide.tif", "sd.pt"]
     rows = {f"nowdl predict, {ranks} ranks (torchrun), first run (empty cache)": lambda i: _timed(
                 nowdl("a.zarr"), {**env, "NOWDL_CACHE_DIR": str(d / f"cache-cold-{i}")}, d),
             f"nowdl predict, {ranks} ranks (torchrun), second run (cache of a first)": lambda i: _timed(
                 nowdl("b.zarr"), {**env, "NOWDL_CACHE_DIR": str(warm)}, d),
+            f"nowdl predict --nproc {ranks} (forked ranks), first run (empty cache)": lambda i: _timed(
+                nowdl("f.zarr", True), {**env, "NOWDL_CACHE_DIR": str(d / f"cache-cold-f{i}")}, d),
+            f"nowdl predict --nproc {ranks} (forked ranks), second run (cache of a first)": lambda i: _timed(
+                nowdl("g.zarr", True), {**env, "NOWDL_CACHE_DIR": str(warm)}, d),
             f"sliding_window_inference {roi}², overlap 0.25, gaussian, {ranks} threads": lambda i: _timed(
                 [*one, "c.zarr", "swi", str(roi), str(ranks)], env, d),
             f"sliding_window_inference {roi}², overlap 0.25, gaussian, 1 thread": lambda i: _timed(

@@ -92,8 +92,7 @@ def step_rows(cpu: bool) -> list[Row]:
                 Row("unet", u, (1, 3, 64, 64), "recompute"), Row("unet", u, (1, 3, 64, 64), "offload"),
                 Row("unet", u, (1, 3, 64, 64), "seq_tiles", tiles=4),
                 Row("monai_unet", m, (1, 3, 64, 64), "train"), Row("monai_unet", m, (1, 3, 64, 64), "seq_tiles", tiles=4),
-                Row("resnet110v2", r, (1, 3, 32, 32), "train"), Row("resnet110v2", r, (1, 3, 64, 64), "inference"),
-                Row("monai_unet", m3, (1, 1, 16, 16, 16), "train")]
+                Row("resnet110v2", r, (1, 3, 32, 32), "train"), Row("monai_unet", m3, (1, 1, 16, 16, 16), "train")]
     m3 = {"spatial_dims": 3, "in_channels": 1, "channels": (16, 32, 64, 128, 256)}
     return [
         Row("unet", {}, (1, 3, 1024, 1024), "train"),
