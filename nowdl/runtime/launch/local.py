@@ -84,8 +84,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child(rank: int, n: int, port: int, run: Callable[[], int]) -> None:
+def _child(rank: int, n: int, port: int, run: Callable[[], int], parent: int) -> None:
     """In the forked rank: the launcher's variables, then ``run``; never returns."""
+    with contextlib.suppress(Exception):  # Linux: the rank gets SIGTERM if the launcher dies (even by SIGKILL)
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before the line above
+        os._exit(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
                        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     code = 1
@@ -128,10 +134,11 @@ def fork_ranks(n: int, run: Callable[[], int], grace_s: float = 30.0, exit_now: 
     sys.stdout.flush()
     sys.stderr.flush()
     ranks: dict[int, int] = {}
+    parent = os.getpid()
     for r in range(n):
         pid = os.fork()
         if pid == 0:
-            _child(r, n, port, run)
+            _child(r, n, port, run, parent)
         ranks[pid] = r
     old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the ranks hear Ctrl-C themselves
 

@@ -80,3 +80,37 @@ def test_refusals(monkeypatch: pytest.MonkeyPatch, alone: None) -> None:
 def test_without_nproc() -> None:
     assert without_nproc(["predict", "m", "--nproc", "2", "--out", "x"]) == ["predict", "m", "--out", "x"]
     assert without_nproc(["run", "--nproc=4", "--steps", "1"]) == ["run", "--steps", "1"]
+
+
+def test_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    """SIGKILL of the launcher leaves no rank behind (PR_SET_PDEATHSIG sends each SIGTERM)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import os, time\nfrom nowdl.runtime.launch.local import fork_ranks\n"
+              f"def run():\n    open(os.path.join({str(tmp_path)!r}, os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+              "    time.sleep(120)\n    return 0\nfork_ranks(2, run)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env)
+    try:
+        for _ in range(600):
+            if all((tmp_path / r).exists() and (tmp_path / r).read_text() for r in ("0", "1")):
+                break
+            time.sleep(0.05)
+        pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except OSError:
+            return False
+
+    for _ in range(200):
+        alive = [p for p in pids if running(p)]
+        if not alive:
+            break
+        time.sleep(0.05)
+    assert not alive, f"ranks {alive} outlived their launcher"
