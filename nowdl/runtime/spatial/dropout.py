@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,9 +45,11 @@ from nowdl.errors import NowdlError
 from nowdl.trace.exported import ModeAware
 
 __all__ = ["KeyedDropout", "KeyedNode", "keyed_dropout", "keyed_mask", "draw_seed", "keyed_graph", "keyed_run",
-           "draw_seeds", "keyed_spec", "KEYED_MODULES"]
+           "draw_seeds", "keyed_spec", "keyed_nodes",
+           "KEYED_MODULES"]
 
 _M1, _M2, _LOW = 0x7FEB352D, 0x5BD1E995, 0xFFFFFFFF  # odd multipliers < 2**31: h * m < 2**63 for h < 2**32
+_CHUNK = 1 << 20  # elements hashed at a time (a few int64 temporaries of this size)
 #: dropout modules keyed dropout replaces (exact types: AlphaDropout keeps its own refusal)
 KEYED_MODULES: dict[type, bool] = {nn.Dropout: False, nn.Dropout1d: True, nn.Dropout2d: True, nn.Dropout3d: True}
 _KEYED_FNS: dict[Any, bool] = {F.dropout: False, F.dropout1d: True, F.dropout2d: True, F.dropout3d: True}
@@ -68,30 +71,61 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64))
 
 
+def _coords(start: int, size: int, d: int, nd: int, device: torch.device | str) -> Tensor:
+    view = [1] * nd
+    view[d] = size
+    return (torch.arange(start, start + size, dtype=torch.int64, device=device) & _LOW).view(view)
+
+
 def keyed_mask(shape: Sequence[int], p: float, seed: int, origin: Sequence[int] = (), channels: bool = False,
                device: torch.device | str = "cpu") -> Tensor:
     """The keep mask (bool) of an ``(N, C, *spatial)`` tensor whose spatial dims start at ``origin``
-    on the whole image ([Note: keyed dropout]); ``channels``: one value per ``(n, c)``."""
-    nd = len(shape)
+    on the whole image ([Note: keyed dropout]); ``channels``: one value per ``(n, c)``. The hash
+    runs in chunks of the first spatial dim of at most ``_CHUNK`` elements (its int64 temporaries)."""
+    shape, nd = tuple(int(v) for v in shape), len(shape)
     origin = tuple(origin) or (0,) * (nd - 2)
     if len(origin) != nd - 2:
         raise NowdlError(f"keyed dropout: origin {tuple(origin)} has {len(origin)} dims for a tensor of shape "
-                         f"{tuple(shape)} ({nd - 2} spatial dims); give one start per spatial dim")
+                         f"{shape} ({nd - 2} spatial dims); give one start per spatial dim")
     h = torch.tensor([seed & 0x7FFFFFFF], dtype=torch.int64, device=device)
     h = _mix(_mix(h) ^ (seed >> 31))
-    for d, size in enumerate(shape if not channels else shape[:2]):
-        view = [1] * nd
-        view[d] = int(size)
-        start = origin[d - 2] if d >= 2 else 0
-        h = _mix(h ^ (torch.arange(start, start + int(size), dtype=torch.int64, device=device).view(view) & _LOW))
-    return h >= min(int(p * 2**32), 2**32)
+    for d in range(min(nd, 2)):
+        h = _mix(h ^ _coords(0, shape[d], d, nd, device))
+    thr = min(int(p * 2**32), 2**32)
+    if channels or nd <= 2:
+        return h >= thr
+    keep = torch.empty(shape, dtype=torch.bool, device=device)
+    step = max(1, _CHUNK // max(1, math.prod(shape) // shape[2]))
+    for r in range(0, shape[2], step):
+        rows = min(step, shape[2] - r)
+        hr = _mix(h ^ _coords(origin[0] + r, rows, 2, nd, device))
+        for d in range(3, nd):
+            hr = _mix(hr ^ _coords(origin[d - 2], shape[d], d, nd, device))
+        keep[:, :, r:r + rows] = hr >= thr
+    return keep
+
+
+class _Masked(torch.autograd.Function):
+    """``x * keep * scale``, saving the bool mask only (what torch's dropout saves)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, keep: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return x * keep * scale
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (keep,) = ctx.saved_tensors
+        return g * keep * ctx.scale, None, None
 
 
 def _apply(x: Tensor, p: float, seed: int, origin: Sequence[int], channels: bool) -> Tensor:
     if p >= 1:
         return x * 0
     keep = keyed_mask(tuple(x.shape), p, seed, origin, channels, x.device)
-    return x * (keep.to(x.dtype) * (1.0 / (1.0 - p)))
+    out: Tensor = _Masked.apply(x, keep, 1.0 / (1.0 - p))
+    return out
 
 
 class KeyedDropout(nn.Module):
@@ -158,8 +192,8 @@ class KeyedNode(nn.Module):
         if not on:
             return x
         if not _ACTIVE or self.node not in _ACTIVE[-1].seeds:
-            raise NowdlError(f"dropout node {self.node!r}: keyed dropout ran without a seed; run the stage through "
-                             "SequentialTiles (keyed_run)")
+            raise NowdlError(f"dropout node {self.node!r}: keyed dropout ran without a seed; run it inside "
+                             "keyed_run (as spatial stages do)")
         ctx = _ACTIVE[-1]
         return _apply(x, p, ctx.seeds[self.node], ctx.origins.get(self.node, ()), self.channels)
 
@@ -182,26 +216,27 @@ def keyed_spec(gm: fx.GraphModule, node: fx.Node) -> tuple[bool, float | nn.Modu
     return None
 
 
+def keyed_nodes(gm: fx.GraphModule) -> list[KeyedNode]:
+    """A :class:`KeyedNode` per keyable dropout node of ``gm``, in graph order."""
+    specs = [(n.name, keyed_spec(gm, n)) for n in gm.graph.nodes]
+    return [KeyedNode(name, *s) for name, s in specs if s is not None]
+
+
 def keyed_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[KeyedNode]]:
     """``gm`` with its dropout nodes keyed (a copy sharing ``gm``'s modules, node names kept) and
     those nodes in graph order; ``gm`` itself and ``[]`` if it has none."""
-    specs = [(n, keyed_spec(gm, n)) for n in gm.graph.nodes]
-    if not any(s is not None for _, s in specs):
+    keyed = keyed_nodes(gm)
+    if not keyed:
         return gm, []
     graph = copy.deepcopy(gm.graph)
     new = fx.GraphModule(gm, graph)
-    keyed: list[KeyedNode] = []
     by_name = {n.name: n for n in graph.nodes}
-    for old, s in specs:
-        if s is None:
-            continue
-        node = by_name[old.name]
-        k = KeyedNode(old.name, *s)
-        target = f"_nowdl_keyed_{old.name}"
+    for k in keyed:
+        node = by_name[k.node]
+        target = f"_nowdl_keyed_{k.node}"
         new.add_submodule(target, k)
         x = node.kwargs.get("input", node.args[0] if node.args else None)
         node.op, node.target, node.args, node.kwargs = "call_module", target, (x,), {}
-        keyed.append(k)
     new.recompile()
     return new, keyed
 

@@ -1,7 +1,7 @@
-"""Dropout on sequential tiles: masks keyed by image coordinates ([Note: keyed dropout]).
+"""Dropout on sequential and plain spatial tiles: masks keyed by image coordinates ([Note: keyed dropout]).
 
 Every sub-tile, margin, statistics pass and recomputation draws the same mask for the same
-pixel, so a stage on sequential tiles trains exactly what one process trains with
+pixel, so a spatial stage (sequential tiles or one tile per rank) trains exactly what one process trains with
 :class:`KeyedDropout` in place of torch's dropout, its generator seeded alike (float64, 3 Adam
 steps, every parameter and buffer to 1e-9).
 """
@@ -22,6 +22,7 @@ from torch import nn
 
 import nowdl
 from nowdl.errors import NowdlError
+from nowdl.runtime.spatial import dropout
 from nowdl.runtime.spatial.dropout import (
     KeyedDropout,
     keyed_dropout,
@@ -84,18 +85,19 @@ def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: int) -> 
     path.write_text(json.dumps(d))
 
 
-def _train(rank: int, world: int, name: str, path: str, total: int) -> tuple[list[float], dict[str, torch.Tensor],
-                                                                             int]:
+Result = tuple[list[float], dict[str, torch.Tensor], list[tuple[bool, int]]]
+
+
+def _train(rank: int, world: int, name: str, path: str, total: int) -> Result:
     cm = nowdl.compile(_make(name), plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
                        progress=False, timeout_s=120)
     losses = [cm.train_step(*_data(step, total)) for step in range(STEPS)]
-    seq = [t.sequential for t in cm._trainer.engine.tiled.values() if t.sequential is not None]
-    return losses, cm.state_dict(), sum(len(s.keyed) for s in seq)
+    return losses, cm.state_dict(), [(t.sequential is not None, len(t.keyed)) for t in cm._trainer.engine.tiled.values()]
 
 
-def _check(got: tuple[list[float], dict[str, torch.Tensor], int], name: str, total: int) -> None:
-    losses, sd, keyed = got
-    assert keyed == 3, "the stage on sequential tiles did not key its 3 dropout nodes"
+def _check(got: Result, name: str, total: int, sequential: bool = True) -> None:
+    losses, sd, tiled = got
+    assert tiled == [(sequential, 3)], "the spatial stage did not key its 3 dropout nodes"
     model = keyed_dropout(_make(name))
     ref_losses, ref_sd = train_reference(model, _adam(model.parameters()), nn.MSELoss(), lambda s: _data(s, total),
                                          total, STEPS)
@@ -121,10 +123,22 @@ def test_dropout_on_sequential_tiles_on_two_ranks_is_exact(tmp_path: Path) -> No
     _check(results[0], "drop_gn", 2)
 
 
-def test_keyed_mask_is_a_function_of_image_coordinates() -> None:
+def test_dropout_on_plain_spatial_tiles_is_exact(tmp_path: Path) -> None:
+    """2 ranks, one tile each (tiles_per_gpu=1): each rank's tile takes the whole image's mask there."""
+    path = tmp_path / "plan.json"
+    _plan("drop_gn", path, 2, {**ONE, "spatial_parts": 2, "slice": "horizontal"}, 1)
+    results = run_workers(_train, 2, "drop_gn", str(path), 1, timeout_s=300)
+    assert results[0][0] == results[1][0]
+    _check(results[0], "drop_gn", 1, sequential=False)
+
+
+def test_keyed_mask_is_a_function_of_image_coordinates(monkeypatch: pytest.MonkeyPatch) -> None:
     whole = keyed_mask((2, 3, 20, 24), 0.4, seed=7)
     part = keyed_mask((2, 3, 8, 9), 0.4, seed=7, origin=(5, 11))
     assert torch.equal(part, whole[:, :, 5:13, 11:20])
+    monkeypatch.setattr(dropout, "_CHUNK", 200)  # hashed 1 or 2 rows at a time: the same mask
+    assert torch.equal(keyed_mask((2, 3, 20, 24), 0.4, seed=7), whole)
+    assert torch.equal(keyed_mask((2, 3, 8, 9), 0.4, seed=7, origin=(5, 11)), part)
     assert not torch.equal(whole, keyed_mask((2, 3, 20, 24), 0.4, seed=8))
     ch = keyed_mask((2, 3, 20, 24), 0.4, seed=7, channels=True)
     assert ch.shape == (2, 3, 1, 1) and torch.equal(ch, keyed_mask((2, 3, 4, 4), 0.4, seed=7, origin=(9, 9),
