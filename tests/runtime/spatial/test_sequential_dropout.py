@@ -88,9 +88,9 @@ def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: int) -> 
 Result = tuple[list[float], dict[str, torch.Tensor], list[tuple[bool, int]]]
 
 
-def _train(rank: int, world: int, name: str, path: str, total: int) -> Result:
+def _train(rank: int, world: int, name: str, path: str, total: int, ckpt: bool = False) -> Result:
     cm = nowdl.compile(_make(name), plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
-                       progress=False, timeout_s=120)
+                       progress=False, timeout_s=120, activation_checkpointing=ckpt)
     losses = [cm.train_step(*_data(step, total)) for step in range(STEPS)]
     return losses, cm.state_dict(), [(t.sequential is not None, len(t.keyed)) for t in cm._trainer.engine.tiled.values()]
 
@@ -123,13 +123,15 @@ def test_dropout_on_sequential_tiles_on_two_ranks_is_exact(tmp_path: Path) -> No
     _check(results[0], "drop_gn", 2)
 
 
-def test_dropout_on_plain_spatial_tiles_is_exact(tmp_path: Path) -> None:
-    """2 ranks, one tile each (tiles_per_gpu=1): each rank's tile takes the whole image's mask there."""
+def test_dropout_on_plain_spatial_tiles_is_exact_under_recompute(tmp_path: Path) -> None:
+    """2 ranks, one tile each (tiles_per_gpu=1): each rank's tile takes the whole image's mask
+    there; the stage recomputed in backward (2 micro-batches in flight) draws the same seeds."""
     path = tmp_path / "plan.json"
-    _plan("drop_gn", path, 2, {**ONE, "spatial_parts": 2, "slice": "horizontal"}, 1)
-    results = run_workers(_train, 2, "drop_gn", str(path), 1, timeout_s=300)
+    _plan("drop_gn", path, 2, {**ONE, "spatial_parts": 2, "slice": "horizontal", "micro_batches": 2,
+                               "schedule": "gpipe"}, 1)
+    results = run_workers(_train, 2, "drop_gn", str(path), 2, True, timeout_s=300)
     assert results[0][0] == results[1][0]
-    _check(results[0], "drop_gn", 1, sequential=False)
+    _check(results[0], "drop_gn", 2, sequential=False)
 
 
 def test_keyed_mask_is_a_function_of_image_coordinates(monkeypatch: pytest.MonkeyPatch) -> None:
