@@ -240,7 +240,7 @@ class SequentialTiles:
 
     def _origin(self, node: str, win: Sequence[tuple[int, int]], scale: Sequence[Fraction] | None) -> tuple[int, ...]:
         """A dropout node's window origin on the image, in its pixels (none: not an image value)."""
-        start = [Fraction(w0) / f for (w0, _), f in zip(win, scale or (), strict=True)]
+        start = [Fraction(w0) / f for (w0, _), f in zip(win, scale, strict=True)] if scale is not None else []
         if any(v.denominator != 1 for v in start):
             raise NowdlError(f"stage {self.stage.index}: dropout {node!r} runs at a resolution where a window starting "
                              f"at {[w[0] for w in win]} is not on a whole pixel: use tiles_per_gpu=1 for this stage")

@@ -31,6 +31,7 @@ from nowdl.runtime.spatial.dropout import (
     keyed_run,
 )
 from nowdl.runtime.spatial.reach import refuse_sequential
+from nowdl.trace.exported import ModeAware
 
 STEPS = 3
 ONE = {"stages": 1, "spatial_parts": 1, "micro_batches": 1, "dp": 1, "replicas": 1}
@@ -168,21 +169,31 @@ def test_keyed_dropout_honours_p_and_draws_a_new_mask_per_call(p: float, channel
 
 class _Functional(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout2d(F.dropout(x, 0.5, True), p=0.25)
+        y = F.dropout2d(F.dropout(x, 0.5, True), p=0.25)
+        return torch.ops.aten.dropout.default(y, 0.5, True)
 
 
-def test_functional_dropout_in_a_stage_graph_is_keyed_by_window_origin() -> None:
-    """``F.dropout`` / ``F.dropout2d`` nodes are keyed too: a window at an origin draws the whole
-    image's mask there."""
-    gm, keyed = keyed_graph(fx.symbolic_trace(_Functional()))
-    assert [k.node for k in keyed] == ["dropout", "dropout2d"]
+def test_functional_and_exported_dropout_in_a_stage_graph_are_keyed_by_window_origin() -> None:
+    """``F.dropout`` / ``F.dropout2d`` nodes and an exported graph's ATen dropout (a ``ModeAware``
+    module, [Note: exported graphs]) are keyed too: a window at an origin draws the whole image's
+    mask there; in eval mode the exported one is the identity."""
+    gm = fx.symbolic_trace(_Functional())
+    aten = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default)
+    gm.add_submodule("mode", mode := ModeAware(aten.target, 2))
+    aten.op, aten.target = "call_module", "mode"
+    gm.recompile()
+    gm, keyed = keyed_graph(gm)
+    names = [k.node for k in keyed]
+    assert names == ["dropout", "dropout2d", aten.name]
     x = torch.ones(1, 2, 12, 10, dtype=torch.float64)
-    seeds = {"dropout": 3, "dropout2d": 4}
+    seeds = dict(zip(names, (3, 4, 5), strict=True))
     with keyed_run(seeds, {}):
         whole = gm(x)
-    with keyed_run(seeds, {"dropout": (4, 2), "dropout2d": (4, 2)}):
+    with keyed_run(seeds, dict.fromkeys(names, (4, 2))):
         part = gm(x[:, :, 4:10, 2:9])
     assert torch.equal(part, whole[:, :, 4:10, 2:9]) and bool((whole == 0).any())
+    mode.eval()
+    assert [k.live()[1] for k in keyed] == [True, True, False]
 
 
 def test_alpha_dropout_stays_refused_on_sequential_tiles() -> None:
