@@ -39,11 +39,13 @@ ONE = {"stages": 1, "spatial_parts": 1, "micro_batches": 1, "dp": 1, "replicas":
 
 class DropNet(nn.Module):
     """Dropout between convs at two resolutions (elementwise and whole channels); with ``norm``,
-    a GroupNorm right after a dropout, so its statistics passes rerun the dropout."""
+    a GroupNorm right after a dropout, so its statistics passes rerun the dropout; c0 and c1 make
+    a run halo fusion may fuse (a dropout in training ends it)."""
 
     def __init__(self, norm: bool) -> None:
         super().__init__()
-        self.c1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.c0, self.r0 = nn.Conv2d(1, 4, 3, padding=1), nn.ReLU()
+        self.c1 = nn.Conv2d(4, 4, 3, padding=1)
         self.d1 = nn.Dropout(0.3)
         self.n1 = nn.GroupNorm(2, 4) if norm else nn.Identity()
         self.c2 = nn.Conv2d(4, 4, 3, stride=2, padding=1)
@@ -54,7 +56,7 @@ class DropNet(nn.Module):
         self.head = nn.Conv2d(4, 2, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = torch.relu(self.n1(self.d1(self.c1(x))))
+        a = torch.relu(self.n1(self.d1(self.c1(self.r0(self.c0(x))))))
         b = self.up(self.d2(torch.relu(self.c2(a))))
         return self.head(self.d3(torch.relu(self.c3(torch.cat([a, b], dim=1)))))
 
@@ -86,19 +88,21 @@ def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: int) -> 
     path.write_text(json.dumps(d))
 
 
-Result = tuple[list[float], dict[str, torch.Tensor], list[tuple[bool, int]]]
+Result = tuple[list[float], dict[str, torch.Tensor], list[tuple[bool, int, int]]]
 
 
 def _train(rank: int, world: int, name: str, path: str, total: int, ckpt: bool = False) -> Result:
     cm = nowdl.compile(_make(name), plan=path, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
                        progress=False, timeout_s=120, activation_checkpointing=ckpt)
     losses = [cm.train_step(*_data(step, total)) for step in range(STEPS)]
-    return losses, cm.state_dict(), [(t.sequential is not None, len(t.keyed)) for t in cm._trainer.engine.tiled.values()]
+    tiled = cm._trainer.engine.tiled.values()
+    return losses, cm.state_dict(), [(t.sequential is not None, len(t.keyed), 0 if t.sequential else len(t._chains))
+                                     for t in tiled]  # fused runs serve plain tiles only
 
 
-def _check(got: Result, name: str, total: int, sequential: bool = True) -> None:
+def _check(got: Result, name: str, total: int, sequential: bool = True, fused: int = 0) -> None:
     losses, sd, tiled = got
-    assert tiled == [(sequential, 3)], "the spatial stage did not key its 3 dropout nodes"
+    assert tiled == [(sequential, 3, fused)], f"not a stage with 3 keyed dropout nodes and {fused} fused runs: {tiled}"
     model = keyed_dropout(_make(name))
     ref_losses, ref_sd = train_reference(model, _adam(model.parameters()), nn.MSELoss(), lambda s: _data(s, total),
                                          total, STEPS)
@@ -126,13 +130,14 @@ def test_dropout_on_sequential_tiles_on_two_ranks_is_exact(tmp_path: Path) -> No
 
 def test_dropout_on_plain_spatial_tiles_is_exact_under_recompute(tmp_path: Path) -> None:
     """2 ranks, one tile each (tiles_per_gpu=1): each rank's tile takes the whole image's mask
-    there; the stage recomputed in backward (2 micro-batches in flight) draws the same seeds."""
+    there; the stage recomputed in backward (2 micro-batches in flight) draws the same seeds; c0
+    and c1 fused (one halo exchange), the dropout after them run node by node."""
     path = tmp_path / "plan.json"
     _plan("drop_gn", path, 2, {**ONE, "spatial_parts": 2, "slice": "horizontal", "micro_batches": 2,
-                               "schedule": "gpipe"}, 1)
+                               "schedule": "gpipe", "halo_fusion": 2}, 1)
     results = run_workers(_train, 2, "drop_gn", str(path), 2, True, timeout_s=300)
     assert results[0][0] == results[1][0]
-    _check(results[0], "drop_gn", 2, sequential=False)
+    _check(results[0], "drop_gn", 2, sequential=False, fused=1)
 
 
 def test_keyed_mask_is_a_function_of_image_coordinates(monkeypatch: pytest.MonkeyPatch) -> None:
