@@ -3,7 +3,10 @@
 [Note: keyed dropout] On sequential tiles ([Note: sequential tiles] in
 :mod:`nowdl.runtime.spatial.sequential`) a stage runs several times per micro-batch (statistics
 passes, the forward, the recomputation in backward) on overlapping windows; torch's dropout
-would draw a new mask each time. A *keyed* dropout draws no mask: whether element
+would draw a new mask each time, and on plain tiles each rank would draw its own. A spatial
+stage (:class:`nowdl.runtime.spatial.stage.TiledStage`, sequential or not) therefore runs its
+Dropout/Dropout1d/2d/3d modules, ``F.dropout*`` calls and exported ATen dropouts as *keyed*
+dropout, which draws no mask: whether element
 ``(n, c, i_1 .. i_k)`` is kept is a pure function of
 
 * a 62-bit seed drawn once per micro-batch and dropout node (:func:`draw_seed`, one
@@ -13,11 +16,13 @@ would draw a new mask each time. A *keyed* dropout draws no mask: whether elemen
 * and the pixel's coordinates ``i_d`` on the WHOLE image at the node's resolution (a window's
   origin is added to its local coordinates),
 
-hashed in int64 (a 32-bit integer hash whose products stay below 2**63, so CPU and GPU give the
-same bits) and compared with ``p * 2**32``: kept with probability ``1 - p``, scaled by
+hashed in int64 (a 32-bit integer hash whose products stay below 2**63) and compared with ``p * 2**32``: kept with probability ``1 - p``, scaled by
 ``1 / (1 - p)``. Dropout1d/2d/3d (whole channels) key on ``(n, c)`` only. Any sub-tile, margin,
 recomputation or neighbouring GPU therefore computes the same mask for the same pixel, and the
-whole image run with the same keyed dropout and the same seeds is the same function.
+whole image run with the same keyed dropout and the same seeds is the same function. A stage the
+pipeline recomputes draws its seeds again from the replayed generator: the same seeds
+([Note: recompute exactness] in :mod:`nowdl.runtime.pipeline.recompute`). The mask is only int64
+arithmetic, so any device gives the same bits.
 
 The reference: one process running the same micro-batches with :class:`KeyedDropout` in place of
 torch's dropout modules (:func:`keyed_dropout`), its CPU generator in the state the ranks' are in.
