@@ -50,8 +50,7 @@ from nowdl.errors import NowdlError
 from nowdl.trace.exported import ModeAware
 
 __all__ = ["KeyedDropout", "KeyedNode", "keyed_dropout", "keyed_mask", "draw_seed", "keyed_graph", "keyed_run",
-           "draw_seeds", "keyed_spec", "keyed_nodes",
-           "KEYED_MODULES"]
+           "draw_seeds", "keyed_spec", "keyed_nodes", "KEYED_MODULES"]
 
 _M1, _M2, _LOW = 0x7FEB352D, 0x5BD1E995, 0xFFFFFFFF  # odd multipliers < 2**31: h * m < 2**63 for h < 2**32
 _CHUNK = 1 << 20  # elements hashed at a time (a few int64 temporaries of this size)
@@ -88,8 +87,8 @@ def keyed_mask(shape: Sequence[int], p: float, seed: int, origin: Sequence[int] 
     on the whole image ([Note: keyed dropout]); ``channels``: one value per ``(n, c)``. The hash
     runs in chunks of the first spatial dim of at most ``_CHUNK`` elements (its int64 temporaries)."""
     shape, nd = tuple(int(v) for v in shape), len(shape)
-    origin = tuple(origin) or (0,) * (nd - 2)
-    if len(origin) != nd - 2:
+    origin = tuple(origin) or (0,) * max(nd - 2, 0)
+    if len(origin) != max(nd - 2, 0):
         raise NowdlError(f"keyed dropout: origin {tuple(origin)} has {len(origin)} dims for a tensor of shape "
                          f"{shape} ({nd - 2} spatial dims); give one start per spatial dim")
     h = torch.tensor([seed & 0x7FFFFFFF], dtype=torch.int64, device=device)
