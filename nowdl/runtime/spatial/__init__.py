@@ -7,7 +7,7 @@ picks the tiled form of a module; ``fusion`` exchanges one deeper halo for a run
 ``stage`` runs a stage's fx graph on tiles; ``sequential`` runs a stage as T sub-tiles one after
 another per rank (``tiles_per_gpu``), each the whole stage on a window whose margin ``reach``
 measures, its norms with the whole image's statistics (``statistics``); ``precision`` picks each tiled op's dtype under autocast; ``graph_ops`` maps
-functional pools and interpolation to modules.
+functional pools and interpolation to modules; ``dropout`` keys dropout masks by image coordinates.
 """
 
 from typing import TYPE_CHECKING

@@ -25,8 +25,8 @@ is the image's own. Norms whose statistics span the image (BatchNorm, InstanceNo
 modules) run with statistics passes ([Note: sequential norms] in
 :mod:`nowdl.runtime.spatial.statistics.seq_norms`); other ops whose result depends on the whole extent are
 refused here with the node named: a norm module of another type (a subclass with its own
-forward), global pooling, stochastic dropout
-(each recomputation would draw new numbers), upsampling to a fixed size, by a non-integer factor
+forward), global pooling, alpha dropout (other dropout is keyed by image coordinates:
+:mod:`nowdl.runtime.spatial.dropout`), upsampling to a fixed size, by a non-integer factor
 or with ``align_corners=True``.
 """
 
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
@@ -46,7 +47,9 @@ from nowdl.errors import NowdlError
 from nowdl.geometry import conv_pads, ntuple
 from nowdl.partitioner.spatial.tileable import UPSAMPLE_REACH, aten_upsample_scales, convt_reach
 from nowdl.partitioner.spatial.whole_values import is_global_pool
+from nowdl.runtime.spatial.dropout import keyed_spec
 from nowdl.runtime.spatial.graph_ops import ATEN_UP, INTERP_ARGS, POOL_ARGS, POOL_FN, bind
+from nowdl.trace.exported import ModeAware
 
 __all__ = ["Reach", "stage_reach", "node_reach", "refuse_sequential", "SEQ_NORMS"]
 
@@ -56,6 +59,7 @@ SEQ_NORMS: tuple[type, ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, n
                                nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm)
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 _F_DROPOUTS = (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout)
+_ATEN_ALPHA = (torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default)
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONVTS = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
@@ -82,12 +86,15 @@ def _why_not(gm: fx.GraphModule, node: fx.Node) -> str | None:
         if isinstance(m, _NORMS) and type(m) not in SEQ_NORMS:
             return (f"{type(m).__name__} is a norm module nowdl cannot combine over tiles exactly (its own forward, "
                     f"not {type(m).__mro__[1].__name__}'s); use {type(m).__mro__[1].__name__} itself")
-        if isinstance(m, _DROPOUTS) and m.p > 0:
-            return f"{type(m).__name__}(p={m.p}) would draw new random numbers in each tile's recomputation"
+        if isinstance(m, _DROPOUTS) and m.p > 0 and keyed_spec(gm, node) is None:
+            return (f"{type(m).__name__}(p={m.p}) would draw new random numbers in each tile's recomputation "
+                    "(only Dropout and Dropout1d/2d/3d are keyed by image coordinates)")
+        if isinstance(m, ModeAware) and m.op in _ATEN_ALPHA:
+            return f"{m.op} would draw new random numbers in each tile's recomputation"
         if isinstance(m, nn.Upsample):
             return _upsample_why(m.size, m.scale_factor, m.align_corners)
     if node.op == "call_function":
-        if node.target in _F_DROPOUTS:
+        if node.target in _F_DROPOUTS and keyed_spec(gm, node) is None:
             return f"{getattr(node.target, '__name__', node.target)} would draw new random numbers in each recomputation"
         if node.target is F.interpolate:
             o = bind(node.args[1:], dict(node.kwargs), INTERP_ARGS)

@@ -31,9 +31,10 @@ weight gradients are returned once (the engine's per-parameter hooks see one acc
 then summed over the tile group with the other tiles' shares. Autocast is re-entered in the
 recomputation as in the forward. BatchNorm (training), InstanceNorm and GroupNorm normalise every
 sub-tile with the whole image's statistics, gathered in statistics passes over the sub-tiles
-([Note: sequential norms] in :mod:`nowdl.runtime.spatial.statistics.seq_norms`). Stochastic dropout, global
-pooling and norm modules of other types are refused when the stage is built
-(:func:`nowdl.runtime.spatial.reach.refuse_sequential`).
+([Note: sequential norms] in :mod:`nowdl.runtime.spatial.statistics.seq_norms`). Dropout draws masks
+keyed by image coordinates, the same in every pass and margin ([Note: keyed dropout] in
+:mod:`nowdl.runtime.spatial.dropout`). Alpha dropout, global pooling and norm modules of other
+types are refused when the stage is built (:func:`nowdl.runtime.spatial.reach.refuse_sequential`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from torch import Tensor
 from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
 from nowdl.geometry import split_bounds
+from nowdl.runtime.spatial.dropout import draw_seeds, keyed_graph, keyed_run
 from nowdl.runtime.spatial.exchange import Window, fetch_window
 from nowdl.runtime.spatial.precision import autocast_off
 from nowdl.runtime.spatial.reach import node_reach, refuse_sequential, stage_reach
@@ -86,6 +88,7 @@ class _Sub:
     ins: tuple[Slices, ...]  # per input: its part of the GPU window
     outs: tuple[tuple[Slices, Slices], ...]  # per output: (crop of the window's output, place in the tile)
     chunks: dict[str, Slices]  # per norm: its chunk of the norm's input on the window ([Note: sequential norms])
+    origins: dict[str, tuple[int, ...]]  # per keyed dropout: the window's start on the image ([Note: keyed dropout])
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class SequentialTiles:
         refuse_sequential(stage.module, stage.index, tiles_per_gpu)
         self.stage, self.grid, self.ranks, self.rank, self.group = stage, tuple(grid), tuple(ranks), rank, group
         self.tiles = tiles_per_gpu
+        self.module, self.keyed = keyed_graph(stage.module)  # dropout keyed by image coordinates
         self.params = [p for p in stage.module.parameters() if p.requires_grad]
         self._layouts: dict[Any, _Layout] = {}
         self.norms = {n.name: stage.module.get_submodule(str(n.target)) for n in stage.module.graph.nodes
@@ -141,7 +145,8 @@ class SequentialTiles:
         for t, shape, ws in zip(tiles, shapes, lay.in_windows, strict=True):
             g = TileGrid.for_rank(shape, grid, self.rank, self.ranks)
             wins.append(fetch_window(t, g, ws, self.group))
-        outs = _Run.apply(self, lay, len(wins), *wins, *self.params)
+        seeds = draw_seeds(self.keyed, self.ranks, self.group, tiles[0].device) if self.keyed else {}
+        outs = _Run.apply(self, lay, seeds, len(wins), *wins, *self.params)
         ogrids = [TileGrid.for_rank(s, grid, self.rank, self.ranks) for s in lay.out_shapes]
         return list(outs), ogrids
 
@@ -217,7 +222,8 @@ class SequentialTiles:
                 place = _box([(a - t0, b - t0) for (a, b), (t0, _) in zip(regions[o], tile, strict=True)])
                 outs.append((crop, place))
             subs.append(_Sub(ins, tuple(outs), {nm: self._in_window(nm, ch, win, n_scale[nm])
-                                                for nm, ch in chunks.items()}))
+                                                for nm, ch in chunks.items()},
+                             {k.node: self._origin(k.node, win, n_scale.get(k.node)) for k in self.keyed}))
         return _Layout(in_windows, tuple(out_shapes), tuple(subs), norm_sizes)
 
     def _in_window(self, node: str, chunk: Sequence[tuple[int, int]], win: Sequence[tuple[int, int]],
@@ -231,6 +237,14 @@ class SequentialTiles:
                                  f"starting at {w0} is not on a whole pixel: use tiles_per_gpu=1 for this stage")
             spans.append((a - int(start), b - int(start)) if a < b else (0, 0))
         return _box(spans)
+
+    def _origin(self, node: str, win: Sequence[tuple[int, int]], scale: Sequence[Fraction] | None) -> tuple[int, ...]:
+        """A dropout node's window origin on the image, in its pixels (none: not an image value)."""
+        start = [Fraction(w0) / f for (w0, _), f in zip(win, scale, strict=True)] if scale is not None else []
+        if any(v.denominator != 1 for v in start):
+            raise NowdlError(f"stage {self.stage.index}: dropout {node!r} runs at a resolution where a window starting "
+                             f"at {[w[0] for w in win]} is not on a whole pixel: use tiles_per_gpu=1 for this stage")
+        return tuple(int(v) for v in start)
 
     def _ratio(self, ref: int, size: int, what: str) -> int:
         q = max(1, round(ref / size))
@@ -289,7 +303,8 @@ class _Run(torch.autograd.Function):
     """The sub-tiles' forward without saved activations; their recomputation in backward."""
 
     @staticmethod
-    def forward(ctx: Any, run: SequentialTiles, lay: _Layout, n_in: int, *flat: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, run: SequentialTiles, lay: _Layout, seeds: dict[str, int], n_in: int,  # type: ignore[override]
+                *flat: Tensor) -> tuple[Tensor, ...]:
         wins = flat[:n_in]
         passes = run.norm_passes(lay)
         outs: list[Tensor] = []
@@ -297,12 +312,14 @@ class _Run(torch.autograd.Function):
             for k in range(1, passes.levels.passes[0] + 1 if passes is not None else 1):  # statistics passes
                 passes.mode, passes.level = "fwd", k  # type: ignore[union-attr]
                 for i, sub in enumerate(lay.subs):
-                    _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)])
+                    _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)], seeds,
+                             sub.origins)
                 passes.finish_fwd(wins[0].device)  # type: ignore[union-attr]
             if passes is not None:
                 passes.mode = "apply"
             for i, sub in enumerate(lay.subs):
-                ys = _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)])
+                ys = _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)], seeds,
+                              sub.origins)
                 if not outs:
                     outs = [y.new_zeros(tuple(y.shape[:2]) + _extent(lay, o, run)) for o, y in enumerate(ys)]
                 for o, (y, (crop, place)) in enumerate(zip(ys, sub.outs, strict=True)):
@@ -310,7 +327,7 @@ class _Run(torch.autograd.Function):
                 del ys, y  # one sub-tile's outputs live at a time
         dev = wins[0].device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.run, ctx.lay, ctx.n_in, ctx.passes = run, lay, n_in, passes
+        ctx.run, ctx.lay, ctx.n_in, ctx.passes, ctx.seeds = run, lay, n_in, passes, seeds
         ctx.save_for_backward(*wins)
         return tuple(outs)
 
@@ -319,8 +336,8 @@ class _Run(torch.autograd.Function):
         wins = ctx.saved_tensors
         run: SequentialTiles = ctx.run
         n_in = ctx.n_in
-        need_w = [bool(ctx.needs_input_grad[3 + i]) for i in range(n_in)]
-        need_p = [bool(ctx.needs_input_grad[3 + n_in + k]) for k in range(len(run.params))]
+        need_w = [bool(ctx.needs_input_grad[4 + i]) for i in range(n_in)]
+        need_p = [bool(ctx.needs_input_grad[4 + n_in + k]) for k in range(len(run.params))]
         gw = [torch.zeros_like(w) if nd else None for w, nd in zip(wins, need_w, strict=True)]
         gp: list[Tensor | None] = [None] * len(run.params)
         params = [p for p, nd in zip(run.params, need_p, strict=True) if nd]
@@ -331,7 +348,7 @@ class _Run(torch.autograd.Function):
                 passes.mode, passes.level = "bwd", k  # type: ignore[union-attr]
                 for i, sub in enumerate(ctx.lay.subs):
                     xs = [w[sl].detach().requires_grad_(nd) for w, sl, nd in zip(wins, sub.ins, need_w, strict=True)]
-                    roots, seeds = _roots(_sub_run(run, passes, i, xs), gys, sub)
+                    roots, seeds = _roots(_sub_run(run, passes, i, xs, ctx.seeds, sub.origins), gys, sub)
                     passes.add_grads(roots, seeds)  # type: ignore[union-attr]
                     del roots, seeds  # one sub-tile's recomputed graph lives at a time
                 passes.finish_bwd()  # type: ignore[union-attr]
@@ -339,7 +356,7 @@ class _Run(torch.autograd.Function):
                 passes.mode = "apply"
             for i, sub in enumerate(ctx.lay.subs):
                 xs = [w[sl].detach().requires_grad_(nd) for w, sl, nd in zip(wins, sub.ins, need_w, strict=True)]
-                ys = _sub_run(run, passes, i, xs)
+                ys = _sub_run(run, passes, i, xs, ctx.seeds, sub.origins)
                 roots, seeds = _roots(ys, gys, sub)
                 if not roots:
                     continue
@@ -356,14 +373,14 @@ class _Run(torch.autograd.Function):
                 for k, g in zip(k_need, it, strict=True):
                     if g is not None:
                         gp[k] = g if gp[k] is None else gp[k] + g  # type: ignore[operator]
-        return (None, None, None, *gw, *gp)
+        return (None, None, None, None, *gw, *gp)
 
 
-def _sub_run(run: SequentialTiles, passes: sn.NormPasses | None, i: int, xs: Sequence[Tensor]) -> Any:
-    """The stage on sub-tile ``i``'s window inputs ``xs`` (its norms as ``passes`` says)."""
-    if passes is None:
-        return run.stage.module(*xs)
-    return sn.NormRun(run.stage.module, passes, i).run(*xs)
+def _sub_run(run: SequentialTiles, passes: sn.NormPasses | None, i: int, xs: Sequence[Tensor], seeds: dict[str, int],
+             origins: dict[str, tuple[int, ...]]) -> Any:
+    """The stage on sub-tile ``i``'s window inputs ``xs`` (its norms as ``passes`` says, its dropout keyed)."""
+    with keyed_run(seeds, origins):
+        return run.module(*xs) if passes is None else sn.NormRun(run.module, passes, i).run(*xs)
 
 
 def _roots(ys: Sequence[Tensor], gys: Sequence[Tensor | None], sub: _Sub) -> tuple[list[Tensor], list[Tensor]]:

@@ -10,6 +10,8 @@ and this rank's bounds):
 * BatchNorm / InstanceNorm / GroupNorm: statistics reduced over the tile group;
 * elementwise ops, residual adds, channel ``torch.cat``: run on the tiles as they are (the
   operands are tiles of the same image region);
+* Dropout/Dropout1d/2d/3d and ``F.dropout``: the whole image's mask on this tile, keyed by image
+  coordinates ([Note: keyed dropout] in :mod:`nowdl.runtime.spatial.dropout`);
 * a run of consecutive convs/pools listed in the plan's ``fused`` chains: one deeper halo
   exchange for the whole run (:mod:`nowdl.runtime.spatial.fusion`).
 
@@ -38,6 +40,7 @@ from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
 from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.runtime.spatial.dispatch import tile_forward
+from nowdl.runtime.spatial.dropout import draw_seeds, keyed_nodes, keyed_run
 from nowdl.runtime.spatial.graph_ops import ATEN_UP as _ATEN_UP
 from nowdl.runtime.spatial.graph_ops import INTERP_ARGS as _INTERP_ARGS
 from nowdl.runtime.spatial.graph_ops import POOL_ARGS as _POOL_ARGS
@@ -97,6 +100,8 @@ class TiledStage:
         self._mods = {str(n.target): gm.get_submodule(str(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
         self._chains: dict[str, list[fx.Node]] = {}
         self._skip: set[str] = set()
+        self.keyed = {k.node: k for k in keyed_nodes(gm)}  # dropout keyed by image coordinates
+        self._seeds: dict[str, int] = {}
         self._check_chains(fused)
         # per node: run it instead of the tiled op, given (args, kwargs, input grids, the tiled op):
         # predict's statistics passes ([Note: statistics passes] in runtime/predict/passes.py)
@@ -145,6 +150,8 @@ class TiledStage:
         if self.sequential is not None:
             seq: tuple[list[Tensor], list[TileGrid]] = self.sequential(tiles, shapes)
             return seq
+        self._seeds = draw_seeds(list(self.keyed.values()), self.ranks, self.group, tiles[0].device) \
+            if self.keyed else {}
         gm = self.stage.module
         env: dict[str, Any] = {}
         grids: dict[str, TileGrid | None] = {}
@@ -225,6 +232,12 @@ class TiledStage:
             mods = [self._mods[str(n.target)] for n in chain]
             yf, gf = fused_forward(mods, args[0], _one(tiled, node), self.group)
             env[chain[-1].name], grids[chain[-1].name] = yf, gf
+            return
+        k = self.keyed.get(node.name)
+        if k is not None:  # the whole image's mask on this tile ([Note: keyed dropout])
+            g = next((t for t in tiled if t is not None), None)
+            with keyed_run(self._seeds, {node.name: tuple(a for a, _ in g.tile_bounds()) if g is not None else ()}):
+                env[node.name], grids[node.name] = k(args[0] if args else kwargs["input"]), g
             return
         hook = self.overrides.get(node.name)
         if hook is not None:
