@@ -18,7 +18,8 @@ passes, each a forward of every window: the cost the inference plan records
 Where the ops run: a stage on tiles calls :meth:`StatisticsPasses.tiled` for them
 (``TiledStage.overrides``: each rank's chunk is its tile's part of the core); a stage of one
 rank has each of them replaced in its fx module by a :class:`StreamedOp` that does the same on
-the whole window. One window per image (the default up to 2048² / 128³) needs none of this: the
+the whole window; a stage on sequential tiles runs each sub-tile once with this object as its
+``external`` hook, handing it each norm's chunk ([Note: sequential tiles in statistics passes]). One window per image (the default up to 2048² / 128³) needs none of this: the
 tiles reduce the statistics over the whole image already, and the ops run as they are.
 """
 
@@ -36,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.predict.windows import Reach, Window
+from nowdl.runtime.spatial.reach import SEQ_NORMS
 from nowdl.runtime.spatial.statistics.accumulate import Statistics, StatOp, norm_affine
 from nowdl.runtime.spatial.tiles import TileGrid
 
@@ -76,14 +78,15 @@ class StatisticsPasses:
     """
 
     def __init__(self, ops: Sequence[StatOp], device: torch.device,
-                 prefix: Sequence[tuple[str, Sequence[int], Sequence[int]]] = ()) -> None:
+                 prefix: Sequence[tuple[str, Sequence[int], Sequence[int]]] = (), modules: Sequence[str] = ()) -> None:
         self.ops = {o.node: o for o in ops}
+        self.modules = frozenset(modules)  # the ops that are norm modules sequential tiles run
         self.skips = {name: (frozenset(ks), tuple(shape)) for name, ks, shape in prefix}
         self.passes = max((o.stat_pass for o in ops), default=0)
         self.device = device
         self.current = 0
         self.stats = Statistics()
-        self.unhooked: list[str] = []  # ops in stages of sequential tiles: computed per window (every rank)
+        self.unhooked: list[str] = []  # functional norms on sequential tiles: computed per window (every rank)
         self.seconds = 0.0  # the last image's statistics passes, wall time
         self._window: tuple[Window, tuple[int, ...]] | None = None
 
@@ -91,12 +94,14 @@ class StatisticsPasses:
     def install(self, engine: Any) -> None:
         """Hook every op of a stage this rank holds: overrides of its tiled stages, :class:`StreamedOp`
         nodes in the fx modules of the others."""
-        self.unhooked = [n for st in engine.plan.stages if st.tiles_per_gpu > 1 for n in st.nodes if n in self.ops]
+        self.unhooked = [n for st in engine.plan.stages if st.tiles_per_gpu > 1 for n in st.nodes
+                         if n in self.ops and n not in self.modules]
         for rep, s in engine.held:
             gm: fx.GraphModule = engine.stages[s].module
             mine = [n for n in gm.graph.nodes if n.name in self.ops or n.name in self.skips]
             tiled = engine.tiled.get((rep, s))
             if tiled is not None and tiled.sequential is not None:
+                tiled.sequential.external = self  # [Note: sequential tiles in statistics passes]
                 continue
             if tiled is not None:
                 for n in mine:
@@ -135,7 +140,8 @@ class StatisticsPasses:
             return original()
         x = args[0]
         if op.stat_pass == self.current:
-            self._collect(op, x, grid)
+            sizes = tuple(grid.shape) if grid is not None else tuple(x.shape[2:])
+            self._collect(op, x, sizes, [grid.bounds(d) if grid is not None else (0, sizes[d]) for d in range(len(sizes))])
             return original()
         if op.is_norm:
             w, b, eps = norm_affine(op, module, target, args, kwargs)
@@ -144,18 +150,40 @@ class StatisticsPasses:
         y = self.stats.pooled(op, x)
         return (y, None) if grid is not None else y
 
-    def _collect(self, op: StatOp, x: Tensor, grid: TileGrid | None) -> None:
+    # ---- stages on sequential tiles ([Note: sequential tiles in statistics passes]) ------------------
+    def hooks(self, name: str) -> bool:
+        return name in self.ops and name in self.modules
+
+    def skipped(self, name: str) -> bool:
+        skip = self.skips.get(name)
+        return skip is not None and 0 < self.current <= self.passes and self.current not in skip[0]
+
+    def chunk(self, name: str, module: nn.Module, x: Tensor, chunk: tuple[slice, ...],
+              spans: Sequence[tuple[int, int]], sizes: Sequence[int], original: Callable[[], Tensor]) -> Tensor:
+        """Norm ``name`` on a sub-tile window ``x`` whose chunk ``x[chunk]`` lies at ``spans`` of the
+        window's ``sizes`` pixels at the norm's resolution."""
+        op = self.ops[name]
+        if self.current == 0 or op.stat_pass > self.current:
+            return original()
+        if op.stat_pass == self.current:
+            self._collect(op, x[chunk], tuple(sizes), spans)
+            return x  # read by later passes' ops only
+        w, b, eps = norm_affine(op, module, None, (x,), {})
+        return self.stats.apply_norm(op, x, w, b, eps)
+
+    def _collect(self, op: StatOp, x: Tensor, sizes: tuple[int, ...], bounds: Sequence[tuple[int, int]]) -> None:
+        """Add the part of ``x`` (at ``bounds`` of the window's ``sizes`` pixels at ``op``'s
+        resolution) inside the window's core."""
         if self._window is None:
             raise NowdlError(f"node {op.node!r}: a statistics pass ran without a window; report this")
         win, image = self._window
-        sizes = grid.shape if grid is not None else tuple(x.shape[2:])
         if tuple(sizes) != op.spatial:
             raise NowdlError(f"node {op.node!r} sees a window input of {list(sizes)} pixels, the traced window "
                              f"{list(op.spatial)}: the windows changed shape; report this")
         sl, start = [], []
         for d, ((r0, r1), (c0, c1)) in enumerate(zip(win.read, win.core, strict=True)):
             k0, k1, off = _at(op, d, r0, r1, c0, c1, image[d])
-            lo, hi = grid.bounds(d) if grid is not None else (0, sizes[d])
+            lo, hi = bounds[d]
             a, b = max(k0, lo), min(k1, hi)
             if a >= b:
                 return
@@ -214,7 +242,9 @@ def gather_statistics(runner: Any, spatial: Sequence[int], windows: Sequence[Win
     engine = runner._window_engine(read(windows[0]))
     passes: StatisticsPasses | None = getattr(engine, "statistics", None)
     if passes is None:
-        passes = StatisticsPasses(reach.stat_ops, engine.device, reach.prefix)
+        seq = {t.__name__ for t in SEQ_NORMS}
+        passes = StatisticsPasses(reach.stat_ops, engine.device, reach.prefix,
+                                  [node for node, op, *_ in reach.whole if op in seq])
         passes.install(engine)
         engine.statistics = passes
     t0 = time.perf_counter()

@@ -4,6 +4,7 @@ whole-image forward ([Note: statistics passes]); the ops no pass can fix are nam
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from helpers.predict_models import reference
 
 import nowdl
 from nowdl.plan.purpose import format_whole_image_ops
+from nowdl.runtime.predict.runner import plan_for
 from nowdl.runtime.spatial.statistics.accumulate import Statistics, StatOp
 
 zarr = pytest.importorskip("zarr")
@@ -125,6 +127,30 @@ def _check_ranks(tmp_path: Path, world: int, names: list[str], slice_: str) -> N
 
 def test_two_ranks_stream_a_monai_unet_and_a_squeeze_excite_net_exactly(tmp_path: Path) -> None:
     _check_ranks(tmp_path, 2, ["monai", "se"], "vertical")
+
+
+def _sequential_worker(rank: int, world: int, source: str, out: str, pins: dict[str, Any]
+                       ) -> tuple[str, list[int], np.ndarray | None]:
+    cm = nowdl.compile(norm_net("monai"), gpus=world, progress=False, cache=False, tiles_per_gpu=2, **pins)
+    line = cm.predict(source, f"{out}/monai.zarr", window=(64, 96)).line()
+    plan = plan_for(cm, torch.empty((1, 1, 64, 96), device="meta"))
+    got = np.asarray(zarr.open_array(f"{out}/monai.zarr/0")[:]) if rank == 0 else None
+    return line, [st.tiles_per_gpu for st in plan.stages], got
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sequential_tiles_stream_exactly(tmp_path: Path, world: int) -> None:
+    """An inference plan whose spatial stage runs 2 sub-tiles per rank: the statistics passes reach
+    its InstanceNorms ([Note: sequential tiles in statistics passes]), the output is the
+    whole-image forward's and the summary says exact."""
+    pytest.importorskip("monai")
+    src, img = _source(tmp_path, (1, 128, 192))
+    pins = {} if world == 1 else {"stages": 1, "spatial_parts": 2, "slice": "vertical", "micro_batches": 1,
+                                  "replicas": 1, "dp": 1}
+    line, tiles, got = run_workers(_sequential_worker, world, src, str(tmp_path), pins, timeout_s=600)[0]
+    assert tiles == [2]
+    assert "exact (margin" in line and "NOT" not in line and "6 statistics pass(es)" in line, line
+    np.testing.assert_allclose(got, reference(norm_net("monai"), img), atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
