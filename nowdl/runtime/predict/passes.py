@@ -39,9 +39,9 @@ from nowdl.errors import NowdlError
 from nowdl.runtime.predict.windows import Reach, Window
 from nowdl.runtime.spatial.reach import SEQ_NORMS
 from nowdl.runtime.spatial.statistics.accumulate import Statistics, StatOp, norm_affine
-from nowdl.runtime.spatial.tiles import TileGrid
+from nowdl.runtime.spatial.tiles import TiledInput, TileGrid
 
-__all__ = ["StatisticsPasses", "StreamedOp", "gather_statistics"]
+__all__ = ["StatisticsPasses", "StreamedOp", "gather_statistics", "CachedInputs", "INPUT_CACHE_BYTES"]
 
 
 class StreamedOp(nn.Module):
@@ -88,7 +88,9 @@ class StatisticsPasses:
         self.stats = Statistics()
         self.unhooked: list[str] = []  # functional norms on sequential tiles: computed per window (every rank)
         self.seconds = 0.0  # the last image's statistics passes, wall time
+        self.cpu_seconds = 0.0  # and this process's CPU time in them
         self._window: tuple[Window, tuple[int, ...]] | None = None
+        self._zero: dict[Any, tuple[Tensor, int]] = {}
 
     # ---- hooking the engine's stages --------------------------------------------------------------
     def install(self, engine: Any) -> None:
@@ -132,9 +134,9 @@ class StatisticsPasses:
             shape = skip[1]  # a value this statistics pass does not need: zeros
             like = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
             if grid is None:
-                return like.new_zeros(shape)
+                return self._zeros(like, shape)
             out = grid.with_shape(shape[2:])
-            return like.new_zeros((*shape[:2], *out.tile_shape())), out
+            return self._zeros(like, (*shape[:2], *out.tile_shape())), out
         op = self.ops.get(name)
         if op is None or self.current == 0 or op.stat_pass > self.current:
             return original()
@@ -142,6 +144,8 @@ class StatisticsPasses:
         if op.stat_pass == self.current:
             sizes = tuple(grid.shape) if grid is not None else tuple(x.shape[2:])
             self._collect(op, x, sizes, [grid.bounds(d) if grid is not None else (0, sizes[d]) for d in range(len(sizes))])
+            if op.is_norm:  # read by later passes' ops only, which this pass skips: any value of its shape
+                return (x, grid) if grid is not None else x
             return original()
         if op.is_norm:
             w, b, eps = norm_affine(op, module, target, args, kwargs)
@@ -170,6 +174,16 @@ class StatisticsPasses:
             return x  # read by later passes' ops only
         w, b, eps = norm_affine(op, module, None, (x,), {})
         return self.stats.apply_norm(op, x, w, b, eps)
+
+    def _zeros(self, like: Tensor, shape: Sequence[int]) -> Tensor:
+        """Zeros shaped ``shape`` like ``like``, one tensor per shape kept over the passes (made again
+        if anything wrote into it)."""
+        key = (tuple(shape), like.dtype, like.device)
+        got = self._zero.get(key)
+        if got is None or got[0]._version != got[1]:
+            t = like.new_zeros(shape)
+            got = self._zero[key] = (t, t._version)
+        return got[0]
 
     def _collect(self, op: StatOp, x: Tensor, sizes: tuple[int, ...], bounds: Sequence[tuple[int, int]]) -> None:
         """Add the part of ``x`` (at ``bounds`` of the window's ``sizes`` pixels at ``op``'s
@@ -227,6 +241,37 @@ def _at(op: StatOp, d: int, r0: int, r1: int, c0: int, c1: int, size: int) -> tu
     return _whole((c0 - r0) * f, op, d), _whole((c1 - r0) * f, op, d), _whole(r0 * f, op, d)
 
 
+INPUT_CACHE_BYTES = 1 << 30
+"""Host bytes of window inputs :class:`CachedInputs` keeps per image (later windows are read again)."""
+
+
+class CachedInputs:
+    """Each window's input as this rank reads it, kept over one image's statistics passes and its
+    writing pass (every pass reads the same windows: one read each instead of one per pass), up to
+    ``budget`` bytes. A kept tensor changed in place by the forward is read again."""
+
+    def __init__(self, read: Callable[[Window], TiledInput], budget: int = INPUT_CACHE_BYTES) -> None:
+        self.read, self.budget, self.bytes = read, budget, 0
+        self.held: dict[Any, tuple[Tensor, int]] = {}
+
+    def __call__(self, w: Window) -> TiledInput:
+        x = self.read(w)
+        inner = x._read
+
+        def read(idx: tuple[slice, ...]) -> Tensor:
+            key = (w.read, tuple((s.start, s.stop, s.step) for s in idx))
+            got = self.held.get(key)
+            if got is not None and got[0]._version == got[1]:
+                return got[0]
+            t = inner(idx)
+            if got is None and self.bytes + t.numel() * t.element_size() <= self.budget:
+                self.held[key] = (t, t._version)
+                self.bytes += t.numel() * t.element_size()
+            return t
+
+        return TiledInput(x.shape, read, x.dtype)
+
+
 def gather_statistics(runner: Any, spatial: Sequence[int], windows: Sequence[Window], reach: Reach,
                       read: Callable[[Window], Any], on_window: Callable[[], None] | None = None
                       ) -> StatisticsPasses | None:
@@ -247,7 +292,7 @@ def gather_statistics(runner: Any, spatial: Sequence[int], windows: Sequence[Win
                                   [node for node, op, *_ in reach.whole if op in seq])
         passes.install(engine)
         engine.statistics = passes
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for k in range(1, passes.passes + 1):
         for w in windows:
             passes.begin(k, w, spatial)
@@ -256,5 +301,5 @@ def gather_statistics(runner: Any, spatial: Sequence[int], windows: Sequence[Win
                 on_window()
         passes.finish(k, spatial)
     passes.current = passes.passes + 1
-    passes.seconds = time.perf_counter() - t0
+    passes.seconds, passes.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     return passes

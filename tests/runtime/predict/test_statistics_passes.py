@@ -3,6 +3,7 @@ whole-image forward ([Note: statistics passes]); the ops no pass can fix are nam
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,9 @@ from helpers.norm_nets import norm_net, stream_worker
 from helpers.predict_models import reference
 
 import nowdl
+from nowdl.partitioner.costs.inference import node_forward_s
 from nowdl.plan.purpose import format_whole_image_ops
+from nowdl.profiler import get_device_spec
 from nowdl.runtime.predict.runner import plan_for
 from nowdl.runtime.spatial.statistics.accumulate import Statistics, StatOp
 
@@ -112,6 +115,30 @@ def test_the_inference_plan_records_passes_and_their_cost() -> None:
     assert rec["seconds_per_window"] == pytest.approx(sum(rec["prefix"]) * plan.predicted["step_s"], rel=1e-3)
     assert [o["pass"] for o in plan.config["whole_image_ops"]] == [1, 1, 2]
     assert "2 statistics pass(es) before the writing pass" in format_whole_image_ops(plan)
+
+
+def test_pass_cost_counts_the_tiled_runtime_per_op() -> None:
+    """On 2 tiles with the spec's ``tile_op_s`` ([Note: tiled runtime overhead]): each node's
+    forward is its profiled time over 2 plus its kind's overhead, the stage's forward their sum,
+    and pass k's prefix the share of the nodes it runs (GroupNet: c1, n1; then up to n2)."""
+    spec = dataclasses.replace(get_device_spec("cpu"), tile_op_s={"conv": 1e-3, "norm": 2e-3})
+    x = torch.empty((1, 1, 64, 64), device="meta")
+    cm = nowdl.compile(norm_net("group"), gpus=2, stages=1, spatial_parts=2, slice="vertical", micro_batches=1,
+                       replicas=1, dp=1, mode="estimate", device_spec=spec, cache=False, progress=False)
+    plan = cm.plan(x, train=False, single=True)
+    prof = cm.profile(x)
+    t = node_forward_s(plan, cm.trace(x).gm, prof, spec.tile_op_s)
+    fwd = {n.name: n.fwd_s / 2 for n in prof.nodes}
+    extra = {"c1": 1e-3, "c2": 1e-3, "c3": 1e-3, "n1": 2e-3, "n2": 2e-3}  # max_pool2d, interpolate: none set
+    assert t == pytest.approx({n: v + extra.get(n, 0.0) for n, v in fwd.items()}, rel=1e-12, abs=1e-15)
+    assert plan.stages[0].predicted["fwd_s"] == pytest.approx(sum(t.values()), rel=1e-9)
+    rec = plan.config["statistics_passes"]
+    assert rec["forward_s"] == pytest.approx(plan.predicted["step_s"], rel=1e-12)
+    total = sum(t.values())
+    first = (t["c1"] + t["n1"]) / total
+    second = sum(t[n] for n in ("c1", "n1", "relu", "max_pool2d", "c2", "n2")) / total
+    assert rec["prefix"] == pytest.approx([first, second], abs=6e-5)  # rounded to 4 places
+    assert rec["seconds_per_window"] == pytest.approx(rec["forward_s"] * (first + second), rel=1e-3)
 
 
 def _check_ranks(tmp_path: Path, world: int, names: list[str], slice_: str) -> None:
