@@ -22,10 +22,11 @@ Rows, every one in the same job of ``--ranks`` gloo processes (one thread each),
   on rank 0 with R threads (the other ranks sleep): every window normalises with its own
   statistics.
 
-On 2 ranks the plans are made on the ``cpu`` spec with the spatial runtime's work per tiled op
-(``tile_op_s``, [Note: tiled runtime overhead]) measured first on the same 2 gloo ranks by
-``bench_recompute_planned.py``'s probe (``--rounds``), as that benchmark plans: a window's
-forward on tiles pays it per tiled op, and each statistics pass per window again.
+On 2 ranks the plans are made on the ``cpu`` spec calibrated first on 2 gloo ranks as
+``bench_recompute_planned.py`` does (``--rounds``): the links (``link_bw``, and
+``link_latency_s``, one halo exchange round's CPU time) and the spatial runtime's work per tiled
+op (``tile_op_s``, [Note: tiled runtime overhead]); a window's forward on tiles pays both per
+tiled op, and each statistics pass per window again.
 
 Each time includes reading the slide, the forward(s) and writing the same OME-Zarr (the MONAI
 rows with nowdl's writer on one process, as ``bench_predict.py`` does); nowdl's excludes
@@ -46,7 +47,6 @@ Tables go to stdout as Markdown, progress to stderr. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -61,13 +61,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_predict import _rank0_alone, sliding_row, write_inputs  # noqa: E402
-from bench_recompute_planned import tile_op_probe  # noqa: E402
+from bench_recompute_planned import calibrated_spec  # noqa: E402
 from helpers.distributed import run_workers  # noqa: E402
 from results import HELP as RESULTS_HELP  # noqa: E402
 from results import recorded  # noqa: E402
 
 import nowdl  # noqa: E402
-from nowdl.profiler import get_device_spec  # noqa: E402
 from nowdl.runtime.predict.runner import plan_for  # noqa: E402
 from nowdl.units import format_bytes  # noqa: E402
 
@@ -90,24 +89,10 @@ def make_net(name: str) -> torch.nn.Module:
     return getattr(nets, name)(**NETS[name][1]).eval()  # type: ignore[no-any-return]
 
 
-def calibrate_worker(rank: int, world: int, rounds: int) -> dict[str, float]:
-    torch.set_num_threads(1)
-    return tile_op_probe(rank, rounds)[0]
-
-
-def tiled_spec(ranks: int, rounds: int) -> Any:
-    """The ``cpu`` spec with the spatial runtime's work per tiled op measured on 2 gloo ranks now
-    (``tile_op_s``: bench_recompute_planned's probe, forward only), or ``cpu`` as it is on other
-    rank counts."""
-    if ranks != 2:
-        return "cpu"
-    res = run_workers(calibrate_worker, 2, rounds, timeout_s=600)
-    tile = {k: sum(r[k] for r in res) / len(res) for k in res[0]}
-    log("tiled runtime per op (forward): " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in tile.items()))
-    print("Planned on the `cpu` spec with the spatial runtime's work per tiled op measured first on the same 2 "
-          f"gloo ranks (`tile_op_s`, thread CPU, least of {rounds}): "
-          + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in tile.items()) + ".")
-    return dataclasses.replace(get_device_spec("cpu"), tile_op_s=tile)
+def plan_spec(ranks: int, rounds: int) -> Any:
+    """On 2 ranks: the ``cpu`` spec with this machine's links and the spatial runtime's work per
+    tiled op measured now on 2 gloo ranks (``bench_recompute_planned.calibrated_spec``); else ``cpu``."""
+    return calibrated_spec(rounds) if ranks == 2 else "cpu"
 
 
 def worker(rank: int, world: int, name: str, slide: str, d: str, window: int, repeats: int, spec: Any
@@ -197,7 +182,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256, help="window side, both methods (default 256)")
     ap.add_argument("--ranks", type=int, default=2, help="ranks = CPU cores used by every row (default 2)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved (default 3)")
-    ap.add_argument("--rounds", type=int, default=30, help="rounds of the tiled-op probe (default 30)")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds of each calibration probe (default 30)")
     ap.add_argument("--nets", default=",".join(NETS), help=f"which nets (default {','.join(NETS)})")
     args = ap.parse_args()
     import zarr
@@ -206,7 +191,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nowdl-bench-norms-") as tmp:
         d = Path(tmp)
         pixels = write_inputs(d, args.size, 8)["2d"]
-        spec = tiled_spec(args.ranks, args.rounds)
+        spec = plan_spec(args.ranks, args.rounds)
         for name in args.nets.split(","):
             log(f"{name}: {args.ranks} ranks, {args.repeats} repeats")
             res = run_workers(worker, args.ranks, name, str(d / "slide.tif"), str(d), args.window, args.repeats,
