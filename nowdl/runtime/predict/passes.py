@@ -66,7 +66,10 @@ class StreamedOp(nn.Module):
         return self.target(*args, **kwargs)  # type: ignore[operator]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.passes.run(self.node_name, self.inner, self.target, args, kwargs, None,
+        p = self.passes
+        if self.node_name not in p.ops and not p.skipped(self.node_name):  # the most calls: as it is
+            return self._original(*args, **kwargs)
+        return p.run(self.node_name, self.inner, self.target, args, kwargs, None,
                                lambda: self._original(*args, **kwargs))
 
 
@@ -132,7 +135,8 @@ class StatisticsPasses:
         skip = self.skips.get(name)
         if skip is not None and 0 < self.current <= self.passes and self.current not in skip[0]:
             shape = skip[1]  # a value this statistics pass does not need: zeros
-            like = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
+            like = args[0] if args and isinstance(args[0], Tensor) else next(
+                t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
             if grid is None:
                 return self._zeros(like, shape)
             out = grid.with_shape(shape[2:])
