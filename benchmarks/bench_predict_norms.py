@@ -22,17 +22,24 @@ Rows, every one in the same job of ``--ranks`` gloo processes (one thread each),
   on rank 0 with R threads (the other ranks sleep): every window normalises with its own
   statistics.
 
+On 2 ranks the plans are made on the ``cpu`` spec calibrated first on 2 gloo ranks as
+``bench_recompute_planned.py`` does (``--rounds``): the links (``link_bw``, and
+``link_latency_s``, one halo exchange round's CPU time) and the spatial runtime's work per tiled
+op (``tile_op_s``, [Note: tiled runtime overhead]); a window's forward on tiles pays both per
+tiled op, and each statistics pass per window again.
+
 Each time includes reading the slide, the forward(s) and writing the same OME-Zarr (the MONAI
 rows with nowdl's writer on one process, as ``bench_predict.py`` does); nowdl's excludes
 planning and building the stages (a first, untimed call). Columns: median wall time; the
-statistics passes and their wall time within it (measured on rank 0 / the inference plan's
-``config.statistics_passes``, its passes times one window's forward, times the windows); peak
-memory per rank (nowdl: the first call's, against the plan); the largest absolute difference in
-the logits to a one-process whole-image forward.
+statistics passes and their wall and CPU time within it (measured on rank 0, CPU time: the
+process's, which leaves out waiting for a CPU other processes hold) against the inference plan's
+``config.statistics_passes`` (``seconds_per_window`` times the windows), and their ratio (CPU /
+plan); peak memory per rank (nowdl: the first call's) against the plan, and their ratio; the
+largest absolute difference in the logits to a one-process whole-image forward.
 
 How to run
 ----------
-    .venv/bin/python benchmarks/bench_predict_norms.py [--size 1024] [--window 256] [--ranks 2] [--repeats 3]
+    .venv/bin/python benchmarks/bench_predict_norms.py [--size 1024] [--window 256] [--ranks 2] [--repeats 3] [--rounds 30]
 
 Tables go to stdout as Markdown, progress to stderr. Nothing is asserted.
 """
@@ -54,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_predict import _rank0_alone, sliding_row, write_inputs  # noqa: E402
+from bench_recompute_planned import calibrated_spec  # noqa: E402
 from helpers.distributed import run_workers  # noqa: E402
 from results import HELP as RESULTS_HELP  # noqa: E402
 from results import recorded  # noqa: E402
@@ -81,11 +89,18 @@ def make_net(name: str) -> torch.nn.Module:
     return getattr(nets, name)(**NETS[name][1]).eval()  # type: ignore[no-any-return]
 
 
-def worker(rank: int, world: int, name: str, slide: str, d: str, window: int, repeats: int) -> dict[str, Any]:
+def plan_spec(ranks: int, rounds: int) -> Any:
+    """On 2 ranks: the ``cpu`` spec with this machine's links and the spatial runtime's work per
+    tiled op measured now on 2 gloo ranks (``bench_recompute_planned.calibrated_spec``); else ``cpu``."""
+    return calibrated_spec(rounds) if ranks == 2 else "cpu"
+
+
+def worker(rank: int, world: int, name: str, slide: str, d: str, window: int, repeats: int, spec: Any
+           ) -> dict[str, Any]:
     """Every row of one net, interleaved: this rank's wall seconds per repeat, rank 0's summaries."""
     torch.set_num_threads(1)
     cm = nowdl.compile(make_net(name), gpus=world, stages=1, spatial_parts=world, micro_batches=1, dp=1,
-                       replicas=1, mode="measure", progress=False, cache=False, timeout_s=3600)
+                       replicas=1, mode="measure", device_spec=spec, progress=False, cache=False, timeout_s=3600)
     source, out = f"openslide:{slide}", Path(d)
     rows: dict[str, dict[str, Any]] = {}
     for label, win in (("whole", None), ("windows", (window, window))):
@@ -102,6 +117,7 @@ def worker(rank: int, world: int, name: str, slide: str, d: str, window: int, re
                                                     net), "threads": world}
     times: dict[str, list[float]] = {k: [] for k in rows}
     pass_s: list[float] = []
+    pass_cpu: list[float] = []
     for _ in range(repeats):
         for label, row in rows.items():
             torch.set_num_threads(row.get("threads", 1))
@@ -113,10 +129,11 @@ def worker(rank: int, world: int, name: str, slide: str, d: str, window: int, re
                 summary = row["run"]()
                 if label == "windows":
                     pass_s.append(summary.pass_seconds)
+                    pass_cpu.append(summary.pass_cpu_seconds)
             torch.distributed.barrier()
             times[label].append(time.perf_counter() - t0)
             torch.set_num_threads(1)
-    return {"times": times, "pass_s": pass_s,
+    return {"times": times, "pass_s": pass_s, "pass_cpu": pass_cpu,
             "rows": {k: {n: v for n, v in r.items() if n != "run"} for k, r in rows.items()}}
 
 
@@ -136,22 +153,26 @@ def table(name: str, size: int, window: int, ranks: int, repeats: int, res: dict
           diffs: dict[str, float]) -> None:
     rows, wall = res["rows"], {k: statistics.median(v) for k, v in res["times"].items()}
     print(f"\n### MONAI {NETS[name][0]}, {size}², windows of {window}², {ranks} ranks, median of {repeats}\n")
-    print("| method | wall | statistics passes: wall (measured / plan) | peak memory per rank / plan | "
-          "max abs diff to whole-image forward |")
-    print("|---|---:|---|---|---:|")
+    print("| method | wall | statistics passes: wall, CPU / plan | passes measured (CPU) / planned | "
+          "peak memory per rank / plan | peak measured / planned | max abs diff to whole-image forward |")
+    print("|---|---:|---|---:|---|---:|---:|")
     for k, row in rows.items():
         if k.startswith("swi-"):
             label, passes, mem = (f"sliding_window_inference {window}², overlap {k[4:]}, gaussian: rank 0, "
                                   f"{ranks} thread(s)", "none (statistics of each window)", "")
+            ratio = peak_ratio = ""
         else:
             how = row["line"].split(" window(s), ")[1].split("; peak")[0]
             label = f"nowdl predict, {'whole image' if k == 'whole' else f'windows of {window}²'}, " \
                     f"{row['windows']} window(s): {how.split(';')[0].rstrip(')')})"
-            passes = (f"{row['passes']}: {statistics.median(res['pass_s']):.2f} s / {row['plan_passes_s']:.2f} s"
+            cpu = statistics.median(res["pass_cpu"]) if row["passes"] else 0.0
+            passes = (f"{row['passes']}: {statistics.median(res['pass_s']):.2f} s, {cpu:.2f} s / {row['plan_passes_s']:.2f} s"
                       if row["passes"] else "none")
+            ratio = f"{cpu / row['plan_passes_s']:.2f}" if row["passes"] and row["plan_passes_s"] > 0 else ""
+            peak_ratio = ", ".join(f"{p / q:.2f}" for p, q in zip(row["peaks"], row["plan"], strict=True) if p and q)
             mem = ", ".join(f"{format_bytes(p)} / plan {format_bytes(q)}" for p, q in zip(row["peaks"], row["plan"],
                                                                                          strict=True) if p and q)
-        print(f"| {label} | {wall[k]:.2f} s | {passes} | {mem} | {diffs[k]:.2e} |")
+        print(f"| {label} | {wall[k]:.2f} s | {passes} | {ratio} | {mem} | {peak_ratio} | {diffs[k]:.2e} |")
 
 
 def main() -> None:
@@ -161,6 +182,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=256, help="window side, both methods (default 256)")
     ap.add_argument("--ranks", type=int, default=2, help="ranks = CPU cores used by every row (default 2)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row, interleaved (default 3)")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds of each calibration probe (default 30)")
     ap.add_argument("--nets", default=",".join(NETS), help=f"which nets (default {','.join(NETS)})")
     args = ap.parse_args()
     import zarr
@@ -169,10 +191,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nowdl-bench-norms-") as tmp:
         d = Path(tmp)
         pixels = write_inputs(d, args.size, 8)["2d"]
+        spec = plan_spec(args.ranks, args.rounds)
         for name in args.nets.split(","):
             log(f"{name}: {args.ranks} ranks, {args.repeats} repeats")
             res = run_workers(worker, args.ranks, name, str(d / "slide.tif"), str(d), args.window, args.repeats,
-                              timeout_s=7200, env={"OMP_NUM_THREADS": "1"})[0]
+                              spec, timeout_s=7200, env={"OMP_NUM_THREADS": "1"})[0]
             ref = reference(name, pixels)
             diffs = {k: float(np.abs(np.asarray(zarr.open_array(str(d / f"{name}-{k}.zarr" / "0"))[:]) - ref).max())
                      for k in res["rows"]}

@@ -292,7 +292,7 @@ class CompiledModel:
             plan.config["gpu_memory"] = cap
         plan.config["precision"] = self.precision
         if not train:
-            mark_inference(plan, t.gm, prof)  # and its whole-image ops: [Note: whole-image ops]
+            mark_inference(plan, t.gm, prof, costs.tile_op_s)  # and its whole-image ops: [Note: whole-image ops]
         allocator_reserve(plan, prof, reserve, cap)  # [Note: allocator reserve]: the slack becomes the simulated share
         if reserve:
             plan.config["reserve"] = reserve

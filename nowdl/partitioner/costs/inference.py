@@ -30,13 +30,15 @@ ops read, per window ([Note: statistics passes] in runtime/predict/passes.py).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch.fx as fx
 
 from nowdl.errors import NowdlError
 from nowdl.partitioner.config.candidate import PlanRequest
 from nowdl.partitioner.costs.problem import StageSpec
+from nowdl.partitioner.costs.tile_overhead import tile_op_seconds
+from nowdl.partitioner.spatial.tileable import spatial_rules
 from nowdl.partitioner.spatial.whole_image import pass_prefixes
 from nowdl.plan.plan import Plan
 from nowdl.profiler.cost import NodeCost, Profile
@@ -44,7 +46,7 @@ from nowdl.schedule.actions import FORWARD_ONLY
 from nowdl.schedule.orders import RECV_LOOKAHEAD
 
 __all__ = ["live_bytes", "grad_live_bytes", "inference_profile", "inference_stages", "inference_request", "mark_inference",
-           "record_whole_image_ops"]
+           "record_whole_image_ops", "node_forward_s"]
 
 _NOT_ACTIVATIONS = ("get_attr", "output")
 
@@ -153,9 +155,11 @@ def inference_request(req: PlanRequest) -> PlanRequest:
                                micro_batches=req.micro_batches or 1)
 
 
-def mark_inference(plan: Plan, gm: fx.GraphModule | None = None, prof: Profile | None = None) -> None:
+def mark_inference(plan: Plan, gm: fx.GraphModule | None = None, prof: Profile | None = None,
+                   tile_op_s: Mapping[str, float] | None = None) -> None:
     """Record in ``plan`` that it is an inference plan with a forward-only schedule, and, given the
-    graph and profile it was made from, its whole-image ops (:func:`record_whole_image_ops`)."""
+    graph and profile it was made from, its whole-image ops (:func:`record_whole_image_ops`;
+    ``tile_op_s``: the spec's, [Note: tiled runtime overhead])."""
     plan.config["inference"] = True
     plan.profile["optimizer"] = "inference"
     plan.config["schedule"] = FORWARD_ONLY
@@ -168,22 +172,38 @@ def mark_inference(plan: Plan, gm: fx.GraphModule | None = None, prof: Profile |
         if isinstance(st.predicted, dict) and "inflight" in st.predicted:
             st.predicted["inflight"] = 1.0
     if gm is not None and prof is not None:
-        record_whole_image_ops(plan, gm, prof)
+        record_whole_image_ops(plan, gm, prof, tile_op_s)
 
 
-def record_whole_image_ops(plan: Plan, gm: fx.GraphModule, prof: Profile) -> None:
+def node_forward_s(plan: Plan, gm: fx.GraphModule, prof: Profile, tile_op_s: Mapping[str, float] | None = None
+                   ) -> dict[str, float]:
+    """Per node, one rank's forward seconds on ``plan``: its profiled time over its stage's
+    spatial parts, plus the spatial runtime's own work per tiled op (``tile_op_s``, [Note: tiled
+    runtime overhead])."""
+    parts = {n: st.parts for st in plan.stages for n in st.nodes}
+    rules = spatial_rules(gm, prof.out_ranks()) if tile_op_s else {}
+    return {n.name: n.fwd_s / parts.get(n.name, 1) + tile_op_seconds(rules.get(n.name), parts.get(n.name, 1), tile_op_s,
+                                                                   None, inference=True)[1] for n in prof.nodes}
+
+
+def record_whole_image_ops(plan: Plan, gm: fx.GraphModule, prof: Profile,
+                           tile_op_s: Mapping[str, float] | None = None) -> None:
     """Record in an inference ``plan`` the ops of ``gm`` that depend on the whole image
     (``config.whole_image_ops``) and the statistics passes streaming needs
     (``config.statistics_passes``): ``passes``; ``forward_s``, one window's forward
-    (``predicted.step_s``); ``prefix``, per pass the share of the forward's node time it runs (the
-    convolutions no op of the pass reads give zeros); ``seconds_per_window``, ``forward_s`` times
-    the sum of ``prefix``: what each window costs on top of its writing pass."""
+    (``predicted.step_s`` less the statistics passes of stages on sequential tiles, which a
+    streamed window does not run: predict's passes take their place); ``prefix``, per pass the
+    share of the forward's node time (:func:`node_forward_s`) it runs (the convolutions no op of
+    the pass reads give zeros); ``seconds_per_window``, ``forward_s`` times the sum of ``prefix``:
+    what each window costs on top of its writing pass."""
     nd = len(plan.model["inputs"][0]) - 2
     ops, needed = pass_prefixes(gm, {n.name: n.out_shape for n in prof.nodes}, nd)
     passes = max((int(o["pass"]) for o in ops), default=0)
-    forward = float(plan.predicted.get("step_s", 0.0))
-    total = sum(n.fwd_s for n in prof.nodes)
-    prefix = [1.0 - sum(n.fwd_s for n in prof.nodes if n.name in needed and k not in needed[n.name]) / total
+    seq = sum(float(st.predicted.get("norm_passes_s", 0.0)) for st in plan.stages) if passes else 0.0
+    forward = max(0.0, float(plan.predicted.get("step_s", 0.0)) - seq)
+    times = node_forward_s(plan, gm, prof, tile_op_s)
+    total = sum(times.values())
+    prefix = [1.0 - sum(t for n, t in times.items() if n in needed and k not in needed[n]) / total
               if total > 0 else 1.0 for k in range(1, passes + 1)]
     plan.config["whole_image_ops"] = ops
     plan.config["statistics_passes"] = {"passes": passes, "forward_s": forward, "prefix": [round(p, 4) for p in prefix],

@@ -116,7 +116,9 @@ class ScheduleRunner:
                 self._buffers = [(b, b.detach().clone()) for _, s in self.view.held
                                  for b in self.view.stages[s].module.buffers()]
         for _, s in self.view.held:
-            self.view.stages[s].module.train(train)
+            module = self.view.stages[s].module
+            if any(m.training != train for m in module.modules()):  # train() sets every module's flag: slow
+                module.train(train)
         place = self.view.place
         self.offload.begin_step()
         return Step(train=train, xs=xs, ys=ys, rx=self.transfers.start_step(train),

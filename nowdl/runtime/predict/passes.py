@@ -18,7 +18,8 @@ passes, each a forward of every window: the cost the inference plan records
 Where the ops run: a stage on tiles calls :meth:`StatisticsPasses.tiled` for them
 (``TiledStage.overrides``: each rank's chunk is its tile's part of the core); a stage of one
 rank has each of them replaced in its fx module by a :class:`StreamedOp` that does the same on
-the whole window. One window per image (the default up to 2048² / 128³) needs none of this: the
+the whole window; a stage on sequential tiles runs each sub-tile once with this object as its
+``external`` hook, handing it each norm's chunk ([Note: sequential tiles in statistics passes]). One window per image (the default up to 2048² / 128³) needs none of this: the
 tiles reduce the statistics over the whole image already, and the ops run as they are.
 """
 
@@ -36,10 +37,11 @@ from torch.utils._pytree import tree_leaves
 
 from nowdl.errors import NowdlError
 from nowdl.runtime.predict.windows import Reach, Window
+from nowdl.runtime.spatial.reach import SEQ_NORMS
 from nowdl.runtime.spatial.statistics.accumulate import Statistics, StatOp, norm_affine
-from nowdl.runtime.spatial.tiles import TileGrid
+from nowdl.runtime.spatial.tiles import TiledInput, TileGrid
 
-__all__ = ["StatisticsPasses", "StreamedOp", "gather_statistics"]
+__all__ = ["StatisticsPasses", "StreamedOp", "gather_statistics", "CachedInputs", "INPUT_CACHE_BYTES"]
 
 
 class StreamedOp(nn.Module):
@@ -64,7 +66,10 @@ class StreamedOp(nn.Module):
         return self.target(*args, **kwargs)  # type: ignore[operator]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.passes.run(self.node_name, self.inner, self.target, args, kwargs, None,
+        p = self.passes
+        if self.node_name not in p.ops and not p.skipped(self.node_name):  # the most calls: as it is
+            return self._original(*args, **kwargs)
+        return p.run(self.node_name, self.inner, self.target, args, kwargs, None,
                                lambda: self._original(*args, **kwargs))
 
 
@@ -76,27 +81,32 @@ class StatisticsPasses:
     """
 
     def __init__(self, ops: Sequence[StatOp], device: torch.device,
-                 prefix: Sequence[tuple[str, Sequence[int], Sequence[int]]] = ()) -> None:
+                 prefix: Sequence[tuple[str, Sequence[int], Sequence[int]]] = (), modules: Sequence[str] = ()) -> None:
         self.ops = {o.node: o for o in ops}
+        self.modules = frozenset(modules)  # the ops that are norm modules sequential tiles run
         self.skips = {name: (frozenset(ks), tuple(shape)) for name, ks, shape in prefix}
         self.passes = max((o.stat_pass for o in ops), default=0)
         self.device = device
         self.current = 0
         self.stats = Statistics()
-        self.unhooked: list[str] = []  # ops in stages of sequential tiles: computed per window (every rank)
+        self.unhooked: list[str] = []  # functional norms on sequential tiles: computed per window (every rank)
         self.seconds = 0.0  # the last image's statistics passes, wall time
+        self.cpu_seconds = 0.0  # and this process's CPU time in them
         self._window: tuple[Window, tuple[int, ...]] | None = None
+        self._zero: dict[Any, tuple[Tensor, int]] = {}
 
     # ---- hooking the engine's stages --------------------------------------------------------------
     def install(self, engine: Any) -> None:
         """Hook every op of a stage this rank holds: overrides of its tiled stages, :class:`StreamedOp`
         nodes in the fx modules of the others."""
-        self.unhooked = [n for st in engine.plan.stages if st.tiles_per_gpu > 1 for n in st.nodes if n in self.ops]
+        self.unhooked = [n for st in engine.plan.stages if st.tiles_per_gpu > 1 for n in st.nodes
+                         if n in self.ops and n not in self.modules]
         for rep, s in engine.held:
             gm: fx.GraphModule = engine.stages[s].module
             mine = [n for n in gm.graph.nodes if n.name in self.ops or n.name in self.skips]
             tiled = engine.tiled.get((rep, s))
             if tiled is not None and tiled.sequential is not None:
+                tiled.sequential.external = self  # [Note: sequential tiles in statistics passes]
                 continue
             if tiled is not None:
                 for n in mine:
@@ -125,17 +135,21 @@ class StatisticsPasses:
         skip = self.skips.get(name)
         if skip is not None and 0 < self.current <= self.passes and self.current not in skip[0]:
             shape = skip[1]  # a value this statistics pass does not need: zeros
-            like = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
+            like = args[0] if args and isinstance(args[0], Tensor) else next(
+                t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
             if grid is None:
-                return like.new_zeros(shape)
+                return self._zeros(like, shape)
             out = grid.with_shape(shape[2:])
-            return like.new_zeros((*shape[:2], *out.tile_shape())), out
+            return self._zeros(like, (*shape[:2], *out.tile_shape())), out
         op = self.ops.get(name)
         if op is None or self.current == 0 or op.stat_pass > self.current:
             return original()
         x = args[0]
         if op.stat_pass == self.current:
-            self._collect(op, x, grid)
+            sizes = tuple(grid.shape) if grid is not None else tuple(x.shape[2:])
+            self._collect(op, x, sizes, [grid.bounds(d) if grid is not None else (0, sizes[d]) for d in range(len(sizes))])
+            if op.is_norm:  # read by later passes' ops only, which this pass skips: any value of its shape
+                return (x, grid) if grid is not None else x
             return original()
         if op.is_norm:
             w, b, eps = norm_affine(op, module, target, args, kwargs)
@@ -144,18 +158,50 @@ class StatisticsPasses:
         y = self.stats.pooled(op, x)
         return (y, None) if grid is not None else y
 
-    def _collect(self, op: StatOp, x: Tensor, grid: TileGrid | None) -> None:
+    # ---- stages on sequential tiles ([Note: sequential tiles in statistics passes]) ------------------
+    def hooks(self, name: str) -> bool:
+        return name in self.ops and name in self.modules
+
+    def skipped(self, name: str) -> bool:
+        skip = self.skips.get(name)
+        return skip is not None and 0 < self.current <= self.passes and self.current not in skip[0]
+
+    def chunk(self, name: str, module: nn.Module, x: Tensor, chunk: tuple[slice, ...],
+              spans: Sequence[tuple[int, int]], sizes: Sequence[int], original: Callable[[], Tensor]) -> Tensor:
+        """Norm ``name`` on a sub-tile window ``x`` whose chunk ``x[chunk]`` lies at ``spans`` of the
+        window's ``sizes`` pixels at the norm's resolution."""
+        op = self.ops[name]
+        if self.current == 0 or op.stat_pass > self.current:
+            return original()
+        if op.stat_pass == self.current:
+            self._collect(op, x[chunk], tuple(sizes), spans)
+            return x  # read by later passes' ops only
+        w, b, eps = norm_affine(op, module, None, (x,), {})
+        return self.stats.apply_norm(op, x, w, b, eps)
+
+    def _zeros(self, like: Tensor, shape: Sequence[int]) -> Tensor:
+        """Zeros shaped ``shape`` like ``like``, one tensor per shape kept over the passes (made again
+        if anything wrote into it)."""
+        key = (tuple(shape), like.dtype, like.device)
+        got = self._zero.get(key)
+        if got is None or got[0]._version != got[1]:
+            t = like.new_zeros(shape)
+            got = self._zero[key] = (t, t._version)
+        return got[0]
+
+    def _collect(self, op: StatOp, x: Tensor, sizes: tuple[int, ...], bounds: Sequence[tuple[int, int]]) -> None:
+        """Add the part of ``x`` (at ``bounds`` of the window's ``sizes`` pixels at ``op``'s
+        resolution) inside the window's core."""
         if self._window is None:
             raise NowdlError(f"node {op.node!r}: a statistics pass ran without a window; report this")
         win, image = self._window
-        sizes = grid.shape if grid is not None else tuple(x.shape[2:])
         if tuple(sizes) != op.spatial:
             raise NowdlError(f"node {op.node!r} sees a window input of {list(sizes)} pixels, the traced window "
                              f"{list(op.spatial)}: the windows changed shape; report this")
         sl, start = [], []
         for d, ((r0, r1), (c0, c1)) in enumerate(zip(win.read, win.core, strict=True)):
             k0, k1, off = _at(op, d, r0, r1, c0, c1, image[d])
-            lo, hi = grid.bounds(d) if grid is not None else (0, sizes[d])
+            lo, hi = bounds[d]
             a, b = max(k0, lo), min(k1, hi)
             if a >= b:
                 return
@@ -199,6 +245,37 @@ def _at(op: StatOp, d: int, r0: int, r1: int, c0: int, c1: int, size: int) -> tu
     return _whole((c0 - r0) * f, op, d), _whole((c1 - r0) * f, op, d), _whole(r0 * f, op, d)
 
 
+INPUT_CACHE_BYTES = 1 << 30
+"""Host bytes of window inputs :class:`CachedInputs` keeps per image (later windows are read again)."""
+
+
+class CachedInputs:
+    """Each window's input as this rank reads it, kept over one image's statistics passes and its
+    writing pass (every pass reads the same windows: one read each instead of one per pass), up to
+    ``budget`` bytes. A kept tensor changed in place by the forward is read again."""
+
+    def __init__(self, read: Callable[[Window], TiledInput], budget: int = INPUT_CACHE_BYTES) -> None:
+        self.read, self.budget, self.bytes = read, budget, 0
+        self.held: dict[Any, tuple[Tensor, int]] = {}
+
+    def __call__(self, w: Window) -> TiledInput:
+        x = self.read(w)
+        inner = x._read
+
+        def read(idx: tuple[slice, ...]) -> Tensor:
+            key = (w.read, tuple((s.start, s.stop, s.step) for s in idx))
+            got = self.held.get(key)
+            if got is not None and got[0]._version == got[1]:
+                return got[0]
+            t = inner(idx)
+            if got is None and self.bytes + t.numel() * t.element_size() <= self.budget:
+                self.held[key] = (t, t._version)
+                self.bytes += t.numel() * t.element_size()
+            return t
+
+        return TiledInput(x.shape, read, x.dtype)
+
+
 def gather_statistics(runner: Any, spatial: Sequence[int], windows: Sequence[Window], reach: Reach,
                       read: Callable[[Window], Any], on_window: Callable[[], None] | None = None
                       ) -> StatisticsPasses | None:
@@ -214,10 +291,12 @@ def gather_statistics(runner: Any, spatial: Sequence[int], windows: Sequence[Win
     engine = runner._window_engine(read(windows[0]))
     passes: StatisticsPasses | None = getattr(engine, "statistics", None)
     if passes is None:
-        passes = StatisticsPasses(reach.stat_ops, engine.device, reach.prefix)
+        seq = {t.__name__ for t in SEQ_NORMS}
+        passes = StatisticsPasses(reach.stat_ops, engine.device, reach.prefix,
+                                  [node for node, op, *_ in reach.whole if op in seq])
         passes.install(engine)
         engine.statistics = passes
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for k in range(1, passes.passes + 1):
         for w in windows:
             passes.begin(k, w, spatial)
@@ -226,5 +305,5 @@ def gather_statistics(runner: Any, spatial: Sequence[int], windows: Sequence[Win
                 on_window()
         passes.finish(k, spatial)
     passes.current = passes.passes + 1
-    passes.seconds = time.perf_counter() - t0
+    passes.seconds, passes.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     return passes

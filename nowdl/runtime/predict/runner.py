@@ -38,7 +38,7 @@ from nowdl.runtime.launch import faults
 from nowdl.runtime.pipeline.engine import PipelineEngine
 from nowdl.runtime.predict.agreement import Writes, guard, rank_world
 from nowdl.runtime.predict.memory import WindowGuard, with_gpu_memory
-from nowdl.runtime.predict.passes import gather_statistics
+from nowdl.runtime.predict.passes import CachedInputs, gather_statistics
 from nowdl.runtime.predict.shares import chunk_share, tile_piece, window_piece
 from nowdl.runtime.predict.summary import PredictSummary
 from nowdl.runtime.predict.windows import Reach, Window, cached_reach, layout_windows
@@ -293,11 +293,11 @@ def predict_images(cm: Any, images: Sequence[ImageArray], targets: Sequence[Targ
 
                 mask = NodataMask(image, reach.scale, output_nodata(output, reach.out_channels))
             runner = _runner_for(cm, win, timeout_s, backend, weights, watcher.gpu_memory)
-            read = functools.partial(_image_input, image, normalize=normalize)
+            read = CachedInputs(functools.partial(_image_input, image, normalize=normalize))
             passes = gather_statistics(runner, image.spatial, wins, reach, read, tick)  # [Note: statistics passes]
             for i, w in enumerate(wins):
                 watch = measure_memory and watcher.watching(runner)  # [Note: re-plan on memory]
-                out, peak = runner.run_window(_image_input(image, w, normalize),
+                out, peak = runner.run_window(read(w),
                                               measure=measure_memory and i < 2 or watch)
                 summary.add_peak(peak)
                 core_out = tuple((a // f, b // f) for (a, b), f in zip(w.core, reach.scale, strict=True))

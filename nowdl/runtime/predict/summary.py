@@ -36,6 +36,7 @@ class PredictSummary:
     streamed: str = ""
     passes: int = 0
     pass_seconds: float = 0.0
+    pass_cpu_seconds: float = 0.0  # this process's CPU time in the passes (wall minus waiting, on a shared CPU)
     peak: int | None = None
     predicted: int | None = None
     peak_bytes: list[int | None] = field(default_factory=list)
@@ -60,6 +61,7 @@ class PredictSummary:
         if passes is not None:
             self.passes = max(self.passes, passes.passes)
             self.pass_seconds += passes.seconds
+            self.pass_cpu_seconds += passes.cpu_seconds
         if plan is not None and rank < len(plan.ranks):
             self.predicted = max(self.predicted or 0, int(plan.ranks[rank].predicted_peak_bytes))
 

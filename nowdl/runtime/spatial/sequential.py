@@ -31,8 +31,10 @@ weight gradients are returned once (the engine's per-parameter hooks see one acc
 then summed over the tile group with the other tiles' shares. Autocast is re-entered in the
 recomputation as in the forward. BatchNorm (training), InstanceNorm and GroupNorm normalise every
 sub-tile with the whole image's statistics, gathered in statistics passes over the sub-tiles
-([Note: sequential norms] in :mod:`nowdl.runtime.spatial.statistics.seq_norms`). Dropout draws masks
-keyed by image coordinates, the same in every pass and margin ([Note: keyed dropout] in
+([Note: sequential norms] in :mod:`nowdl.runtime.spatial.statistics.seq_norms`); predict's
+statistics passes over an image's windows take them over the whole image instead ([Note:
+sequential tiles in statistics passes] in ``seq_stream``). Dropout draws masks keyed by image
+coordinates, the same in every pass and margin ([Note: keyed dropout] in
 :mod:`nowdl.runtime.spatial.dropout`). Alpha dropout, global pooling and norm modules of other
 types are refused when the stage is built (:func:`nowdl.runtime.spatial.reach.refuse_sequential`).
 """
@@ -57,6 +59,7 @@ from nowdl.runtime.spatial.exchange import Window, fetch_window
 from nowdl.runtime.spatial.precision import autocast_off
 from nowdl.runtime.spatial.reach import node_reach, refuse_sequential, stage_reach
 from nowdl.runtime.spatial.statistics import seq_norms as sn
+from nowdl.runtime.spatial.statistics.seq_stream import StreamHook, stream_forward
 from nowdl.runtime.spatial.tiles import TileGrid
 
 __all__ = ["SequentialTiles", "sub_grid"]
@@ -89,12 +92,14 @@ class _Sub:
     outs: tuple[tuple[Slices, Slices], ...]  # per output: (crop of the window's output, place in the tile)
     chunks: dict[str, Slices]  # per norm: its chunk of the norm's input on the window ([Note: sequential norms])
     origins: dict[str, tuple[int, ...]]  # per keyed dropout: the window's start on the image ([Note: keyed dropout])
+    spans: dict[str, tuple[tuple[int, int], ...]]  # per norm: its chunk in the stage's pixels at the norm's resolution
 
 
 @dataclass(frozen=True)
 class _Layout:
     in_windows: tuple[tuple[Window, ...], ...]  # per input: every GPU's window
     out_shapes: tuple[tuple[int, ...], ...]
+    heads: tuple[tuple[int, ...], ...]  # per output: (N, C) of the traced shape
     subs: tuple[_Sub, ...]
     norm_sizes: dict[str, tuple[int, ...]]  # per norm: its input's spatial size on the whole image
 
@@ -129,6 +134,7 @@ class SequentialTiles:
         self.norms = {n.name: stage.module.get_submodule(str(n.target)) for n in stage.module.graph.nodes
                       if n.name in set(sn.seq_norm_nodes(stage.module))}
         self._levels: dict[frozenset[str], Any] = {}  # active norms -> their NormLevels
+        self.external: StreamHook | None = None  # predict's statistics passes ([Note: sequential tiles in statistics passes])
 
     def _grid(self, n: int) -> tuple[int, ...]:
         return (1,) * (n - len(self.grid)) + self.grid
@@ -145,8 +151,14 @@ class SequentialTiles:
         for t, shape, ws in zip(tiles, shapes, lay.in_windows, strict=True):
             g = TileGrid.for_rank(shape, grid, self.rank, self.ranks)
             wins.append(fetch_window(t, g, ws, self.group))
-        seeds = draw_seeds(self.keyed, self.ranks, self.group, tiles[0].device) if self.keyed else {}
-        outs = _Run.apply(self, lay, seeds, len(wins), *wins, *self.params)
+        hook = self.external
+        if hook is not None and hook.current > 0:
+            with torch.no_grad():
+                outs = stream_forward(self.stage.module, hook, lay.subs, wins, lay.heads,
+                                      [_extent(lay, o, self) for o in range(len(lay.out_shapes))], lay.norm_sizes)
+        else:
+            seeds = draw_seeds(self.keyed, self.ranks, self.group, tiles[0].device) if self.keyed else {}
+            outs = _Run.apply(self, lay, seeds, len(wins), *wins, *self.params)
         ogrids = [TileGrid.for_rank(s, grid, self.rank, self.ranks) for s in lay.out_shapes]
         return list(outs), ogrids
 
@@ -165,14 +177,15 @@ class SequentialTiles:
                           len(self.ranks) == 1)
 
     def _out_shapes(self, tiles: Sequence[Tensor], shapes: Sequence[tuple[int, ...]]
-                    ) -> tuple[list[tuple[int, ...]], dict[str, tuple[int, ...]]]:
+                    ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], dict[str, tuple[int, ...]]]:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         with torch.no_grad(), autocast_off(tiles[0]), FakeTensorMode(allow_non_fake_inputs=True):  # shapes only
             fake = [torch.empty((1, t.shape[1]) + s, dtype=t.dtype) for t, s in zip(tiles, shapes, strict=True)]
             run = sn.ShapeRun(self.stage.module, list(self.norms))
             outs = run.run(*fake)
-        return [tuple(int(v) for v in o.shape[2:]) for o in outs], run.sizes
+        return ([tuple(int(v) for v in o.shape[2:]) for o in outs], [tuple(int(v) for v in o.shape[:2]) for o in outs],
+                run.sizes)
 
     def _layout(self, tiles: Sequence[Tensor], shapes: Sequence[tuple[int, ...]]) -> _Layout:
         n = len(shapes[0])
@@ -181,7 +194,7 @@ class SequentialTiles:
         in_f = [tuple(self._ratio(r, v, "input") for r, v in zip(ref, s, strict=True)) for s in shapes]
         reach = stage_reach(self.stage.module, [tuple(Fraction(f) for f in fs) for fs in in_f])
         n_scale, n_reach, _ = node_reach(self.stage.module, [tuple(Fraction(f) for f in fs) for fs in in_f])
-        out_shapes, norm_sizes = self._out_shapes(tiles, shapes)
+        out_shapes, heads, norm_sizes = self._out_shapes(tiles, shapes)
         for s, f in zip(out_shapes, reach.out_scale, strict=True):
             if any(abs(Fraction(r) / fd - v) >= 1 for r, fd, v in zip(ref, f, s, strict=True)):
                 raise NowdlError(f"stage {self.stage.index}: an output of spatial shape {s} is not the input {ref} "
@@ -223,8 +236,9 @@ class SequentialTiles:
                 outs.append((crop, place))
             subs.append(_Sub(ins, tuple(outs), {nm: self._in_window(nm, ch, win, n_scale[nm])
                                                 for nm, ch in chunks.items()},
-                             {k.node: self._origin(k.node, win, n_scale.get(k.node)) for k in self.keyed}))
-        return _Layout(in_windows, tuple(out_shapes), tuple(subs), norm_sizes)
+                             {k.node: self._origin(k.node, win, n_scale.get(k.node)) for k in self.keyed},
+                             {nm: tuple((a, b) for a, b in ch) for nm, ch in chunks.items()}))
+        return _Layout(in_windows, tuple(out_shapes), tuple(heads), tuple(subs), norm_sizes)
 
     def _in_window(self, node: str, chunk: Sequence[tuple[int, int]], win: Sequence[tuple[int, int]],
                    scale: Sequence[Fraction]) -> Slices:

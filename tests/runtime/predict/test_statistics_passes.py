@@ -3,7 +3,9 @@ whole-image forward ([Note: statistics passes]); the ops no pass can fix are nam
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +16,10 @@ from helpers.norm_nets import norm_net, stream_worker
 from helpers.predict_models import reference
 
 import nowdl
+from nowdl.partitioner.costs.inference import node_forward_s
 from nowdl.plan.purpose import format_whole_image_ops
+from nowdl.profiler import get_device_spec
+from nowdl.runtime.predict.runner import plan_for
 from nowdl.runtime.spatial.statistics.accumulate import Statistics, StatOp
 
 zarr = pytest.importorskip("zarr")
@@ -112,6 +117,30 @@ def test_the_inference_plan_records_passes_and_their_cost() -> None:
     assert "2 statistics pass(es) before the writing pass" in format_whole_image_ops(plan)
 
 
+def test_pass_cost_counts_the_tiled_runtime_per_op() -> None:
+    """On 2 tiles with the spec's ``tile_op_s`` ([Note: tiled runtime overhead]): each node's
+    forward is its profiled time over 2 plus its kind's overhead, the stage's forward their sum,
+    and pass k's prefix the share of the nodes it runs (GroupNet: c1, n1; then up to n2)."""
+    spec = dataclasses.replace(get_device_spec("cpu"), tile_op_s={"conv": 1e-3, "norm": 2e-3})
+    x = torch.empty((1, 1, 64, 64), device="meta")
+    cm = nowdl.compile(norm_net("group"), gpus=2, stages=1, spatial_parts=2, slice="vertical", micro_batches=1,
+                       replicas=1, dp=1, mode="estimate", device_spec=spec, cache=False, progress=False)
+    plan = cm.plan(x, train=False, single=True)
+    prof = cm.profile(x)
+    t = node_forward_s(plan, cm.trace(x).gm, prof, spec.tile_op_s)
+    fwd = {n.name: n.fwd_s / 2 for n in prof.nodes}
+    extra = {"c1": 1e-3, "c2": 1e-3, "c3": 1e-3, "n1": 2e-3, "n2": 2e-3}  # max_pool2d, interpolate: none set
+    assert t == pytest.approx({n: v + extra.get(n, 0.0) for n, v in fwd.items()}, rel=1e-12, abs=1e-15)
+    assert plan.stages[0].predicted["fwd_s"] == pytest.approx(sum(t.values()), rel=1e-9)
+    rec = plan.config["statistics_passes"]
+    assert rec["forward_s"] == pytest.approx(plan.predicted["step_s"], rel=1e-12)
+    total = sum(t.values())
+    first = (t["c1"] + t["n1"]) / total
+    second = sum(t[n] for n in ("c1", "n1", "relu", "max_pool2d", "c2", "n2")) / total
+    assert rec["prefix"] == pytest.approx([first, second], abs=6e-5)  # rounded to 4 places
+    assert rec["seconds_per_window"] == pytest.approx(rec["forward_s"] * (first + second), rel=1e-3)
+
+
 def _check_ranks(tmp_path: Path, world: int, names: list[str], slice_: str) -> None:
     pytest.importorskip("monai")
     src, img = _source(tmp_path, (1, 128, 192))
@@ -125,6 +154,30 @@ def _check_ranks(tmp_path: Path, world: int, names: list[str], slice_: str) -> N
 
 def test_two_ranks_stream_a_monai_unet_and_a_squeeze_excite_net_exactly(tmp_path: Path) -> None:
     _check_ranks(tmp_path, 2, ["monai", "se"], "vertical")
+
+
+def _sequential_worker(rank: int, world: int, source: str, out: str, pins: dict[str, Any]
+                       ) -> tuple[str, list[int], np.ndarray | None]:
+    cm = nowdl.compile(norm_net("monai"), gpus=world, progress=False, cache=False, tiles_per_gpu=2, **pins)
+    line = cm.predict(source, f"{out}/monai.zarr", window=(64, 96)).line()
+    plan = plan_for(cm, torch.empty((1, 1, 64, 96), device="meta"))
+    got = np.asarray(zarr.open_array(f"{out}/monai.zarr/0")[:]) if rank == 0 else None
+    return line, [st.tiles_per_gpu for st in plan.stages], got
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sequential_tiles_stream_exactly(tmp_path: Path, world: int) -> None:
+    """An inference plan whose spatial stage runs 2 sub-tiles per rank: the statistics passes reach
+    its InstanceNorms ([Note: sequential tiles in statistics passes]), the output is the
+    whole-image forward's and the summary says exact."""
+    pytest.importorskip("monai")
+    src, img = _source(tmp_path, (1, 128, 192))
+    pins = {} if world == 1 else {"stages": 1, "spatial_parts": 2, "slice": "vertical", "micro_batches": 1,
+                                  "replicas": 1, "dp": 1}
+    line, tiles, got = run_workers(_sequential_worker, world, src, str(tmp_path), pins, timeout_s=600)[0]
+    assert tiles == [2]
+    assert "exact (margin" in line and "NOT" not in line and "6 statistics pass(es)" in line, line
+    np.testing.assert_allclose(got, reference(norm_net("monai"), img), atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
