@@ -2,12 +2,12 @@
 
 Every case of ``run_cases`` runs in ONE pool of ``WORLD`` processes, one after another (spawning
 and importing torch, timm and smp costs more than most cases); after a failure the remaining
-cases are not run. Each case trains ``STEPS`` SGD steps (momentum 0.9) in float64; then rank 0,
-which holds the trained state dict, trains the same micro-batches on one process with gradient
+cases are not run. Each case trains ``STEPS`` SGD steps (momentum 0.9) in float64; then one rank
+(rank 0 and rank 1 in turns; rank 0, which holds the trained state dict and logits, sends them
+to rank 1 on its turns) trains the same micro-batches on one process with gradient
 accumulation (``helpers.reference.train_reference``) and compares, so that no state dict leaves
-the ranks, while rank 1 runs the case's planner checks (``helpers.zoo_checks``: the refusal to
-tile the net whole, DeepLabV3+'s one-sample refusal; they need no process group; a second check
-would run on rank 0 after its comparison). SGD, not Adam:
+the ranks, while the other runs the case's planner checks (``helpers.zoo_checks``: the refusal to
+tile the net whole, DeepLabV3+'s one-sample refusal), which need no process group. SGD, not Adam:
 Adam divides by the square root of the gradients' second moment, which turns a true gradient of
 zero into steps of about the learning rate and its round-off (1e-16) into weight differences of
 1e-8 on these deep nets.
@@ -44,7 +44,7 @@ TOL = 1e-9  # rtol and atol of every state-dict entry and of eval_step's logits
 class Train:
     net: str
     cfg: dict[str, Any]
-    checks: tuple[str, ...] = ()  # planner checks (helpers.zoo_checks.CHECKS): the i-th on rank (i + 1) % WORLD
+    checks: tuple[str, ...] = ()  # planner checks (helpers.zoo_checks.CHECKS), on the ranks that do not compare
     predict: bool = False  # also cm.predict of a zarr image on the ranks (run_cases' predict_dir)
 
     @property
@@ -104,7 +104,7 @@ class TrainResult:
 
 def _compare(case: Train, model: nn.Module, losses: list[float], sd: dict[str, torch.Tensor],
              pred: torch.Tensor) -> dict[str, Any]:
-    """Rank 0: train ``model`` (the untouched copy) on one process and compare."""
+    """Train ``model`` (the untouched copy) on one process and compare with the ranks' ``sd`` and ``pred``."""
     ref_losses, ref_sd = train_reference(model, _sgd(model.parameters()), _Loss(by_id(case.net).output),
                                          lambda step: _data(case.net, case.total, step), case.total, STEPS)
     with torch.no_grad():  # the ranks run one thread each: so does train_reference, and this
@@ -135,11 +135,25 @@ def _predict(world: int, net_id: str, source: str, out: str) -> str:
     return cm.predict(source, out).line()
 
 
-def _train_one(rank: int, world: int, case: Train, predict_dir: str) -> dict[str, Any]:
+def _to_rank(sd: dict[str, torch.Tensor], pred: Any, rank: int, dst: int) -> tuple[dict[str, torch.Tensor], Any]:
+    """Rank 0's state dict and eval_step logits, on rank ``dst`` too (entry by entry)."""
+    import torch.distributed as dist
+
+    meta = [[(k, tuple(v.shape), v.dtype) for k, v in sd.items()], pred] if rank == 0 else [None, None]
+    dist.broadcast_object_list(meta, src=0)
+    got = {}
+    for k, shape, dtype in meta[0]:  # type: ignore[union-attr]
+        t = sd[k].detach().contiguous() if rank == 0 else torch.empty(shape, dtype=dtype)
+        dist.broadcast(t, src=0)
+        got[k] = t
+    return (got, meta[1]) if rank == dst else ({}, None)
+
+
+def _train_one(rank: int, world: int, case: Train, predict_dir: str, ref_rank: int) -> dict[str, Any]:
     import nowdl
 
     model = build(by_id(case.net)).double()
-    ref_model = copy.deepcopy(model) if rank == 0 else None  # what one process starts from
+    ref_model = copy.deepcopy(model) if rank == ref_rank else None  # what one process starts from
     cfg = {"dp": 1, "replicas": 1, "schedule": "1f1b", **case.cfg}
     cm = nowdl.compile(model, gpus=world, mode="estimate", optimizer=_sgd, loss_fn=_Loss(by_id(case.net).output),
                        cache=False, progress=False, timeout_s=120, **cfg)
@@ -148,13 +162,17 @@ def _train_one(rank: int, world: int, case: Train, predict_dir: str) -> dict[str
     assert plan is not None
     out: dict[str, Any] = {"losses": losses, "layout": [(s.parts, list(s.grid)) for s in plan.stages]}
     sd = cm.state_dict()  # rank 0's; {} elsewhere
-    pred = cm.eval_step(_sample(case.net))
+    pred = cm.eval_step(_sample(case.net))  # rank 0's; None elsewhere
+    pred = None if pred is None else first_tensor(pred)
     del cm
+    if ref_rank != 0:
+        sd, pred = _to_rank(sd, pred, rank, ref_rank)
     if ref_model is not None:
         assert pred is not None
-        out.update(_compare(case, ref_model, losses, sd, first_tensor(pred)))
-    # rank 1 plans meanwhile (no process group), rank 0 after comparing when there are 2 checks
-    out["checks"] = {c: run_check(c, case.net) for i, c in enumerate(case.checks) if (i + 1) % world == rank}
+        out.update(_compare(case, ref_model, losses, sd, pred))
+    # the other rank plans meanwhile (no process group); with more checks than ranks, in turns
+    out["checks"] = {c: run_check(c, case.net) for i, c in enumerate(case.checks)
+                     if (ref_rank + 1 + i) % world == rank}
     if case.predict:
         out["predict_line"] = _predict(world, case.net, f"zarr:{predict_dir}/in.zarr", f"{predict_dir}/out.zarr")
     return out
@@ -168,14 +186,14 @@ def _train_worker(rank: int, world: int, cases: list[tuple[str, Train]], predict
 
     out: dict[str, dict[str, Any] | str] = {}
     first_failure = ""
-    for cid, case in cases:
+    for i, (cid, case) in enumerate(cases):
         if first_failure:
             out[cid] = f"not run: case {first_failure} failed before it"
             continue
         failed = torch.zeros(1)
         t0 = time.perf_counter()
         try:
-            out[cid] = _train_one(rank, world, case, predict_dir)
+            out[cid] = _train_one(rank, world, case, predict_dir, i % world)  # the ranks compare in turns
             out[cid]["secs"] = time.perf_counter() - t0  # type: ignore[index]
         except Exception:
             out[cid] = f"rank {rank}: " + traceback.format_exc()
@@ -206,10 +224,11 @@ def run_cases(cases: dict[str, Train], predict_dir: str = "") -> dict[str, Train
             results[cid] = "\n".join(dict.fromkeys(errors))
             continue
         first = got[0]
+        ref = next(g for g in got if isinstance(g, dict) and "ref_losses" in g)  # the rank that compared
         assert isinstance(first, dict)
         checks = {k: v for g in got if isinstance(g, dict) for k, v in g["checks"].items()}
-        results[cid] = TrainResult(first["losses"], first["ref_losses"], [g["losses"] for g in got],  # type: ignore[index]
-                                   first["layout"], first["keys"], first["off"], first["max_dw"], first["pred_diff"],
+        results[cid] = TrainResult(first["losses"], ref["ref_losses"], [g["losses"] for g in got],  # type: ignore[index]
+                                   first["layout"], ref["keys"], ref["off"], ref["max_dw"], ref["pred_diff"],
                                    checks, first.get("predict_line", ""),
                                    f"{predict_dir}/out.zarr" if cases[cid].predict else "",
                                    [g["secs"] for g in got])  # type: ignore[index]
