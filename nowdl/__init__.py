@@ -18,6 +18,7 @@ from nowdl.errors import (
     OneSampleNormError,
     PlanError,
     ProfileError,
+    TileHaloError,
     TraceError,
 )
 from nowdl.lazy import lazy_exports
@@ -35,7 +36,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "compile", "CompiledModel", "PlannerOptions", "Plan", "TiledInput", "profile", "models", "data",
-    "NowdlError", "TraceError", "OneSampleNormError", "ProfileError", "PlanError", "InfeasibleError", "__version__",
+    "NowdlError", "TraceError", "OneSampleNormError", "ProfileError", "PlanError", "InfeasibleError",
+    "TileHaloError", "__version__",
 ]
 
 __getattr__ = lazy_exports(__name__, {

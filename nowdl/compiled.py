@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch import nn
 
 from nowdl.codegen.chain import StageChain, chain_stages
-from nowdl.errors import InfeasibleError, NowdlError
+from nowdl.errors import InfeasibleError, NowdlError, TileHaloError
 from nowdl.gcpause import gc_paused
 from nowdl.optimizers import OptimizerSlot, optimizer_kind
 from nowdl.options import DeviceSpecLike, LossFn, PlannerOptions, RuntimeOptions
@@ -256,7 +256,7 @@ class CompiledModel:
         try:
             result, secs = timed_search(costs, dataclasses.replace(req, time_limit=left), progress=bar.update)
         except InfeasibleError as e:
-            if not reserve:
+            if not reserve or isinstance(e, TileHaloError):  # no cap would do: [Note: halo wider than a tile]
                 raise
             raise InfeasibleError(f"{e} (each GPU's {format_bytes(cap or 0)} less {format_bytes(sum(reserve.values()))} "
                                   "kept for the CUDA context, NCCL and the allocator's slack: docs/memory.md, "

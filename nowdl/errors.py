@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NowdlError", "TraceError", "OneSampleNormError", "PlanError", "InfeasibleError", "ProfileError", "ReportedError", "error_text"]
+__all__ = ["NowdlError", "TraceError", "OneSampleNormError", "PlanError", "InfeasibleError", "TileHaloError", "ProfileError", "ReportedError", "error_text"]
 
 
 class NowdlError(ValueError):
@@ -35,6 +35,14 @@ class PlanError(NowdlError):
 
 class InfeasibleError(NowdlError):
     """No partition fits the memory cap; the message says the smallest cap or GPU count that would."""
+
+
+class TileHaloError(InfeasibleError):
+    """The pinned spatial parts cut a node's output into tiles narrower than the halo it reads,
+    at any memory cap: ``node`` names the first; the fix is a larger image, fewer parts, or the
+    node on a later non-spatial stage."""
+
+    node: str = ""
 
 
 class ReportedError(NowdlError):

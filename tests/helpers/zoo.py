@@ -96,8 +96,8 @@ NETS: list[ZooNet] = [
            notes="returns a dict {'out': logits}; its head's Dropout(0.1) is set to p=0"),
     ZooNet("tv-deeplabv3_resnet50", "torchvision", _tv("deeplabv3_resnet50"), (2, 3, 32, 32),
            notes="returns a dict {'out': logits}; ASPP pooling branch",
-           tiles="not at 32^2: ASPP's dilation-36 convs at 1/8 of the input read 36 rows past a tile, more "
-           "than a neighbour's 2 (2 tiles need 576 rows)"),
+           tiles="not at 32^2: its dilated convs (4 in layer4, 36 in the ASPP, at 1/8 of the input) read halos wider "
+           "than its 2 tiles, 2 pixels each there (576 pixels hold them)", refused="reads a halo of"),
     ZooNet("timm-resnet18-classifier", "timm", _timm("resnet18", num_classes=3), _RES, output="classes", classes=3,
            tiles="its head (a Linear on the pooled features) needs the whole image", refused="needs the whole image"),
 ]

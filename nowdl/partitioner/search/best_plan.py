@@ -57,8 +57,8 @@ from nowdl.partitioner.search.infeasible import (
     check_tiles_per_gpu,
     describe,
     first_untileable,
-    infeasible_message,
     no_candidate_message,
+    refusal,
 )
 from nowdl.partitioner.search.levers import (
     LEVER_SHARE,
@@ -241,7 +241,7 @@ def search(
             raise InfeasibleError(next(iter(host_refused.values())))
         if untried:
             raise InfeasibleError(out_of_time_message(req, len(cands) - untried, len(cands), searched, costs.mem_cap))
-        raise InfeasibleError(infeasible_message(costs, req, searched, cache, deadline))  # the lattices, splits
+        raise refusal(costs, req, searched, cache, deadline)  # the lattices, splits
     best = min(fitting, key=lambda e: e.key())
     part = finishing_split(best.costs, best.cand, best.problem, best.part, req, cache, deadline)  # [Note: winner refinement]
     if part is not None and host_fits(best.costs, best.cand, part.stage_of):  # not offloads over the host memory

@@ -17,14 +17,14 @@ import dataclasses
 import math
 import time
 
-from nowdl.errors import InfeasibleError, NowdlError
+from nowdl.errors import InfeasibleError, NowdlError, TileHaloError
 from nowdl.partitioner.config.candidate import Candidate, PlanRequest, enumerate_candidates
-from nowdl.partitioner.config.grids import part_counts, tile_counts
-from nowdl.partitioner.costs.costmodel import Costs
+from nowdl.partitioner.config.grids import grid_of, part_counts, tile_counts
+from nowdl.partitioner.costs.costmodel import Costs, spatial_dims_of
 from nowdl.partitioner.costs.sequential_tiles import image_pools
 from nowdl.partitioner.search.batch_split import CostsByBatch
 from nowdl.partitioner.search.bounds import candidate_bounds
-from nowdl.partitioner.search.candidate_problem import candidate_problem
+from nowdl.partitioner.search.candidate_problem import candidate_problem, too_small
 from nowdl.partitioner.search.deadline import refusal_budget
 from nowdl.partitioner.search.model_space import (
     batch_of,
@@ -37,7 +37,7 @@ from nowdl.partitioner.search.pinned import check_tiles_per_gpu, pinned_arithmet
 from nowdl.partitioner.solver import SolveCache, solve
 from nowdl.plan.plan import format_bytes
 
-__all__ = ["cap_text", "describe", "infeasible_message", "leanest", "no_candidate_message", "first_untileable", "BUDGET_S",
+__all__ = ["cap_text", "describe", "infeasible_message", "tile_halo_error", "refusal", "leanest", "no_candidate_message", "first_untileable", "BUDGET_S",
            "MAX_GPUS", "check_tiles_per_gpu", "searched_space"]
 
 BUDGET_S = 20.0  # seconds for the leanest splits of the requested and of the doubled GPU counts
@@ -171,6 +171,15 @@ def infeasible_message(costs: Costs, req: PlanRequest, searched: tuple[float, st
             f"(--gpu-memory), or use more GPUs: {more}{_tiles_hint(costs, req, cap, deadline, cache)}.")
 
 
+def refusal(costs: Costs, req: PlanRequest, searched: tuple[float, str], cache: SolveCache,
+            deadline: float | None = None) -> InfeasibleError:
+    """The error for a search that fitted nothing: a :class:`TileHaloError` when no split was
+    made at all and the pinned tiles are narrower than a node's halo ([Note: halo wider than a
+    tile]), else :func:`infeasible_message`'s."""
+    halo = tile_halo_error(costs, req) if not math.isfinite(searched[0]) else None
+    return halo or InfeasibleError(infeasible_message(costs, req, searched, cache, deadline))
+
+
 def searched_space(costs: Costs, req: PlanRequest) -> str:
     """What the search tried, in words: 'spatial parts up to 64, up to 64 tiles per GPU in turn, ...'."""
     slice_ = req.slice or "square"
@@ -257,3 +266,54 @@ def no_candidate_message(req: PlanRequest, front: bool, untileable: str = "", *,
         + (", and micro-batches x replicas x dp x samples per micro-batch the global batch" if req.global_batch else "")
         + "." + why + " Drop a pinned setting or change gpus."
     )
+
+
+def tile_halo_error(costs: Costs, req: PlanRequest) -> TileHaloError | None:
+    """Why the pinned spatial parts cannot hold the whole net: the first node whose tiles are
+    narrower than the halo it reads (or than one pixel: ``candidate_problem.too_small``), with
+    the widest such halo and the image that would hold it; None when every node fits its tiles.
+
+    [Note: halo wider than a tile] A conv dilated by ``d`` reads ``d`` pixels past its tile at
+    its own scale, and a halo comes from the neighbouring tile only: torchvision's DeepLabV3
+    (dilation 36 at 1/8 of a 32x32 input: tiles of 2 rows) cannot run there on 2 tiles at any
+    memory cap. The fixes are an image large enough, fewer parts, or the node on a later,
+    non-spatial stage (more stages and GPUs)."""
+    parts = max(req.spatial_parts) if isinstance(req.spatial_parts, tuple) else (req.spatial_parts or 1)
+    image = image_of(costs)
+    grid = grid_of(req.slice or "square", parts * (req.tiles_per_gpu or 1), spatial_dims_of(costs.profile))
+    if parts <= 1 or image is None or grid is None:
+        return None
+    small = sorted(too_small(costs, grid))
+    if not small:
+        return None
+    names = "DHW"[-len(image):] if len(image) <= 3 else "".join(str(i) for i in range(len(image)))
+    found = []  # (halo, node, dim, output size, cut, input pixels it needs along dim)
+    for i in small:
+        n = costs.profile.nodes[i]
+        sp = list(n.out_shape[2:]) if n.out_shape is not None else []
+        rule = costs.rules.get(n.name)
+        halo = list(rule.halo) if rule is not None and rule.halo else [0]
+        halo += [halo[-1]] * len(sp)
+        g = [1] * (len(sp) - len(grid)) + list(grid)[-len(sp):]
+        for d, (size, gi, h) in enumerate(zip(sp, g, halo, strict=False)):
+            if gi > 1 and size // gi < max(1, h):
+                dim = d + len(image) - len(sp)
+                found.append((h, n, dim, size, gi, math.ceil(max(1, h) * gi * image[dim] / size)))
+                break
+    h, n, dim, size, gi, _ = found[0]
+    name = n.name
+    kind = f" ({n.target.rsplit('.', 1)[-1]})"
+    reads = (f"reads a halo of {h} pixels along {names[dim]}, wider than its tiles: its output, {size} pixels "
+             f"along {names[dim]} cut in {gi}, leaves {size // gi} per tile" if h else
+             f"has {size} pixels along {names[dim]}, fewer than its {gi} tiles")
+    widest = max(found, key=lambda f: (f[0], f[5]))
+    more = (f"; {len(found) - 1} more node{'s' if len(found) > 2 else ''} too (the widest halo: {widest[1].name!r}, "
+            f"{widest[0]} pixels)" if len(found) > 1 else "")
+    need = max(f[5] for f in found)
+    shape = "x".join(map(str, image))
+    e = TileHaloError(f"Node {name!r}{kind} {reads}, and a halo comes from the neighbouring tile only{more}. "
+            f"spatial_parts={req.spatial_parts} cannot hold it on this {shape} image at any memory cap: give an "
+            f"image of at least {need} pixels along {names[widest[2]]}, fewer spatial parts, or let the spatial "
+            "stages end before it (more stages and GPUs: a non-spatial stage runs it). [Note: halo wider than a tile]")
+    e.node = name
+    return e
