@@ -156,3 +156,20 @@ def test_timm_classifier_plans_at_4096() -> None:
     cm = nowdl.compile(build(net), gpus=4, progress=False, cache=False, mode="estimate")
     big = cm.plan(torch.empty((1, 3, 4096, 4096), device="meta"))
     assert big.model["inputs"] == [[1, 3, 4096, 4096]] and big.stages
+
+
+def test_fpn_predicts_exactly_through_its_stacked_merge(tmp_path: Path) -> None:
+    """smp's FPN stacks its pyramid's levels into an (N, K, C, H, W) value and sums them:
+    ``predict``'s window walk keeps the last dims as the image's, and the output is the
+    whole-image forward's (one process, the image in one window)."""
+    zarr = pytest.importorskip("zarr")
+    net = build(by_id("smp-FPN-resnet34")).eval()
+    img = np.random.default_rng(0).random((3, 32, 64), dtype=np.float32)
+    zarr.save_array(str(tmp_path / "in.zarr"), img)
+    cm = nowdl.compile(net, gpus=1, progress=False, cache=False, mode="estimate")
+    summary = cm.predict(f"zarr:{tmp_path / 'in.zarr'}", str(tmp_path / "out.zarr"), measure_memory=False)
+    assert "exact" in summary.line() and "NOT exact" not in summary.line(), summary.line()
+    got = np.asarray(zarr.open_array(str(tmp_path / "out.zarr" / "0"))[:])
+    with torch.no_grad():
+        ref = first_tensor(net(torch.from_numpy(img)[None]))[0].numpy()
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)

@@ -133,10 +133,21 @@ def _reach_from(d: dict[str, Any]) -> Reach:
                  tuple((str(n), tuple(p), tuple(sh)) for n, p, sh in d["prefix"]))
 
 
+_STACKS = (torch.stack, torch.ops.aten.stack.default)
+
+
 def _spatial(node: object, nd: int) -> tuple[int, ...] | None:
+    """The spatial sizes of ``node``'s (N, C, *spatial) value; a stack of such images along dim 0
+    or 1 (FPN's merge: (N, K, C, *spatial)) keeps its last ``nd`` dims as the spatial ones."""
     tm = node.meta.get("tensor_meta") if isinstance(node, fx.Node) else None
     shape = getattr(tm, "shape", None)
-    if shape is None or len(shape) != nd + 2:
+    if shape is None:
+        return None
+    if len(shape) == nd + 3 and isinstance(node, fx.Node) and node.target in _STACKS:
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+        if isinstance(dim, int) and dim in (0, 1, -nd - 3, -nd - 2):
+            return tuple(int(s) for s in shape[-nd:])
+    if len(shape) != nd + 2:
         return None
     return tuple(int(s) for s in shape[2:])
 
