@@ -31,7 +31,8 @@ weight gradients are returned once (the engine's per-parameter hooks see one acc
 then summed over the tile group with the other tiles' shares. Autocast is re-entered in the
 recomputation as in the forward. BatchNorm (training), InstanceNorm and GroupNorm normalise every
 sub-tile with the whole image's statistics, gathered in statistics passes over the sub-tiles
-([Note: sequential norms] in :mod:`nowdl.runtime.spatial.statistics.seq_norms`). Stochastic dropout, global
+([Note: sequential norms]) or, in the forward, layer-wise from host memory ([Note: layer-wise
+norms], the plan's ``norm_schedule``). Stochastic dropout, global
 pooling and norm modules of other types are refused when the stage is built
 (:func:`nowdl.runtime.spatial.reach.refuse_sequential`).
 """
@@ -54,6 +55,7 @@ from nowdl.geometry import split_bounds
 from nowdl.runtime.spatial.exchange import Window, fetch_window
 from nowdl.runtime.spatial.precision import autocast_off
 from nowdl.runtime.spatial.reach import node_reach, refuse_sequential, stage_reach
+from nowdl.runtime.spatial.statistics import layerwise as lw
 from nowdl.runtime.spatial.statistics import seq_norms as sn
 from nowdl.runtime.spatial.tiles import TileGrid
 
@@ -108,15 +110,19 @@ class SequentialTiles:
         grid: the plan's tile grid (GPUs per spatial dim).
         ranks, rank, group: the tile group (as :class:`nowdl.runtime.spatial.stage.TiledStage`).
         tiles_per_gpu: T, the sub-tiles each GPU runs one after another.
+        norm_schedule: "passes" ([Note: sequential norms]) or "layerwise" ([Note: layer-wise norms]).
 
     Raises:
         NowdlError: a node cannot run on sequential tiles (named, with the fix).
     """
 
     def __init__(self, stage: StageModule, grid: Sequence[int], ranks: Sequence[int], rank: int,
-                 group: dist.ProcessGroup | None, tiles_per_gpu: int) -> None:
+                 group: dist.ProcessGroup | None, tiles_per_gpu: int, norm_schedule: str = "passes") -> None:
         if tiles_per_gpu < 1:
             raise NowdlError(f"stage {stage.index}: tiles_per_gpu={tiles_per_gpu} must be >= 1")
+        if norm_schedule not in ("passes", "layerwise"):
+            raise NowdlError(f"stage {stage.index}: norm_schedule={norm_schedule!r} is neither 'passes' nor 'layerwise'")
+        self.norm_schedule = norm_schedule
         refuse_sequential(stage.module, stage.index, tiles_per_gpu)
         self.stage, self.grid, self.ranks, self.rank, self.group = stage, tuple(grid), tuple(ranks), rank, group
         self.tiles = tiles_per_gpu
@@ -125,6 +131,7 @@ class SequentialTiles:
         self.norms = {n.name: stage.module.get_submodule(str(n.target)) for n in stage.module.graph.nodes
                       if n.name in set(sn.seq_norm_nodes(stage.module))}
         self._levels: dict[frozenset[str], Any] = {}  # active norms -> their NormLevels
+        self.host_peak = 0  # the most bytes a layer-wise forward kept in host memory ([Note: layer-wise norms])
 
     def _grid(self, n: int) -> tuple[int, ...]:
         return (1,) * (n - len(self.grid)) + self.grid
@@ -292,22 +299,29 @@ class _Run(torch.autograd.Function):
     def forward(ctx: Any, run: SequentialTiles, lay: _Layout, n_in: int, *flat: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         wins = flat[:n_in]
         passes = run.norm_passes(lay)
+        cache = None  # [Note: layer-wise norms]
+        if passes is not None and run.norm_schedule == "layerwise":
+            cache = lw.HostCache(wins[0].device, len(lay.subs), lw.layer_plan(run.stage.module, passes.levels))
         outs: list[Tensor] = []
         with torch.no_grad():
             for k in range(1, passes.levels.passes[0] + 1 if passes is not None else 1):  # statistics passes
                 passes.mode, passes.level = "fwd", k  # type: ignore[union-attr]
                 for i, sub in enumerate(lay.subs):
-                    _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)])
+                    _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)], cache)
                 passes.finish_fwd(wins[0].device)  # type: ignore[union-attr]
+                if cache is not None:
+                    run.host_peak = max(run.host_peak, cache.nbytes())
+                    cache.keep_only(cache.plan.keep[k])
             if passes is not None:
                 passes.mode = "apply"
             for i, sub in enumerate(lay.subs):
-                ys = _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)])
+                ys = _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)], cache)
                 if not outs:
                     outs = [y.new_zeros(tuple(y.shape[:2]) + _extent(lay, o, run)) for o, y in enumerate(ys)]
                 for o, (y, (crop, place)) in enumerate(zip(ys, sub.outs, strict=True)):
                     outs[o][place] = y[crop]
                 del ys, y  # one sub-tile's outputs live at a time
+            del cache  # the forward's host copies: not kept for the backward
         dev = wins[0].device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.run, ctx.lay, ctx.n_in, ctx.passes = run, lay, n_in, passes
@@ -359,10 +373,14 @@ class _Run(torch.autograd.Function):
         return (None, None, None, *gw, *gp)
 
 
-def _sub_run(run: SequentialTiles, passes: sn.NormPasses | None, i: int, xs: Sequence[Tensor]) -> Any:
-    """The stage on sub-tile ``i``'s window inputs ``xs`` (its norms as ``passes`` says)."""
+def _sub_run(run: SequentialTiles, passes: sn.NormPasses | None, i: int, xs: Sequence[Tensor],
+             cache: lw.HostCache | None = None) -> Any:
+    """The stage on sub-tile ``i``'s window inputs ``xs`` (its norms as ``passes`` says; ``cache``:
+    a layer-wise forward's, [Note: layer-wise norms])."""
     if passes is None:
         return run.stage.module(*xs)
+    if cache is not None:
+        return lw.CachedRun(run.stage.module, passes, i, cache).run(*xs)
     return sn.NormRun(run.stage.module, passes, i).run(*xs)
 
 

@@ -1,0 +1,129 @@
+"""Norms on sequential tiles, layer-wise: each sub-tile's pass boundaries kept in host memory.
+
+[Note: layer-wise norms] The statistics passes ([Note: sequential norms]) re-run every sub-tile
+from the stage's input up to each level's norms: a stage whose norms sit K deep runs K prefix
+forwards. The *layer-wise* schedule (``StagePlan.norm_schedule == "layerwise"``) runs each node
+of the forward once instead: a node is *valid* after the first forward pass that computes it
+with every norm it reads already normalised (pass k computes the nodes the level-k norms read;
+the level-k norms themselves only hand their input to the statistics then), and pass k+1 (or the
+pass that keeps the outputs) starts from what the earlier passes left: the values of valid nodes
+that a later pass reads, over each sub-tile's window, kept in host memory (pinned on CUDA; a
+copy on CPU) from the pass that computes them until the last pass that reads them. The stage's
+inputs and parameters are never cached (the input window stays on the device in either
+schedule). Every kept value is the one the statistics passes recompute, by the same ops on the
+same window, so both schedules give the same bits. The forward then costs one stage forward plus
+the host copies (the planner: [Note: layer-wise norms cost] in
+``partitioner/costs/seq_norm_modes.py``). The backward's gradient-mean passes are the statistics
+passes' (K recomputations and partial backwards): only the forward is layer-wise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from nowdl.runtime.spatial.statistics.seq_norms import NormLevels, NormPasses, NormRun
+
+__all__ = ["LayerPlan", "layer_plan", "HostCache", "CachedRun"]
+
+_FREE = ("placeholder", "get_attr")  # the stage's window inputs and its parameters: never cached
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What each forward pass of the layer-wise schedule computes, reads and keeps.
+
+    Passes are 1..K (statistics) and K+1 (the pass that keeps the outputs); ``first[v]``: the pass
+    after which node ``v`` is valid; ``compute[k]``: the nodes pass k runs (the free nodes it needs
+    too); ``store[k]``: the nodes pass k copies to host memory; ``keep[k]``: the cached nodes still
+    held after pass k.
+    """
+
+    passes: int
+    first: dict[str, int]
+    compute: dict[int, frozenset[str]]
+    store: dict[int, frozenset[str]]
+    keep: dict[int, frozenset[str]]
+
+
+def layer_plan(gm: fx.GraphModule, levels: NormLevels) -> LayerPlan:
+    """The :class:`LayerPlan` of ``gm`` with norm levels ``levels`` ([Note: layer-wise norms])."""
+    nodes = list(gm.graph.nodes)
+    kf = levels.passes[0]
+    free = {n.name for n in nodes if n.op in _FREE}
+    first: dict[str, int] = {}
+    for k in range(1, kf + 1):
+        for v in levels.needed.get(k, frozenset()):
+            if v not in first and levels.fwd.get(v) != k and v not in free:
+                first[v] = k
+    for n in nodes:
+        first.setdefault(n.name, kf + 1)
+    compute: dict[int, frozenset[str]] = {}
+    for k in range(1, kf + 2):
+        want = levels.needed.get(k, frozenset()) if k <= kf else frozenset(n.name for n in nodes)
+        compute[k] = frozenset(v for v in want if v in free or first[v] >= k)
+    last = {n.name: max((first[u.name] for u in n.users), default=0) for n in nodes}  # the last pass that reads it
+    store = {k: frozenset(n.name for n in nodes if n.name not in free and first[n.name] == k and last[n.name] > k)
+             for k in range(1, kf + 1)}
+    keep = {k: frozenset(n.name for n in nodes if n.name not in free and first[n.name] <= k < last[n.name])
+            for k in range(1, kf + 1)}
+    return LayerPlan(kf, first, compute, store, keep)
+
+
+class HostCache:
+    """Per sub-tile, the kept node values in host memory (pinned when the device is CUDA), for the
+    layer-wise schedule ``plan``."""
+
+    def __init__(self, device: torch.device, subs: int, plan: LayerPlan) -> None:
+        self.device, self.plan = device, plan
+        self.values: list[dict[str, Tensor]] = [{} for _ in range(subs)]
+
+    def put(self, sub: int, node: str, t: Tensor) -> None:
+        if self.device.type == "cuda":
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t)
+        else:
+            host = t.detach().clone()  # a later in-place op must not reach the kept value
+        self.values[sub][node] = host
+
+    def get(self, sub: int, node: str) -> Tensor:
+        t = self.values[sub][node]
+        if self.device.type == "cuda":
+            return t.to(self.device, non_blocking=True)
+        return t.clone()
+
+    def keep_only(self, nodes: frozenset[str]) -> None:
+        """Drop the values no later pass reads."""
+        for vals in self.values:
+            for name in [n for n in vals if n not in nodes]:
+                del vals[name]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for vals in self.values for t in vals.values())
+
+
+class CachedRun(NormRun):
+    """:class:`NormRun` for pass k of the layer-wise schedule (``passes.level`` in a statistics pass,
+    else the last): runs ``compute[k]``, takes the earlier passes' nodes from ``cache`` and keeps
+    ``store[k]`` there."""
+
+    def __init__(self, gm: fx.GraphModule, passes: NormPasses, sub: int, cache: HostCache) -> None:
+        super().__init__(gm, passes, sub)
+        self.needed = None  # what runs is ``compute[k]``
+        self.plan, self.cache = cache.plan, cache
+        self.k = passes.level if passes.mode == "fwd" else cache.plan.passes + 1
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op != "placeholder" and n.name not in self.plan.compute[self.k]:  # placeholders: the arguments, in order
+            if self.plan.first[n.name] < self.k and any(u.name in self.plan.compute[self.k] for u in n.users):
+                return self.cache.get(self.sub, n.name)
+            return None
+        out = super().run_node(n)
+        if n.name in self.plan.store.get(self.k, frozenset()):
+            self.cache.put(self.sub, n.name, out)
+        return out
+
