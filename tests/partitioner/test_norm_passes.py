@@ -3,16 +3,30 @@ time terms (each on its own field, adding up to the stage's time) ([Note: norm p
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from helpers.norm_nets import NormNet
 
 import nowdl
 from nowdl.cli.levers import format_levers
+from nowdl.errors import NowdlError
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.problem import NodeVectors
-from nowdl.partitioner.costs.sequential_tiles import norm_passes, sequential_vectors, time_terms
+from nowdl.partitioner.costs.seqnorms.schedule import layer_wise, refuse_layerwise
+from nowdl.partitioner.costs.sequential_tiles import (
+    norm_passes,
+    schedule_of,
+    sequential_vectors,
+    time_terms,
+    window_inflation,
+)
 from nowdl.partitioner.spatial.tileable import spatial_rules
+from nowdl.plan.plan import Plan
+from nowdl.profiler.devices import BUILTIN_SPECS
 
 
 def _costs(kind: str, side: int = 64, inference: bool = False) -> Costs:
@@ -71,3 +85,86 @@ def test_plan_reports_sequential_terms_apart_from_comm() -> None:
     line = format_levers(plan).splitlines()[-1]
     assert line.startswith("stage 0: 4 tiles per GPU in turn (+") and "forward recomputed in the backward" in line
     assert "on the tiles' margins" in line and "statistics passes for its norms" in line
+
+
+def _host(costs: Costs, memory: float | None, bw: float | None = 1e12, schedule: str = "auto") -> Costs:
+    return dataclasses.replace(costs, host_memory=memory, host_link_bw=bw, norm_schedule=schedule)
+
+
+def test_layerwise_keeps_each_pass_boundary_until_its_last_reader() -> None:
+    """NormNet's layer-wise forward ([Note: layer-wise norms cost]) keeps c1 (read by n1 in pass 2),
+    c2 and the skip relu (read in pass 3) and c3 (read by n3 in the last pass), each read back once."""
+    costs = _costs("gn")
+    lw = layer_wise(costs, norm_passes(costs).norms)
+    names = [n.name for n in costs.profile.nodes]
+    assert {names[i]: lw.reads[i] for i in range(len(names)) if lw.kept[i]} == {"c1": 1, "relu": 1, "c2": 1, "c3": 1}
+    assert [sorted(names[i] for i in k) for k in lw.keep] == [["c1"], ["c2", "relu"], ["c3"]]
+
+
+def test_layerwise_costs_are_the_host_copies_instead_of_the_forward_passes() -> None:
+    """One GPU, 4 tiles, a 1 TB/s host link: the host peak is pass 2's boundary (c2 and relu over the
+    windows), the host time one copy out and one back of every kept output, and the statistics
+    passes' time loses exactly the forward passes' extra forwards; the vectors add up to the terms."""
+    costs = _host(_costs("gn"), 1e9)
+    nodes, n = costs.profile.nodes, len(costs.profile.nodes)
+    w = window_inflation(costs, (2, 2), mean=True)
+    out = {x.name: float(x.out_bytes) for x in nodes}
+    sched = schedule_of(costs, 1, (2, 2))
+    assert (sched.mode, sched.norm) == ("layerwise", "n2")
+    assert sched.host_bytes == pytest.approx((out["c2"] + out["relu"]) * w, rel=1e-12)
+    assert sched.host_s == pytest.approx(2 * (out["c1"] + out["relu"] + out["c2"] + out["c3"]) * w / 1e12, rel=1e-12)
+    passes = norm_passes(costs)
+    a = [f - passes.backward_passes for f in passes.fwd]
+    plain = time_terms(_host(costs, None), range(n), 1, (2, 2))
+    terms = time_terms(costs, range(n), 1, (2, 2))
+    saved = sum(x.fwd_s * ai * w for x, ai in zip(nodes, a, strict=True) if x.out_shape and len(x.out_shape) == 4)
+    assert sched.saved_s == pytest.approx(saved, rel=1e-12) and saved > 0
+    assert terms["norm_passes_s"] == pytest.approx(plain["norm_passes_s"] - saved, rel=1e-12)
+    assert terms["norm_host_s"] == pytest.approx(sched.host_s, rel=1e-12) and "norm_host_s" not in plain
+    base = NodeVectors(act=[0.0] * n, time=[x.time_s for x in nodes], workspace=[0.0] * n, out=[0.0] * n)
+    vec = sequential_vectors(costs, base, 1, 4, (2, 2), 1)
+    work = sum(x.fwd_s + x.bwd_s for x in nodes)
+    assert sum(vec.time) == pytest.approx(work + sum(terms.values()), rel=1e-12)
+
+
+def test_norm_schedule_takes_the_cheaper_that_fits() -> None:
+    """Layer-wise only where the host share holds its peak and its copies cost less than the passes'
+    forwards; pinned, it is taken regardless of time, and refused where it does not fit."""
+    costs = _costs("gn")
+    peak = schedule_of(_host(costs, 1e9), 1, (2, 2)).host_bytes
+    assert schedule_of(_host(costs, peak), 1, (2, 2)).mode == "layerwise"
+    assert schedule_of(_host(costs, peak * 0.99), 1, (2, 2)).mode == "passes"  # does not fit
+    assert schedule_of(_host(costs, None, None), 1, (2, 2)).mode == "passes"  # no host memory
+    slow = schedule_of(_host(costs, 1e9, 1e3), 1, (2, 2))  # 1 kB/s: the copies cost more than the passes
+    assert slow.mode == "passes" and slow.host_s > slow.saved_s
+    assert schedule_of(_host(costs, 1e9, 1e3, "layerwise"), 1, (2, 2)).mode == "layerwise"
+    assert schedule_of(_host(costs, 1e9, schedule="passes"), 1, (2, 2)).mode == "passes"
+    tight = _host(costs, peak * 0.99, schedule="layerwise")
+    with pytest.raises(NowdlError, match=r"^node 'n2': stage 0's layer-wise norm schedule keeps 125.0 KiB per GPU in "
+                                         r"host memory .* but there is the 123.8 KiB per GPU the device spec leaves"):
+        refuse_layerwise(tight, schedule_of(tight, 1, (2, 2)), 0)
+
+
+def test_plan_records_the_norm_schedule(tmp_path: Path) -> None:
+    """A plan on a spec with host memory runs its norms layer-wise, says so per stage and in the
+    levers' lines; a plan without the field (written before it) reads as the passes; a spec whose
+    host memory cannot hold the pinned layer-wise schedule is refused, naming the norm and the bytes."""
+    spec = tmp_path / "spec.json"
+    d = BUILTIN_SPECS["h100"].to_dict()
+    spec.write_text(json.dumps({**d, "name": "host", "host_memory": 2**30, "host_link_bw": 1e12}))
+    opts = nowdl.PlannerOptions(norm_schedule="layerwise")
+    cm = nowdl.compile(NormNet("gn"), gpus=1, mode="estimate", progress=False, cache=False, tiles_per_gpu=4,
+                       device_spec=str(spec), planner=opts)
+    plan = cm.plan(torch.empty(1, 1, 64, 64, device="meta"))
+    st = plan.stages[0]
+    assert st.norm_schedule == "layerwise" and st.predicted["norm_host_bytes"] > 0 and st.predicted["comm_s"] == 0.0
+    assert "norms layer-wise: +" in format_levers(plan) and "per GPU in host memory" in format_levers(plan)
+    old = json.loads(plan.to_json())
+    del old["stages"][0]["norm_schedule"]
+    assert Plan.from_dict(old).stages[0].norm_schedule == ""
+    spec.write_text(json.dumps({**d, "name": "host", "host_memory": 4096, "host_link_bw": 1e12}))
+    cm = nowdl.compile(NormNet("gn"), gpus=1, mode="estimate", progress=False, cache=False, tiles_per_gpu=4,
+                       device_spec=str(spec), planner=opts)
+    with pytest.raises(NowdlError, match=r"^node 'n2': stage 0's layer-wise norm schedule keeps .* per GPU in host "
+                                         r"memory .* 3.2 KiB per GPU the device spec leaves"):
+        cm.plan(torch.empty(1, 1, 64, 64, device="meta"))

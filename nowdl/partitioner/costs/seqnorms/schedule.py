@@ -1,0 +1,156 @@
+"""How a stage of sequential tiles gathers its norms' statistics: passes or layer-wise, and what each costs.
+
+[Note: layer-wise norms cost] A stage of sequential tiles whose norms take the image's
+statistics runs either the statistics passes ([Note: norm passes cost]: node v runs ``a_v``
+extra forwards, the forward levels whose norms it feeds) or the layer-wise forward ([Note:
+layer-wise norms] in ``runtime/spatial/statistics/layerwise.py``): every node runs once in the
+forward, and a node's output that a later pass reads is kept in host memory from the pass that
+makes it valid until the last pass that reads it. Per node v of the layer-wise forward, with
+``w`` the sub-tiles' windows' mean area over the tiles' (``window_inflation(mean=True)``, the
+T windows of a GPU add up to ``w / P`` of the image) and ``out_v`` its output bytes:
+
+- host traffic: ``out_v x w / P x (1 + r_v)`` bytes if v is kept (one copy out, one copy back per
+  later pass that reads it, ``r_v``), at the spec's ``host_link_bw`` and not overlapped with
+  compute: ``host_s``;
+- host memory per GPU: the most bytes kept at once, ``max_k sum_{v kept after pass k} out_v x w / P``
+  (held during the forward of one micro-batch only: nothing is kept for the backward);
+- time saved: the forward passes' ``sum fwd_v x a_v x w / P``. The backward's gradient-mean passes
+  are the same in both (``Kb`` recomputations and partial backwards).
+
+The planner (:func:`norm_schedule`) takes the layer-wise forward where the spec has host memory
+and a host link, its peak fits the GPU's share of host memory (``Costs.host_memory``: 80% of the
+node's ``host_memory`` over its GPUs, the offload's share, [Note: host offload]) and its host time
+is below the forward passes' time; else the passes. ``PlannerOptions(norm_schedule=...)`` pins
+either; a pinned layer-wise schedule that does not fit is refused (:func:`refuse_layerwise`).
+The levels are taken over the whole graph, as for the passes: a stage that ends before the
+model's last norm keeps less than charged (an upper bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nowdl.errors import NowdlError
+from nowdl.partitioner.costs.costmodel import Costs
+from nowdl.plan.plan import format_bytes
+
+__all__ = ["LayerWise", "layer_wise", "NormSchedule", "norm_schedule", "refuse_layerwise", "reached",
+           "NORM_SCHEDULES"]
+
+NORM_SCHEDULES = ("auto", "passes", "layerwise")
+_FREE = ("placeholder", "get_attr")  # the stage's inputs and parameters: never kept in host memory
+
+
+def reached(starts: list[int], edges: Sequence[Sequence[int]]) -> set[int]:
+    """The nodes ``starts`` reach along ``edges`` (``starts`` included)."""
+    seen: set[int] = set()
+    todo = list(starts)
+    while todo:
+        v = todo.pop()
+        if v not in seen:
+            seen.add(v)
+            todo.extend(edges[v])
+    return seen
+
+
+@dataclass(frozen=True)
+class LayerWise:
+    """Per node of the layer-wise forward: whether its output is kept in host memory, the later
+    passes that read it back, and per forward pass k (1..K) the nodes kept after it."""
+
+    kept: list[bool]
+    reads: list[int]
+    keep: list[frozenset[int]]
+    level: list[int]  # per node: the most norms on a path to it (a norm's forward level)
+
+
+def layer_wise(costs: Costs, norms: frozenset[int]) -> LayerWise:
+    """The :class:`LayerWise` of ``costs``'s graph with the norms ``norms`` (node indices), as the
+    runtime's ``layer_plan`` makes it ([Note: layer-wise norms cost])."""
+    nodes = costs.profile.nodes
+    n = len(nodes)
+    prods: list[list[int]] = [[] for _ in range(n)]
+    cons: list[list[int]] = [[] for _ in range(n)]
+    for u, v in costs.edges:
+        prods[v].append(u)
+        cons[u].append(v)
+    depth = [0] * n
+    for v in range(n):  # topological order
+        depth[v] = max((depth[u] for u in prods[v]), default=0) + (v in norms)
+    kf = max((depth[v] for v in norms), default=0)
+    free = {v for v in range(n) if nodes[v].op in _FREE}
+    needed = {k: reached([v for v in norms if depth[v] == k], prods) for k in range(1, kf + 1)}
+    first = [kf + 1] * n
+    for k in range(kf, 0, -1):
+        for v in needed[k]:
+            if v not in free and not (v in norms and depth[v] == k):
+                first[v] = k
+    compute = {k: {v for v in needed[k] if v in free or first[v] >= k} for k in range(1, kf + 1)}
+    compute[kf + 1] = {v for v in range(n) if v in free or first[v] == kf + 1}
+    last = [max((first[c] for c in cons[v]), default=0) for v in range(n)]
+    kept = [v not in free and first[v] <= kf and last[v] > first[v] for v in range(n)]
+    reads = [sum(1 for k in range(first[v] + 1, kf + 2) if any(c in compute[k] for c in cons[v])) if kept[v] else 0
+             for v in range(n)]
+    keep = [frozenset(v for v in range(n) if kept[v] and first[v] <= k < last[v]) for k in range(1, kf + 1)]
+    return LayerWise(kept, reads, keep, depth)
+
+
+@dataclass(frozen=True)
+class NormSchedule:
+    """A sequential-tile stage's choice ([Note: layer-wise norms cost]): ``mode`` "" (no norm takes
+    the image's statistics), "passes" or "layerwise"; the layer-wise figures per GPU and micro-batch
+    (``host_bytes`` its peak in host memory, ``host_s`` its host copies, ``host_node_s`` those per
+    node), ``saved_s`` the forward passes' time it saves, ``norm`` the norm whose statistics the
+    peak waits for."""
+
+    mode: str
+    host_bytes: float = 0.0
+    host_s: float = 0.0
+    saved_s: float = 0.0
+    host_node_s: tuple[float, ...] = ()
+    norm: str = ""
+
+
+def norm_schedule(costs: Costs, norms: frozenset[int], fwd_passes: Sequence[float], parts: int,
+                  window: float) -> NormSchedule:
+    """The schedule a stage of ``parts`` GPUs with windows of mean inflation ``window`` runs;
+    ``fwd_passes``: per node, the extra forwards of the statistics passes' forward (``a_v``)."""
+    if not norms:
+        return NormSchedule("")
+    nodes = costs.profile.nodes
+    lw = layer_wise(costs, norms)
+    share = [float(x.out_bytes) * window / parts for x in nodes]
+    bw = costs.host_link_bw or 0.0
+    node_s = tuple(share[v] * (1 + lw.reads[v]) / bw if lw.kept[v] and bw > 0 else 0.0 for v in range(len(nodes)))
+    held = [sum(share[v] for v in keep) for keep in lw.keep]
+    peak = max(held, default=0.0)
+    at = held.index(peak) + 1 if held else 1  # the pass after which the most is kept: its norms wait
+    norm = next((nodes[v].name for v in sorted(norms) if lw.level[v] == at), "")
+    saved = sum(x.fwd_s * a * window / parts for x, a in zip(nodes, fwd_passes, strict=True))
+    sched = NormSchedule("layerwise", peak, sum(node_s), saved, node_s, norm)
+    fits = bw > 0 and bool(costs.host_memory) and peak <= float(costs.host_memory or 0.0)
+    if costs.norm_schedule == "layerwise" or (costs.norm_schedule == "auto" and fits and sched.host_s < saved):
+        return sched
+    return NormSchedule("passes", peak, sched.host_s, saved, (), norm)
+
+
+def refuse_layerwise(costs: Costs, sched: NormSchedule, stage: int) -> None:
+    """Raise when a pinned layer-wise schedule (``PlannerOptions(norm_schedule="layerwise")``) does
+    not fit the GPU's share of host memory, naming the norm, the bytes and the fixes.
+
+    Raises:
+        NowdlError: the schedule is layer-wise and its peak exceeds ``costs.host_memory`` (or the spec
+            has no host memory or host link).
+    """
+    share = float(costs.host_memory or 0.0)
+    if sched.mode != "layerwise" or (share and costs.host_link_bw and sched.host_bytes <= share):
+        return
+    have = (f"the {format_bytes(share)} per GPU the device spec leaves (80% of its host_memory shared by the "
+            "node's GPUs)" if share and costs.host_link_bw else "no host memory: the device spec has no host_memory "
+            "or no host_link_bw")
+    raise NowdlError(f"node {sched.norm!r}: stage {stage}'s layer-wise norm schedule keeps "
+                     f"{format_bytes(sched.host_bytes)} per GPU in host memory while it waits for this norm's "
+                     f"statistics, but there is {have}: pass PlannerOptions(norm_schedule='passes') (or 'auto'), give "
+                     "the spec a larger host_memory (and a host_link_bw), or use more GPUs or spatial parts (each "
+                     "then keeps a smaller share)")
