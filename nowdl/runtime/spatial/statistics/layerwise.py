@@ -85,7 +85,7 @@ class HostCache:
     def put(self, sub: int, node: str, t: Tensor) -> None:
         if self.device.type == "cuda":
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t)
+            host.copy_(t, non_blocking=True)  # stream-ordered before any copy back
         else:
             host = t.detach().clone()  # a later in-place op must not reach the kept value
         self.values[sub][node] = host
