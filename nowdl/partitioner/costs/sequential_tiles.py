@@ -222,7 +222,7 @@ def sequential_vectors(costs: Costs, base: NodeVectors, parts: int, tiles: int, 
     reach = window_margins(costs) if costs.inference else margins(costs)
     window = window_inflation(costs, grid)  # training: every node computes over the runtime's window
     window_mean = window_inflation(costs, grid, mean=True)  # time: all T windows, one after another
-    sched = _schedule(costs, passes, parts, window_mean)
+    sched = _schedule(costs, passes, parts, window_mean, inflight)
     for i, (n, a, t, w, m) in enumerate(zip(nodes, base.act, base.time, base.workspace, reach, strict=True)):
         f = inflation(n.out_shape, grid, m) if costs.inference or not _spatial(n.out_shape) else window
         halo_s = max(0.0, t - n.time_s / parts)  # what the P-part stage pays between GPUs
@@ -234,27 +234,32 @@ def sequential_vectors(costs: Costs, base: NodeVectors, parts: int, tiles: int, 
         whole = n.op in ("placeholder", "output")  # the input tile; the loss on the whole output
         act.append(float(a) if whole else a * f / tiles / max(1, inflight))
         tf = window_mean if f == window else f
-        extra = n.fwd_s * _fwd_extra(passes, sched, i) + n.bwd_s * passes.bwd[i]
+        extra = n.fwd_s * _fwd_extra(passes, sched, i) + n.bwd_s * _bwd_extra(passes, sched, i)
         time.append(halo_s + (2 * n.fwd_s + n.bwd_s + extra) * tf / parts + _host_s(sched, i))
         held_norm = _xhat_bytes(n, base.out[i]) if i in passes.norms else 0.0
         ws.append(float(w) if n.op == "output" else (w + held_norm) * f / tiles)
     return NodeVectors(act=act, time=time, workspace=ws, out=list(base.out))
 
 
-def _schedule(costs: Costs, passes: NormPasses, parts: int, window: float) -> NormSchedule:
+def _schedule(costs: Costs, passes: NormPasses, parts: int, window: float, inflight: int = 1) -> NormSchedule:
     """The norm schedule of a stage of ``parts`` GPUs ([Note: layer-wise norms cost])."""
-    a = [f - passes.backward_passes for f in passes.fwd]  # the forward passes' extra forwards
-    return norm_schedule(costs, passes.norms, a, parts, window)
+    extra = [x.fwd_s * f + x.bwd_s * b for x, f, b in zip(costs.profile.nodes, passes.fwd, passes.bwd, strict=True)]
+    return norm_schedule(costs, passes.norms, extra, parts, window, inflight)
 
 
-def schedule_of(costs: Costs, parts: int, grid: Sequence[int]) -> NormSchedule:
+def schedule_of(costs: Costs, parts: int, grid: Sequence[int], inflight: int = 1) -> NormSchedule:
     """The norm schedule a stage of ``parts`` GPUs over the whole ``grid`` (P x T tiles) runs."""
-    return _schedule(costs, norm_passes(costs), parts, window_inflation(costs, grid, mean=True))
+    return _schedule(costs, norm_passes(costs), parts, window_inflation(costs, grid, mean=True), inflight)
 
 
 def _fwd_extra(passes: NormPasses, sched: NormSchedule, i: int) -> float:
-    """Node ``i``'s extra forwards: the passes' (the backward's only, layer-wise)."""
-    return float(passes.backward_passes) if sched.mode == "layerwise" else passes.fwd[i]
+    """Node ``i``'s extra forwards: the passes' (layer-wise: the norms' sums in the backward)."""
+    return float(sched.sums[i]) if sched.mode == "layerwise" else passes.fwd[i]
+
+
+def _bwd_extra(passes: NormPasses, sched: NormSchedule, i: int) -> float:
+    """Node ``i``'s extra backwards: the passes' (none layer-wise)."""
+    return 0.0 if sched.mode == "layerwise" else passes.bwd[i]
 
 
 def _host_s(sched: NormSchedule, i: int) -> float:
@@ -291,13 +296,13 @@ def sequential_problem(costs: Costs, problem: Problem, *, stages: Sequence[int],
     return dataclasses.replace(problem, variants=variants, stages=specs, tileable=tileable)
 
 
-def time_terms(costs: Costs, nodes: Sequence[int], parts: int, grid: Sequence[int]) -> dict[str, float]:
+def time_terms(costs: Costs, nodes: Sequence[int], parts: int, grid: Sequence[int], inflight: int = 1) -> dict[str, float]:
     """The parts of a sequential-tile stage's time (per micro-batch, per GPU) beyond its nodes'
     work: ``seq_recompute_s``, ``seq_margin_s``, ``norm_passes_s`` ([Note: sequential tiles cost])
     and, layer-wise, ``norm_host_s`` (its host copies, [Note: layer-wise norms cost])."""
     passes = norm_passes(costs)
     window = window_inflation(costs, grid, mean=True)
-    sched = _schedule(costs, passes, parts, window)
+    sched = _schedule(costs, passes, parts, window, inflight)
     reach = window_margins(costs) if costs.inference else []
     out = {"seq_recompute_s": 0.0, "seq_margin_s": 0.0, "norm_passes_s": 0.0}
     if sched.mode == "layerwise":
@@ -312,7 +317,7 @@ def time_terms(costs: Costs, nodes: Sequence[int], parts: int, grid: Sequence[in
         if not costs.inference:
             out["seq_recompute_s"] += n.fwd_s * f / parts
         out["seq_margin_s"] += (n.fwd_s + (0.0 if costs.inference else n.bwd_s)) * (f - 1) / parts
-        out["norm_passes_s"] += (n.fwd_s * _fwd_extra(passes, sched, i) + n.bwd_s * passes.bwd[i]) * f / parts
+        out["norm_passes_s"] += (n.fwd_s * _fwd_extra(passes, sched, i) + n.bwd_s * _bwd_extra(passes, sched, i)) * f / parts
     return out
 
 

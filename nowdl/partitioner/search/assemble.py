@@ -95,9 +95,10 @@ def build_plan(
     # [Note: freed by the peak]; the solvers' bound does not hold the fused runs' workspace: added here
     peak = [part.stage_mem[s] + mem[s]["fused_bytes"] - mem[s]["freed_bytes"] for s in range(k)]
     whole = stage_grids(costs, cand) if seq else []
-    terms = [time_terms(costs, [i for i, st in enumerate(part.stage_of) if st == s], parts[s], whole[s])
+    inflight = cand.inflight()
+    terms = [time_terms(costs, [i for i, st in enumerate(part.stage_of) if st == s], parts[s], whole[s], inflight[s])
              if s in seq else {} for s in range(k)]  # [Note: sequential tiles cost]
-    norms = [schedule_of(costs, parts[s], whole[s]) if s in seq else None for s in range(k)]
+    norms = [schedule_of(costs, parts[s], whole[s], inflight[s]) if s in seq else None for s in range(k)]
     for s, sched in enumerate(norms):  # [Note: layer-wise norms cost]
         if sched is not None:
             refuse_layerwise(costs, sched, s)

@@ -25,16 +25,13 @@ whole image, so forward and backward are exact (float64: to rounding).
 The forward keeps no activations (each sub-tile runs under ``no_grad``); only the GPU's input
 window and output tiles stay between forward and backward. The backward recomputes each
 sub-tile with autograd, seeds it with its region of the output gradient, and sums the window
-gradients (overlapping margins add up) and the weight gradients over the sub-tiles; the halo
-part of the input gradient goes back to the neighbouring GPUs as any halo gradient does, and the
-weight gradients are returned once (the engine's per-parameter hooks see one accumulation),
-then summed over the tile group with the other tiles' shares. Autocast is re-entered in the
-recomputation as in the forward. BatchNorm (training), InstanceNorm and GroupNorm normalise every
-sub-tile with the whole image's statistics, gathered in statistics passes over the sub-tiles
-([Note: sequential norms]) or, in the forward, layer-wise from host memory ([Note: layer-wise
-norms], the plan's ``norm_schedule``). Stochastic dropout, global
-pooling and norm modules of other types are refused when the stage is built
-(:func:`nowdl.runtime.spatial.reach.refuse_sequential`).
+gradients (overlapping margins add up) and the weight gradients over the sub-tiles (returned
+once, then summed over the tile group); the halo part of the input gradient goes back to the
+neighbouring GPUs. Autocast is re-entered in the recomputation. BatchNorm (training),
+InstanceNorm and GroupNorm normalise every sub-tile with the whole image's statistics, gathered
+in statistics passes ([Note: sequential norms]) or layer-wise from host memory ([Note:
+layer-wise norms], [Note: layer-wise backward]; the plan's ``norm_schedule``). Stochastic
+dropout, global pooling and other norm modules are refused when the stage is built.
 """
 
 from __future__ import annotations
@@ -56,6 +53,7 @@ from nowdl.runtime.spatial.exchange import Window, fetch_window
 from nowdl.runtime.spatial.precision import autocast_off
 from nowdl.runtime.spatial.reach import node_reach, refuse_sequential, stage_reach
 from nowdl.runtime.spatial.statistics import layerwise as lw
+from nowdl.runtime.spatial.statistics import layerwise_bwd as lwb
 from nowdl.runtime.spatial.statistics import seq_norms as sn
 from nowdl.runtime.spatial.tiles import TileGrid
 
@@ -299,9 +297,8 @@ class _Run(torch.autograd.Function):
     def forward(ctx: Any, run: SequentialTiles, lay: _Layout, n_in: int, *flat: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         wins = flat[:n_in]
         passes = run.norm_passes(lay)
-        cache = None  # [Note: layer-wise norms]
-        if passes is not None and run.norm_schedule == "layerwise":
-            cache = lw.HostCache(wins[0].device, len(lay.subs), lw.layer_plan(run.stage.module, passes.levels))
+        cache = lw.host_cache(run.stage.module, passes, run.norm_schedule, wins[0].device, len(lay.subs),
+                              any(ctx.needs_input_grad))  # None: the statistics passes
         outs: list[Tensor] = []
         with torch.no_grad():
             for k in range(1, passes.levels.passes[0] + 1 if passes is not None else 1):  # statistics passes
@@ -321,10 +318,9 @@ class _Run(torch.autograd.Function):
                 for o, (y, (crop, place)) in enumerate(zip(ys, sub.outs, strict=True)):
                     outs[o][place] = y[crop]
                 del ys, y  # one sub-tile's outputs live at a time
-            del cache  # the forward's host copies: not kept for the backward
         dev = wins[0].device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.run, ctx.lay, ctx.n_in, ctx.passes = run, lay, n_in, passes
+        ctx.run, ctx.lay, ctx.n_in, ctx.passes, ctx.keep = run, lay, n_in, passes, getattr(cache, "bwd", None)
         ctx.save_for_backward(*wins)
         return tuple(outs)
 
@@ -341,6 +337,11 @@ class _Run(torch.autograd.Function):
         dev, on, dtype = ctx.autocast
         passes: sn.NormPasses | None = ctx.passes
         with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
+            if ctx.keep is not None and passes is not None:  # [Note: layer-wise backward]
+                gw, got = lwb.layerwise_backward(run.stage.module, passes, ctx.lay.subs, wins, gys, need_w, params,
+                                                 ctx.keep, _roots)
+                gp = [got.pop(0) if nd else None for nd in need_p]
+                return (None, None, None, *gw, *gp)
             for k in range(1, passes.levels.passes[1] + 1 if passes is not None else 1):  # gradient means
                 passes.mode, passes.level = "bwd", k  # type: ignore[union-attr]
                 for i, sub in enumerate(ctx.lay.subs):

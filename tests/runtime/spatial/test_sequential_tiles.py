@@ -327,7 +327,8 @@ def test_sequential_tiles_with_norms_under_bf16_against_the_same_plan_without() 
 def test_layerwise_schedule_runs_each_node_once_and_keeps_the_pass_boundaries() -> None:
     """NormNet's norms at forward levels 1, 2, 3 ([Note: layer-wise norms]): each node runs in one
     forward pass (the norm of level k in pass k + 1); host memory keeps what a later pass reads
-    (the skip ``relu`` from pass 2 until pass 3 reads it), and nothing the stage's input gives."""
+    (the skip ``relu`` from pass 2 until pass 3 reads it), and nothing the stage's input gives;
+    the backward runs one segment per backward level."""
     import torch.fx as fx
 
     from nowdl.runtime.spatial.statistics import layerwise as lw
@@ -341,3 +342,8 @@ def test_layerwise_schedule_runs_each_node_once_and_keeps_the_pass_boundaries() 
                     4: ["head", "n3", "output", "relu_2"]}
     assert {k: sorted(v) for k, v in plan.store.items()} == {1: ["c1"], 2: ["c2", "relu"], 3: ["c3"]}
     assert {k: sorted(v) for k, v in plan.keep.items()} == {1: ["c1"], 2: ["c2", "relu"], 3: ["c3"]}
+    # the backward ([Note: layer-wise backward]): segments by backward level, each started from the
+    # norms' outputs and the skip relu kept from the forward
+    assert {k: sorted(v) for k, v in plan.segment.items()} == {0: ["head", "output", "relu_2"], 1: [
+        "c3", "cat", "n3", "relu_1", "up"], 2: ["c2", "n2", "relu"], 3: ["c1", "n1"]}
+    assert plan.sums == {j: plan.segment[j] for j in (1, 2, 3)} and sorted(plan.boundary) == ["n1", "n2", "n3", "relu"]

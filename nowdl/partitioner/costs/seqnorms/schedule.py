@@ -63,6 +63,13 @@ class LayerWise:
     reads: list[int]
     keep: list[frozenset[int]]
     level: list[int]  # per node: the most norms on a path to it (a norm's forward level)
+    # the backward ([Note: layer-wise backward]): per node, whether the backward reads its forward
+    # value from host memory (a user of a lower backward level), the extra forwards of the norms'
+    # sums (1: in the part of its segment its level's norms read), and its host copies in the
+    # backward, in units of its output on the windows
+    boundary: list[bool]
+    sums: list[int]
+    bwd_copies: list[int]
 
 
 def layer_wise(costs: Costs, norms: frozenset[int]) -> LayerWise:
@@ -93,7 +100,27 @@ def layer_wise(costs: Costs, norms: frozenset[int]) -> LayerWise:
     reads = [sum(1 for k in range(first[v] + 1, kf + 2) if any(c in compute[k] for c in cons[v])) if kept[v] else 0
              for v in range(n)]
     keep = [frozenset(v for v in range(n) if kept[v] and first[v] <= k < last[v]) for k in range(1, kf + 1)]
-    return LayerWise(kept, reads, keep, depth)
+    back = [0] * n
+    for v in range(n - 1, -1, -1):
+        back[v] = max((back[c] for c in cons[v]), default=0) + (v in norms)
+    in_sums: set[int] = set()
+    for j in range(1, max((back[v] for v in norms), default=0) + 1):
+        todo, seen = [v for v in norms if back[v] == j], set()
+        while todo:
+            v = todo.pop()
+            if v not in seen and v not in free and back[v] == j:
+                seen.add(v)
+                todo.extend(prods[v])
+        in_sums |= seen
+    boundary = [v not in free and any(back[c] < back[v] for c in cons[v]) for v in range(n)]
+    copies = []
+    for v in range(n):
+        segs = {back[c] for c in cons[v] if back[c] != back[v]}  # the lower segments that read it
+        sums_segs = {back[c] for c in cons[v] if c in in_sums and back[c] != back[v]}
+        # forward value: out once, back per segment and per sums run; gradient: out per segment,
+        # back to add the next segment's, back as a seed (and for its norm's sums)
+        copies.append(1 + 3 * len(segs) + len(sums_segs) + (v in norms) if boundary[v] else 0)
+    return LayerWise(kept, reads, keep, depth, boundary, [int(v in in_sums) for v in range(n)], copies)
 
 
 @dataclass(frozen=True)
@@ -110,25 +137,30 @@ class NormSchedule:
     saved_s: float = 0.0
     host_node_s: tuple[float, ...] = ()
     norm: str = ""
+    sums: tuple[int, ...] = ()  # per node, layer-wise: the extra forwards of the norms' sums
 
 
-def norm_schedule(costs: Costs, norms: frozenset[int], fwd_passes: Sequence[float], parts: int,
-                  window: float) -> NormSchedule:
-    """The schedule a stage of ``parts`` GPUs with windows of mean inflation ``window`` runs;
-    ``fwd_passes``: per node, the extra forwards of the statistics passes' forward (``a_v``)."""
+def norm_schedule(costs: Costs, norms: frozenset[int], passes_s: Sequence[float], parts: int,
+                  window: float, inflight: int = 1) -> NormSchedule:
+    """The schedule a stage of ``parts`` GPUs with windows of mean inflation ``window`` and
+    ``inflight`` micro-batches in flight runs; ``passes_s``: per node, the seconds the statistics
+    passes add (forwards and backwards, before the window and the parts)."""
     if not norms:
         return NormSchedule("")
     nodes = costs.profile.nodes
     lw = layer_wise(costs, norms)
     share = [float(x.out_bytes) * window / parts for x in nodes]
     bw = costs.host_link_bw or 0.0
-    node_s = tuple(share[v] * (1 + lw.reads[v]) / bw if lw.kept[v] and bw > 0 else 0.0 for v in range(len(nodes)))
+    node_s = tuple(share[v] * ((1 + lw.reads[v] if lw.kept[v] else 0) + lw.bwd_copies[v]) / bw if bw > 0 else 0.0
+                   for v in range(len(nodes)))
     held = [sum(share[v] for v in keep) for keep in lw.keep]
-    peak = max(held, default=0.0)
-    at = held.index(peak) + 1 if held else 1  # the pass after which the most is kept: its norms wait
+    fwd_peak = max(held, default=0.0)
+    at = held.index(fwd_peak) + 1 if held else 1  # the pass after which the most is kept: its norms wait
     norm = next((nodes[v].name for v in sorted(norms) if lw.level[v] == at), "")
-    saved = sum(x.fwd_s * a * window / parts for x, a in zip(nodes, fwd_passes, strict=True))
-    sched = NormSchedule("layerwise", peak, sum(node_s), saved, node_s, norm)
+    bound = sum(share[v] for v in range(len(nodes)) if lw.boundary[v])  # kept from forward to backward
+    peak = inflight * bound + max(fwd_peak, bound)  # the gradients at the boundary: at most its size
+    saved = sum((p - x.fwd_s * s) * window / parts for x, p, s in zip(nodes, passes_s, lw.sums, strict=True))
+    sched = NormSchedule("layerwise", peak, sum(node_s), saved, node_s, norm, tuple(lw.sums))
     fits = bw > 0 and bool(costs.host_memory) and peak <= float(costs.host_memory or 0.0)
     if costs.norm_schedule == "layerwise" or (costs.norm_schedule == "auto" and fits and sched.host_s < saved):
         return sched
@@ -149,8 +181,8 @@ def refuse_layerwise(costs: Costs, sched: NormSchedule, stage: int) -> None:
     have = (f"the {format_bytes(share)} per GPU the device spec leaves (80% of its host_memory shared by the "
             "node's GPUs)" if share and costs.host_link_bw else "no host memory: the device spec has no host_memory "
             "or no host_link_bw")
-    raise NowdlError(f"node {sched.norm!r}: stage {stage}'s layer-wise norm schedule keeps "
-                     f"{format_bytes(sched.host_bytes)} per GPU in host memory while it waits for this norm's "
-                     f"statistics, but there is {have}: pass PlannerOptions(norm_schedule='passes') (or 'auto'), give "
-                     "the spec a larger host_memory (and a host_link_bw), or use more GPUs or spatial parts (each "
-                     "then keeps a smaller share)")
+    raise NowdlError(f"node {sched.norm!r}: stage {stage}'s norms run layer-wise keep {format_bytes(sched.host_bytes)} "
+                     "per GPU in host memory (their pass boundaries and the values the backward starts from, over "
+                     f"the sub-tiles' windows, per micro-batch in flight), but there is {have}: pass "
+                     "PlannerOptions(norm_schedule='passes') (or 'auto'), give the spec a larger host_memory (and a "
+                     "host_link_bw), or use more GPUs or spatial parts (each then keeps a smaller share)")

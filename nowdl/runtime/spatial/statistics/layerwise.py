@@ -28,7 +28,7 @@ from torch import Tensor
 
 from nowdl.runtime.spatial.statistics.seq_norms import NormLevels, NormPasses, NormRun
 
-__all__ = ["LayerPlan", "layer_plan", "HostCache", "CachedRun"]
+__all__ = ["LayerPlan", "layer_plan", "HostCache", "host_cache", "CachedRun"]
 
 _FREE = ("placeholder", "get_attr")  # the stage's window inputs and its parameters: never cached
 
@@ -48,6 +48,14 @@ class LayerPlan:
     compute: dict[int, frozenset[str]]
     store: dict[int, frozenset[str]]
     keep: dict[int, frozenset[str]]
+    # the backward ([Note: layer-wise norms]): per node its backward level (the most norms on a
+    # path from it to the outputs), per level j its *segment* (the nodes of level j), the nodes
+    # of the segment the level-j norms read, and the nodes whose forward values the backward reads
+    # from host memory (those with a user of a lower level)
+    back: dict[str, int]
+    segment: dict[int, frozenset[str]]
+    sums: dict[int, frozenset[str]]
+    boundary: frozenset[str]
 
 
 def layer_plan(gm: fx.GraphModule, levels: NormLevels) -> LayerPlan:
@@ -71,16 +79,37 @@ def layer_plan(gm: fx.GraphModule, levels: NormLevels) -> LayerPlan:
              for k in range(1, kf + 1)}
     keep = {k: frozenset(n.name for n in nodes if n.name not in free and first[n.name] <= k < last[n.name])
             for k in range(1, kf + 1)}
-    return LayerPlan(kf, first, compute, store, keep)
+    active = set(levels.fwd)
+    back: dict[str, int] = {}
+    for n in reversed(nodes):
+        back[n.name] = max((back[u.name] for u in n.users), default=0) + (n.name in active)
+    kb = max((back[v] for v in active), default=0)
+    segment = {j: frozenset(n.name for n in nodes if back[n.name] == j and n.name not in free) for j in range(kb + 1)}
+    by_name = {n.name: n for n in nodes}
+    sums: dict[int, frozenset[str]] = {}
+    for j in range(1, kb + 1):
+        seen: set[str] = set()
+        todo = [v for v in active if back[v] == j]
+        while todo:
+            v = todo.pop()
+            if v not in seen and v in segment[j]:
+                seen.add(v)
+                todo.extend(a.name for a in by_name[v].all_input_nodes)
+        sums[j] = frozenset(seen)
+    boundary = frozenset(n.name for n in nodes if n.name not in free
+                         and any(back[u.name] < back[n.name] for u in n.users))
+    return LayerPlan(kf, first, compute, store, keep, back, segment, sums, boundary)
 
 
 class HostCache:
     """Per sub-tile, the kept node values in host memory (pinned when the device is CUDA), for the
     layer-wise schedule ``plan``."""
 
-    def __init__(self, device: torch.device, subs: int, plan: LayerPlan) -> None:
+    def __init__(self, device: torch.device, subs: int, plan: LayerPlan, backward: bool = False) -> None:
         self.device, self.plan = device, plan
         self.values: list[dict[str, Tensor]] = [{} for _ in range(subs)]
+        # the boundary values the backward starts from, kept from the forward
+        self.bwd = HostCache(device, subs, plan) if backward else None
 
     def put(self, sub: int, node: str, t: Tensor) -> None:
         if self.device.type == "cuda":
@@ -89,6 +118,12 @@ class HostCache:
         else:
             host = t.detach().clone()  # a later in-place op must not reach the kept value
         self.values[sub][node] = host
+
+    def add(self, sub: int, node: str, t: Tensor) -> None:
+        """Add ``t`` to the kept value (a gradient from one more segment), or keep it."""
+        if node in self.values[sub]:
+            t = self.get(sub, node).add_(t)
+        self.put(sub, node, t)
 
     def get(self, sub: int, node: str) -> Tensor:
         t = self.values[sub][node]
@@ -106,6 +141,16 @@ class HostCache:
         return sum(t.numel() * t.element_size() for vals in self.values for t in vals.values())
 
 
+def host_cache(gm: fx.GraphModule, passes: NormPasses | None, schedule: str, device: torch.device, subs: int,
+               backward: bool) -> HostCache | None:
+    """The host cache of a micro-batch's layer-wise forward (keeping what the layer-wise backward
+    reads too when ``backward``); None unless ``schedule`` is "layerwise" and some norm takes the
+    image's statistics."""
+    if passes is None or schedule != "layerwise":
+        return None
+    return HostCache(device, subs, layer_plan(gm, passes.levels), backward)
+
+
 class CachedRun(NormRun):
     """:class:`NormRun` for pass k of the layer-wise schedule (``passes.level`` in a statistics pass,
     else the last): runs ``compute[k]``, takes the earlier passes' nodes from ``cache`` and keeps
@@ -114,7 +159,7 @@ class CachedRun(NormRun):
     def __init__(self, gm: fx.GraphModule, passes: NormPasses, sub: int, cache: HostCache) -> None:
         super().__init__(gm, passes, sub)
         self.needed = None  # what runs is ``compute[k]``
-        self.plan, self.cache = cache.plan, cache
+        self.plan, self.cache, self.keep = cache.plan, cache, cache.bwd
         self.k = passes.level if passes.mode == "fwd" else cache.plan.passes + 1
 
     def run_node(self, n: fx.Node) -> Any:
@@ -125,5 +170,7 @@ class CachedRun(NormRun):
         out = super().run_node(n)
         if n.name in self.plan.store.get(self.k, frozenset()):
             self.cache.put(self.sub, n.name, out)
+        if self.keep is not None and n.name in self.plan.boundary and self.plan.first[n.name] == self.k:
+            self.keep.put(self.sub, n.name, out)  # valid now: the value the backward starts from
         return out
 
