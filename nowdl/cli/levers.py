@@ -68,7 +68,7 @@ def _norm_text(s: StagePlan, m: int) -> str:
     its host copies and host memory; "" for a stage without such norms."""
     q = s.predicted
     if s.norm_schedule == "layerwise":
-        return (f", norms layer-wise: +{_time(m * float(q.get('norm_passes_s', 0.0)))}/step gradient-mean passes, +"
+        return (f", norms layer-wise: +{_time(m * float(q.get('norm_passes_s', 0.0)))}/step forward for their sums, +"
                 f"{_time(m * float(q.get('norm_host_s', 0.0)))}/step host copies, "
                 f"{format_bytes(float(q.get('norm_host_bytes', 0.0)))} per GPU in host memory")
     return f", +{_time(m * float(q['norm_passes_s']))}/step statistics passes for its norms" if q.get("norm_passes_s") else ""

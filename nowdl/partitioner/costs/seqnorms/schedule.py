@@ -1,26 +1,32 @@
 """How a stage of sequential tiles gathers its norms' statistics: passes or layer-wise, and what each costs.
 
 [Note: layer-wise norms cost] A stage of sequential tiles whose norms take the image's
-statistics runs either the statistics passes ([Note: norm passes cost]: node v runs ``a_v``
-extra forwards, the forward levels whose norms it feeds) or the layer-wise forward ([Note:
-layer-wise norms] in ``runtime/spatial/statistics/layerwise.py``): every node runs once in the
-forward, and a node's output that a later pass reads is kept in host memory from the pass that
-makes it valid until the last pass that reads it. Per node v of the layer-wise forward, with
-``w`` the sub-tiles' windows' mean area over the tiles' (``window_inflation(mean=True)``, the
-T windows of a GPU add up to ``w / P`` of the image) and ``out_v`` its output bytes:
+statistics runs either the statistics passes ([Note: norm passes cost]: node v runs ``a_v + Kb``
+extra forwards and ``b_v`` extra backwards) or the layer-wise schedule ([Note: layer-wise norms],
+[Note: layer-wise backward] in ``runtime/spatial/statistics/``): the forward runs every node
+once, keeping in host memory what a later pass reads and what the backward starts its segments
+from (the *boundary*: values read by a node of a lower backward level); the backward runs each
+segment once with autograd, and once more without, up to its norms, for their sums (``s_v = 1``
+for those nodes). Per node v, with ``w`` the sub-tiles' windows' mean area over the tiles'
+(``window_inflation(mean=True)``: the T windows of a GPU add up to ``w / P`` of the image) and
+``out_v`` its output bytes:
 
-- host traffic: ``out_v x w / P x (1 + r_v)`` bytes if v is kept (one copy out, one copy back per
-  later pass that reads it, ``r_v``), at the spec's ``host_link_bw`` and not overlapped with
-  compute: ``host_s``;
-- host memory per GPU: the most bytes kept at once, ``max_k sum_{v kept after pass k} out_v x w / P``
-  (held during the forward of one micro-batch only: nothing is kept for the backward);
-- time saved: the forward passes' ``sum fwd_v x a_v x w / P``. The backward's gradient-mean passes
-  are the same in both (``Kb`` recomputations and partial backwards).
+- host traffic: ``out_v x w / P`` bytes per copy, at the spec's ``host_link_bw`` and not
+  overlapped with compute (``host_s``): a forward-kept value once out and once back per later
+  pass that reads it (``1 + r_v``); a boundary value once out, back per lower segment that
+  reads it and per sums run that reads it, and its gradient out per such segment, back to add
+  the next one's, back as a seed and, for a norm, for its sums (``1 + 3 x segments + sums runs +
+  [v is a norm]``);
+- host memory per GPU: the boundary of every micro-batch in flight (``inflight``, held from
+  forward to backward) plus the larger of the forward's most kept at once and the boundary's
+  gradients (at most the boundary's size);
+- extra time: ``fwd_v x s_v x w / P`` and the host copies, against the passes'
+  ``(fwd_v x (a_v + Kb) + bwd_v x b_v) x w / P``.
 
-The planner (:func:`norm_schedule`) takes the layer-wise forward where the spec has host memory
+The planner (:func:`norm_schedule`) takes the layer-wise schedule where the spec has host memory
 and a host link, its peak fits the GPU's share of host memory (``Costs.host_memory``: 80% of the
-node's ``host_memory`` over its GPUs, the offload's share, [Note: host offload]) and its host time
-is below the forward passes' time; else the passes. ``PlannerOptions(norm_schedule=...)`` pins
+node's ``host_memory`` over its GPUs, the offload's share, [Note: host offload]) and its time is
+below the passes'; else the passes. ``PlannerOptions(norm_schedule=...)`` pins
 either; a pinned layer-wise schedule that does not fit is refused (:func:`refuse_layerwise`).
 The levels are taken over the whole graph, as for the passes: a stage that ends before the
 model's last norm keeps less than charged (an upper bound).
@@ -128,8 +134,8 @@ class NormSchedule:
     """A sequential-tile stage's choice ([Note: layer-wise norms cost]): ``mode`` "" (no norm takes
     the image's statistics), "passes" or "layerwise"; the layer-wise figures per GPU and micro-batch
     (``host_bytes`` its peak in host memory, ``host_s`` its host copies, ``host_node_s`` those per
-    node), ``saved_s`` the forward passes' time it saves, ``norm`` the norm whose statistics the
-    peak waits for."""
+    node), ``saved_s`` the passes' time it saves (before its host copies), ``norm`` the norm a
+    refusal names (the forward's most kept waits for its statistics)."""
 
     mode: str
     host_bytes: float = 0.0

@@ -13,8 +13,8 @@ inputs and parameters are never cached (the input window stays on the device in 
 schedule). Every kept value is the one the statistics passes recompute, by the same ops on the
 same window, so both schedules give the same bits. The forward then costs one stage forward plus
 the host copies (the planner: [Note: layer-wise norms cost] in
-``partitioner/costs/seqnorms/schedule.py``). The backward's gradient-mean passes are the statistics
-passes' (K recomputations and partial backwards): only the forward is layer-wise.
+``partitioner/costs/seqnorms/schedule.py``). In training the forward also keeps the values the
+layer-wise backward starts its segments from ([Note: layer-wise backward] in ``layerwise_bwd``).
 """
 
 from __future__ import annotations
