@@ -137,6 +137,11 @@ def test_layerwise_costs_are_the_host_copies_instead_of_the_passes() -> None:
     assert sum(vec.time) == pytest.approx(work + sum(terms.values()), rel=1e-12)
     two = schedule_of(costs, 1, (2, 2), inflight=2)  # one more micro-batch's boundary held
     assert two.host_bytes - sched.host_bytes == pytest.approx(sched.host_bytes / 2, rel=1e-12)
+    ic = _host(_costs("gn", inference=True), 1e9)  # the forward alone: nothing kept for a backward
+    wi, oi = window_inflation(ic, (2, 2), mean=True), {x.name: float(x.out_bytes) for x in ic.profile.nodes}
+    infer = schedule_of(ic, 1, (2, 2))
+    assert infer.host_bytes == pytest.approx((oi["c2"] + oi["relu"]) * wi, rel=1e-12)
+    assert infer.host_s == pytest.approx(2 * (oi["c1"] + oi["relu"] + oi["c2"] + oi["c3"]) * wi / 1e12, rel=1e-12)
 
 
 def test_norm_schedule_takes_the_cheaper_that_fits() -> None:

@@ -81,6 +81,10 @@ def _make(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return nowdl.models.unet3d(1, 2, depth=1, base_width=4, norm=False).double(), (1, 32, 8, 8)
     if name == "norm":
         return WithNorm().double(), (1, 32, 16)
+    if name == "inplace":  # norms followed by in-place ReLUs: the layer-wise backward's leaves stay untouched
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(inplace=True),
+                             nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(inplace=True),
+                             nn.Conv2d(4, 2, 1)).double(), (1, 24, 20)
     raise ValueError(name)
 
 
@@ -186,7 +190,8 @@ def test_sequential_tiles_in_a_pipeline_with_multi_resolution_inputs(tmp_path: P
 
 @pytest.mark.parametrize(("name", "tiles", "schedule"), [("bn", 4, "passes"), ("in", 4, "passes"), ("gn", 4, "passes"),
                                                       ("in", 9, "passes"), ("bn", 4, "layerwise"),
-                                                      ("in", 4, "layerwise"), ("gn", 4, "layerwise")])
+                                                      ("in", 4, "layerwise"), ("gn", 4, "layerwise"),
+                                                      ("inplace", 4, "layerwise")])
 def test_sequential_tiles_with_norms_on_one_rank_are_exact(name: str, tiles: int, schedule: str,
                                                            tmp_path: Path) -> None:
     """BatchNorm (2 samples per micro-batch), InstanceNorm (running statistics tracked) and

@@ -34,6 +34,7 @@ model's last norm keeps less than charged (an upper bound).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -155,6 +156,9 @@ def norm_schedule(costs: Costs, norms: frozenset[int], passes_s: Sequence[float]
         return NormSchedule("")
     nodes = costs.profile.nodes
     lw = layer_wise(costs, norms)
+    if costs.inference:  # no backward: nothing kept for it, no sums
+        zero = [0] * len(nodes)
+        lw = dataclasses.replace(lw, boundary=[False] * len(nodes), sums=zero, bwd_copies=zero)
     share = [float(x.out_bytes) * window / parts for x in nodes]
     bw = costs.host_link_bw or 0.0
     node_s = tuple(share[v] * ((1 + lw.reads[v] if lw.kept[v] else 0) + lw.bwd_copies[v]) / bw if bw > 0 else 0.0

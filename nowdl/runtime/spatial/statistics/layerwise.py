@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
+from nowdl.errors import NowdlError
 from nowdl.runtime.spatial.statistics.seq_norms import NormLevels, NormPasses, NormRun
 
 __all__ = ["LayerPlan", "layer_plan", "HostCache", "host_cache", "CachedRun"]
@@ -112,6 +113,9 @@ class HostCache:
         self.bwd = HostCache(device, subs, plan) if backward else None
 
     def put(self, sub: int, node: str, t: Tensor) -> None:
+        if not isinstance(t, Tensor):
+            raise NowdlError(f"node {node!r} gives a {type(t).__name__}, which the layer-wise norm schedule cannot keep "
+                             "in host memory: plan with PlannerOptions(norm_schedule='passes')")
         if self.device.type == "cuda":
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)  # stream-ordered before any copy back

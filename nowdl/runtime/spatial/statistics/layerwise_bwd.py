@@ -60,7 +60,7 @@ class SegmentRun(NormRun):
         if n.name in self.fwd.plan.boundary and any(u.name in self.nodes for u in n.users):
             t = self.fwd.get(self.sub, n.name).detach().requires_grad_(self.grad)
             self.leaves[n.name] = t
-            return t
+            return t.clone() if self.grad else t  # an in-place user (ReLU(inplace=True)) must not touch the leaf
         return None
 
 
