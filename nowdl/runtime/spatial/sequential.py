@@ -307,7 +307,7 @@ class _Run(torch.autograd.Function):
                     _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)], cache)
                 passes.finish_fwd(wins[0].device)  # type: ignore[union-attr]
                 if cache is not None:
-                    run.host_peak = max(run.host_peak, cache.nbytes())
+                    run.host_peak = max(run.host_peak, cache.nbytes() + (cache.bwd.nbytes() if cache.bwd else 0))
                     cache.keep_only(cache.plan.keep[k])
             if passes is not None:
                 passes.mode = "apply"
