@@ -129,7 +129,7 @@ class SequentialTiles:
         self.norms = {n.name: stage.module.get_submodule(str(n.target)) for n in stage.module.graph.nodes
                       if n.name in set(sn.seq_norm_nodes(stage.module))}
         self._levels: dict[frozenset[str], Any] = {}  # active norms -> their NormLevels
-        self.host_peak = 0  # the most bytes a layer-wise forward kept in host memory ([Note: layer-wise norms])
+        self.host_meter = [0, 0]  # bytes kept in host memory now and at most ([Note: layer-wise norms])
 
     def _grid(self, n: int) -> tuple[int, ...]:
         return (1,) * (n - len(self.grid)) + self.grid
@@ -298,7 +298,7 @@ class _Run(torch.autograd.Function):
         wins = flat[:n_in]
         passes = run.norm_passes(lay)
         cache = lw.host_cache(run.stage.module, passes, run.norm_schedule, wins[0].device, len(lay.subs),
-                              any(ctx.needs_input_grad))  # None: the statistics passes
+                              any(ctx.needs_input_grad), run.host_meter)  # None: the statistics passes
         outs: list[Tensor] = []
         with torch.no_grad():
             for k in range(1, passes.levels.passes[0] + 1 if passes is not None else 1):  # statistics passes
@@ -307,7 +307,6 @@ class _Run(torch.autograd.Function):
                     _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)], cache)
                 passes.finish_fwd(wins[0].device)  # type: ignore[union-attr]
                 if cache is not None:
-                    run.host_peak = max(run.host_peak, cache.nbytes() + (cache.bwd.nbytes() if cache.bwd else 0))
                     cache.keep_only(cache.plan.keep[k])
             if passes is not None:
                 passes.mode = "apply"
@@ -318,6 +317,7 @@ class _Run(torch.autograd.Function):
                 for o, (y, (crop, place)) in enumerate(zip(ys, sub.outs, strict=True)):
                     outs[o][place] = y[crop]
                 del ys, y  # one sub-tile's outputs live at a time
+            lw.release(cache)  # the forward's own values; the backward's boundary stays
         dev = wins[0].device.type
         ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.run, ctx.lay, ctx.n_in, ctx.passes, ctx.keep = run, lay, n_in, passes, getattr(cache, "bwd", None)

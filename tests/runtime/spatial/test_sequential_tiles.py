@@ -122,7 +122,7 @@ def _train(name: str, path: str, total: int) -> tuple[list[float], dict[str, tor
     losses = [cm.train_step(*_data(name, step, total)) for step in range(_steps(name))]
     eng = cm._trainer.engine
     seq = [s for (_, s), t in eng.tiled.items() if t.sequential is not None and _windowed(t.sequential)
-           and (t.sequential.host_peak > 0) == (t.sequential.norm_schedule == "layerwise")]  # the schedule ran
+           and (t.sequential.host_meter[1] > 0) == (t.sequential.norm_schedule == "layerwise")]  # the schedule ran
     return losses, cm.state_dict(), seq
 
 

@@ -18,8 +18,9 @@ for those nodes). Per node v, with ``w`` the sub-tiles' windows' mean area over 
   the next one's, back as a seed and, for a norm, for its sums (``1 + 3 x segments + sums runs +
   [v is a norm]``);
 - host memory per GPU: the boundary of every micro-batch in flight (``inflight``, held from
-  forward to backward) plus the larger of the forward's most kept at once and the boundary's
-  gradients (at most the boundary's size);
+  forward to backward) plus the larger of the forward's most kept at once and the gradients the
+  backward keeps at once (while segment j runs: those of the boundary nodes read from segment j
+  or below and lying in segment j or above);
 - extra time: ``fwd_v x s_v x w / P`` and the host copies, against the passes'
   ``(fwd_v x (a_v + Kb) + bwd_v x b_v) x w / P``.
 
@@ -77,6 +78,7 @@ class LayerWise:
     boundary: list[bool]
     sums: list[int]
     bwd_copies: list[int]
+    grad_span: list[tuple[int, int]]  # per boundary node: the segments its gradient is kept over
 
 
 def layer_wise(costs: Costs, norms: frozenset[int]) -> LayerWise:
@@ -127,7 +129,9 @@ def layer_wise(costs: Costs, norms: frozenset[int]) -> LayerWise:
         # forward value: out once, back per segment and per sums run; gradient: out per segment,
         # back to add the next segment's, back as a seed (and for its norm's sums)
         copies.append(1 + 3 * len(segs) + len(sums_segs) + (v in norms) if boundary[v] else 0)
-    return LayerWise(kept, reads, keep, depth, boundary, [int(v in in_sums) for v in range(n)], copies)
+    span = [(min((back[c] for c in cons[v] if back[c] < back[v]), default=back[v]), back[v]) if boundary[v]
+            else (1, 0) for v in range(n)]
+    return LayerWise(kept, reads, keep, depth, boundary, [int(v in in_sums) for v in range(n)], copies, span)
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,8 @@ def norm_schedule(costs: Costs, norms: frozenset[int], passes_s: Sequence[float]
     lw = layer_wise(costs, norms)
     if costs.inference:  # no backward: nothing kept for it, no sums
         zero = [0] * len(nodes)
-        lw = dataclasses.replace(lw, boundary=[False] * len(nodes), sums=zero, bwd_copies=zero)
+        lw = dataclasses.replace(lw, boundary=[False] * len(nodes), sums=zero, bwd_copies=zero,
+                                 grad_span=[(1, 0)] * len(nodes))
     share = [float(x.out_bytes) * window / parts for x in nodes]
     bw = costs.host_link_bw or 0.0
     node_s = tuple(share[v] * ((1 + lw.reads[v] if lw.kept[v] else 0) + lw.bwd_copies[v]) / bw if bw > 0 else 0.0
@@ -168,7 +173,9 @@ def norm_schedule(costs: Costs, norms: frozenset[int], passes_s: Sequence[float]
     at = held.index(fwd_peak) + 1 if held else 1  # the pass after which the most is kept: its norms wait
     norm = next((nodes[v].name for v in sorted(norms) if lw.level[v] == at), "")
     bound = sum(share[v] for v in range(len(nodes)) if lw.boundary[v])  # kept from forward to backward
-    peak = inflight * bound + max(fwd_peak, bound)  # the gradients at the boundary: at most its size
+    grads = max((sum(share[v] for v, (lo, hi) in enumerate(lw.grad_span) if lo <= j <= hi)
+                 for j in range(max((h for _, h in lw.grad_span), default=0) + 1)), default=0.0)
+    peak = inflight * bound + max(fwd_peak, grads)  # segment j holds the gradients its boundary nodes span
     saved = sum((p - x.fwd_s * s) * window / parts for x, p, s in zip(nodes, passes_s, lw.sums, strict=True))
     sched = NormSchedule("layerwise", peak, sum(node_s), saved, node_s, norm, tuple(lw.sums))
     fits = bw > 0 and bool(costs.host_memory) and peak <= float(costs.host_memory or 0.0)

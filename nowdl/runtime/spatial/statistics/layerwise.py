@@ -29,7 +29,7 @@ from torch import Tensor
 from nowdl.errors import NowdlError
 from nowdl.runtime.spatial.statistics.seq_norms import NormLevels, NormPasses, NormRun
 
-__all__ = ["LayerPlan", "layer_plan", "HostCache", "host_cache", "CachedRun"]
+__all__ = ["LayerPlan", "layer_plan", "HostCache", "host_cache", "release", "CachedRun"]
 
 _FREE = ("placeholder", "get_attr")  # the stage's window inputs and its parameters: never cached
 
@@ -106,11 +106,21 @@ class HostCache:
     """Per sub-tile, the kept node values in host memory (pinned when the device is CUDA), for the
     layer-wise schedule ``plan``."""
 
-    def __init__(self, device: torch.device, subs: int, plan: LayerPlan, backward: bool = False) -> None:
+    def __init__(self, device: torch.device, subs: int, plan: LayerPlan, backward: bool = False,
+                 meter: list[int] | None = None) -> None:
         self.device, self.plan = device, plan
         self.values: list[dict[str, Tensor]] = [{} for _ in range(subs)]
+        self.meter = meter if meter is not None else [0, 0]  # bytes kept now and at most, shared by the caches
         # the boundary values the backward starts from, kept from the forward
-        self.bwd = HostCache(device, subs, plan) if backward else None
+        self.bwd = HostCache(device, subs, plan, meter=self.meter) if backward else None
+
+    def _count(self, nbytes: int) -> None:
+        self.meter[0] += nbytes
+        self.meter[1] = max(self.meter[1], self.meter[0])
+
+    def release(self) -> None:
+        """Drop every kept value."""
+        self.keep_only(frozenset())
 
     def put(self, sub: int, node: str, t: Tensor) -> None:
         if not isinstance(t, Tensor):
@@ -121,6 +131,8 @@ class HostCache:
             host.copy_(t, non_blocking=True)  # stream-ordered before any copy back
         else:
             host = t.detach().clone()  # a later in-place op must not reach the kept value
+        old = self.values[sub].get(node)
+        self._count(_nbytes(host) - (_nbytes(old) if old is not None else 0))
         self.values[sub][node] = host
 
     def add(self, sub: int, node: str, t: Tensor) -> None:
@@ -139,20 +151,27 @@ class HostCache:
         """Drop the values no later pass reads."""
         for vals in self.values:
             for name in [n for n in vals if n not in nodes]:
-                del vals[name]
+                self._count(-_nbytes(vals.pop(name)))
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for vals in self.values for t in vals.values())
+
+def release(cache: HostCache | None) -> None:
+    """Drop the forward's own kept values of ``cache`` (None: nothing to drop)."""
+    if cache is not None:
+        cache.release()
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def host_cache(gm: fx.GraphModule, passes: NormPasses | None, schedule: str, device: torch.device, subs: int,
-               backward: bool) -> HostCache | None:
+               backward: bool, meter: list[int] | None = None) -> HostCache | None:
     """The host cache of a micro-batch's layer-wise forward (keeping what the layer-wise backward
     reads too when ``backward``); None unless ``schedule`` is "layerwise" and some norm takes the
     image's statistics."""
     if passes is None or schedule != "layerwise":
         return None
-    return HostCache(device, subs, layer_plan(gm, passes.levels), backward)
+    return HostCache(device, subs, layer_plan(gm, passes.levels), backward, meter)
 
 
 class CachedRun(NormRun):

@@ -72,7 +72,7 @@ def layerwise_backward(gm: fx.GraphModule, passes: NormPasses, subs: Sequence[An
     ``subs``: the sub-tiles' layouts (``ins``: their windows' slices); ``params``: those that take
     a gradient; ``roots_of(ys, gys, sub)``: a sub-tile's kept outputs and their gradients."""
     plan = fwd.plan
-    grads = HostCache(fwd.device, len(subs), plan)
+    grads = HostCache(fwd.device, len(subs), plan, meter=fwd.meter)
     gw: list[Tensor | None] = [torch.zeros_like(w) if nd else None for w, nd in zip(wins, need_w, strict=True)]
     gp: list[Tensor | None] = [None] * len(params)
     for j in range(max(plan.segment) + 1):
@@ -117,4 +117,6 @@ def layerwise_backward(gm: fx.GraphModule, passes: NormPasses, subs: Sequence[An
                 if g is not None:
                     gp[k] = g if gp[k] is None else gp[k] + g  # type: ignore[operator]
         grads.keep_only(frozenset(v for v in plan.boundary if plan.back[v] > j))  # the next segments' seeds
+    grads.release()
+    fwd.release()  # the micro-batch's host memory, given back
     return gw, gp
