@@ -31,8 +31,12 @@ def lever_arg(text: str) -> LeverSetting:
             f"{text!r} is not auto, on, off or a list of stage indices such as 0,2") from None
 
 
-def add_lever_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--recompute`` and ``--offload`` to ``p``."""
+def add_lever_arguments(p: argparse.ArgumentParser, plan: bool = False) -> None:
+    """Add ``--recompute`` and ``--offload`` to ``p`` (``plan``: and ``--norm-schedule``)."""
+    if plan:
+        p.add_argument("--norm-schedule", choices=("auto", "passes", "layerwise"), default="auto",
+                       help="how a stage of sequential tiles gathers its norms' statistics: auto (the cheaper that fits "
+                            "host memory; default), passes (statistics passes) or layerwise (boundaries in host memory)")
     p.add_argument("--recompute", type=lever_arg, default="auto", metavar="auto|on|off|S,..",
                    help="recompute a stage's forward in its backward instead of keeping its saved activations: "
                         "auto (only stages that do not fit the cap otherwise; default), on (every stage), off, or "
