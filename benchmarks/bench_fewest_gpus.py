@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--no-baseline", action="store_true", help="skip the fewest GPUs without the levers")
     args = ap.parse_args()
     keys = args.only.split(",") if args.only else list(JOBS)
-    lines = ["| job | fewest GPUs (levers auto) | plan | recompute / offload | peak/GPU | step | plan() time | "
+    lines = ["| job | fewest GPUs (levers auto) | plan | recompute / offload / norms | peak/GPU | step | plan() time | "
              "step without levers, same GPUs | fewest GPUs without levers (powers of two; step) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for key in keys:

@@ -160,6 +160,12 @@ def levers_text(plan: Plan) -> str:
     if off:
         host = max(s.predicted.get("offloaded_bytes", 0.0) for s in plan.stages)
         parts.append(f"offload {off} ({format_bytes(host)}/GPU on host)")
+    for s in plan.stages:  # [Note: layer-wise norms cost]
+        if s.norm_schedule == "layerwise":
+            parts.append(f"stage {s.index} norms layer-wise ({format_bytes(s.predicted.get('norm_host_bytes', 0.0))}"
+                         "/GPU on host)")
+        elif s.norm_schedule == "passes":
+            parts.append(f"stage {s.index} norms by statistics passes")
     return "; ".join(parts) or "-"
 
 

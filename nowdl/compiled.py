@@ -248,7 +248,7 @@ class CompiledModel:
                       tied=tied_nodes(t.gm, pooled_groups(t.gm, rules, prof.out_ranks())), topology=request_topology(req, self._spec_arg(), spec), inference=not train,
                       host_memory=host_share(spec, self._spec_arg()), host_link_bw=getattr(spec, "host_link_bw", None),
                       tile_op_s=getattr(spec, "tile_op_s", None), tile_op_bwd_s=getattr(spec, "tile_op_bwd_s", None),
-                      recompute_tensor_s=getattr(spec, "recompute_tensor_s", None) or 0.0)
+                      recompute_tensor_s=getattr(spec, "recompute_tensor_s", None) or 0.0, norm_schedule=self.planner.norm_schedule)
         # time_limit bounds the whole plan() call: the search gets what tracing and profiling
         # left of it (less a second for the MILP's read-back and tie-breaks)
         left = max(min(1.0, req.time_limit), req.time_limit - (time.perf_counter() - t0) - 1.0)

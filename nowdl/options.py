@@ -63,6 +63,10 @@ class PlannerOptions:
             plan --exact``).
         leaf_modules: module types or qualified names the fx tracer keeps opaque (placed whole).
         tracer: "auto" (fx, else torch.export), "fx" or "export".
+        norm_schedule: how a stage of sequential tiles gathers its norms' statistics: "auto" (the
+            cheaper that fits host memory), "passes" (statistics passes) or "layerwise" (the
+            forward's pass boundaries in host memory; refused when they do not fit), [Note:
+            layer-wise norms cost].
     """
 
     time_limit: float | None = None
@@ -70,6 +74,7 @@ class PlannerOptions:
     leaf_modules: Sequence[type[nn.Module] | str] = ()
     tracer: str = "auto"
     exact: bool = False
+    norm_schedule: str = "auto"
 
     @property
     def budget(self) -> tuple[float, bool]:
@@ -95,6 +100,8 @@ class PlannerOptions:
                              "pass e.g. PlannerOptions(leaf_modules=[MyBlock, 'encoder.attn'])")
         object.__setattr__(self, "leaf_modules", tuple(leaves))
         _choice("tracer", self.tracer, TRACERS, "'fx' (symbolic_trace), 'export' (torch.export) or 'auto' (fx, else export)")
+        _choice("norm_schedule", self.norm_schedule, ("auto", "passes", "layerwise"),
+                "'auto' (the cheaper that fits host memory), 'passes' or 'layerwise'")
 
 
 def _check_device(device: object) -> None:

@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
                     "--time-limit or 600 s)")
     pp.add_argument("--mip-gap", type=float, default=0.01, help="the MILP stops once its split is proven within "
                     "this relative gap of the optimum; the plan records the gap reached (default 0.01; 0: exact)")
-    add_lever_arguments(pp)
+    add_lever_arguments(pp, plan=True)
     pp.add_argument("--out", metavar="FILE", help="save the plan JSON here")
     pp.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     pp.add_argument("--plot", metavar="FILE", help="also draw the plan (memory per rank, schedule, stage graph) "
@@ -378,7 +378,7 @@ def _run(args: argparse.Namespace) -> int:
                        device_spec=args.device_spec, optimizer=args.optimizer, cache=cache, halo_fusion=args.halo_fusion,
                        precision=args.precision, nodes=args.nodes, gpus_per_node=args.gpus_per_node, **lever_kwargs(args),
                        global_batch=args.batch_size, tiles_per_gpu=args.tiles_per_gpu,
-                       planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap, exact=args.exact))
+                       planner=nowdl.PlannerOptions(time_limit=args.time_limit, mip_gap=args.mip_gap, exact=args.exact, norm_schedule=args.norm_schedule))
     plan = cm.plan(*x, train=not args.inference)
     plan.model["name"] = name
     plan.model["source"] = {"spec": args.model, "args": json.loads(args.model_args or "{}")}

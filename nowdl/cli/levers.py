@@ -31,8 +31,12 @@ def lever_arg(text: str) -> LeverSetting:
             f"{text!r} is not auto, on, off or a list of stage indices such as 0,2") from None
 
 
-def add_lever_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--recompute`` and ``--offload`` to ``p``."""
+def add_lever_arguments(p: argparse.ArgumentParser, plan: bool = False) -> None:
+    """Add ``--recompute`` and ``--offload`` to ``p`` (``plan``: and ``--norm-schedule``)."""
+    if plan:
+        p.add_argument("--norm-schedule", choices=("auto", "passes", "layerwise"), default="auto",
+                       help="how a stage of sequential tiles gathers its norms' statistics: auto (the cheaper that fits "
+                            "host memory; default), passes (statistics passes) or layerwise (boundaries in host memory)")
     p.add_argument("--recompute", type=lever_arg, default="auto", metavar="auto|on|off|S,..",
                    help="recompute a stage's forward in its backward instead of keeping its saved activations: "
                         "auto (only stages that do not fit the cap otherwise; default), on (every stage), off, or "
@@ -63,6 +67,17 @@ def segment_text(s: StagePlan) -> str:
             f"{len(s.nodes)} nodes)")
 
 
+def _norm_text(s: StagePlan, m: int) -> str:
+    """', +x/step statistics passes for its norms' and, layer-wise ([Note: layer-wise norms cost]),
+    its host copies and host memory; "" for a stage without such norms."""
+    q = s.predicted
+    if s.norm_schedule == "layerwise":
+        return (f", norms layer-wise: +{_time(m * float(q.get('norm_passes_s', 0.0)))}/step forward for their sums, +"
+                f"{_time(m * float(q.get('norm_host_s', 0.0)))}/step host copies, "
+                f"{format_bytes(float(q.get('norm_host_bytes', 0.0)))} per GPU in host memory")
+    return f", +{_time(m * float(q['norm_passes_s']))}/step statistics passes for its norms" if q.get("norm_passes_s") else ""
+
+
 def format_levers(plan: Plan) -> str:
     """One line per stage that recomputes or offloads: the seconds it adds per step (its
     per-micro-batch figure x micro-batches) and the bytes per GPU it keeps off the device; ""
@@ -83,8 +98,7 @@ def format_levers(plan: Plan) -> str:
             lines.append(f"stage {s.index}: {s.tiles_per_gpu} tiles per GPU in turn (+"
                          f"{_time(m * float(q.get('seq_recompute_s', 0.0)))}/step forward recomputed in the backward, +"
                          f"{_time(m * float(q.get('seq_margin_s', 0.0)))}/step on the tiles' margins"
-                         + (f", +{_time(m * float(q['norm_passes_s']))}/step statistics passes for its norms"
-                            if q.get("norm_passes_s") else "") + ")")
+                         + _norm_text(s, m) + ")")
     if not lines:
         return ""
     host = plan.config.get("host_memory")

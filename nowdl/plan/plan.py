@@ -49,9 +49,9 @@ class StagePlan:
     recompute: bool = False  # saved activations dropped in the forward, recomputed in the backward
     offload: bool = False  # saved activations kept in host memory between forward and backward
     tiles_per_gpu: int = 1  # a spatial stage's tiles run one after another on each of its GPUs
-    # [start, stop) into ``nodes``: with recompute, only those nodes' saved activations are
-    # recomputed; [] (absent from the JSON): the whole stage
+    # [start, stop) into ``nodes``: only those nodes' saved activations recomputed; [] (absent): the whole stage
     recompute_segment: list[int] = field(default_factory=list)
+    norm_schedule: str = ""  # sequential tiles' norms: passes, layerwise ([Note: layer-wise norms]); "": passes/none
     predicted: dict[str, float] = field(default_factory=dict)
     # predicted keys: peak_bytes, static_bytes, act_bytes, recv_bytes, workspace_bytes,
     # fwd_s, bwd_s, comm_s, time_s (per micro-batch, per rank of this stage)
@@ -124,8 +124,8 @@ class Plan:
             "model": self.model,
             "profile": self.profile,
             "config": self.config,
-            # recompute_segment only where set: a plan without one reads as before
-            "stages": [{k: v for k, v in asdict(s).items() if k != "recompute_segment" or v} for s in self.stages],
+            "stages": [{k: v for k, v in asdict(s).items() if k not in ("recompute_segment", "norm_schedule") or v}
+                       for s in self.stages],  # those two only where set: a plan without them reads as before
             "ranks": [asdict(r) for r in self.ranks],
             "tensors": [asdict(t) for t in self.tensors],
             "schedule": self.schedule,

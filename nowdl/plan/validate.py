@@ -72,7 +72,7 @@ SHAPES = _named(_list(_list(_nat)), "a list of shapes (lists of non-negative int
 
 _STAGE = {"index": INT, "nodes": STRS, "ranks": INTS, "parts": INT, "slice": OPT_STR, "grid": INTS,
           "fused": CHAINS, "params": INT, "param_bytes": INT, "recompute": BOOL, "offload": BOOL,
-          "tiles_per_gpu": INT, "recompute_segment": INTS, "predicted": NUMS}
+          "tiles_per_gpu": INT, "recompute_segment": INTS, "norm_schedule": STR, "predicted": NUMS}
 _RANK = {"rank": INT, "dp": INT, "stages": HOLDS, "predicted_peak_bytes": NUM, "predicted_time_s": NUM}
 _TENSOR = {"producer": STR, "from_stage": INT, "to_stages": INTS, "shape": INTS, "dtype": STR, "bytes": INT}
 _TOP = {
@@ -164,6 +164,9 @@ def check_counts(plan: Any, source: str) -> None:
             raise PlanError(f"{source}: stage {s.index} has recompute_segment {seg}: it must be [start, stop) with "
                             f"0 <= start < stop <= {len(s.nodes)} (the stage's nodes), on a stage with recompute true "
                             "that is not tiled; drop the field to recompute the whole stage")
+        if s.norm_schedule not in ("", "passes", "layerwise"):
+            raise PlanError(f"{source}: stage {s.index} has norm_schedule {s.norm_schedule!r}: it must be 'passes' or "
+                            "'layerwise' (or absent: passes); re-plan")
         bad = [r for r in s.ranks if r >= world]
         if bad:
             raise PlanError(f"{source}: stage {s.index} lists rank(s) {bad} but the plan has {world} ranks")

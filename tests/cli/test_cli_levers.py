@@ -98,3 +98,21 @@ def test_run_flags_against_a_saved_plan() -> None:
     assert pin_conflicts(ns(recompute="off", offload="on"), config) == [("--recompute", "off", [0]),
                                                                         ("--offload", "on", "auto")]
     assert pin_conflicts(ns(offload="off"), {"stages": 2}) == [("--offload", "off", "auto")]
+
+
+def test_plan_norm_schedule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--norm-schedule layerwise`` on a spec whose host memory cannot hold it: exit 2, one line
+    naming the norm and the bytes, nothing written; on a spec that can, the stage's line says so."""
+    norm = ["plan", "unet", "--model-args", '{"depth": 2, "base_width": 8, "norm": true}', "--input", "1x3x64x64",
+            "--gpus", "1", "--mode", "estimate", "--no-cache", "--tiles-per-gpu", "4", "--norm-schedule", "layerwise"]
+    d = BUILTIN_SPECS["h100"].to_dict()
+    small, big, out = tmp_path / "small.json", tmp_path / "big.json", tmp_path / "p.json"
+    small.write_text(json.dumps({**d, "name": "smallhost", "host_memory": 4096, "host_link_bw": 1e9}))
+    assert main([*norm, "--device-spec", str(small), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "stage 0's norms run layer-wise keep " in err and "per GPU in host memory" in err and "node '" in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    big.write_text(json.dumps({**d, "name": "bighost", "host_memory": 2**40, "host_link_bw": 1e12}))
+    assert main([*norm, "--device-spec", str(big), "--out", str(out)]) == 0
+    assert "norms layer-wise: +" in capsys.readouterr().out and out.exists()
+    assert _exit([*norm[:-1], "sometimes"]) == 2

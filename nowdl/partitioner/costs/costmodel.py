@@ -57,6 +57,7 @@ class Costs:
     host_link_bw: float | None = None  # bytes/s GPU <-> host, one direction ([Note: host offload] in levers.py)
     tile_op_s: dict[str, float] | None = None  # per tiled op forward, by kind ([Note: tiled runtime overhead])
     tile_op_bwd_s: dict[str, float] | None = None  # and backward
+    norm_schedule: str = "auto"  # sequential tiles' norms: auto, passes, layerwise ([Note: layer-wise norms cost])
     recompute_tensor_s: float = 0.0  # per saved tensor of a recomputed stage ([Note: recompute hooks] in levers.py)
 
     def topo(self, gpus: int) -> Topology:

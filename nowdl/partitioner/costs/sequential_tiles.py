@@ -77,9 +77,10 @@ from typing import Any
 from nowdl.geometry import split_bounds
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.problem import NodeVectors, Problem
+from nowdl.partitioner.costs.seqnorms.schedule import NormSchedule, norm_schedule, reached
 
 __all__ = ["margins", "window_margins", "inflation", "stage_reach_px", "window_inflation", "image_pools", "sequential_vectors",
-           "sequential_problem", "time_terms", "NormPasses", "norm_passes"]
+           "sequential_problem", "time_terms", "NormPasses", "norm_passes", "schedule_of"]
 
 
 def _spatial(shape: Sequence[int] | None) -> list[int]:
@@ -221,22 +222,48 @@ def sequential_vectors(costs: Costs, base: NodeVectors, parts: int, tiles: int, 
     reach = window_margins(costs) if costs.inference else margins(costs)
     window = window_inflation(costs, grid)  # training: every node computes over the runtime's window
     window_mean = window_inflation(costs, grid, mean=True)  # time: all T windows, one after another
+    sched = _schedule(costs, passes, parts, window_mean, inflight)
     for i, (n, a, t, w, m) in enumerate(zip(nodes, base.act, base.time, base.workspace, reach, strict=True)):
         f = inflation(n.out_shape, grid, m) if costs.inference or not _spatial(n.out_shape) else window
         halo_s = max(0.0, t - n.time_s / parts)  # what the P-part stage pays between GPUs
         if costs.inference:
             act.append(float(base.out[i]) if i in outputs else 0.0)
-            time.append(halo_s + n.fwd_s * (1 + passes.fwd[i]) * f / parts)
+            time.append(halo_s + n.fwd_s * (1 + _fwd_extra(passes, sched, i)) * f / parts + _host_s(sched, i))
             ws.append(max(0.0, w - held) * f / tiles + held)
             continue
         whole = n.op in ("placeholder", "output")  # the input tile; the loss on the whole output
         act.append(float(a) if whole else a * f / tiles / max(1, inflight))
         tf = window_mean if f == window else f
-        extra = n.fwd_s * passes.fwd[i] + n.bwd_s * passes.bwd[i]
-        time.append(halo_s + (2 * n.fwd_s + n.bwd_s + extra) * tf / parts)
+        extra = n.fwd_s * _fwd_extra(passes, sched, i) + n.bwd_s * _bwd_extra(passes, sched, i)
+        time.append(halo_s + (2 * n.fwd_s + n.bwd_s + extra) * tf / parts + _host_s(sched, i))
         held_norm = _xhat_bytes(n, base.out[i]) if i in passes.norms else 0.0
         ws.append(float(w) if n.op == "output" else (w + held_norm) * f / tiles)
     return NodeVectors(act=act, time=time, workspace=ws, out=list(base.out))
+
+
+def _schedule(costs: Costs, passes: NormPasses, parts: int, window: float, inflight: int = 1) -> NormSchedule:
+    """The norm schedule of a stage of ``parts`` GPUs ([Note: layer-wise norms cost])."""
+    extra = [x.fwd_s * f + x.bwd_s * b for x, f, b in zip(costs.profile.nodes, passes.fwd, passes.bwd, strict=True)]
+    return norm_schedule(costs, passes.norms, extra, parts, window, inflight)
+
+
+def schedule_of(costs: Costs, parts: int, grid: Sequence[int], inflight: int = 1) -> NormSchedule:
+    """The norm schedule a stage of ``parts`` GPUs over the whole ``grid`` (P x T tiles) runs."""
+    return _schedule(costs, norm_passes(costs), parts, window_inflation(costs, grid, mean=True), inflight)
+
+
+def _fwd_extra(passes: NormPasses, sched: NormSchedule, i: int) -> float:
+    """Node ``i``'s extra forwards: the passes' (layer-wise: the norms' sums in the backward)."""
+    return float(sched.sums[i]) if sched.mode == "layerwise" else passes.fwd[i]
+
+
+def _bwd_extra(passes: NormPasses, sched: NormSchedule, i: int) -> float:
+    """Node ``i``'s extra backwards: the passes' (none layer-wise)."""
+    return 0.0 if sched.mode == "layerwise" else passes.bwd[i]
+
+
+def _host_s(sched: NormSchedule, i: int) -> float:
+    return sched.host_node_s[i] if sched.mode == "layerwise" else 0.0
 
 
 def _xhat_bytes(node: Any, out: float) -> float:
@@ -269,22 +296,28 @@ def sequential_problem(costs: Costs, problem: Problem, *, stages: Sequence[int],
     return dataclasses.replace(problem, variants=variants, stages=specs, tileable=tileable)
 
 
-def time_terms(costs: Costs, nodes: Sequence[int], parts: int, grid: Sequence[int]) -> dict[str, float]:
+def time_terms(costs: Costs, nodes: Sequence[int], parts: int, grid: Sequence[int], inflight: int = 1) -> dict[str, float]:
     """The parts of a sequential-tile stage's time (per micro-batch, per GPU) beyond its nodes'
-    work: ``seq_recompute_s``, ``seq_margin_s``, ``norm_passes_s`` ([Note: sequential tiles cost])."""
+    work: ``seq_recompute_s``, ``seq_margin_s``, ``norm_passes_s`` ([Note: sequential tiles cost])
+    and, layer-wise, ``norm_host_s`` (its host copies, [Note: layer-wise norms cost])."""
     passes = norm_passes(costs)
     window = window_inflation(costs, grid, mean=True)
+    sched = _schedule(costs, passes, parts, window, inflight)
     reach = window_margins(costs) if costs.inference else []
     out = {"seq_recompute_s": 0.0, "seq_margin_s": 0.0, "norm_passes_s": 0.0}
+    if sched.mode == "layerwise":
+        out["norm_host_s"] = 0.0
     for i in nodes:
         n = costs.profile.nodes[i]
+        if sched.mode == "layerwise":
+            out["norm_host_s"] += _host_s(sched, i)
         if not _spatial(n.out_shape):
             continue
         f = inflation(n.out_shape, grid, reach[i]) if costs.inference else window
         if not costs.inference:
             out["seq_recompute_s"] += n.fwd_s * f / parts
         out["seq_margin_s"] += (n.fwd_s + (0.0 if costs.inference else n.bwd_s)) * (f - 1) / parts
-        out["norm_passes_s"] += (n.fwd_s * passes.fwd[i] + n.bwd_s * passes.bwd[i]) * f / parts
+        out["norm_passes_s"] += (n.fwd_s * _fwd_extra(passes, sched, i) + n.bwd_s * _bwd_extra(passes, sched, i)) * f / parts
     return out
 
 
@@ -333,21 +366,10 @@ def norm_passes(costs: Costs) -> NormPasses:
     kb = 0 if costs.inference else max(back[v] for v in norms)
     a, b = [0] * n, [0] * n
     for k in range(1, kf + 1):
-        for u in _reached([v for v in norms if depth[v] == k], prods):
+        for u in reached([v for v in norms if depth[v] == k], prods):
             a[u] += 1
     for k in range(1, kb + 1):
-        for u in _reached([c for v in norms if back[v] == k for c in cons[v]], cons):
+        for u in reached([c for v in norms if back[v] == k for c in cons[v]], cons):
             b[u] += 1
     return NormPasses([float(x + kb) for x in a], [float(x) for x in b], kf, kb, frozenset(norms))
 
-
-def _reached(starts: list[int], edges: Sequence[Sequence[int]]) -> set[int]:
-    """The nodes ``starts`` reach along ``edges`` (``starts`` included)."""
-    seen: set[int] = set()
-    todo = list(starts)
-    while todo:
-        v = todo.pop()
-        if v not in seen:
-            seen.add(v)
-            todo.extend(edges[v])
-    return seen

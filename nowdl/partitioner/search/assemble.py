@@ -16,7 +16,8 @@ from nowdl.partitioner.costs.levers import lever_figures
 from nowdl.partitioner.costs.memory_breakdown import stage_memory
 from nowdl.partitioner.costs.problem import Partition, Problem
 from nowdl.partitioner.costs.segments import segment_figures
-from nowdl.partitioner.costs.sequential_tiles import time_terms
+from nowdl.partitioner.costs.seqnorms.schedule import refuse_layerwise
+from nowdl.partitioner.costs.sequential_tiles import schedule_of, time_terms
 from nowdl.partitioner.costs.traffic import cross_node_bytes, halo_bytes, together_groups
 from nowdl.partitioner.search.candidate_problem import stage_grids
 from nowdl.partitioner.search.halo_fusion import Fusion
@@ -94,11 +95,18 @@ def build_plan(
     # [Note: freed by the peak]; the solvers' bound does not hold the fused runs' workspace: added here
     peak = [part.stage_mem[s] + mem[s]["fused_bytes"] - mem[s]["freed_bytes"] for s in range(k)]
     whole = stage_grids(costs, cand) if seq else []
-    terms = [time_terms(costs, [i for i, st in enumerate(part.stage_of) if st == s], parts[s], whole[s])
+    inflight = cand.inflight()
+    terms = [time_terms(costs, [i for i, st in enumerate(part.stage_of) if st == s], parts[s], whole[s], inflight[s])
              if s in seq else {} for s in range(k)]  # [Note: sequential tiles cost]
+    norms = [schedule_of(costs, parts[s], whole[s], inflight[s]) if s in seq else None for s in range(k)]
+    for s, sched in enumerate(norms):  # [Note: layer-wise norms cost]
+        if sched is not None:
+            refuse_layerwise(costs, sched, s)
+            if sched.mode == "layerwise":
+                terms[s]["norm_host_bytes"] = sched.host_bytes
     for s in range(k):
         comm = time_s[s] - (sums[s]["fwd_s"] + sums[s]["bwd_s"] + lever[s]["recompute_s"] + lever[s]["offload_s"]
-                            + sum(terms[s].values()))
+                            + sum(v for key, v in terms[s].items() if key.endswith("_s")))
         stages.append(StagePlan(
             index=s, nodes=stage_nodes[s], ranks=[rank_of[(0, s, q)] for q in range(parts[s])],
             parts=parts[s], slice=cand.slice if parts[s] > 1 or s in seq else None, grid=grids[s], fused=fused[s],
@@ -106,6 +114,7 @@ def build_plan(
             params=sum(params_per_node.get(n, 0) for n in stage_nodes[s]),
             param_bytes=int(sums[s]["param_bytes"]),
             recompute=s in cand.recompute, offload=s in cand.offload, recompute_segment=segs[s],
+            norm_schedule=getattr(norms[s], "mode", ""),
             predicted={
                 "peak_bytes": peak[s], "static_bytes": sums[s]["static_bytes"],
                 "act_bytes": sums[s]["act_bytes"], "fwd_s": sums[s]["fwd_s"], "bwd_s": sums[s]["bwd_s"],

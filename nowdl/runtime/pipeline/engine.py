@@ -158,7 +158,8 @@ class PipelineEngine:
             if self.parts[s] > 1 or st.tiles_per_gpu > 1:  # one rank may run sequential tiles too
                 self.tiled[(rep, s)] = TiledStage(self.stages[s], st.grid, self.place.part_ranks(self.dp_index, rep, s),
                                                   rank, tile_groups.get((rep, s)), fused=st.fused,
-                                                  tiles_per_gpu=st.tiles_per_gpu)
+                                                  tiles_per_gpu=st.tiles_per_gpu,
+                                                  norm_schedule=st.norm_schedule or "passes")
         data = {n for st in stages for n, p in st.producers.items() if p < 0}
         self._check_spatial_values()
         self.transfers = Transfers(view, timeout_s, _lanes(self.place, stages, rank) if distributed else {})

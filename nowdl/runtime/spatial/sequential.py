@@ -25,13 +25,12 @@ whole image, so forward and backward are exact (float64: to rounding).
 The forward keeps no activations (each sub-tile runs under ``no_grad``); only the GPU's input
 window and output tiles stay between forward and backward. The backward recomputes each
 sub-tile with autograd, seeds it with its region of the output gradient, and sums the window
-gradients (overlapping margins add up) and the weight gradients over the sub-tiles; the halo
-part of the input gradient goes back to the neighbouring GPUs as any halo gradient does, and the
-weight gradients are returned once (the engine's per-parameter hooks see one accumulation),
-then summed over the tile group with the other tiles' shares. Autocast is re-entered in the
-recomputation as in the forward. BatchNorm (training), InstanceNorm and GroupNorm normalise every
-sub-tile with the whole image's statistics, gathered in statistics passes over the sub-tiles
-([Note: sequential norms] in :mod:`nowdl.runtime.spatial.statistics.seq_norms`); predict's
+gradients (overlapping margins add up) and the weight gradients over the sub-tiles (returned
+once, then summed over the tile group); the halo part of the input gradient goes back to the
+neighbouring GPUs. Autocast is re-entered in the recomputation. BatchNorm (training),
+InstanceNorm and GroupNorm normalise every sub-tile with the whole image's statistics, gathered
+in statistics passes ([Note: sequential norms]) or layer-wise from host memory ([Note:
+layer-wise norms], [Note: layer-wise backward]; the plan's ``norm_schedule``); predict's
 statistics passes over an image's windows take them over the whole image instead ([Note:
 sequential tiles in statistics passes] in ``seq_stream``). Dropout draws masks keyed by image
 coordinates, the same in every pass and margin ([Note: keyed dropout] in
@@ -54,10 +53,11 @@ from torch import Tensor
 from nowdl.codegen.stage import StageModule
 from nowdl.errors import NowdlError
 from nowdl.geometry import split_bounds
-from nowdl.runtime.spatial.dropout import draw_seeds, keyed_graph, keyed_run
+from nowdl.runtime.spatial.dropout import draw_seeds, keyed_graph
 from nowdl.runtime.spatial.exchange import Window, fetch_window
 from nowdl.runtime.spatial.precision import autocast_off
 from nowdl.runtime.spatial.reach import node_reach, refuse_sequential, stage_reach
+from nowdl.runtime.spatial.seq_run import SubTilesRun, extent
 from nowdl.runtime.spatial.statistics import seq_norms as sn
 from nowdl.runtime.spatial.statistics.seq_stream import StreamHook, stream_forward
 from nowdl.runtime.spatial.tiles import TileGrid
@@ -116,15 +116,19 @@ class SequentialTiles:
         grid: the plan's tile grid (GPUs per spatial dim).
         ranks, rank, group: the tile group (as :class:`nowdl.runtime.spatial.stage.TiledStage`).
         tiles_per_gpu: T, the sub-tiles each GPU runs one after another.
+        norm_schedule: "passes" ([Note: sequential norms]) or "layerwise" ([Note: layer-wise norms]).
 
     Raises:
         NowdlError: a node cannot run on sequential tiles (named, with the fix).
     """
 
     def __init__(self, stage: StageModule, grid: Sequence[int], ranks: Sequence[int], rank: int,
-                 group: dist.ProcessGroup | None, tiles_per_gpu: int) -> None:
+                 group: dist.ProcessGroup | None, tiles_per_gpu: int, norm_schedule: str = "passes") -> None:
         if tiles_per_gpu < 1:
             raise NowdlError(f"stage {stage.index}: tiles_per_gpu={tiles_per_gpu} must be >= 1")
+        if norm_schedule not in ("passes", "layerwise"):
+            raise NowdlError(f"stage {stage.index}: norm_schedule={norm_schedule!r} is neither 'passes' nor 'layerwise'")
+        self.norm_schedule = norm_schedule
         refuse_sequential(stage.module, stage.index, tiles_per_gpu)
         self.stage, self.grid, self.ranks, self.rank, self.group = stage, tuple(grid), tuple(ranks), rank, group
         self.tiles = tiles_per_gpu
@@ -135,6 +139,7 @@ class SequentialTiles:
                       if n.name in set(sn.seq_norm_nodes(stage.module))}
         self._levels: dict[frozenset[str], Any] = {}  # active norms -> their NormLevels
         self.external: StreamHook | None = None  # predict's statistics passes ([Note: sequential tiles in statistics passes])
+        self.host_meter = [0, 0]  # bytes kept in host memory now and at most ([Note: layer-wise norms])
 
     def _grid(self, n: int) -> tuple[int, ...]:
         return (1,) * (n - len(self.grid)) + self.grid
@@ -155,10 +160,10 @@ class SequentialTiles:
         if hook is not None and hook.current > 0:
             with torch.no_grad():
                 outs = stream_forward(self.stage.module, hook, lay.subs, wins, lay.heads,
-                                      [_extent(lay, o, self) for o in range(len(lay.out_shapes))], lay.norm_sizes)
+                                      [extent(lay, o, self) for o in range(len(lay.out_shapes))], lay.norm_sizes)
         else:
             seeds = draw_seeds(self.keyed, self.ranks, self.group, tiles[0].device) if self.keyed else {}
-            outs = _Run.apply(self, lay, seeds, len(wins), *wins, *self.params)
+            outs = SubTilesRun.apply(self, lay, seeds, len(wins), *wins, *self.params)
         ogrids = [TileGrid.for_rank(s, grid, self.rank, self.ranks) for s in lay.out_shapes]
         return list(outs), ogrids
 
@@ -311,102 +316,3 @@ def grid_index(coords: Sequence[int], grid: Sequence[int]) -> int:
     for c, g in zip(coords, grid, strict=True):
         i = i * g + c
     return i
-
-
-class _Run(torch.autograd.Function):
-    """The sub-tiles' forward without saved activations; their recomputation in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, run: SequentialTiles, lay: _Layout, seeds: dict[str, int], n_in: int,  # type: ignore[override]
-                *flat: Tensor) -> tuple[Tensor, ...]:
-        wins = flat[:n_in]
-        passes = run.norm_passes(lay)
-        outs: list[Tensor] = []
-        with torch.no_grad():
-            for k in range(1, passes.levels.passes[0] + 1 if passes is not None else 1):  # statistics passes
-                passes.mode, passes.level = "fwd", k  # type: ignore[union-attr]
-                for i, sub in enumerate(lay.subs):
-                    _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)], seeds,
-                             sub.origins)
-                passes.finish_fwd(wins[0].device)  # type: ignore[union-attr]
-            if passes is not None:
-                passes.mode = "apply"
-            for i, sub in enumerate(lay.subs):
-                ys = _sub_run(run, passes, i, [w[sl] for w, sl in zip(wins, sub.ins, strict=True)], seeds,
-                              sub.origins)
-                if not outs:
-                    outs = [y.new_zeros(tuple(y.shape[:2]) + _extent(lay, o, run)) for o, y in enumerate(ys)]
-                for o, (y, (crop, place)) in enumerate(zip(ys, sub.outs, strict=True)):
-                    outs[o][place] = y[crop]
-                del ys, y  # one sub-tile's outputs live at a time
-        dev = wins[0].device.type
-        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.run, ctx.lay, ctx.n_in, ctx.passes, ctx.seeds = run, lay, n_in, passes, seeds
-        ctx.save_for_backward(*wins)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx: Any, *gys: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        wins = ctx.saved_tensors
-        run: SequentialTiles = ctx.run
-        n_in = ctx.n_in
-        need_w = [bool(ctx.needs_input_grad[4 + i]) for i in range(n_in)]
-        need_p = [bool(ctx.needs_input_grad[4 + n_in + k]) for k in range(len(run.params))]
-        gw = [torch.zeros_like(w) if nd else None for w, nd in zip(wins, need_w, strict=True)]
-        gp: list[Tensor | None] = [None] * len(run.params)
-        params = [p for p, nd in zip(run.params, need_p, strict=True) if nd]
-        dev, on, dtype = ctx.autocast
-        passes: sn.NormPasses | None = ctx.passes
-        with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=on):
-            for k in range(1, passes.levels.passes[1] + 1 if passes is not None else 1):  # gradient means
-                passes.mode, passes.level = "bwd", k  # type: ignore[union-attr]
-                for i, sub in enumerate(ctx.lay.subs):
-                    xs = [w[sl].detach().requires_grad_(nd) for w, sl, nd in zip(wins, sub.ins, need_w, strict=True)]
-                    roots, seeds = _roots(_sub_run(run, passes, i, xs, ctx.seeds, sub.origins), gys, sub)
-                    passes.add_grads(roots, seeds)  # type: ignore[union-attr]
-                    del roots, seeds  # one sub-tile's recomputed graph lives at a time
-                passes.finish_bwd()  # type: ignore[union-attr]
-            if passes is not None:
-                passes.mode = "apply"
-            for i, sub in enumerate(ctx.lay.subs):
-                xs = [w[sl].detach().requires_grad_(nd) for w, sl, nd in zip(wins, sub.ins, need_w, strict=True)]
-                ys = _sub_run(run, passes, i, xs, ctx.seeds, sub.origins)
-                roots, seeds = _roots(ys, gys, sub)
-                if not roots:
-                    continue
-                want = [x for x in xs if x.requires_grad] + params
-                grads = torch.autograd.grad(roots, want, seeds, allow_unused=True)
-                del roots, ys
-                it = iter(grads)
-                for i, (x, sl) in enumerate(zip(xs, sub.ins, strict=True)):
-                    if x.requires_grad:
-                        gx = next(it)
-                        if gx is not None:
-                            gw[i][sl] += gx  # type: ignore[index]
-                k_need = [k for k, nd in enumerate(need_p) if nd]
-                for k, g in zip(k_need, it, strict=True):
-                    if g is not None:
-                        gp[k] = g if gp[k] is None else gp[k] + g  # type: ignore[operator]
-        return (None, None, None, None, *gw, *gp)
-
-
-def _sub_run(run: SequentialTiles, passes: sn.NormPasses | None, i: int, xs: Sequence[Tensor], seeds: dict[str, int],
-             origins: dict[str, tuple[int, ...]]) -> Any:
-    """The stage on sub-tile ``i``'s window inputs ``xs`` (its norms as ``passes`` says, its dropout keyed)."""
-    with keyed_run(seeds, origins):
-        return run.module(*xs) if passes is None else sn.NormRun(run.module, passes, i).run(*xs)
-
-
-def _roots(ys: Sequence[Tensor], gys: Sequence[Tensor | None], sub: _Sub) -> tuple[list[Tensor], list[Tensor]]:
-    """The kept part of a sub-tile's outputs and their gradients (those that take one)."""
-    roots, seeds = [], []
-    for y, g, (crop, place) in zip(ys, gys, sub.outs, strict=True):
-        if g is not None and y.requires_grad:
-            roots.append(y[crop])
-            seeds.append(g[place])
-    return roots, seeds
-
-
-def _extent(lay: _Layout, o: int, run: SequentialTiles) -> tuple[int, ...]:
-    shape = lay.out_shapes[o]
-    return TileGrid.for_rank(shape, run._grid(len(shape)), run.rank, run.ranks).tile_shape()

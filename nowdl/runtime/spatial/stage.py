@@ -73,13 +73,15 @@ class TiledStage:
         group: the tile group's process group (halo exchanges and norm statistics).
         fused: chains of node names whose halo exchanges are fused into one.
         tiles_per_gpu: T > 1 runs the stage as T sequential sub-tiles per rank.
+        norm_schedule: with T > 1, how its norms' statistics are gathered ("passes" or "layerwise").
 
     Raises:
         NowdlError: a node of the stage cannot run on tiles (names the node and why).
     """
 
     def __init__(self, stage: StageModule, grid: Sequence[int], ranks: Sequence[int], rank: int,
-                 group: dist.ProcessGroup | None, fused: Sequence[Sequence[str]] = (), tiles_per_gpu: int = 1) -> None:
+                 group: dist.ProcessGroup | None, fused: Sequence[Sequence[str]] = (), tiles_per_gpu: int = 1,
+                 norm_schedule: str = "passes") -> None:
         self.stage = stage
         self.grid = tuple(int(g) for g in grid)
         self.ranks = tuple(int(r) for r in ranks)
@@ -110,7 +112,7 @@ class TiledStage:
         if tiles_per_gpu > 1:
             from nowdl.runtime.spatial.sequential import SequentialTiles
 
-            self.sequential = SequentialTiles(stage, self.grid, self.ranks, rank, group, tiles_per_gpu)
+            self.sequential = SequentialTiles(stage, self.grid, self.ranks, rank, group, tiles_per_gpu, norm_schedule)
 
     def _check_chains(self, fused: Sequence[Sequence[str]]) -> None:
         from nowdl.runtime.spatial.fusion import fusable

@@ -81,6 +81,10 @@ def _make(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return nowdl.models.unet3d(1, 2, depth=1, base_width=4, norm=False).double(), (1, 32, 8, 8)
     if name == "norm":
         return WithNorm().double(), (1, 32, 16)
+    if name == "inplace":  # norms followed by in-place ReLUs: the layer-wise backward's leaves stay untouched
+        return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(inplace=True),
+                             nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(inplace=True),
+                             nn.Conv2d(4, 2, 1)).double(), (1, 24, 20)
     raise ValueError(name)
 
 
@@ -97,8 +101,9 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 
 
-def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: dict[int, int]) -> None:
-    """The planner's plan for ``cfg`` with ``tiles_per_gpu`` set by hand, saved at ``path``."""
+def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: dict[int, int], schedule: str = "") -> None:
+    """The planner's plan for ``cfg`` with ``tiles_per_gpu`` (and ``norm_schedule``, if given) set by
+    hand, saved at ``path``."""
     model, _ = _make(name)
     cm = nowdl.compile(model, gpus=gpus, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
                        progress=False, **cfg)
@@ -106,6 +111,8 @@ def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: dict[int
     d = json.loads(cm.plan(x, target=y).to_json())
     for s, t in tiles.items():
         d["stages"][s]["tiles_per_gpu"] = t
+        if schedule:
+            d["stages"][s]["norm_schedule"] = schedule
     path.write_text(json.dumps(d))
 
 
@@ -114,7 +121,8 @@ def _train(name: str, path: str, total: int) -> tuple[list[float], dict[str, tor
                        progress=False, timeout_s=120)
     losses = [cm.train_step(*_data(name, step, total)) for step in range(_steps(name))]
     eng = cm._trainer.engine
-    seq = [s for (_, s), t in eng.tiled.items() if t.sequential is not None and _windowed(t.sequential)]
+    seq = [s for (_, s), t in eng.tiled.items() if t.sequential is not None and _windowed(t.sequential)
+           and (t.sequential.host_meter[1] > 0) == (t.sequential.norm_schedule == "layerwise")]  # the schedule ran
     return losses, cm.state_dict(), seq
 
 
@@ -180,23 +188,29 @@ def test_sequential_tiles_in_a_pipeline_with_multi_resolution_inputs(tmp_path: P
     _check((results[0][0], {k: v for r in results for k, v in r[1].items()}, results[0][2] or [0]), "unet", 2)
 
 
-@pytest.mark.parametrize(("name", "tiles"), [("bn", 4), ("in", 4), ("gn", 4), ("in", 9)])
-def test_sequential_tiles_with_norms_on_one_rank_are_exact(name: str, tiles: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "tiles", "schedule"), [("bn", 4, "passes"), ("in", 4, "passes"), ("gn", 4, "passes"),
+                                                      ("in", 9, "passes"), ("bn", 4, "layerwise"),
+                                                      ("in", 4, "layerwise"), ("gn", 4, "layerwise"),
+                                                      ("inplace", 4, "layerwise")])
+def test_sequential_tiles_with_norms_on_one_rank_are_exact(name: str, tiles: int, schedule: str,
+                                                           tmp_path: Path) -> None:
     """BatchNorm (2 samples per micro-batch), InstanceNorm (running statistics tracked) and
-    GroupNorm normalise every sub-tile with the whole image's statistics: 3 Adam steps equal one
-    process, every parameter and buffer (running statistics, batches tracked) to 1e-9."""
+    GroupNorm normalise every sub-tile with the whole image's statistics, gathered by statistics
+    passes or layer-wise ([Note: layer-wise norms]): 3 Adam steps equal one process, every
+    parameter and buffer (running statistics, batches tracked) to 1e-9."""
     path = tmp_path / "plan.json"
-    _plan(name, path, 1, ONE, {0: tiles})
+    _plan(name, path, 1, ONE, {0: tiles}, schedule)
     _check(_train(name, str(path), 1), name, 1)
 
 
+@pytest.mark.parametrize("schedule", ["passes", "layerwise"])
 @pytest.mark.parametrize("name", NORMS)
-def test_sequential_tiles_with_norms_on_two_ranks_are_exact(name: str, tmp_path: Path) -> None:
+def test_sequential_tiles_with_norms_on_two_ranks_are_exact(name: str, schedule: str, tmp_path: Path) -> None:
     """2 ranks, 2 sub-tiles each, 2 micro-batches in flight (GPipe): statistics and gradient means
     combine over the sub-tiles and the tile group."""
     path = tmp_path / "plan.json"
     _plan(name, path, 2, {**ONE, "spatial_parts": 2, "slice": "horizontal", "micro_batches": 2, "schedule": "gpipe"},
-          {0: 2})
+          {0: 2}, schedule)
     results = run_workers(_worker, 2, name, str(path), 2, timeout_s=300)
     assert results[0][0] == results[1][0]
     _check(results[0], name, 2)
@@ -313,3 +327,28 @@ def test_sequential_tiles_with_norms_under_bf16_against_the_same_plan_without() 
     torch.testing.assert_close(torch.tensor(l4), torch.tensor(l1), rtol=2e-3, atol=0.0)
     for k, v in sd1.items():
         torch.testing.assert_close(sd4[k], v, rtol=0.0, atol=5e-3, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_layerwise_schedule_runs_each_node_once_and_keeps_the_pass_boundaries() -> None:
+    """NormNet's norms at forward levels 1, 2, 3 ([Note: layer-wise norms]): each node runs in one
+    forward pass (the norm of level k in pass k + 1); host memory keeps what a later pass reads
+    (the skip ``relu`` from pass 2 until pass 3 reads it), and nothing the stage's input gives;
+    the backward runs one segment per backward level."""
+    import torch.fx as fx
+
+    from nowdl.runtime.spatial.statistics import layerwise as lw
+    from nowdl.runtime.spatial.statistics import seq_norms as sn
+
+    gm = fx.symbolic_trace(NormNet("in"))
+    plan = lw.layer_plan(gm, sn.norm_levels(gm, sn.seq_norm_nodes(gm)))
+    assert plan.passes == 3
+    runs = {k: sorted(v - {"x"}) for k, v in plan.compute.items()}
+    assert runs == {1: ["c1", "n1"], 2: ["c2", "n1", "n2", "relu"], 3: ["c3", "cat", "n2", "n3", "relu_1", "up"],
+                    4: ["head", "n3", "output", "relu_2"]}
+    assert {k: sorted(v) for k, v in plan.store.items()} == {1: ["c1"], 2: ["c2", "relu"], 3: ["c3"]}
+    assert {k: sorted(v) for k, v in plan.keep.items()} == {1: ["c1"], 2: ["c2", "relu"], 3: ["c3"]}
+    # the backward ([Note: layer-wise backward]): segments by backward level, each started from the
+    # norms' outputs and the skip relu kept from the forward
+    assert {k: sorted(v) for k, v in plan.segment.items()} == {0: ["head", "output", "relu_2"], 1: [
+        "c3", "cat", "n3", "relu_1", "up"], 2: ["c2", "n2", "relu"], 3: ["c1", "n1"]}
+    assert plan.sums == {j: plan.segment[j] for j in (1, 2, 3)} and sorted(plan.boundary) == ["n1", "n2", "n3", "relu"]

@@ -234,21 +234,25 @@ class NormPasses:
             return
         grads = torch.autograd.grad(roots, [y for _, _, y in want], seeds, allow_unused=True)
         for (node, x, _), gy in zip(want, grads, strict=True):
-            if gy is None:
-                continue
-            m, op = self.module(node), self.ops[node]
-            acc = opmath(x.dtype)  # the input's precision (float32 for bf16/fp16); the sums in float64
-            w = m.weight if getattr(m, "affine", True) else None
-            g = gy.to(acc)
-            if isinstance(w, Tensor):
-                g = g * w.detach().to(acc).reshape(1, -1, *(1,) * (x.dim() - 2))
-            del gy
-            a = _per_stat(g, op)
-            xhat = _xhat(x.detach(), *self.held(node, x), acc)
-            b = _per_stat(xhat.mul_(g), op)  # g * xhat, in place: two window-sized temporaries at most
-            del g, xhat
-            old = self._sums.get(node)
-            self._sums[node] = [a, b] if old is None else [old[0] + a, old[1] + b]
+            if gy is not None:
+                self.add_grad(node, x, gy)
+
+    def add_grad(self, node: str, x: Tensor, gy: Tensor) -> None:
+        """Add one sub-tile's sums of ``g`` and ``g * xhat`` of norm ``node`` from its input ``x`` and
+        the gradient ``gy`` at its output."""
+        m, op = self.module(node), self.ops[node]
+        acc = opmath(x.dtype)  # the input's precision (float32 for bf16/fp16); the sums in float64
+        w = m.weight if getattr(m, "affine", True) else None
+        g = gy.to(acc)
+        if isinstance(w, Tensor):
+            g = g * w.detach().to(acc).reshape(1, -1, *(1,) * (x.dim() - 2))
+        del gy
+        a = _per_stat(g, op)
+        xhat = _xhat(x.detach(), *self.held(node, x), acc)
+        b = _per_stat(xhat.mul_(g), op)  # g * xhat, in place: two window-sized temporaries at most
+        del g, xhat
+        old = self._sums.get(node)
+        self._sums[node] = [a, b] if old is None else [old[0] + a, old[1] + b]
 
     def finish_bwd(self) -> None:
         nodes = [n for n in self.ops if self.levels.bwd[n] == self.level]
