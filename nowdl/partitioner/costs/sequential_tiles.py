@@ -23,7 +23,7 @@ in pixels at v's output: each consumer adds its halo and scales by its resolutio
 (a pool of stride 2 doubles it). It runs to the end of the region, so a stage that ends earlier
 needs less: an upper bound.
 
-[Note: sequential tiles window] The runtime (``runtime/spatial/sequential.py``) runs EVERY node
+[Note: sequential tiles window] The runtime (``runtime/spatial/sequential/tiles.py``) runs EVERY node
 of a sub-tile on one window: the sub-tile's region plus the stage's whole reach on each side,
 its start rounded down and its length up to the alignment (the least common multiple of the
 nodes' scales), clipped at the image border. So a node's saved bytes grow by the window's area

@@ -1,5 +1,5 @@
 """The autograd step of sequential tiles: the sub-tiles' forward without saved activations, their
-recomputation in backward ([Note: sequential tiles] in :mod:`nowdl.runtime.spatial.sequential`).
+recomputation in backward ([Note: sequential tiles] in :mod:`nowdl.runtime.spatial.sequential.tiles`).
 
 ``run`` is the stage's :class:`~nowdl.runtime.spatial.sequential.SequentialTiles`, ``lay`` its
 layout for this micro-batch's shapes (the sub-tiles' window slices, kept crops and norm chunks).

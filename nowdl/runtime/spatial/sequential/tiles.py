@@ -57,12 +57,12 @@ from nowdl.runtime.spatial.dropout import draw_seeds, keyed_graph
 from nowdl.runtime.spatial.exchange import Window, fetch_window
 from nowdl.runtime.spatial.precision import autocast_off
 from nowdl.runtime.spatial.reach import node_reach, refuse_sequential, stage_reach
-from nowdl.runtime.spatial.seq_run import SubTilesRun, extent
+from nowdl.runtime.spatial.sequential.step import SubTilesRun, extent
 from nowdl.runtime.spatial.statistics import seq_norms as sn
 from nowdl.runtime.spatial.statistics.seq_stream import StreamHook, stream_forward
 from nowdl.runtime.spatial.tiles import TileGrid
 
-__all__ = ["SequentialTiles", "sub_grid"]
+__all__ = ["SequentialTiles", "grid_index", "sub_grid"]
 
 Slices = tuple[slice, ...]
 
