@@ -79,16 +79,19 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
 
 
-def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: int) -> None:
+def _plan(name: str, path: Path, gpus: int, cfg: dict[str, Any], tiles: int, schedule: str | None = None) -> None:
     cm = nowdl.compile(_make(name), gpus=gpus, mode="estimate", optimizer=_adam, loss_fn=nn.MSELoss(), cache=False,
                        progress=False, **cfg)
     x, y = _data(0, 1)
     d = json.loads(cm.plan(x, target=y).to_json())  # a micro-batch of 2 samples
     d["stages"][0]["tiles_per_gpu"] = tiles
+    if schedule is not None:
+        d["stages"][0]["norm_schedule"] = schedule
     path.write_text(json.dumps(d))
 
 
-Result = tuple[list[float], dict[str, torch.Tensor], list[tuple[bool, int, int]]]
+#: losses, state, per tiled stage (sequential, keyed dropouts, fused runs), per stage whether host memory was kept
+Result = tuple[list[float], dict[str, torch.Tensor], list[tuple[bool, int, int]], list[bool]]
 
 
 def _train(rank: int, world: int, name: str, path: str, total: int, ckpt: bool = False) -> Result:
@@ -97,11 +100,11 @@ def _train(rank: int, world: int, name: str, path: str, total: int, ckpt: bool =
     losses = [cm.train_step(*_data(step, total)) for step in range(STEPS)]
     tiled = cm._trainer.engine.tiled.values()
     return losses, cm.state_dict(), [(t.sequential is not None, len(t.keyed), 0 if t.sequential else len(t._chains))
-                                     for t in tiled]  # fused runs serve plain tiles only
+                                     for t in tiled], [bool(t.sequential and t.sequential.host_meter[1]) for t in tiled]
 
 
 def _check(got: Result, name: str, total: int, sequential: bool = True, fused: int = 0) -> None:
-    losses, sd, tiled = got
+    losses, sd, tiled, _ = got
     assert tiled == [(sequential, 3, fused)], f"not a stage with 3 keyed dropout nodes and {fused} fused runs: {tiled}"
     model = keyed_dropout(_make(name))
     ref_losses, ref_sd = train_reference(model, _adam(model.parameters()), nn.MSELoss(), lambda s: _data(s, total),
@@ -111,11 +114,17 @@ def _check(got: Result, name: str, total: int, sequential: bool = True, fused: i
         torch.testing.assert_close(sd[k], v, rtol=1e-9, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize(("name", "tiles"), [("drop", 4), ("drop_gn", 4), ("drop_gn", 9)])
-def test_dropout_on_sequential_tiles_on_one_rank_is_exact(name: str, tiles: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "tiles", "schedule"), [("drop", 4, None), ("drop_gn", 4, "passes"),
+                                                       ("drop_gn", 4, "layerwise"), ("drop_gn", 9, None)])
+def test_dropout_on_sequential_tiles_on_one_rank_is_exact(name: str, tiles: int, schedule: str | None,
+                                                           tmp_path: Path) -> None:
+    """The GroupNorm net's statistics in passes or layer-wise from host memory ([Note: layer-wise
+    norms]): every pass, kept value and backward segment applies the same keyed masks."""
     path = tmp_path / "plan.json"
-    _plan(name, path, 1, ONE, tiles)
-    _check(_train(0, 1, name, str(path), 1), name, 1)
+    _plan(name, path, 1, ONE, tiles, schedule)
+    got = _train(0, 1, name, str(path), 1)
+    assert got[3] == [schedule == "layerwise"], got[3]  # the layer-wise schedule ran (and only when pinned)
+    _check(got, name, 1)
 
 
 def test_dropout_on_sequential_tiles_on_two_ranks_is_exact(tmp_path: Path) -> None:
