@@ -16,7 +16,7 @@ might exist there.
 Nets with norms ([Note: norm passes cost]: sequential tiles run statistics passes for them):
 MONAI's ``UNet(spatial_dims=2, in_channels=3, out_channels=2, channels=(32, 64, 128, 256, 512),
 strides=(2, 2, 2, 2), num_res_units=2)`` with its default InstanceNorm and with ``norm="batch"``
-at 16384² and 32768², a 3D UNet shaped like nnU-Net's PlainConvUNet (InstanceNorm) at 512³ and
+at 16384² and 32768², nnU-Net's PlainConvUNet (``dynamic_network_architectures``, InstanceNorm) at 512³ and
 MONAI's SegResNet (GroupNorm) at 16384² (``NORM_MODELS``; ``--only`` takes their keys too).
 
     PYTHONPATH=. python benchmarks/bench_fewest_gpus.py [--only unet8k,resnet] [--time-limit 60]
@@ -57,34 +57,17 @@ def _segresnet() -> nn.Module:
     return SegResNet(spatial_dims=2, in_channels=3, out_channels=2)
 
 
-def _block(cin: int, cout: int, stride: int) -> nn.Module:
-    return nn.Sequential(nn.Conv3d(cin, cout, 3, stride=stride, padding=1), nn.InstanceNorm3d(cout, affine=True),
-                         nn.LeakyReLU(0.01), nn.Conv3d(cout, cout, 3, padding=1),
-                         nn.InstanceNorm3d(cout, affine=True), nn.LeakyReLU(0.01))
+def _plain_conv_unet() -> nn.Module:
+    """nnU-Net's own PlainConvUNet (``dynamic_network_architectures``) as its 3d_fullres plans
+    build it for a large volume: 6 stages of 32, 64, 128, 256, 320, 320 features, two
+    conv-InstanceNorm-LeakyReLU per stage, strided convs down, transposed convs up, conv bias."""
+    from dynamic_network_architectures.architectures.unet import PlainConvUNet
 
-
-class PlainConvUNet3d(nn.Module):
-    """nnU-Net's PlainConvUNet for 3D full resolution: 6 levels (32, 64, 128, 256, 320, 320
-    features), two conv-InstanceNorm-LeakyReLU per level, strided convs down, transposed convs up."""
-
-    def __init__(self, features: tuple[int, ...] = (32, 64, 128, 256, 320, 320)) -> None:
-        super().__init__()
-        self.down = nn.ModuleList(_block(1 if i == 0 else features[i - 1], f, 1 if i == 0 else 2)
-                                  for i, f in enumerate(features))
-        self.up = nn.ModuleList(nn.ConvTranspose3d(features[i], features[i - 1], 2, stride=2)
-                                for i in range(len(features) - 1, 0, -1))
-        self.dec = nn.ModuleList(_block(2 * features[i - 1], features[i - 1], 1) for i in range(len(features) - 1, 0, -1))
-        self.head = nn.Conv3d(features[0], 2, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skips = []
-        for block in self.down:
-            x = block(x)
-            skips.append(x)
-        x = skips.pop()
-        for up, dec in zip(self.up, self.dec, strict=True):
-            x = dec(torch.cat([up(x), skips.pop()], 1))
-        return self.head(x)
+    return PlainConvUNet(input_channels=1, n_stages=6, features_per_stage=(32, 64, 128, 256, 320, 320),
+                         conv_op=nn.Conv3d, kernel_sizes=3, strides=(1, 2, 2, 2, 2, 2), n_conv_per_stage=2,
+                         num_classes=2, n_conv_per_stage_decoder=2, conv_bias=True, norm_op=nn.InstanceNorm3d,
+                         norm_op_kwargs={"eps": 1e-5, "affine": True}, nonlin=nn.LeakyReLU,
+                         nonlin_kwargs={"inplace": True})
 
 
 NORM_MODELS: dict[str, tuple[str, Callable[[], nn.Module], tuple[int, ...]]] = {
@@ -92,7 +75,7 @@ NORM_MODELS: dict[str, tuple[str, Callable[[], nn.Module], tuple[int, ...]]] = {
     "monai_bn16k": ("MONAI UNet (BatchNorm) @ 16384²", _monai_unet("batch"), (1, 3, 16384, 16384)),
     "monai_in32k": ("MONAI UNet (InstanceNorm) @ 32768²", _monai_unet("instance"), (1, 3, 32768, 32768)),
     "monai_bn32k": ("MONAI UNet (BatchNorm) @ 32768²", _monai_unet("batch"), (1, 3, 32768, 32768)),
-    "plain3d": ("PlainConvUNet 3D (InstanceNorm) @ 512³", PlainConvUNet3d, (1, 1, 512, 512, 512)),
+    "plain3d": ("nnU-Net PlainConvUNet 3D (InstanceNorm) @ 512³", _plain_conv_unet, (1, 1, 512, 512, 512)),
     "segresnet": ("SegResNet (GroupNorm) @ 16384²", _segresnet, (1, 3, 16384, 16384)),
 }
 JOBS = {**MODELS, **NORM_MODELS}
