@@ -20,11 +20,13 @@ naming the node and why.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,29 +121,52 @@ def _time_limit(net: Net) -> float:
     return 8.0 if net.id in _SLOW_PLAN else 30.0
 
 
-def _run_cli(net: Net, where: Path) -> _CliResult:
-    where.mkdir(parents=True, exist_ok=True)
-    out = where / "plan.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    p = subprocess.run(_cli_argv(net, "--gpus", "4", "--stages", "4", "--no-cache", "--out", str(out),
-                                 "--time-limit", str(_time_limit(net))),
-                       capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=env)
-    return _CliResult(p.returncode, p.stdout, p.stderr, out)
+def _plan_argv(net: Net, out: Path) -> list[str]:
+    return _cli_argv(net, "--gpus", "4", "--stages", "4", "--no-cache", "--out", str(out),
+                     "--time-limit", str(_time_limit(net)))[3:]  # without `python -m nowdl`
 
 
 class _CliRuns:
-    """``nowdl plan`` of each selected network, one process at a time, started at once."""
+    """``nowdl plan`` of each selected network, one after another in ONE background process
+    (``helpers/cli_batch.py``: the command line's ``main`` per net, one import of torch and MONAI
+    for all), started at once; each test waits for its net's answer."""
 
     def __init__(self, nets: list[Net], root: Path) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1)
-        self._futures: dict[str, Future[_CliResult]] = {
-            n.id: self._pool.submit(_run_cli, n, root / n.id) for n in nets}
+        self._futures: dict[str, Future[_CliResult]] = {n.id: Future() for n in nets}
+        self._plans = {n.id: root / n.id / "plan.json" for n in nets}
+        for path in self._plans.values():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = root / "cli_batch.stderr"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        with self._log.open("w") as log:
+            self._proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "helpers" / "cli_batch.py")],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        assert self._proc.stdin is not None
+        self._proc.stdin.write("".join(json.dumps({"id": n.id, "argv": _plan_argv(n, self._plans[n.id])}) + "\n"
+                                       for n in nets))
+        self._proc.stdin.close()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            r = json.loads(line)
+            self._futures[r["id"]].set_result(_CliResult(r["rc"], r["stdout"], r["stderr"], self._plans[r["id"]]))
+        self._proc.wait()
+        for f in self._futures.values():
+            if not f.done():
+                f.set_exception(RuntimeError(f"the nowdl plan batch exited {self._proc.returncode} before this net:\n"
+                                             f"{self._log.read_text()[-3000:]}"))
 
     def result(self, net: Net) -> _CliResult:
         return self._futures[net.id].result(timeout=len(self._futures) * CLI_TIMEOUT_S)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._reader.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
