@@ -77,7 +77,12 @@ from typing import Any
 from nowdl.geometry import split_bounds
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.partitioner.costs.problem import NodeVectors, Problem
-from nowdl.partitioner.costs.seqnorms.schedule import NormSchedule, norm_schedule, reached
+from nowdl.partitioner.costs.seqnorms.schedule import (
+    NormSchedule,
+    norm_depths,
+    norm_schedule,
+    reached,
+)
 
 __all__ = ["margins", "window_margins", "inflation", "stage_reach_px", "window_inflation", "image_pools", "sequential_vectors",
            "sequential_problem", "time_terms", "NormPasses", "norm_passes", "schedule_of"]
@@ -351,14 +356,7 @@ def norm_passes(costs: Costs) -> NormPasses:
     norms = _norm_nodes(costs)
     if not norms:
         return NormPasses([0.0] * n, [0.0] * n, 0, 0)
-    prods: list[list[int]] = [[] for _ in range(n)]
-    cons: list[list[int]] = [[] for _ in range(n)]
-    for u, v in costs.edges:
-        prods[v].append(u)
-        cons[u].append(v)
-    depth = [0] * n
-    for v in range(n):  # nodes are in topological order
-        depth[v] = max((depth[u] for u in prods[v]), default=0) + (v in norms)
+    prods, cons, depth = norm_depths(costs, norms)
     back = [0] * n
     for v in range(n - 1, -1, -1):
         back[v] = max((back[c] for c in cons[v]), default=0) + (v in norms)

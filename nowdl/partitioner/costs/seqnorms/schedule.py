@@ -43,11 +43,26 @@ from nowdl.errors import NowdlError
 from nowdl.partitioner.costs.costmodel import Costs
 from nowdl.plan.plan import format_bytes
 
-__all__ = ["LayerWise", "layer_wise", "NormSchedule", "norm_schedule", "refuse_layerwise", "reached",
+__all__ = ["norm_depths", "LayerWise", "layer_wise", "NormSchedule", "norm_schedule", "refuse_layerwise", "reached",
            "NORM_SCHEDULES"]
 
 NORM_SCHEDULES = ("auto", "passes", "layerwise")
 _FREE = ("placeholder", "get_attr")  # the stage's inputs and parameters: never kept in host memory
+
+
+def norm_depths(costs: Costs, norms: frozenset[int] | set[int]) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Each node's producers and consumers in ``costs``'s graph, and its depth: the most norms
+    (``norms``, node indices) on a path from the input to it, itself included."""
+    n = len(costs.profile.nodes)
+    prods: list[list[int]] = [[] for _ in range(n)]
+    cons: list[list[int]] = [[] for _ in range(n)]
+    for u, v in costs.edges:
+        prods[v].append(u)
+        cons[u].append(v)
+    depth = [0] * n
+    for v in range(n):  # nodes are in topological order
+        depth[v] = max((depth[u] for u in prods[v]), default=0) + (v in norms)
+    return prods, cons, depth
 
 
 def reached(starts: list[int], edges: Sequence[Sequence[int]]) -> set[int]:
@@ -86,14 +101,7 @@ def layer_wise(costs: Costs, norms: frozenset[int]) -> LayerWise:
     runtime's ``layer_plan`` makes it ([Note: layer-wise norms cost])."""
     nodes = costs.profile.nodes
     n = len(nodes)
-    prods: list[list[int]] = [[] for _ in range(n)]
-    cons: list[list[int]] = [[] for _ in range(n)]
-    for u, v in costs.edges:
-        prods[v].append(u)
-        cons[u].append(v)
-    depth = [0] * n
-    for v in range(n):  # topological order
-        depth[v] = max((depth[u] for u in prods[v]), default=0) + (v in norms)
+    prods, cons, depth = norm_depths(costs, norms)
     kf = max((depth[v] for v in norms), default=0)
     free = {v for v in range(n) if nodes[v].op in _FREE}
     needed = {k: reached([v for v in norms if depth[v] == k], prods) for k in range(1, kf + 1)}
