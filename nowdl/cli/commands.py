@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import torch
 
-from nowdl.cli.export import add_export_parser
+from nowdl.cli.export import add_export_parser, codegen_command
 from nowdl.cli.inputs import example_inputs
 from nowdl.cli.levers import add_lever_arguments, format_levers, lever_kwargs
 from nowdl.errors import NowdlError, ReportedError, error_text
@@ -162,40 +162,18 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _codegen(args: argparse.Namespace) -> int:
-    """`nowdl codegen`: rebuild the plan's model, check it is the planned one, write the stages."""
-    import nowdl
-    from nowdl.codegen import build_stages, write_sources
-    from nowdl.trace.tracer import trace
-
-    plan = nowdl.Plan.load(args.plan)
-    spec, margs = args.model, args.model_args
-    if spec is None:
-        src = plan.model.get("source")
-        if not isinstance(src, dict) or not isinstance(src.get("spec"), str):
-            raise NowdlError(f"{args.plan} does not record how to build its model ({plan.model.get('name', '?')}): "
-                             "pass --model MODEL [--model-args JSON], the same as given to `nowdl plan`")
-        spec, margs = src["spec"], json.dumps(src.get("args") or {})
-    elif margs is None:
-        src = plan.model.get("source")
-        if isinstance(src, dict) and src.get("spec") == spec:
-            margs = json.dumps(src.get("args") or {})
-    model, _, _ = resolve_model(spec, margs)
-    xs = tuple(torch.empty(shape, device="meta") for shape in plan.model["inputs"])
-    traced = trace(model, xs, tracer=str(plan.model.get("tracer", "auto")))
-    plan.check_model(traced.fingerprint)
-    paths = write_sources(build_stages(traced.gm, plan), plan, args.out)
-    print(*paths, sep="\n")
-    return 0
-
-
-def _rank() -> int:
-    """This process's rank as its launcher describes it (0 when alone or unreadable)."""
+def _job() -> tuple[int, int]:
+    """This process's rank and world size as its launcher describes them ((0, 1) when alone or unreadable)."""
     from nowdl.runtime.launch.group import launch_env
 
     with contextlib.suppress(NowdlError):
-        return launch_env().rank
-    return 0
+        env = launch_env()
+        return env.rank, env.world_size
+    return 0, 1
+
+
+def _rank() -> int:
+    return _job()[0]
 
 
 _QUIET_EXIT_S = 3.0  # seconds a rank other than 0 waits before exiting on an error every rank hit alike
@@ -224,13 +202,8 @@ def _say_error(command: str, e: BaseException, verbose: bool) -> None:
 def _let_rank0_speak() -> None:
     """On ranks other than 0 of a launched job, wait a moment before exiting with an error that
     every rank hit alike (a bad option), so the launcher does not kill rank 0 before it prints."""
-    from nowdl.runtime.launch.group import launch_env
-
-    try:
-        env = launch_env()
-    except NowdlError:
-        return
-    if env.rank != 0 and env.world_size > 1:
+    rank, world = _job()
+    if rank != 0 and world > 1:
         time.sleep(_QUIET_EXIT_S)
 
 
@@ -248,7 +221,17 @@ def _launch_here(args: argparse.Namespace, argv: Sequence[str], exit_now: bool) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `nowdl` console script; returns the exit status (2 on any error)."""
+    """Entry point of the `nowdl` console script; returns the exit status (2 on any error). A rank
+    of a launched job exits here, skipping finalization (runtime/launch/group_exit.py)."""
+    rc = _main(argv)
+    if argv is None and _job()[1] > 1:
+        from nowdl.runtime.launch.group_exit import exit_rank
+
+        exit_rank(rc)
+    return rc
+
+
+def _main(argv: Sequence[str] | None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     if args.command is None:
@@ -328,7 +311,7 @@ def _run(args: argparse.Namespace) -> int:
               "with --model-args JSON")
         return 0
     if args.command == "codegen":
-        return _codegen(args)
+        return codegen_command(args)
     if args.command == "export":
         from nowdl.cli.export import export_command
 

@@ -1,6 +1,7 @@
-"""``nowdl export CKPT_DIR --out weights.pt``: a checkpoint's weights as a plain PyTorch state_dict.
+"""What a run leaves for use without nowdl: ``nowdl export`` (a checkpoint's weights as a plain
+PyTorch state_dict) and ``nowdl codegen`` (a plan's stages as Python sources).
 
-The checkpoint (any plan, any number of ranks: its tensors are stored under the model's own
+``nowdl export CKPT_DIR --out weights.pt``: the checkpoint (any plan, any number of ranks: its tensors are stored under the model's own
 names, docs/checkpoints.md) is read in this one process. The model is rebuilt from what the
 checkpoint records (``nowdl run``'s model and ``--model-args``; ``--model`` / ``--model-args``
 override or supply them), the weights are loaded into it with ``strict=True`` (a checkpoint of
@@ -22,7 +23,7 @@ import torch
 
 from nowdl.errors import NowdlError
 
-__all__ = ["add_export_parser", "export_command", "checkpoint_state_dict"]
+__all__ = ["add_export_parser", "export_command", "checkpoint_state_dict", "codegen_command"]
 
 
 def add_export_parser(sub: Any) -> None:
@@ -97,4 +98,32 @@ def export_command(args: argparse.Namespace) -> int:
     n = sum(v.numel() for v in sd.values())
     print(f"saved {out}: {len(sd)} tensors ({n:,} values) of {name} from {record['dir']} (step {record['step']}); "
           f"load with model.load_state_dict(torch.load({str(out)!r}))")
+    return 0
+
+
+def codegen_command(args: argparse.Namespace) -> int:
+    """`nowdl codegen`: rebuild the plan's model, check it is the planned one, write the stages."""
+    import nowdl
+    from nowdl.codegen import build_stages, write_sources
+    from nowdl.models.resolve import resolve_model
+    from nowdl.trace.tracer import trace
+
+    plan = nowdl.Plan.load(args.plan)
+    spec, margs = args.model, args.model_args
+    if spec is None:
+        src = plan.model.get("source")
+        if not isinstance(src, dict) or not isinstance(src.get("spec"), str):
+            raise NowdlError(f"{args.plan} does not record how to build its model ({plan.model.get('name', '?')}): "
+                             "pass --model MODEL [--model-args JSON], the same as given to `nowdl plan`")
+        spec, margs = src["spec"], json.dumps(src.get("args") or {})
+    elif margs is None:
+        src = plan.model.get("source")
+        if isinstance(src, dict) and src.get("spec") == spec:
+            margs = json.dumps(src.get("args") or {})
+    model, _, _ = resolve_model(spec, margs)
+    xs = tuple(torch.empty(shape, device="meta") for shape in plan.model["inputs"])
+    traced = trace(model, xs, tracer=str(plan.model.get("tracer", "auto")))
+    plan.check_model(traced.fingerprint)
+    paths = write_sources(build_stages(traced.gm, plan), plan, args.out)
+    print(*paths, sep="\n")
     return 0

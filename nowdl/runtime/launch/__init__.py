@@ -1,8 +1,8 @@
 """Launching: who am I, how many are we, joining the process group, and failing as one job.
 
 ``launcher`` reads torchrun/srun/mpirun's environment (rank, world, node layout); ``group``
-joins; ``attempt`` keeps each restart's rendezvous keys apart; ``group_exit`` destroys the
-group at interpreter exit; ``nodes`` checks the job's nodes against the plan; ``failure``
+joins; ``attempt`` keeps each restart's rendezvous keys apart; ``group_exit`` ends a rank (the
+group destroyed at exit, a job's rank gone before finalization); ``nodes`` checks the job's nodes against the plan; ``failure``
 reports the first failing rank's error once and watches every rank's beat; ``where`` records
 the step and action in flight; ``lost`` names the rank a failed exchange lost; ``comm`` is where
 every tensor crosses ranks (host staging where gloo meets CUDA tensors); ``faults`` holds the

@@ -1,20 +1,37 @@
-"""The default process group's end: destroyed at interpreter exit if the program did not.
+"""A rank's end: the default process group is destroyed before the interpreter ends, and a rank
+of a launched job leaves without the interpreter's finalization.
 
-A process that exits with a gloo process group still alive can abort in interpreter
-finalization ("terminate called without an active exception", SIGABRT): gloo's worker threads
-still hold work whose tensors need the GIL (pytorch/pytorch#190489; its fix, an atexit hook in
-``init_process_group``, was not merged). nowdl's workers used to exit that way after their last
-``train_step``; in one of five full test runs (2026-11-25) a rank of the two-node torchrun test
-ended with SIGABRT that way.
+Once finalization has begun, a daemon thread that comes back from a C++ call (a store wait, a
+gloo work's tensors that need the GIL) ends the process with "terminate called without an
+active exception" (SIGABRT): CPython stops such a thread by unwinding its C++ frames, which
+C++ does not allow. Two ways in were seen here:
+
+* a process group left alive at exit: gloo's worker threads still hold work whose tensors need
+  the GIL (pytorch/pytorch#179291, its atexit fix not merged). :func:`destroy_at_exit` destroys
+  the group in an exit hook, before finalization (one in five full test runs, 2026-11-25, ended
+  a rank of the two-node torchrun test with SIGABRT before it);
+* a thread parked in a C++ call when the rank exits: a Slurm task of ``nowdl run`` stopped by
+  SIGTERM ended with SIGABRT in CI (2026-11-29) although its group was destroyed.
+  ``tests/runtime/launch/test_group_exit.py`` shows the crash with a store wait and no group.
+
+:func:`exit_rank` closes the second way for every thread: it does what the interpreter does
+before finalizing (waits for the non-daemon threads, runs the exit hooks, flushes the output)
+and then exits with the status, as ``os._exit`` does, so no daemon thread can come back into a
+finalizing interpreter.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
+import sys
+import threading
+from typing import NoReturn
 
 import torch.distributed as dist
 
-__all__ = ["destroy_at_exit"]
+__all__ = ["destroy_at_exit", "exit_rank"]
 
 _REGISTERED = [False]
 
@@ -33,3 +50,20 @@ def destroy_at_exit() -> None:
     if not _REGISTERED[0]:
         atexit.register(_destroy)
         _REGISTERED[0] = True
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End this process with ``code`` as the interpreter would, without its finalization.
+
+    Call it from the main thread, where the program would return from ``main``: it waits for
+    the non-daemon threads (as ``threading`` does at exit), runs the exit hooks (the process
+    group destroyed, data loader workers stopped, temporary folders removed), flushes stdout
+    and stderr, and exits."""
+    shutdown = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx calls first
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe or no file: nothing more to say
+            stream.flush()
+    os._exit(code)
