@@ -1,23 +1,19 @@
 """A rank's end: the default process group is destroyed before the interpreter ends, and a rank
 of a launched job leaves without the interpreter's finalization.
 
-Once finalization has begun, a daemon thread that comes back from a C++ call (a store wait, a
-gloo work's tensors that need the GIL) ends the process with "terminate called without an
-active exception" (SIGABRT): CPython stops such a thread by unwinding its C++ frames, which
-C++ does not allow. Two ways in were seen here:
+Once finalization has begun, a daemon thread that comes back from a C++ call (a store wait
+that timed out, gloo's work whose tensors need the GIL) ends the process with "terminate
+called without an active exception" (SIGABRT): CPython stops such a thread by unwinding its
+C++ frames, which C++ does not allow. Two guards:
 
-* a process group left alive at exit: gloo's worker threads still hold work whose tensors need
-  the GIL (pytorch/pytorch#179291, its atexit fix not merged). :func:`destroy_at_exit` destroys
-  the group in an exit hook, before finalization (one in five full test runs, 2026-11-25, ended
-  a rank of the two-node torchrun test with SIGABRT before it);
-* a thread parked in a C++ call when the rank exits: a Slurm task of ``nowdl run`` stopped by
-  SIGTERM ended with SIGABRT in CI (2026-11-29) although its group was destroyed.
-  ``tests/runtime/launch/test_group_exit.py`` shows the crash with a store wait and no group.
-
-:func:`exit_rank` closes the second way for every thread: it does what the interpreter does
-before finalizing (waits for the non-daemon threads, runs the exit hooks, flushes the output)
-and then exits with the status, as ``os._exit`` does, so no daemon thread can come back into a
-finalizing interpreter.
+* :func:`destroy_at_exit` destroys a group still alive at exit in an exit hook, before
+  finalization, so gloo's worker threads hold no work then (pytorch/pytorch#179291 proposed the
+  same hook inside ``init_process_group``; it was not merged);
+* :func:`exit_rank` ends a ``nowdl`` rank the way the interpreter would up to finalization
+  (non-daemon threads joined, exit hooks run, output flushed) and then exits with the status,
+  as ``os._exit`` does, so no thread at all can come back into a finalizing interpreter.
+  ``tests/runtime/launch/test_group_exit.py`` makes the crash happen with a store wait and no
+  group, and shows :func:`exit_rank` avoids it.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def _end(how: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.skipif(sys.version_info >= (3, 14), reason="CPython 3.14 parks such a thread instead of unwinding it")
 def test_a_thread_back_from_cpp_during_finalization_aborts_the_process(tmp_path: Path) -> None:
-    """Why exit_rank exists: the CI failure of 2026-11-29 (a Slurm task ended with SIGABRT)."""
+    """Why exit_rank exists: a rank whose thread wakes in a store call as it exits ends with SIGABRT."""
     out = _end("sys.exit", tmp_path)
     assert out.returncode == -6, (out.returncode, out.stderr[-2000:])
     assert "terminate called without an active exception" in out.stderr
