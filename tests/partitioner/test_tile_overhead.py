@@ -84,3 +84,35 @@ def test_spec_carries_tile_op_seconds_and_refuses_bad_ones() -> None:
     for bad in ({"relu": 1e-4}, {"conv": -1.0}, {"conv": True}, 1e-4):
         with pytest.raises(NowdlError, match="tile_op_s"):
             DeviceSpec.from_dict({**d, "tile_op_s": bad})
+
+
+def test_a_tiled_upsampling_is_charged_its_selections() -> None:
+    """[Note: tiled upsampling bytes]: on a 2-part stage a bilinear upsampling's workspace gains
+    its last dim's input and a second output tile, a nearest one the input only; a transposed
+    convolution (kind upsample too) and every other node gain nothing."""
+    from torch import nn
+
+    from nowdl.partitioner.costs.tile_overhead import tile_op_bytes
+
+    for mode, extra in (("bilinear", 0.5 + 1.0), ("nearest", 0.5)):
+        net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(scale_factor=2, mode=mode),
+                            nn.Conv2d(4, 2, 3, padding=1))
+        x = torch.empty(1, 3, 32, 32, device="meta")
+        cm = nowdl.compile(net, gpus=2, mode="estimate", progress=False, cache=False)
+        t, prof = cm.trace(x), cm.profile(x)
+        costs = Costs(profile=prof, rules=spatial_rules(t.gm, prof.out_ranks()), link_bw=450e9, mem_cap=None,
+                      tied=tied_nodes(t.gm))
+        two = build_problem(costs, Candidate(1, 1, "gpipe", 1, 1, 2, 1, 0, "square"), "throughput")
+        one = build_problem(costs, Candidate(1, 1, "gpipe", 1, 1, 1, 0, 0, "square"), "throughput")
+        tiled, plain = two.variants[two.stages[0].variant].workspace, one.variants["plain"].workspace
+        for i, n in enumerate(prof.nodes):
+            gained = tiled[i] - plain[i] / 2
+            if "Upsample" in n.target:
+                assert gained == pytest.approx(extra * n.out_bytes / 2, rel=1e-9), (mode, gained)
+            else:
+                assert gained == pytest.approx(0.0, abs=1e-6), (mode, n.name)
+    costs = _costs()  # the built-in UNet: its up path is transposed convolutions
+    ups = [n for n in costs.profile.nodes if getattr(costs.rules.get(n.name), "kind", "") == "upsample"]
+    assert ups and all("ConvTranspose" in n.target for n in ups)
+    assert all(tile_op_bytes(costs.rules[n.name], 2, n.target, n.out_bytes, (1, 8, 16, 16), n.out_shape) == 0.0
+               for n in ups)

@@ -355,3 +355,28 @@ def test_border_boxes_partition_the_output_tile(k: int, s: int, d: int, pad: int
             first, last = w0 + j0 * s, w0 + (j1 - 1) * s + d * (k - 1)
             assert first >= t0 or first < 0 or t0 == 0, (coords, dim)
             assert last < t1 or t1 == shape[dim], (coords, dim)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "trilinear"])
+def test_linear_upsample_tile_holds_two_outputs_at_most(mode: str) -> None:
+    """A tile's (bi/tri)linear upsampling interpolates in place: at most 2.5 output tiles live
+    at its peak (the composed x0 * (1 - l) + x1 * l held 3.5; ATen's own kernel holds 1), with
+    the same values as the composed expression."""
+    from nowdl.profiler.memory import AllocTracker
+    from nowdl.runtime.spatial.tiled_ops import upsample_tile
+
+    shape = (64, 64) if mode == "bilinear" else (16, 16, 16)
+    x = torch.randn(1, 4, *shape)
+    up = nn.Upsample(scale_factor=2, mode=mode, align_corners=False)
+    grid = TileGrid(shape, (1,) * len(shape), (0,) * len(shape), (0,))
+    with AllocTracker() as t:
+        y, _ = upsample_tile(x, up, grid)
+    assert t.peak <= 2.55 * y.numel() * y.element_size(), t.peak / (y.numel() * y.element_size())
+    ref = x
+    for i, n in enumerate(shape):  # the composed expression, dim by dim, with ATen's source indices
+        src = torch.clamp((torch.arange(2 * n, dtype=torch.float32) + 0.5) * 0.5 - 0.5, min=0)
+        i0 = src.long()
+        i1 = i0 + (i0 < n - 1).long()
+        lam = torch.clamp(src - i0.float(), 0, 1).view((1, 1) + tuple(-1 if j == i else 1 for j in range(len(shape))))
+        ref = ref.index_select(2 + i, i0) * (1 - lam) + ref.index_select(2 + i, i1) * lam
+    assert torch.equal(y, ref)

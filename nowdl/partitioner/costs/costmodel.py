@@ -27,7 +27,7 @@ from nowdl.partitioner.costs.held_tensors import backward_grad_bytes, deferred_b
 from nowdl.partitioner.costs.inference import inference_stages
 from nowdl.partitioner.costs.levers import apply_levers, offload_time_s
 from nowdl.partitioner.costs.problem import NodeVectors, Partition, Problem, StageSpec
-from nowdl.partitioner.costs.tile_overhead import tile_op_seconds
+from nowdl.partitioner.costs.tile_overhead import tile_op_bytes, tile_op_seconds
 from nowdl.partitioner.placement.layout import Layout, allreduce_s, flat_topology, place
 from nowdl.partitioner.spatial.tileable import SpatialRule, halo_elements, slice_grid, tile_shape
 from nowdl.plan.topology import Topology
@@ -128,7 +128,10 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
         act.append(a)
         time.append(t)
         fwd.append(f)
-        ws.append(max(n.workspace_bytes, g) / parts)
+        src = producers.get(n.name)
+        shape_in = prof[src].out_shape if src is not None and src in prof else None
+        ws.append(max(n.workspace_bytes, g) / parts + tile_op_bytes(rule, parts, n.target, n.out_bytes, shape_in,
+                                                                  n.out_shape))
         out.append(n.out_bytes / parts)
     return NodeVectors(act=act, time=time, workspace=ws, out=out, fwd=fwd)
 

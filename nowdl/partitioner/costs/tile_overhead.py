@@ -22,15 +22,24 @@ so a recomputed spatial stage pays it again ([Note: recompute cost] in levers.py
 ops and concatenations run as plain torch calls on the tile (about 10-20 us each here): not
 charged. Unset (every built-in spec: nothing was measured on a GPU, where the host's work
 overlaps with the kernels it queued), nothing is charged.
+
+[Note: tiled upsampling bytes] A tiled upsampling selects its source rows one spatial dim at a
+time (``upsample_tile`` in runtime/spatial/tiled_ops.py, ATen's indices and weights): beside its
+output tile, the last dim's input (the output divided by that dim's scale) is live and, for a
+(bi/tri)linear mode (the kind with a halo), the second selection of the output's size before it
+is added in place. :func:`tile_op_bytes` charges these as the node's workspace on a tile of a
+stage of more than one part (a transposed convolution, also of kind upsample, is not one), where the profile's untiled op (ATen's kernel) holds only its
+output. Measured (``AllocTracker``): 2.5 output tiles at the peak of a bilinear tile, 1.5 of a
+nearest one, against the 1 the profile sees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from nowdl.partitioner.spatial.tileable import SpatialRule
 
-__all__ = ["tile_op_seconds"]
+__all__ = ["tile_op_seconds", "tile_op_bytes"]
 
 
 def tile_op_seconds(rule: SpatialRule | None, parts: int, fwd_s: Mapping[str, float] | None,
@@ -44,3 +53,17 @@ def tile_op_seconds(rule: SpatialRule | None, parts: int, fwd_s: Mapping[str, fl
     f = (fwd_s or {}).get(rule.kind, 0.0)
     b = 0.0 if inference else (bwd_s or {}).get(rule.kind, 0.0)
     return f + b, f
+
+
+def tile_op_bytes(rule: SpatialRule | None, parts: int, target: str, out_bytes: float,
+                  in_shape: Sequence[int] | None, out_shape: Sequence[int] | None) -> float:
+    """Bytes a tile of a ``parts``-part stage holds beyond the untiled op's workspace, for an
+    upsampling (``target``: not a transposed convolution, which runs as a convolution) of
+    ``in_shape`` to ``out_shape`` whose whole output is ``out_bytes`` ([Note: tiled upsampling
+    bytes]); 0 for every other node."""
+    if (parts <= 1 or rule is None or not rule.tileable or rule.kind != "upsample" or "conv" in target.lower()
+            or not in_shape or not out_shape):
+        return 0.0
+    scale = out_shape[-1] / in_shape[-1] if in_shape[-1] else 1.0
+    tile = out_bytes / parts
+    return tile / max(scale, 1.0) + (tile if any(rule.halo) else 0.0)

@@ -290,8 +290,9 @@ def upsample_tile(
         return int(maps[i][0][o0:o1].min()), int(maps[i][1][o0:o1].max()) + 1
 
     wins = _windows(grid, per_dim)
-    xw = fetch_window(x_tile, grid, wins, group)
-    y = xw if out_dtype not in REDUCED or mode not in ("linear", linear) else xw.float()  # interpolate in float32
+    y = fetch_window(x_tile, grid, wins, group)  # no name keeps the window once the first dim is done
+    if out_dtype in REDUCED and mode in ("linear", linear):
+        y = y.float()  # interpolate in float32
     win = wins[grid.index]
     for i in range(n):
         o0, o1 = og.bounds(i, grid.coords[i])
@@ -304,5 +305,8 @@ def upsample_tile(
             l1 = lam[o0:o1].to(device=x_tile.device, dtype=y.dtype)
             shape = tuple(-1 if j == i else 1 for j in range(n))
             l1 = l1.view((1, 1) + shape)
-            y = y.index_select(2 + i, i0) * (1 - l1) + y.index_select(2 + i, i1) * l1
+            # x0 * (1 - l1) + x1 * l1, ATen's rounding, in place: two tensors of the output's size
+            # live at once, not the four the expression holds
+            lo = y.index_select(2 + i, i0).mul_(1 - l1)
+            y = lo.add_(y.index_select(2 + i, i1).mul_(l1))
     return y.to(out_dtype), og
