@@ -1,8 +1,8 @@
 """What a run leaves for use without nowdl: ``nowdl export`` (a checkpoint's weights as a plain
 PyTorch state_dict) and ``nowdl codegen`` (a plan's stages as Python sources).
 
-``nowdl export CKPT_DIR --out weights.pt``: the checkpoint (any plan, any number of ranks: its tensors are stored under the model's own
-names, docs/checkpoints.md) is read in this one process. The model is rebuilt from what the
+``nowdl export CKPT_DIR --out weights.pt``: the checkpoint (any plan, any number of ranks: its
+tensors are stored under the model's own names, docs/checkpoints.md) is read in this one process. The model is rebuilt from what the
 checkpoint records (``nowdl run``'s model and ``--model-args``; ``--model`` / ``--model-args``
 override or supply them), the weights are loaded into it with ``strict=True`` (a checkpoint of
 another model is refused, naming the keys), and its ``state_dict()`` (the model's key order)

@@ -110,9 +110,9 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
         a = _tile_act(costs, n, parts)
         over_t, over_f = tile_op_seconds(rule, parts, costs.tile_op_s, costs.tile_op_bwd_s, costs.inference)
         t, f = n.time_s / parts + over_t, n.fwd_s / parts + over_f  # [Note: tiled runtime overhead]
+        src = producers.get(n.name)
+        shape = prof[src].out_shape if src is not None and src in prof else None  # the input's
         if rule is not None and rule.tileable and rule.halo and any(rule.halo):
-            src = producers.get(n.name)
-            shape = prof[src].out_shape if src is not None and src in prof else None
             if src is not None and shape is not None and len(shape) >= 3:
                 hb = halo_elements(shape, grid, rule.halo) * dtype_bytes(prof[src].out_dtype)
                 if n.saved_bytes:
@@ -128,9 +128,7 @@ def _tiled_vectors(costs: Costs, parts: int, slice_: str, link_bw: float | None 
         act.append(a)
         time.append(t)
         fwd.append(f)
-        src = producers.get(n.name)
-        shape_in = prof[src].out_shape if src is not None and src in prof else None
-        ws.append(max(n.workspace_bytes, g) / parts + tile_op_bytes(rule, parts, n.target, n.out_bytes, shape_in,
+        ws.append(max(n.workspace_bytes, g) / parts + tile_op_bytes(rule, parts, n.target, n.out_bytes, shape,
                                                                   n.out_shape))
         out.append(n.out_bytes / parts)
     return NodeVectors(act=act, time=time, workspace=ws, out=out, fwd=fwd)

@@ -28,9 +28,10 @@ time (``upsample_tile`` in runtime/spatial/tiled_ops.py, ATen's indices and weig
 output tile, the last dim's input (the output divided by that dim's scale) is live and, for a
 (bi/tri)linear mode (the kind with a halo), the second selection of the output's size before it
 is added in place. :func:`tile_op_bytes` charges these as the node's workspace on a tile of a
-stage of more than one part (a transposed convolution, also of kind upsample, is not one), where the profile's untiled op (ATen's kernel) holds only its
-output. Measured (``AllocTracker``): 2.5 output tiles at the peak of a bilinear tile, 1.5 of a
-nearest one, against the 1 the profile sees.
+stage of more than one part, where the profile's untiled op (ATen's kernel) holds only its
+output; a transposed convolution, also of kind upsample, runs as a convolution and is not
+charged. Measured (``AllocTracker``): 2.5 output tiles at the peak of a bilinear tile, 1.5 of
+a nearest one, against the 1 the profile sees.
 """
 
 from __future__ import annotations
