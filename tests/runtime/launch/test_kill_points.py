@@ -101,7 +101,12 @@ def test_every_kill_point_on_either_rank_loses_nothing(tmp_path: Path) -> None:
         if r["attempts"] != want["attempts"]:
             problems.append(f"{r['attempts']} attempts, not {want['attempts']}")
         lost = want["lost"]
-        if not re.search(rf"rank {lost} \(host [^)]+\) stopped answering", logs):
+        survivor = r["logs"].get(f"0/{1 - lost}", "")
+        # `nowdl predict` ends at once on SIGTERM (it has no step to finish, unlike `nowdl run`):
+        # a survivor the launcher stops (0.1 s after the loss) before one of its exchanges fails
+        # says nothing, and the launcher names the lost rank itself; one that failed first names it
+        stopped_first = want["kind"] == "predict" and "error" not in survivor
+        if not stopped_first and not re.search(rf"rank {lost} \(host [^)]+\) stopped answering", logs):
             problems.append(f"rank {lost} is not named as lost")
         if want["kind"] == "train" and r["ok"]:
             ck = Path(cases[[c["name"] for c in cases].index(name)]["argv"][-1])
